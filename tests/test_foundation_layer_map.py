@@ -1,0 +1,148 @@
+"""Stage layer maps, translation helpers and validation (per stage and across stages)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from stagecache.runtime.errors import LayerNotOwnedError
+from stagecache.runtime.faults import parse_faults, planned_inventory
+from stagecache.runtime.layer_map import POOLS, build_layout
+from stagecache.runtime.partition import StageSlice
+from stagecache.runtime.report import preflight
+from stagecache.runtime.spec import load_spec, spec_from_config
+from stagecache.runtime.validate import PoolInventory, validate_stage, validate_tiling
+
+FLASH = load_spec("deepseek-v4-flash")
+
+
+def test_flash_stage1_maps_count_inside_the_stage():
+    s1 = build_layout(FLASH, 4).stages[1]  # global layers [10, 21): 10 is ratio 4
+    assert (s1.start, s1.end, s1.local_layers) == (10, 21, 11)
+    first = s1.layers[0]
+    assert (first.local, first.global_id, first.compress_ratio) == (0, 10, 4)
+    assert first.compress_layer_id == 0 and first.c4_state_id == 0  # not the global C4 index (4)
+    assert s1.c4_map == {0: 0, 2: 1, 4: 2, 6: 3, 8: 4, 10: 5}
+    assert s1.c128_map == {1: 0, 3: 1, 5: 2, 7: 3, 9: 4}
+    assert s1.c4_state_map == s1.c4_map
+    assert s1.swa_map == {i: i for i in range(11)}
+    assert s1.expected_buffers() == {"swa": 11, "c4": 6, "c128": 5, "c4_state": 6, "c128_state": 5, "indexer": 6}
+
+
+def test_ratio0_layers_have_null_ids():
+    s0 = build_layout(FLASH, 4).stages[0]
+    assert [(e.compress_layer_id, e.c4_state_id) for e in s0.layers[:2]] == [(None, None)] * 2
+    assert s0.layers[3].to_dict() == {"local": 3, "global": 3, "compress_ratio": 128,
+                                      "compress_layer_id": 0, "c4_state_id": None}
+
+
+def test_translation_raises_for_layers_the_stage_does_not_own():
+    s2 = build_layout(FLASH, 4).stages[2]
+    assert s2.local_id(21) == 0 and s2.pool_index("c128", 21) == 0
+    with pytest.raises(LayerNotOwnedError, match=r"stage 2 owns global layers \[21, 32\); layer 5"):
+        s2.local_id(5)
+    with pytest.raises(LayerNotOwnedError, match="compress ratio 4 and no C128 KV buffer"):
+        s2.pool_index("c128", 22)
+
+
+def test_clean_flash_pp4_has_no_errors():
+    report = preflight(build_layout(FLASH, 4, 2), 256)
+    assert report.ok and report.all_errors == []
+
+
+def test_global_swa_fault_reports_every_stage_with_counts():
+    layout = build_layout(FLASH, 4)
+    report = preflight(layout, 256, parse_faults(["global-swa"], 4))
+    errs = report.all_errors
+    assert [(e.stage, e.pool, e.expected, e.got) for e in errs] == [
+        (0, "swa", 10, 43), (1, "swa", 11, 43), (2, "swa", 11, 43), (3, "swa", 11, 43)]
+    assert errs[1].message == "SWA KV pool must be PP-stage-local: got 43 buffers for 11 local layers"
+
+
+def test_global_sized_swa_is_harmless_without_pp():
+    assert preflight(build_layout(FLASH, 1), 256, parse_faults(["global-swa"], 1)).ok
+
+
+def test_none_state_pool_is_the_startup_crash_message():
+    report = preflight(build_layout(FLASH, 4), 256, parse_faults(["missing-c4-state"], 4))
+    errs = report.all_errors
+    assert {e.stage for e in errs} == {1, 2, 3}
+    assert all(e.pool == "c4_state" and "state_pools must not contain None" in e.message for e in errs)
+
+
+def test_missing_pool_entirely():
+    s = build_layout(FLASH, 4).stages[0]
+    plan = dict(planned_inventory(s, FLASH.compress_ratios).slots)
+    del plan["indexer"]
+    errs = validate_stage(s, PoolInventory(0, plan))
+    assert [(e.pool, e.expected, e.got) for e in errs] == [("indexer", 4, None)]
+    assert "missing" in errs[0].message
+
+
+def test_global_c4_and_global_compress_ids():
+    layout = build_layout(FLASH, 4)
+    r = preflight(layout, 256, parse_faults(["global-c4"], 4))
+    assert {(e.pool, e.got) for e in r.all_errors if e.stage == 0} == {("c4", 21), ("c4_state", 21), ("indexer", 21)}
+    r = preflight(layout, 256, parse_faults(["global-compress-ids"], 4))
+    assert r.stages[0].ok  # stage 0's ids are the same either way
+    bad = [e for e in r.all_errors if e.stage == 3]
+    assert bad and all("out of range" in e.message for e in bad)
+    assert {e.pool for e in bad} == {"c4", "c128", "c4_state"}
+
+
+def test_duplicate_compress_id():
+    r = preflight(build_layout(FLASH, 4), 256, parse_faults(["duplicate-compress-id@1"], 4))
+    errs = r.all_errors
+    assert [(e.stage, e.pool, e.got) for e in errs] == [(1, "c128", 0)]
+    assert "global layers 11 and 13 share compress_layer_id 0" in errs[0].message
+
+
+@pytest.mark.parametrize("fault,word", [("overlap", "overlap"), ("gap", "gap")])
+def test_tiling_faults(fault, word):
+    r = preflight(build_layout(FLASH, 4), 256, parse_faults([fault], 4))
+    assert not r.ok
+    assert any(e.stage is None and e.pool == "partition" and e.message.startswith(word) for e in r.cross_errors)
+
+
+def test_validate_tiling_catches_each_shape():
+    assert validate_tiling([StageSlice(0, 0, 5), StageSlice(1, 5, 10)], 10) == []
+    msgs = [e.message for e in validate_tiling([StageSlice(0, 0, 4), StageSlice(1, 5, 10)], 10)]
+    assert msgs == ["gap: layers [4, 5) belong to no stage (stage 1 starts at 5)"]
+    msgs = [e.message for e in validate_tiling([StageSlice(0, 0, 6), StageSlice(1, 5, 10)], 10)]
+    assert msgs[0].startswith("overlap: layers [5, 6)")
+    errs = validate_tiling([StageSlice(0, 0, 10), StageSlice(1, 10, 10)], 10)
+    assert [e.pool for e in errs] == ["partition"] and "empty" in errs[0].message
+    errs = validate_tiling([StageSlice(0, 0, 12)], 10)
+    assert "outside the model's 10 layers" in errs[0].message
+    assert validate_tiling([StageSlice(0, 0, 8)], 10)[0].message == "gap: layers [8, 10) belong to no stage"
+
+
+def test_validation_returns_all_errors_at_once():
+    r = preflight(build_layout(FLASH, 4), 256, parse_faults(["global-swa", "missing-c4-state", "gap"], 4))
+    pools = {e.pool for e in r.all_errors}
+    assert {"swa", "c4_state", "partition"} <= pools
+
+
+ratios_st = st.lists(st.sampled_from([0, 4, 128]), min_size=1, max_size=80)
+
+
+@given(ratios=ratios_st, data=st.data())
+def test_property_every_pool_count_equals_its_layer_count(ratios, data):
+    spec = spec_from_config({"num_hidden_layers": len(ratios), "compress_ratios": ratios,
+                             "sliding_window": 128, "head_dim": 512, "qk_rope_head_dim": 64,
+                             "index_head_dim": 128})
+    pp = data.draw(st.integers(1, min(len(ratios), 8)))
+    layout = build_layout(spec, pp)
+    report = preflight(layout, 256)
+    assert report.ok, report.all_errors
+    covered = [e.global_id for s in layout.stages for e in s.layers]
+    assert covered == list(range(len(ratios)))
+    for s in layout.stages:
+        local = [spec.compress_ratios[g] for g in range(s.start, s.end)]
+        assert s.expected_buffers() == {
+            "swa": len(local), "c4": local.count(4), "c128": local.count(128),
+            "c4_state": local.count(4), "c128_state": local.count(128), "indexer": local.count(4)}
+        for pool in POOLS:  # every id in range and unique: a bijection onto the pool's buffers
+            ids = sorted(s.pool_map(pool).values())
+            assert ids == list(range(s.expected_buffers()[pool]))
