@@ -1,0 +1,210 @@
+"""Pydantic models of the dashboard's JSON API.
+
+They mirror two shapes defined elsewhere -- ``StartupReport.to_dict()``
+(runtime/report.py) and the live stage dict (exporters/snapshot.py) -- so a
+source that drifts from either is caught at the API boundary with a message
+naming the field, instead of surfacing as a broken chart in the browser.
+The rest are the dashboard's own views (stage rows, layer-map cells, probes).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# -- the startup report (runtime/report.py) ---------------------------------------------
+
+
+class MappingErrorModel(BaseModel):
+    """One validation finding: which stage (None = cross-stage), which pool, expected vs got."""
+
+    stage: int | None
+    pool: str
+    expected: Any = Field(description="what validation wanted (any JSON value)")
+    got: Any = Field(description="what the stage really had (any JSON value)")
+    message: str
+
+
+class LayerEntryModel(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    local: int
+    global_id: int = Field(alias="global")
+    compress_ratio: int
+    compress_layer_id: int | None
+    c4_state_id: int | None
+
+
+class StageReportModel(BaseModel):
+    stage: int
+    start_layer: int
+    end_layer: int
+    local_layers: int
+    layers: list[LayerEntryModel]
+    buffers: dict[str, int]
+    expected_buffers: dict[str, int]
+    ok: bool
+    errors: list[MappingErrorModel]
+
+
+class StartupReportModel(BaseModel):
+    ok: bool
+    model: str
+    num_layers: int
+    pp_size: int
+    tp_size: int
+    page_size: int
+    faults: list[str] = []
+    stages: list[StageReportModel]
+    errors: list[MappingErrorModel] = Field(description="cross-stage errors (partition tiling)")
+
+
+# -- dashboard views ----------------------------------------------------------------------
+
+
+class PoolStatus(BaseModel):
+    """One pool of one stage: buffers held vs buffers its local layers need."""
+
+    pool: str
+    label: str
+    buffers: int
+    expected: int
+    ok: bool = Field(description="no validation error names this pool on this stage")
+    errors: list[str] = Field(description="exact messages of this pool's errors")
+
+
+class StageRow(BaseModel):
+    """A row of the stage table."""
+
+    stage: int
+    start_layer: int
+    end_layer: int
+    local_layers: int
+    pools: list[PoolStatus]
+    ok: bool
+    status: str = Field(description="'OK', or every error message of the stage joined by '; '")
+    errors: list[MappingErrorModel]
+
+
+class StagesResponse(BaseModel):
+    model: str
+    num_layers: int
+    pp_size: int
+    tp_size: int
+    page_size: int
+    faults: list[str]
+    ok: bool
+    stages: list[StageRow]
+    cross_stage_errors: list[MappingErrorModel]
+
+
+class LayerMapCell(BaseModel):
+    """One (pool, global layer) cell of a layer map; absent layers have no cell."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    pool: str
+    global_id: int = Field(alias="global")
+    local: int
+    index: int | None = Field(description="buffer index in the pool (local id for SWA, compress id otherwise)")
+    compress_ratio: int
+    error: str | None = Field(description="why this cell is wrong (id out of range, duplicate, missing)")
+
+
+class LayerMapResponse(BaseModel):
+    stage: int
+    start_layer: int
+    end_layer: int
+    ok: bool
+    pools: list[PoolStatus]
+    cells: list[LayerMapCell]
+    figure: dict[str, Any] = Field(description="Plotly figure JSON (data + layout)")
+
+
+# -- live numbers (exporters/snapshot.py) ---------------------------------------------------
+
+
+class CacheTokens(BaseModel):
+    device: int
+    host: int
+    miss: int
+
+
+class DeviceHost(BaseModel):
+    device: int
+    host: int
+
+
+class Directions(BaseModel):
+    d2h: float
+    h2d: float
+
+
+class DirectionCounts(BaseModel):
+    d2h: int
+    h2d: int
+
+
+class PoolPages(BaseModel):
+    used: int
+    free: int
+
+
+class StageLive(BaseModel):
+    """A stage's live numbers, exactly the snapshot dict of exporters/snapshot.py."""
+
+    stage: int
+    time: float
+    steps: int
+    requests: int
+    cache_tokens: CacheTokens
+    host_hit_ratio: float
+    evictions: DeviceHost
+    transfer_bytes: DirectionCounts
+    transfer_seconds: Directions
+    transfer_count: DirectionCounts
+    bandwidth_bytes_per_second: Directions
+    pool_pages: dict[str, PoolPages]
+    pool_bytes: dict[str, DeviceHost]
+    stage_seconds: float
+    bubble_seconds: float
+
+
+class MetricsSummary(BaseModel):
+    status: Literal["starting", "ok", "failed"] = Field(description="startup validation state")
+    live: bool = Field(description="false in a preflight view: no stage reports live numbers")
+    time: float = Field(description="server time of this summary (unix s)")
+    stages: list[StageLive]
+
+
+# -- probes and errors ------------------------------------------------------------------------
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+
+
+class StageOk(BaseModel):
+    stage: int
+    ok: bool
+
+
+class StartupzOk(BaseModel):
+    status: Literal["ok"]
+    stages: list[StageOk]
+
+
+class StartupzFailed(BaseModel):
+    status: Literal["failed"]
+    stages: list[StageOk]
+    errors: list[MappingErrorModel]
+
+
+class Starting(BaseModel):
+    status: Literal["starting"]
+    detail: str
+
+
+class ErrorMessage(BaseModel):
+    detail: str

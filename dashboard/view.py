@@ -1,0 +1,129 @@
+"""Pure functions from a startup report to what the dashboard shows.
+
+The report says *which* pools failed validation; the layer map also needs to
+know *which cells* are wrong.  Cell verdicts are derived from the report's own
+data (the stage's buffer counts and the ids in its layer entries), never by
+parsing error messages, so they stay right when messages are reworded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import ValidationError
+
+from ..runtime.layer_map import POOL_LABELS, POOL_RATIO, POOLS
+from .models import (
+    LayerEntryModel,
+    LayerMapCell,
+    PoolStatus,
+    StageReportModel,
+    StageRow,
+    StagesResponse,
+    StartupReportModel,
+)
+
+
+class ReportShapeError(ValueError):
+    """The source's report does not have the ``StartupReport.to_dict()`` shape."""
+
+
+def parse_report(report: Mapping[str, Any]) -> StartupReportModel:
+    """Validate a report dict; one readable line per wrong field instead of a traceback."""
+    try:
+        return StartupReportModel.model_validate(report)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}"
+            for err in exc.errors()[:5]
+        )
+        more = f" (+{exc.error_count() - 5} more)" if exc.error_count() > 5 else ""
+        raise ReportShapeError(f"not a startup report: {problems}{more}") from None
+
+
+def pool_statuses(stage: StageReportModel) -> list[PoolStatus]:
+    """Every pool of the stage, flagged when any validation error names it."""
+    out = []
+    for pool in POOLS:
+        msgs = [e.message for e in stage.errors if e.pool == pool]
+        out.append(PoolStatus(
+            pool=pool,
+            label=POOL_LABELS[pool],
+            buffers=stage.buffers.get(pool, 0),
+            expected=stage.expected_buffers.get(pool, 0),
+            ok=not msgs,
+            errors=msgs,
+        ))
+    return out
+
+
+def stage_row(stage: StageReportModel) -> StageRow:
+    return StageRow(
+        stage=stage.stage,
+        start_layer=stage.start_layer,
+        end_layer=stage.end_layer,
+        local_layers=stage.local_layers,
+        pools=pool_statuses(stage),
+        ok=stage.ok,
+        status="OK" if stage.ok else "; ".join(e.message for e in stage.errors),
+        errors=stage.errors,
+    )
+
+
+def stages_response(report: StartupReportModel) -> StagesResponse:
+    return StagesResponse(
+        model=report.model,
+        num_layers=report.num_layers,
+        pp_size=report.pp_size,
+        tp_size=report.tp_size,
+        page_size=report.page_size,
+        faults=report.faults,
+        ok=report.ok,
+        stages=[stage_row(s) for s in report.stages],
+        cross_stage_errors=report.errors,
+    )
+
+
+def cell_index(pool: str, entry: LayerEntryModel) -> tuple[bool, int | None]:
+    """(does this layer need a buffer in ``pool``, which index it uses there)."""
+    ratio = POOL_RATIO[pool]
+    if ratio is None:
+        return True, entry.local
+    if entry.compress_ratio != ratio:
+        return False, None
+    return True, entry.c4_state_id if pool == "c4_state" else entry.compress_layer_id
+
+
+def layer_map_cells(stage: StageReportModel) -> list[LayerMapCell]:
+    """One cell per (pool, layer that needs that pool), with a reason when the cell is wrong."""
+    cells: list[LayerMapCell] = []
+    for pool in POOLS:
+        size = stage.buffers.get(pool, 0)
+        owner: dict[int, int] = {}  # index -> first global layer using it
+        for entry in stage.layers:
+            needed, index = cell_index(pool, entry)
+            if not needed:
+                continue
+            error = None
+            if index is None:
+                error = f"no {POOL_LABELS[pool]} index"
+            elif not 0 <= index < size:
+                error = f"index {index} out of range for {size} buffers"
+            elif index in owner:
+                error = f"index {index} shared with global layer {owner[index]}"
+            if index is not None:
+                owner.setdefault(index, entry.global_id)
+            cells.append(LayerMapCell(
+                pool=pool,
+                global_id=entry.global_id,
+                local=entry.local,
+                index=index,
+                compress_ratio=entry.compress_ratio,
+                error=error,
+            ))
+    return cells
+
+
+def find_stage(report: StartupReportModel, stage: int) -> StageReportModel | None:
+    return next((s for s in report.stages if s.stage == stage), None)

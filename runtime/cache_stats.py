@@ -1,0 +1,103 @@
+"""Per-stage prefix-cache counters: hits by tier, misses, evictions, and the transfer totals.
+
+Every prompt token a request looks up lands in exactly one bucket -- device
+hit, host hit or miss -- so ``device + host + miss == looked-up tokens`` always
+holds and the host hit rate is ``host / looked-up`` (the figure the dashboard
+and the Prometheus exporter show as ``host_hit_ratio``).  Evictions are counted
+in *pages* (the unit that moves): ``device`` = pages that left the device tier
+(backed up to host or dropped), ``host`` = pages that left the host tier.
+Transfer bytes and seconds are not duplicated here: they are read from the
+controller's ``TransferStats`` when a snapshot is taken.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+@dataclass
+class CacheStats:
+    """Mutable counters of one stage's HiCache (one writer: the stage's scheduler)."""
+
+    stage: int = 0
+    page_size: int = 0
+    requests: int = 0
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    miss_tokens: int = 0
+    computed_tokens: int = 0  # tokens the forward pass had to write (misses + outputs)
+    device_evicted_pages: int = 0  # device -> host (or dropped, see below)
+    dropped_pages: int = 0  # device pages evicted with no room on host (lost)
+    host_evicted_pages: int = 0  # host -> out
+    backup_pages: int = 0
+    backup_skipped_pages: int = 0  # write-through backups refused for lack of host pages
+    load_pages: int = 0
+    out_of_pages_errors: int = 0
+    transfer: Any = field(default=None, repr=False, compare=False)  # TransferStats or None
+
+    # -- recording -------------------------------------------------------------------------
+    def record_lookup(self, device_tokens: int, host_tokens: int, miss_tokens: int) -> None:
+        self.requests += 1
+        self.device_hit_tokens += device_tokens
+        self.host_hit_tokens += host_tokens
+        self.miss_tokens += miss_tokens
+
+    # -- derived ---------------------------------------------------------------------------
+    @property
+    def looked_up_tokens(self) -> int:
+        return self.device_hit_tokens + self.host_hit_tokens + self.miss_tokens
+
+    def _ratio(self, n: int) -> float:
+        total = self.looked_up_tokens
+        return n / total if total else 0.0
+
+    @property
+    def host_hit_ratio(self) -> float:
+        return self._ratio(self.host_hit_tokens)
+
+    @property
+    def device_hit_ratio(self) -> float:
+        return self._ratio(self.device_hit_tokens)
+
+    @property
+    def hit_ratio(self) -> float:
+        return self._ratio(self.device_hit_tokens + self.host_hit_tokens)
+
+    def _transfer_fields(self) -> dict[str, Any]:
+        zero = {"d2h": 0, "h2d": 0}
+        out: dict[str, Any] = {
+            "transfer_bytes": dict(zero), "transfer_seconds": {"d2h": 0.0, "h2d": 0.0},
+            "transfer_count": dict(zero), "bandwidth_bytes_per_second": {"d2h": 0.0, "h2d": 0.0},
+        }
+        if self.transfer is None:
+            return out
+        snap = self.transfer.snapshot()
+        for d in ("d2h", "h2d"):
+            s = snap[d]
+            out["transfer_bytes"][d] = int(s["bytes"])
+            out["transfer_seconds"][d] = float(s["seconds"])
+            out["transfer_count"][d] = int(s["count"])
+            out["bandwidth_bytes_per_second"][d] = s["bytes"] / s["seconds"] if s["seconds"] > 0 else 0.0
+        return out
+
+    def snapshot(self) -> dict[str, Any]:
+        """The cache part of the live stage dict of ``exporters/snapshot.py`` (same keys)."""
+        out: dict[str, Any] = {
+            "stage": self.stage,
+            "requests": self.requests,
+            "cache_tokens": {"device": self.device_hit_tokens, "host": self.host_hit_tokens,
+                             "miss": self.miss_tokens},
+            "host_hit_ratio": self.host_hit_ratio,
+            "evictions": {"device": self.device_evicted_pages, "host": self.host_evicted_pages},
+        }
+        out.update(self._transfer_fields())
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything, for the benchmark's JSON (counters, ratios, transfers)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "transfer"}
+        d.update(looked_up_tokens=self.looked_up_tokens, hit_ratio=self.hit_ratio,
+                 device_hit_ratio=self.device_hit_ratio, host_hit_ratio=self.host_hit_ratio)
+        d.update(self._transfer_fields())
+        return d

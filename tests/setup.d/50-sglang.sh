@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Build .venv-sglang: the real sglang (pinned) for tests/test_sglang_live.py.
+#
+# Why a separate venv: sglang 0.5.23 hard-imports torchvision, and PyPI's torchvision
+# wheels are CUDA builds whose ops do not load into the CPU torch 2.13.0 of the main
+# environment ("operator torchvision::nms does not exist").  torch 2.14.1 (the version
+# sglang pins; a CUDA build on local disk, ~5.5 GB) + torchvision 0.29.1 import fine on a
+# CPU-only machine.  The venv sees the system site-packages (pytest, hypothesis, fastapi...)
+# but its own torch shadows the system one, so the main environment is untouched.
+#
+# sglang goes in with --no-deps: its full dependency list pulls GPU kernels and dozens of
+# serving packages.  SGLANG_DEPS is what importing
+#   sglang.srt.mem_cache.deepseek_v4_memory_pool and
+#   sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler
+# really needs (found by importing until nothing was missing).  Idempotent: a stamp file
+# records the pins; a second run with the same pins does nothing.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+VENV=.venv-sglang
+SGLANG_VERSION=0.5.23
+TORCH_VERSION=2.14.1
+SGLANG_DEPS=(
+    "torchvision==0.29.1" "transformers==5.19.0" "compressed-tensors==0.18.0"
+    "apache-tvm-ffi==0.1.11" "sentencepiece==0.2.1"
+    psutil pybase64 pillow msgspec pyzmq tqdm aiohttp dill gguf
+)
+STAMP="$VENV/.stagecache-pins"
+WANT="sglang==$SGLANG_VERSION torch==$TORCH_VERSION ${SGLANG_DEPS[*]}"
+
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && "$VENV/bin/python" -c \
+    "import sglang.srt.mem_cache.deepseek_v4_memory_pool" >/dev/null 2>&1; then
+    echo "$VENV is up to date ($WANT)"
+    exit 0
+fi
+
+start=$(date +%s)
+PY=${PYTHON:-python3}
+rm -rf "$VENV"
+$PY -m venv --system-site-packages "$VENV"
+PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+"${PIP[@]}" "torch==$TORCH_VERSION"
+"${PIP[@]}" --no-deps "sglang==$SGLANG_VERSION"
+"${PIP[@]}" "torch==$TORCH_VERSION" "${SGLANG_DEPS[@]}"
+"${PIP[@]}" --no-deps -e .
+"$VENV/bin/python" -c "
+import sglang.srt.mem_cache.deepseek_v4_memory_pool
+import sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler
+import stagecache.integrations.sglang
+" 2>&1 | grep -v -e 'UserWarning' -e 'warnings.warn' || true
+"$VENV/bin/python" -c "import sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler" >/dev/null 2>&1
+echo "$WANT" > "$STAMP"
+echo "built $VENV in $(( $(date +%s) - start )) s"

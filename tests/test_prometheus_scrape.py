@@ -1,0 +1,286 @@
+"""A real Prometheus scrapes a real ``stagecache serve`` with the shipped config and rules.
+
+The Prometheus config is generated from docker/prometheus.yml by parsing it: same
+job, labels, intervals and rule file (docker/alerts.yml), only the target address
+is rewritten from the compose service name to this test's 127.0.0.1 ports. Two
+targets sit in that job: ``stagecache serve --model tiny-v4 --pp-size 4`` (healthy,
+a bounded trace) and ``stagecache dashboard --from-check ... --fault global-swa``
+(the original PP + HiCache bug, so the mapping alerts have something to fire on).
+Every process is started in its own session and killed by the fixture; every wait
+is bounded.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKER = ROOT / "docker"
+PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
+PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
+JOB = "stagecache"
+PP = 4
+LAYERS_PER_STAGE = 3  # tiny-v4: 12 layers over 4 stages
+READY_S = 60.0  # bound on every "wait until" below
+
+pytestmark = pytest.mark.skipif(
+    not os.access(PROMETHEUS, os.X_OK),
+    reason=f"no Prometheus server binary at {PROMETHEUS} (Debian package `prometheus`, "
+    "installed by tests/setup.d/10-system-packages.sh)",
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prometheus_config(targets: list[str]) -> dict[str, Any]:
+    """docker/prometheus.yml with the stagecache job pointed at ``targets``, rules by absolute path."""
+    cfg = yaml.safe_load((DOCKER / "prometheus.yml").read_text())
+    jobs = [j for j in cfg["scrape_configs"] if j["job_name"] == JOB]
+    assert len(jobs) == 1, f"docker/prometheus.yml must have exactly one {JOB!r} job"
+    (static,) = jobs[0]["static_configs"]
+    static["targets"] = targets
+    cfg["rule_files"] = [str(DOCKER / f) for f in cfg["rule_files"]]
+    return cfg
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+
+    def tail(self, n: int = 2000) -> str:
+        return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
+
+    def check_alive(self) -> None:
+        if self.popen.poll() is not None:
+            pytest.fail(f"{self.name} exited early with {self.popen.returncode}:\n{self.tail()}")
+
+    def stop(self) -> None:
+        """SIGTERM, bounded wait, then SIGKILL to the process group (stage children included)."""
+        pgid = self.popen.pid  # start_new_session: the group is ours alone
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.popen.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def start(name: str, argv: list[str], logdir: Path, procs: list[Proc]) -> Proc:
+    log = logdir / f"{name}.log"
+    with log.open("wb") as out:
+        popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 start_new_session=True, cwd=logdir)
+    proc = Proc(name, popen, log)
+    procs.append(proc)
+    return proc
+
+
+def wait_for(what: str, probe: Callable[[], Any], procs: list[Proc], timeout: float = READY_S) -> Any:
+    """Poll ``probe`` until it returns something truthy; fail with the processes' logs."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        for p in procs:
+            p.check_alive()
+        try:
+            last = probe()
+        except (httpx.HTTPError, KeyError, ValueError) as exc:
+            last = exc
+        else:
+            if last:
+                return last
+        time.sleep(0.5)
+    logs = "\n".join(f"--- {p.name}:\n{p.tail()}" for p in procs)
+    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})\n{logs}")
+
+
+@dataclass
+class Stack:
+    prom: str  # base URL of Prometheus
+    serve: str  # instance label of stagecache serve
+    faulty: str  # instance label of the global-swa preflight dashboard
+    procs: list[Proc]
+    client: httpx.Client
+
+    def api(self, path: str, **params: str) -> Any:
+        r = self.client.get(f"{self.prom}/api/v1/{path}", params=params)
+        body = r.json()
+        assert r.status_code == 200 and body["status"] == "success", (path, params, body)
+        return body["data"]
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        data = self.api("query", query=expr)
+        assert data["resultType"] == "vector", (expr, data["resultType"])
+        return data["result"]
+
+    def wait_query(self, what: str, expr: str, ok: Callable[[list[dict[str, Any]]], bool]) -> list:
+        return wait_for(what, lambda: (lambda r: r if ok(r) else None)(self.query(expr)), self.procs)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("prometheus")
+    serve_port, faulty_port, prom_port = free_port(), free_port(), free_port()
+    serve_addr, faulty_addr = f"127.0.0.1:{serve_port}", f"127.0.0.1:{faulty_port}"
+    exe = [sys.executable, "-m", "stagecache.runtime.cli"]
+    procs: list[Proc] = []
+    client = httpx.Client(timeout=5.0)
+    try:
+        # A bounded trace; the parent keeps /metrics up (bounded too) after it is served.
+        start("serve", [*exe, "serve", "--model", "tiny-v4", "--pp-size", str(PP), "--requests", "64",
+                        "--host", "127.0.0.1", "--port", str(serve_port), "--run-dir", str(tmp / "run"),
+                        "--hold-seconds", "240"], tmp, procs)
+        start("faulty-dashboard", [*exe, "dashboard", "--from-check", "--model", "tiny-v4",
+                                   "--pp-size", str(PP), "--fault", "global-swa",
+                                   "--port", str(faulty_port)], tmp, procs)
+        config = tmp / "prometheus.yml"
+        config.write_text(yaml.safe_dump(prometheus_config([serve_addr, faulty_addr])))
+        start("prometheus", [PROMETHEUS, f"--config.file={config}",
+                             f"--storage.tsdb.path={tmp / 'tsdb'}",
+                             f"--web.listen-address=127.0.0.1:{prom_port}", "--log.level=warn"],
+              tmp, procs)
+        st = Stack(f"http://127.0.0.1:{prom_port}", serve_addr, faulty_addr, procs, client)
+        wait_for("Prometheus /-/ready", lambda: client.get(f"{st.prom}/-/ready").status_code == 200,
+                 procs)
+
+        def targets_up() -> bool:
+            active = st.api("targets", state="active")["activeTargets"]
+            return {t["labels"]["instance"] for t in active if t["health"] == "up"} == {serve_addr,
+                                                                                          faulty_addr}
+
+        wait_for("both stagecache targets to be scraped (health up)", targets_up, procs)
+        # /metrics answers before every stage has reported; wait for a scrape with all stages.
+        st.wait_query("a scrape with every stage of both targets",
+                      "count by (instance) (stagecache_stage_local_layers)",
+                      lambda r: {x["metric"]["instance"]: x["value"][1] for x in r}
+                      == {serve_addr: str(PP), faulty_addr: str(PP)})
+        yield st
+    finally:
+        client.close()
+        for p in reversed(procs):
+            p.stop()
+
+
+def by_stage(result: list[dict[str, Any]]) -> dict[str, float]:
+    return {r["metric"]["stage"]: float(r["value"][1]) for r in result}
+
+
+def test_the_docker_job_scrapes_both_targets(stack: Stack) -> None:
+    active = stack.api("targets", state="active")["activeTargets"]
+    assert {t["labels"]["instance"] for t in active} == {stack.serve, stack.faulty}
+    static_labels = yaml.safe_load((DOCKER / "prometheus.yml").read_text())["scrape_configs"][0][
+        "static_configs"][0].get("labels", {})
+    for t in active:
+        assert t["health"] == "up", t
+        assert t["labels"]["job"] == JOB
+        assert t["scrapeUrl"].endswith("/metrics")
+        for k, v in static_labels.items():  # the config's own labels survive the rewrite
+            assert t["labels"][k] == v
+
+
+def test_local_layers_of_every_stage(stack: Stack) -> None:
+    result = stack.query(f'stagecache_stage_local_layers{{job="{JOB}",instance="{stack.serve}"}}')
+    assert by_stage(result) == {str(k): float(LAYERS_PER_STAGE) for k in range(PP)}
+
+
+def test_host_hit_ratio_of_every_stage(stack: Stack) -> None:
+    result = stack.query(f'stagecache_host_hit_ratio{{job="{JOB}",instance="{stack.serve}"}}')
+    ratios = by_stage(result)
+    assert set(ratios) == {str(k) for k in range(PP)}
+    assert all(0.0 <= v <= 1.0 for v in ratios.values()), ratios
+
+
+def test_serve_stages_pass_validation(stack: Stack) -> None:
+    ok = by_stage(stack.query(f'stagecache_stage_mapping_ok{{instance="{stack.serve}"}}'))
+    assert ok == {str(k): 1.0 for k in range(PP)}
+    swa = by_stage(stack.query(f'stagecache_stage_buffers{{instance="{stack.serve}",pool="swa"}}'))
+    assert swa == {str(k): float(LAYERS_PER_STAGE) for k in range(PP)}
+
+
+def test_serve_tokens_flow_into_prometheus(stack: Stack) -> None:
+    """The trace really runs: looked-up tokens by tier grow while Prometheus watches."""
+    result = stack.wait_query(
+        "looked-up tokens on every stage",
+        f'sum by (stage) (stagecache_cache_tokens_total{{instance="{stack.serve}"}})',
+        lambda r: len(r) == PP and all(float(x["value"][1]) > 0 for x in r))
+    assert {r["metric"]["stage"] for r in result} == {str(k) for k in range(PP)}
+
+
+def test_every_dashboard_query_evaluates_to_data(stack: Stack) -> None:
+    from test_docker_configs_static import dashboard, dashboard_exprs
+
+    for where, expr in dashboard_exprs(dashboard()).items():
+        if where.startswith("variable"):
+            values = stack.api("label/stage/values", **{"match[]": "stagecache_stage_local_layers"})
+            assert set(values) >= {str(k) for k in range(PP)}, values
+            continue
+        promql = expr.replace("$__rate_interval", "30s").replace("$stage", ".*")
+        # rate() needs two scrapes and recording rules one evaluation: bounded wait for data.
+        stack.wait_query(f"{where}: {promql}", promql, lambda r: len(r) > 0)
+
+
+def test_rules_load_and_evaluate_without_errors(stack: Stack) -> None:
+    def evaluated() -> list[dict[str, Any]] | None:
+        rules = [r for g in stack.api("rules")["groups"] for r in g["rules"]]
+        done = all(not r["lastEvaluation"].startswith("0001-") for r in rules)
+        return rules if rules and done else None
+
+    rules = wait_for("every rule to be evaluated once", evaluated, stack.procs)
+    expected = {r.get("alert") or r["record"] for g in yaml.safe_load(
+        (DOCKER / "alerts.yml").read_text())["groups"] for r in g["rules"]}
+    assert {r["name"] for r in rules} == expected
+    for r in rules:
+        assert r["health"] == "ok", (r["name"], r.get("lastError"))
+
+
+def test_mapping_alerts_fire_for_the_faulty_stack_only(stack: Stack) -> None:
+    def firing(name: str) -> list[dict[str, str]]:
+        return [a["labels"] for a in stack.api("alerts")["alerts"]
+                if a["labels"]["alertname"] == name and a["state"] == "firing"]
+
+    mapping = wait_for("StagecacheMappingError on all 4 faulty stages",
+                       lambda: (lambda f: f if len(f) == PP else None)(firing("StagecacheMappingError")),
+                       stack.procs)
+    assert {a["instance"] for a in mapping} == {stack.faulty}
+    assert {a["stage"] for a in mapping} == {str(k) for k in range(PP)}
+    assert {a["severity"] for a in mapping} == {"critical"}
+    buffers = wait_for("StagecacheBufferCountMismatch", lambda: firing("StagecacheBufferCountMismatch"),
+                       stack.procs)
+    assert {(a["instance"], a["pool"]) for a in buffers} == {(stack.faulty, "swa")}
+    assert {a["stage"] for a in buffers} == {str(k) for k in range(PP)}
+
+
+def test_serve_exposition_passes_promtool_lint(stack: Stack) -> None:
+    body = stack.client.get(f"http://{stack.serve}/metrics").text
+    assert "stagecache_stage_local_layers" in body
+    res = subprocess.run([PROMTOOL, "check", "metrics"], input=body, capture_output=True, text=True,
+                         timeout=30)
+    assert res.returncode == 0, res.stdout + res.stderr
