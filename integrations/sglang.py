@@ -391,10 +391,8 @@ class SglangSource:
             return copy.deepcopy(self._live)
 
 
-def _ack_seconds(ack: Any, sync: bool) -> float | None:
-    """Device-measured copy time of a ``HiCacheAck`` when its events can tell it."""
-    if not sync:
-        return None
+def _ack_seconds(ack: Any) -> float | None:
+    """Wait for a ``HiCacheAck``'s copy; its device-measured time when the events record one."""
     try:
         ack.finish_event.synchronize()
         if getattr(ack, "timing_enabled", False):
@@ -425,12 +423,14 @@ def wrap_controller(controller: Any, source: SglangSource, stage: int, sync: boo
             before = len(queue)
             t0 = time.perf_counter()
             result = _orig(*a, **k)
-            elapsed = time.perf_counter() - t0
-            for ack in list(queue)[before:]:
-                measured = _ack_seconds(ack, sync)
+            acks = list(queue)[before:]
+            measured = [_ack_seconds(ack) for ack in acks] if sync else [None] * len(acks)
+            elapsed = time.perf_counter() - t0  # after the waits when sync
+            for ack, secs in zip(acks, measured, strict=True):
                 source.record_transfer(
                     stage, _d, int(getattr(ack, "num_bytes", 0)),
-                    measured if measured is not None else elapsed, int(getattr(ack, "num_tokens", 0)),
+                    secs if secs is not None else elapsed / len(acks),
+                    int(getattr(ack, "num_tokens", 0)),
                 )
             return result
 
@@ -448,53 +448,162 @@ def wrap_controller(controller: Any, source: SglangSource, stage: int, sync: boo
 # ---------------------------------------------------------------------------------------------
 # Start-up hook
 # ---------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def attach(
+class Attachment:
+    """An installed start-up hook: its ``source``, and ``detach()`` to undo every patch."""
+
+    def __init__(self, source: SglangSource, original: Callable[..., Any]):
+        self.source = source
+        self.dashboard_url: str | None = None
+        self._original = original
+        self._restorers: list[Callable[[], None]] = []
+        self._dashboard: contextlib.ExitStack | None = None
+        self._lock = threading.Lock()
+
+    def _start_dashboard(self, host: str, port: int) -> None:
+        with self._lock:
+            if self._dashboard is not None:
+                return
+            from ..dashboard.app import dashboard_in_thread  # heavy: only when asked for
+
+            stack = contextlib.ExitStack()
+            self.dashboard_url = stack.enter_context(
+                dashboard_in_thread(self.source, host, port, title=f"stagecache: {self.source.model_name}")
+            )
+            self._dashboard = stack
+
+    def detach(self) -> None:
+        """Restore sglang's function and the wrapped controllers; stop the dashboard."""
+        if hybrid_pool_assembler.build_deepseek_v4_hicache_stack is not self._original:
+            hybrid_pool_assembler.build_deepseek_v4_hicache_stack = self._original
+        for restore in self._restorers:
+            restore()
+        self._restorers.clear()
+        if self._dashboard is not None:
+            self._dashboard.close()
+            self._dashboard = None
+
+
+def _parallel_from_sglang() -> tuple[int, int | None, int]:
+    """``(pp_size, pp_rank, tp_size)`` of this scheduler process, from sglang's runtime context."""
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    try:
+        pp_size = int(parallel.pp_size)
+    except Exception as exc:
+        raise ConfigError(
+            f"pp_size not given and sglang's runtime context has none ({exc}); pass pp_size=..."
+        ) from None
+    try:
+        pp_rank: int | None = int(parallel.pp_rank)
+    except Exception:
+        pp_rank = None  # inferred from the pool's layer range
+    try:
+        tp_size = int(parallel.tp_size)
+    except Exception:
+        tp_size = 1
+    return pp_size, pp_rank, tp_size
+
+
+def install(
     *,
-    pp_size: int,
+    pp_size: int | None = None,
     pp_rank: int | None = None,
     tp_size: int = 1,
     source: SglangSource | None = None,
     strict: bool = True,
     sync_transfers: bool = False,
     model_name: str = "sglang",
-) -> Iterator[SglangSource]:
-    """Hook sglang's DeepSeek-V4 HiCache stack build for the duration of the ``with`` block.
+    dashboard_port: int | None = None,
+    dashboard_host: str = "127.0.0.1",
+) -> Attachment:
+    """Hook sglang's DeepSeek-V4 HiCache stack build in this process until ``detach()``.
 
-    While attached, every ``build_deepseek_v4_hicache_stack(kvcache=..., ...)`` first
-    validates the pool and publishes the report to the source; with ``strict`` an
-    invalid stage raises ``StageMappingInvalid`` (every error, stage, pool, expected
-    vs got) instead of sglang's first ``ValueError``.  The controller it returns is
-    wrapped to count transfers.  The original function is restored on exit.
+    Every ``build_deepseek_v4_hicache_stack(kvcache=..., ...)`` (sglang's
+    ``_DeepSeekV4Strategy`` calls it through the module, so the hook sees it) first
+    validates the pool and publishes the report; with ``strict`` an invalid stage raises
+    ``StageMappingInvalid`` listing every error (stage, pool, expected vs got) instead of
+    sglang's first ``ValueError``.  The controller it returns is wrapped to count
+    transfers.  With ``dashboard_port`` the stage's dashboard (and ``/metrics``) is
+    served on ``dashboard_port + pp_rank`` once the report exists.  ``pp_size=None``
+    reads ``pp_size``/``pp_rank``/``tp_size`` from sglang's runtime context at build time.
+
+    The hook must run in the scheduler processes, which sglang *spawns*: use the
+    ``sglang.srt.plugins`` entry point (``sglang_plugin``), or call this at the top level
+    of a launcher script (a spawned process re-runs it).  See docs/sglang.md.
     """
     src = source or SglangSource(model_name)
     original = hybrid_pool_assembler.build_deepseek_v4_hicache_stack
-    restorers: list[Callable[[], None]] = []
+    att = Attachment(src, original)
 
     @functools.wraps(original)
     def build(*args: Any, **kwargs: Any):
         kvcache = kwargs.get("kvcache")
         if kvcache is None:
             raise ConfigError("build_deepseek_v4_hicache_stack called without kvcache=")
-        rank = pp_rank if pp_rank is not None else pp_rank_of(kvcache, pp_size)
+        size, rank, tp = pp_size, pp_rank, tp_size
+        if size is None:  # a plugin in a scheduler process: sglang knows the topology
+            size, live_rank, tp = _parallel_from_sglang()
+            rank = rank if rank is not None else live_rank
+        rank = rank if rank is not None else pp_rank_of(kvcache, size)
         if rank is None:
             raise ConfigError(
                 f"kvcache layers [{kvcache.start_layer}, {kvcache.end_layer}) match no rank of "
-                f"get_pp_indices for pp_size={pp_size}; pass attach(pp_rank=...)"
+                f"get_pp_indices for pp_size={size}; pass pp_rank=..."
             )
-        report = inspect_pool(kvcache, pp_size=pp_size, pp_rank=rank, tp_size=tp_size, model_name=model_name)
+        report = inspect_pool(kvcache, pp_size=size, pp_rank=rank, tp_size=tp, model_name=model_name)
         nbytes = inventory_from_pool(kvcache, stage_map_from_pool(kvcache, rank)[0])[1]
         src.publish(report, {rank: nbytes})
+        if dashboard_port is not None:
+            att._start_dashboard(dashboard_host, dashboard_port + rank)
         if strict and not report.ok:
             raise StageMappingInvalid(report.all_errors)
         host_pool_group, controller = original(*args, **kwargs)
-        restorers.append(wrap_controller(controller, src, rank, sync_transfers))
+        att._restorers.append(wrap_controller(controller, src, rank, sync_transfers))
         return host_pool_group, controller
 
     hybrid_pool_assembler.build_deepseek_v4_hicache_stack = build
+    return att
+
+
+@contextlib.contextmanager
+def attach(**kwargs: Any) -> Iterator[SglangSource]:
+    """``install(**kwargs)`` for the duration of a ``with`` block; yields the source."""
+    att = install(**kwargs)
     try:
-        yield src
+        yield att.source
     finally:
-        hybrid_pool_assembler.build_deepseek_v4_hicache_stack = original
-        for restore in restorers:
-            restore()
+        att.detach()
+
+
+#: Environment of the sglang plugin (sglang gives plugins no arguments).
+PLUGIN_ENV = {
+    "STAGECACHE_SGLANG": "1 to install the hook in every sglang process (default: off)",
+    "STAGECACHE_SGLANG_STRICT": "0 to let sglang build an invalid stage anyway (default 1)",
+    "STAGECACHE_SGLANG_DASHBOARD_PORT": "serve each stage's dashboard on PORT + pp_rank",
+    "STAGECACHE_SGLANG_SYNC_TRANSFERS": "1 to time transfers by their CUDA events (slow)",
+}
+
+_PLUGIN: Attachment | None = None
+
+
+def sglang_plugin() -> Attachment | None:
+    """Entry point ``sglang.srt.plugins: stagecache``; sglang runs it in every process
+    (``run_scheduler_process`` calls ``load_plugins()`` first).  Off unless
+    ``STAGECACHE_SGLANG=1``, so installing stagecache never changes sglang silently."""
+    global _PLUGIN
+    if os.environ.get("STAGECACHE_SGLANG", "0") != "1" or _PLUGIN is not None:
+        return _PLUGIN
+    port_text = os.environ.get("STAGECACHE_SGLANG_DASHBOARD_PORT")
+    try:
+        port = int(port_text) if port_text else None
+    except ValueError:
+        raise ConfigError(
+            f"STAGECACHE_SGLANG_DASHBOARD_PORT must be an integer port, got {port_text!r}"
+        ) from None
+    _PLUGIN = install(
+        strict=os.environ.get("STAGECACHE_SGLANG_STRICT", "1") != "0",
+        sync_transfers=os.environ.get("STAGECACHE_SGLANG_SYNC_TRANSFERS", "0") == "1",
+        dashboard_port=port,
+    )
+    return _PLUGIN

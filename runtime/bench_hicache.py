@@ -67,12 +67,14 @@ class ReplayResult:
     bytes_verified: int = 0
     bytes_written: int = 0
     mismatch_count: int = 0
+    stalls: int = 0  # begins that had to wait for a running request to finish (pages)
     mismatches: list[Any] = field(default_factory=list)  # the first few, as Mismatch
 
     def to_dict(self) -> dict[str, Any]:
         return {"requests": self.requests, "seconds": round(self.seconds, 3),
                 "pages_verified": self.pages_verified, "bytes_verified": self.bytes_verified,
-                "bytes_written": self.bytes_written, "mismatch_count": self.mismatch_count,
+                "bytes_written": self.bytes_written, "stalls": self.stalls,
+                "mismatch_count": self.mismatch_count,
                 "mismatches": [str(m) for m in self.mismatches]}
 
 
@@ -85,6 +87,8 @@ def replay(requests: Sequence[Any], cache: Any, writer: Any | None = None, verif
     pages), and ``finish`` when the request leaves the in-flight window, so
     with ``concurrency > 1`` several requests hold locks at once.
     """
+    from .allocator import OutOfPagesError
+
     out = ReplayResult()
     t0 = time.perf_counter()
     window: deque[Any] = deque()
@@ -92,7 +96,15 @@ def replay(requests: Sequence[Any], cache: Any, writer: Any | None = None, verif
     for i, req in enumerate(requests):
         if len(window) >= concurrency:
             cache.finish(window.popleft())
-        handle = cache.begin(req)
+        while True:
+            try:
+                handle = cache.begin(req)
+                break
+            except OutOfPagesError:
+                if not window:
+                    raise  # nothing running to wait for: the request cannot fit at all
+                cache.finish(window.popleft())  # as a scheduler would: wait for a running one
+                out.stalls += 1
         if writer is not None:
             if verify and handle.matched_pages:
                 bad = writer.verify(handle.prefix_hashes, handle.prefix_pages)
@@ -191,11 +203,10 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     la = layout_from_args(args)
     reqs, trace_info = _load_requests(args)
     longest = max(-(-(r.input_len + r.output_len) // la.page_size) for r in reqs)
-    if args.device_pages < longest * args.concurrency:
+    if args.device_pages < longest:
         raise ConfigError(
-            f"--device-pages {args.device_pages} cannot hold {args.concurrency} running request(s) "
-            f"of up to {longest} pages each (page size {la.page_size}); use at least "
-            f"{longest * args.concurrency}")
+            f"--device-pages {args.device_pages} cannot hold the trace's longest request "
+            f"({longest} pages of {la.page_size} tokens); use at least {longest}")
     for s in args.stage or ():
         if not 0 <= s < la.layout.pp_size:
             raise ConfigError(f"--stage {s} out of range for --pp-size {la.layout.pp_size}")
@@ -275,25 +286,28 @@ def _print_table(res: dict[str, Any]) -> None:
     from rich.table import Table
 
     s, c = res["summary"], res["ceiling"]
-    t = Table(title=(f"HiCache replay: {res['trace']['requests']} requests, {res['model']} pp={res['pp_size']}, "
-                     f"page {res['page_size']}, {res['device_pages']} device + {res['host_pages']} host "
-                     f"pages/stage, {res['write_policy']}"))
-    for col in ("", "device hit", "host hit", "miss", "hit ratio", "share of ceiling",
-                "d2h GB/s", "h2d GB/s", "mismatches"):
+    t = Table(title=(f"HiCache replay: {res['trace']['requests']} requests, {res['model']} "
+                     f"pp={res['pp_size']}, page {res['page_size']}, {res['device_pages']} device + "
+                     f"{res['host_pages']} host pages/stage, {res['write_policy']} "
+                     f"(tokens of stage {res['stages'][0]}; every stage decides the same)"))
+    for col in ("", "device hit", "host hit", "miss", "hit %", "of ceiling", "d2h GB/s", "h2d GB/s",
+                "bad pages"):
         t.add_column(col, justify="right" if col else "left")
     for name in ("device_only", "hicache"):
         r = s[name]
-        t.add_row(name, str(r["device_hit_tokens"]), str(r["host_hit_tokens"]), str(r["miss_tokens"]),
-                  f"{r['hit_ratio']:.3f}", f"{r['share_of_ceiling']:.3f}",
+        t.add_row(name.replace("_", " "), str(r["device_hit_tokens"]), str(r["host_hit_tokens"]),
+                  str(r["miss_tokens"]), f"{r['hit_ratio']:.1%}", f"{r['share_of_ceiling']:.1%}",
                   f"{r['bandwidth_gbps']['d2h']:.2f}", f"{r['bandwidth_gbps']['h2d']:.2f}",
                   str(r["mismatches"]) if res["verify"] else "-")
     t.add_row("ceiling", "-", str(c["hit_tokens"]), str(c["looked_up_tokens"] - c["hit_tokens"]),
-              f"{c['hit_ratio']:.3f}", "1.000", "-", "-", "-")
+              f"{c['hit_ratio']:.1%}", "100%", "-", "-", "-")
     con = Console()
     con.print(t)
     hi = s["hicache"]
     con.print(f"host-tier hits = {hi['host_share_of_ceiling']:.1%} of what the ceiling reuses; "
               f"hit tokens x{s['ratio_hit_tokens_hicache_vs_device_only']} vs device only; "
+              f"stages agree: {hi['stages_agree'] and s['device_only']['stages_agree']}; "
+              f"{hi['pages_verified'] + s['device_only']['pages_verified']} reused pages verified; "
               f"{res['seconds']} s")
 
 
@@ -332,8 +346,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"device token pages per stage (default {DEFAULT_DEVICE_PAGES})")
     p.add_argument("--hicache-ratio", type=float, default=DEFAULT_HICACHE_RATIO,
                    help=f"host pages per device page (default {DEFAULT_HICACHE_RATIO})")
-    p.add_argument("--write-policy", choices=("write_back", "write_through", "write_through_selective"),
-                   default="write_through")
+    p.add_argument("--hicache-write-policy", "--write-policy", dest="write_policy",
+                   choices=("write_back", "write_through", "write_through_selective"),
+                   default="write_through", help="when device pages are copied to host (sglang's flag)")
     p.add_argument("--hicache-layout", choices=("layer_first", "page_first"), default="layer_first")
     p.add_argument("--concurrency", type=positive_int, default=4, help="requests in flight (locked) at once")
     p.add_argument("--stage", type=int, action="append", default=None,

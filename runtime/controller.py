@@ -47,6 +47,11 @@ MODES = ("auto", "direct", "staged")
 #: round trips.  Chosen from the H200 benchmark (docs/bench-transfer.md).
 STAGED_MIN_RUN_BYTES = 1 << 20
 
+#: The staged path cuts a transfer into about this many chunks (each at least
+#: ``STAGING_CHUNK_MIN_BYTES``) so gather and DMA of neighbouring chunks overlap.
+STAGING_CHUNKS = 8
+STAGING_CHUNK_MIN_BYTES = 4 << 20
+
 
 class TransferError(StageCacheError, ValueError):
     """Bad page ids or layers passed to a transfer (nothing was copied)."""
@@ -64,13 +69,16 @@ class _Plan:
 
 
 class TransferResult:
-    """One transfer; done at once on CPU, tracked by CUDA events on GPU."""
+    """One transfer; done at once on CPU, tracked by CUDA events on GPU.
 
-    def __init__(self, direction: str, device_pages: list[int], host_pages: list[int],
-                 layers: tuple[int, ...], nbytes: int, path: str):
+    ``device_ids``/``host_ids`` are the checked page ids as CPU int64 tensors;
+    ``device_pages``/``host_pages`` the same as lists.
+    """
+
+    def __init__(self, direction: str, device_ids, host_ids, layers: tuple[int, ...], nbytes: int, path: str):
         self.direction = direction
-        self.device_pages = device_pages
-        self.host_pages = host_pages
+        self.device_ids = device_ids
+        self.host_ids = host_ids
         self.layers = layers
         self.nbytes = nbytes
         self.path = path
@@ -81,8 +89,16 @@ class TransferResult:
         self._controller: TransferController | None = None
 
     @property
+    def device_pages(self) -> list[int]:
+        return self.device_ids.tolist()
+
+    @property
+    def host_pages(self) -> list[int]:
+        return self.host_ids.tolist()
+
+    @property
     def pages(self) -> int:
-        return len(self.device_pages)
+        return int(self.device_ids.numel())
 
     @property
     def done(self) -> bool:
@@ -99,7 +115,7 @@ class TransferResult:
         import torch
 
         event = self._end_event if layer is None else self._layer_events.get(layer, self._end_event)
-        torch.cuda.current_stream(event.device if hasattr(event, "device") else None).wait_event(event)
+        torch.cuda.current_stream().wait_event(event)
         return self
 
     def synchronize(self) -> TransferResult:
@@ -160,9 +176,14 @@ class TransferController:
             )
         self.use_triton = bool(use_triton)
         self.stream = torch.cuda.Stream(device_pools.device) if self.cuda else None
+        #: Second stream for the staged path's gathers/scatters, overlapping the DMAs.
+        self.gather_stream = torch.cuda.Stream(device_pools.device) if self.cuda else None
         self._tables: dict[tuple[str, str, tuple[int, ...]], Any] = {}
         self._pending: list[TransferResult] = []
         self._all_plan = self._plan(None)
+        #: (words per program, warps) of the direct kernel, None = kernels' defaults; the
+        #: benchmark sweeps these.
+        self.kernel_config: tuple[int | None, int | None] = (None, None)
 
     # -- public API -------------------------------------------------------------------------
     def backup(self, device_pages: Sequence[int], host_pages: Sequence[int],
@@ -189,27 +210,31 @@ class TransferController:
         The forward pass calls ``result.wait(layer)`` before attention of that
         layer, so the copy of later layers overlaps compute of earlier ones.
         """
-        dev, host = self._check_pages(device_pages, host_pages)
-        self._check_dest_unique(dev, "device")
+        dev, host = self._check_pages(device_pages, host_pages, "device")
         plan = self._plan(layers, pools)
-        path, staged = self._choose(plan, host)
-        result = TransferResult("h2d", dev, host, plan.layers, plan.nbytes(self.device_pools, len(dev)), path)
-        if not dev:
+        path, _ = self._choose(plan, host)
+        result = TransferResult("h2d", dev, host, plan.layers, plan.nbytes(self.device_pools, dev.numel()), path)
+        if not dev.numel():
             return self._done_now(result, 0.0)
         if not self.cuda:
             t0 = time.perf_counter()
             for layer in plan.layers:
-                self._run_here("h2d", self._plan([layer], pools), dev, host, path, staged)
+                layer_plan = self._plan([layer], pools)
+                _, layer_staged = self._choose(layer_plan, host)
+                self._run_here("h2d", layer_plan, dev, host, path, layer_staged)
             return self._done_now(result, time.perf_counter() - t0)
         import torch
 
+        caller = torch.cuda.current_stream(self.device_pools.device)
         with torch.cuda.stream(self.stream):
-            self.stream.wait_stream(torch.cuda.current_stream(self.device_pools.device))
+            self.stream.wait_stream(caller)  # copy what the caller's stream has written so far
             start = torch.cuda.Event(enable_timing=True)
             start.record(self.stream)
             dev_t, host_t = self._index_tensors(dev, host)
             for layer in plan.layers:
-                self._run_cuda("h2d", self._plan([layer], pools), dev, host, dev_t, host_t, staged)
+                layer_plan = self._plan([layer], pools)
+                _, layer_staged = self._choose(layer_plan, host)  # one layer of page_first: direct
+                self._run_cuda("h2d", layer_plan, dev, host, dev_t, host_t, layer_staged)
                 ev = torch.cuda.Event()
                 ev.record(self.stream)
                 result._layer_events[layer] = ev
@@ -235,36 +260,38 @@ class TransferController:
         self._pending = []
 
     # -- checks -----------------------------------------------------------------------------
-    def _check_pages(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> tuple[list[int], list[int]]:
+    def _check_pages(self, device_pages, host_pages, dest: str):
+        """Both id lists as CPU int64 tensors, or ``TransferError`` naming stage, side and ids.
+
+        Vectorised (one tensor op per check), so validating 20k page ids costs
+        well under a millisecond rather than dominating a small-page transfer.
+        """
         stage = self.device_pools.stage_map.stage
         dev = _ids(device_pages, "device page", stage)
         host = _ids(host_pages, "host page", stage)
-        if len(dev) != len(host):
+        if dev.numel() != host.numel():
             raise TransferError(
-                f"stage {stage}: {len(dev)} device pages but {len(host)} host pages; "
+                f"stage {stage}: {dev.numel()} device pages but {host.numel()} host pages; "
                 "each device page needs exactly one host page"
             )
         for ids, side, n in ((dev, "device", self.device_pools.num_pages),
                              (host, "host", self.host_pools.num_pages)):
-            bad = [i for i in ids if not 0 <= i < n]
-            if bad:
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
+                bad = ids[(ids < 0) | (ids >= n)].tolist()
                 raise TransferError(
                     f"stage {stage}: {side} page id(s) {bad[:8]}{'...' if len(bad) > 8 else ''} "
                     f"out of range 0..{n - 1}"
                 )
+        target = host if dest == "host" else dev
+        if target.numel() > 1 and not bool((target[1:] > target[:-1]).all()):  # ascending: no dups
+            uniq, counts = target.unique(return_counts=True)
+            if uniq.numel() != target.numel():
+                dup = uniq[counts > 1].tolist()
+                raise TransferError(
+                    f"stage {stage}: destination {dest} page(s) {dup[:8]} appear more than once; "
+                    "the result would depend on copy order"
+                )
         return dev, host
-
-    def _check_dest_unique(self, ids: list[int], side: str) -> None:
-        if len(set(ids)) != len(ids):
-            seen, dup = set(), []
-            for i in ids:
-                if i in seen:
-                    dup.append(i)
-                seen.add(i)
-            raise TransferError(
-                f"stage {self.device_pools.stage_map.stage}: destination {side} page(s) {dup[:8]} "
-                "appear more than once; the result would depend on copy order"
-            )
 
     def _plan(self, layers: Sequence[int] | None, kinds: Sequence[str] | None = None) -> _Plan:
         dp, hp = self.device_pools, self.host_pools
@@ -314,29 +341,33 @@ class TransferController:
         kinds = [p for p, _ in plan.pools]
         if not self.use_triton:
             return ("torch-staged" if self.cuda else "cpu-index"), frozenset(kinds)
-        if self.mode == "direct" or not host:
+        if self.mode == "direct" or not host.numel():
             staged: frozenset[str] = frozenset()
-        elif self.mode == "staged":
-            staged = frozenset(kinds)
         else:
-            avg_run = len(host) / len(_runs(host))
-            staged = frozenset(p for p in kinds
-                               if avg_run * self.device_pools.page_bytes(p) >= STAGED_MIN_RUN_BYTES)
+            # page_first with only some buffers of a kind: host slices are strided, which a
+            # DMA cannot do in one piece, so those always go direct.
+            hp = self.host_pools
+            dma_ok = [p for p, ix in plan.pools if hp.layout == "layer_first" or len(ix) == len(hp.buffers[p])]
+            if self.mode == "staged":
+                staged = frozenset(dma_ok)
+            else:
+                avg_run = host.numel() / _run_count(host)
+                staged = frozenset(p for p in dma_ok
+                                   if avg_run * self.device_pools.page_bytes(p) >= STAGED_MIN_RUN_BYTES)
         if not staged:
             return "triton-direct", staged
         return ("triton-staged" if len(staged) == len(kinds) else "triton-mixed"), staged
 
     def _transfer(self, direction: str, device_pages, host_pages, layers, blocking: bool,
                   kinds: Sequence[str] | None = None) -> TransferResult:
-        dev, host = self._check_pages(device_pages, host_pages)
-        self._check_dest_unique(host if direction == "d2h" else dev, "host" if direction == "d2h" else "device")
+        dev, host = self._check_pages(device_pages, host_pages, "host" if direction == "d2h" else "device")
         plan = self._all_plan if layers is None and kinds is None else self._plan(layers, kinds)
         path, staged = self._choose(plan, host)
         result = TransferResult(direction, dev, host, plan.layers,
-                                plan.nbytes(self.device_pools, len(dev)), path)
+                                plan.nbytes(self.device_pools, dev.numel()), path)
         if self._pending:
             self.poll()
-        if not dev:
+        if not dev.numel():
             return self._done_now(result, 0.0)
         if not self.cuda:
             t0 = time.perf_counter()
@@ -344,8 +375,9 @@ class TransferController:
             return self._done_now(result, time.perf_counter() - t0)
         import torch
 
+        caller = torch.cuda.current_stream(self.device_pools.device)
         with torch.cuda.stream(self.stream):
-            self.stream.wait_stream(torch.cuda.current_stream(self.device_pools.device))
+            self.stream.wait_stream(caller)  # copy what the caller's stream has written so far
             start = torch.cuda.Event(enable_timing=True)
             start.record(self.stream)
             dev_t, host_t = self._index_tensors(dev, host)
@@ -380,8 +412,7 @@ class TransferController:
     def _run_cpu(self, direction: str, plan: _Plan, dev: list[int], host: list[int]) -> None:
         import torch
 
-        d_idx = torch.tensor(dev, dtype=torch.int64)
-        h_idx = torch.tensor(host, dtype=torch.int64)
+        d_idx, h_idx = dev, host
         dp, hp = self.device_pools, self.host_pools
         for pool, ix in plan.pools:
             if hp.layout == "page_first" and len(ix) == len(hp.buffers[pool]):
@@ -403,7 +434,7 @@ class TransferController:
     def _index_tensors(self, dev: list[int], host: list[int]):
         import torch
 
-        both = torch.tensor([dev, host], dtype=torch.int64)
+        both = torch.stack([dev, host])
         if self.cuda:
             both = both.pin_memory().to(self.device_pools.device, non_blocking=True)
         return both[0], both[1]
@@ -440,19 +471,30 @@ class TransferController:
             addrs = [dp.buffers[pool][i].data_ptr() for i in ix] + [hp.buffers[pool][i].data_ptr() for i in ix]
             w = word_bytes(pb, (d_stride, h_stride), addrs)
             if direction == "d2h":
-                copy_pages(d_tab, h_tab, dev_t, host_t, pb, d_stride, h_stride, w)
+                copy_pages(d_tab, h_tab, dev_t, host_t, pb, d_stride, h_stride, w, *self.kernel_config)
             else:
-                copy_pages(h_tab, d_tab, host_t, dev_t, pb, h_stride, d_stride, w)
+                copy_pages(h_tab, d_tab, host_t, dev_t, pb, h_stride, d_stride, w, *self.kernel_config)
 
-    def _run_staged(self, direction: str, plan: _Plan, dev: list[int], host: list[int],
-                    dev_t, host_t, triton_gather: bool) -> None:
-        """Gather/scatter on the device + one DMA per (buffer, contiguous host run)."""
+    def _run_staged(self, direction: str, plan: _Plan, dev, host, dev_t, host_t, triton_gather: bool) -> None:
+        """Gather/scatter on the device + one DMA per (buffer, contiguous host run), pipelined.
+
+        Pages are cut into a few chunks: the gather of chunk k+1 runs on a second
+        stream while the DMA engine copies chunk k, so the device-side gather
+        hides behind PCIe instead of adding to it (the reverse for loads).
+        """
+        import contextlib
+
         import torch
 
         dp, hp = self.device_pools, self.host_pools
-        n = len(dev)
-        runs = _runs(host)
+        n = int(dev.numel())
+        side = self.gather_stream
+        side_ctx = (lambda: torch.cuda.stream(side)) if side is not None else contextlib.nullcontext
+        if side is not None:
+            side.wait_stream(self.stream)
+            dev_t.record_stream(side)
         whole_pf = hp.layout == "page_first"
+        slots = _arange_like(dev_t, n)
         for pool, ix in plan.pools:
             pb = dp.page_bytes(pool)
             full = whole_pf and len(ix) == len(hp.buffers[pool])
@@ -460,26 +502,48 @@ class TransferController:
             # otherwise (L, n, pb): one block per buffer and run.
             shape = (n, len(ix), pb) if full else (len(ix), n, pb)
             staging = torch.empty(shape, dtype=torch.uint8, device=dp.device)
+            if side is not None:
+                staging.record_stream(side)
+            per_pos = len(ix) * pb
+            chunk = max(1, -(-max(STAGING_CHUNK_MIN_BYTES, n * per_pos // STAGING_CHUNKS) // per_pos))
+            pieces = _chunk_runs(host, chunk)
+            for c0 in range(0, n, chunk):
+                c1 = min(n, c0 + chunk)
+                if direction == "d2h":
+                    with side_ctx():
+                        self._gather(pool, ix, dev_t, slots, c0, c1, staging, full, triton_gather)
+                    self._handoff(side, self.stream)
+                for k0, h0, length in pieces.get(c0 // chunk, ()):
+                    self._dma(direction, pool, ix, staging, full, k0, h0, length)
+                if direction == "h2d":
+                    self._handoff(self.stream, side)
+                    with side_ctx():
+                        self._scatter(pool, ix, dev_t, slots, c0, c1, staging, full, triton_gather)
+        if side is not None:
+            self.stream.wait_stream(side)
+
+    @staticmethod
+    def _handoff(producer, consumer) -> None:
+        """``consumer`` waits for what ``producer`` has queued so far (no-op without CUDA)."""
+        if producer is None or consumer is None:
+            return
+        import torch
+
+        ev = torch.cuda.Event()
+        ev.record(producer)
+        consumer.wait_event(ev)
+
+    def _dma(self, direction: str, pool: str, ix, staging, full: bool, k0: int, h0: int, length: int) -> None:
+        hp = self.host_pools
+        if full:
+            pairs = [(hp.pool_tensors[pool][h0:h0 + length], staging[k0:k0 + length])]
+        else:
+            pairs = [(hp.buffers[pool][i][h0:h0 + length], staging[j, k0:k0 + length]) for j, i in enumerate(ix)]
+        for host_part, stage_part in pairs:
             if direction == "d2h":
-                self._gather(pool, ix, dev_t, staging, full, triton_gather)
-            for k0, h0, length in runs:
-                if full:
-                    dst = hp.pool_tensors[pool][h0:h0 + length]
-                    src = staging[k0:k0 + length]
-                    if direction == "d2h":
-                        dst.copy_(src, non_blocking=True)
-                    else:
-                        src.copy_(dst, non_blocking=True)
-                    continue
-                for j, i in enumerate(ix):
-                    hslice = hp.buffers[pool][i][h0:h0 + length]
-                    sslice = staging[j, k0:k0 + length]
-                    if direction == "d2h":
-                        hslice.copy_(sslice, non_blocking=True)
-                    else:
-                        sslice.copy_(hslice, non_blocking=True)
-            if direction == "h2d":
-                self._scatter(pool, ix, dev_t, staging, full, triton_gather)
+                host_part.copy_(stage_part, non_blocking=True)
+            else:
+                stage_part.copy_(host_part, non_blocking=True)
 
     def _staging_table(self, staging, full: bool, n_layers: int, pb: int):
         import torch
@@ -488,39 +552,51 @@ class TransferController:
         step = pb if full else staging.shape[1] * pb
         return torch.arange(n_layers, dtype=torch.int64, device=staging.device) * step + base
 
-    def _gather(self, pool: str, ix, dev_t, staging, full: bool, use_triton: bool) -> None:
+    def _gather(self, pool: str, ix, dev_t, slots, a: int, b: int, staging, full: bool, use_triton: bool) -> None:
+        """Device pages ``dev_t[a:b]`` of buffers ``ix`` -> staging positions ``a..b-1``."""
+        dev_ids = dev_t[a:b]
         dp = self.device_pools
         pb = dp.page_bytes(pool)
         if use_triton:
             from .kernels import copy_pages, word_bytes
 
-            n = staging.shape[0] if full else staging.shape[1]
             s_stride = len(ix) * pb if full else pb
-            slots = _arange_like(dev_t, n)
             w = word_bytes(pb, (pb, s_stride), [staging.data_ptr()] + [dp.buffers[pool][i].data_ptr() for i in ix])
             copy_pages(self._table("device", pool, ix), self._staging_table(staging, full, len(ix), pb),
-                       dev_t, slots, pb, pb, s_stride, w)
+                       dev_ids, slots[a:b], pb, pb, s_stride, w)
             return
         for j, i in enumerate(ix):
-            target = staging[:, j] if full else staging[j]
-            target.copy_(dp.buffers[pool][i].index_select(0, dev_t))
+            target = staging[a:b, j] if full else staging[j, a:b]
+            target.copy_(dp.buffers[pool][i].index_select(0, dev_ids))
 
-    def _scatter(self, pool: str, ix, dev_t, staging, full: bool, use_triton: bool) -> None:
+    def _scatter(self, pool: str, ix, dev_t, slots, a: int, b: int, staging, full: bool, use_triton: bool) -> None:
+        """Staging positions ``a..b-1`` -> device pages ``dev_t[a:b]`` of buffers ``ix``."""
+        dev_ids = dev_t[a:b]
         dp = self.device_pools
         pb = dp.page_bytes(pool)
         if use_triton:
             from .kernels import copy_pages, word_bytes
 
-            n = staging.shape[0] if full else staging.shape[1]
             s_stride = len(ix) * pb if full else pb
-            slots = _arange_like(dev_t, n)
             w = word_bytes(pb, (pb, s_stride), [staging.data_ptr()] + [dp.buffers[pool][i].data_ptr() for i in ix])
             copy_pages(self._staging_table(staging, full, len(ix), pb), self._table("device", pool, ix),
-                       slots, dev_t, pb, s_stride, pb, w)
+                       slots[a:b], dev_ids, pb, s_stride, pb, w)
             return
         for j, i in enumerate(ix):
-            source = staging[:, j] if full else staging[j]
-            dp.buffers[pool][i].index_copy_(0, dev_t, source)
+            source = staging[a:b, j] if full else staging[j, a:b]
+            dp.buffers[pool][i].index_copy_(0, dev_ids, source)
+
+
+def _chunk_runs(host, chunk: int) -> dict[int, list[tuple[int, int, int]]]:
+    """Host runs cut at every ``chunk`` positions, grouped by chunk index."""
+    out: dict[int, list[tuple[int, int, int]]] = {}
+    for k0, h0, length in _runs(host):
+        pos, end = k0, k0 + length
+        while pos < end:
+            stop = min(end, (pos // chunk + 1) * chunk)
+            out.setdefault(pos // chunk, []).append((pos, h0 + pos - k0, stop - pos))
+            pos = stop
+    return out
 
 
 def _arange_like(t, n: int):
@@ -529,23 +605,46 @@ def _arange_like(t, n: int):
     return torch.arange(n, dtype=torch.int64, device=t.device)
 
 
-def _ids(values: Sequence[int], what: str, stage: int) -> list[int]:
-    if hasattr(values, "tolist"):
-        values = values.tolist()
-    out = []
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise TransferError(f"stage {stage}: {what} ids must be integers, got {v!r}")
-        out.append(v)
-    return out
+def _ids(values, what: str, stage: int):
+    """Page ids (list, tuple, range, tensor, array) -> 1-D CPU int64 tensor; non-integers refused."""
+    import torch
+
+    if isinstance(values, torch.Tensor):
+        t = values.detach()
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise TransferError(f"stage {stage}: {what} ids must be integers, got a {t.dtype} tensor")
+        return t.reshape(-1).to("cpu", torch.int64)
+    import numpy as np
+
+    if isinstance(values, range):
+        return torch.arange(values.start, values.stop, values.step, dtype=torch.int64)
+    if not isinstance(values, (np.ndarray, list, tuple)):
+        values = list(values)
+    arr = np.asarray(values)
+    if arr.size == 0:
+        return torch.empty(0, dtype=torch.int64)
+    if arr.dtype.kind not in "iu":  # floats, bools, strings, objects (mixed types)
+        items = values.reshape(-1).tolist() if isinstance(values, np.ndarray) else values
+        bad = next((v for v in items if type(v) is not int), items[0])
+        raise TransferError(f"stage {stage}: {what} ids must be integers, got {bad!r}")
+    return torch.from_numpy(arr.astype(np.int64, copy=False).reshape(-1))
 
 
-def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
-    """Contiguous runs of ``ids`` as (position in list, first id, length)."""
-    runs = []
-    start = 0
-    for k in range(1, len(ids) + 1):
-        if k == len(ids) or ids[k] != ids[k - 1] + 1:
-            runs.append((start, ids[start], k - start))
-            start = k
-    return runs
+def _run_count(ids) -> int:
+    """How many contiguous ascending runs ``ids`` (1-D tensor, non-empty) has."""
+    if ids.numel() < 2:
+        return int(ids.numel())
+    return int(((ids[1:] - ids[:-1]) != 1).sum()) + 1
+
+
+def _runs(ids) -> list[tuple[int, int, int]]:
+    """Contiguous runs of ``ids`` (1-D int64 tensor) as (position in list, first id, length)."""
+    import torch
+
+    n = int(ids.numel())
+    if n == 0:
+        return []
+    breaks = ((ids[1:] - ids[:-1]) != 1).nonzero().flatten() + 1
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), breaks])
+    ends = torch.cat([breaks, torch.tensor([n])])
+    return list(zip(starts.tolist(), ids[starts].tolist(), (ends - starts).tolist(), strict=True))

@@ -40,7 +40,7 @@ from .allocator import OutOfPagesError
 from .cache_stats import CacheStats
 from .errors import ConfigError, StageCacheError
 from .kv_writer import page_hashes
-from .radix import Node, RadixTree
+from .radix import Match, Node, RadixTree
 
 WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
 
@@ -64,6 +64,21 @@ class CacheOutOfPagesError(OutOfPagesError):
 
 class HandleError(StageCacheError, RuntimeError):
     """A handle used twice (finish after finish/abort) or with the wrong cache."""
+
+
+@dataclass(frozen=True, eq=False)
+class PrefixMatch:
+    """``match_prefix`` result: tokens hit per tier and the device pages now holding them."""
+
+    device_tokens: int  # already on device
+    host_tokens: int  # were on host only, loaded to device by this call
+    pages: tuple[int, ...]  # device page ids of the whole matched prefix, in order
+    last_node: Node | None
+    locked: bool
+
+    @property
+    def tokens(self) -> int:
+        return self.device_tokens + self.host_tokens
 
 
 @dataclass(eq=False)
@@ -141,20 +156,8 @@ class HiCache:
         tokens = np.concatenate([input_ids, output_ids]).tolist()
         ps = self.page_size
         total_pages = -(-len(tokens) // ps)
-        match = self.tree.match(tokens, (len(input_ids) - 1) // ps)
-        self.tree.lock(match.last_node)
-        loaded: list[int] = []
+        match = self._match_and_load(tokens, (len(input_ids) - 1) // ps)  # locked from here
         try:
-            for node in match.host_nodes:
-                pages = self._alloc_device(len(node.host))
-                _ordered(self.controller.load(list(node.host), pages))
-                self.tree.set_device(node, pages)
-                self.stats.load_pages += len(pages)
-                loaded.extend(pages)
-            if self.write_policy == "write_through_selective" and self.host_pools is not None:
-                for node in match.nodes:
-                    if node.host is None and node.hit_count >= self.selective_threshold:
-                        self._backup(node)
             new_pages = self._alloc_device(total_pages - match.pages)
         except OutOfPagesError:
             self.tree.unlock(match.last_node)
@@ -167,6 +170,47 @@ class HiCache:
                         match.device_pages, match.host_pages, prefix, new_pages, match.last_node)
         self._in_flight[id(handle)] = handle
         return handle
+
+    def match_prefix(self, tokens: Sequence[int], max_pages: int | None = None,
+                     lock: bool = False) -> PrefixMatch:
+        """Longest cached prefix of ``tokens``; host hits are loaded to device before returning.
+
+        The returned pages are only guaranteed to stay on device while locked:
+        pass ``lock=True`` and call ``release(match)`` when done (``begin`` does
+        all of this for a request, plus the allocation of the rest).  Not counted
+        in ``stats``: the hit accounting is per request, in ``begin``.
+        """
+        tokens = list(tokens)
+        m = self._match_and_load(tokens, max_pages)
+        if not lock:
+            self.tree.unlock(m.last_node)
+        return PrefixMatch(m.device_pages * self.page_size, m.host_pages * self.page_size,
+                           tuple(p for n in m.nodes for p in n.device), m.last_node, lock)
+
+    def release(self, match: PrefixMatch) -> None:
+        """Unlock a ``match_prefix(..., lock=True)`` result."""
+        if match.locked:
+            self.tree.unlock(match.last_node)
+
+    def _match_and_load(self, tokens: list[int], max_pages: int | None) -> Match:
+        """Match, lock the path, load its host run to device; unlocked again on failure."""
+        match = self.tree.match(tokens, max_pages)
+        self.tree.lock(match.last_node)
+        try:
+            for node in match.host_nodes:
+                pages = self._alloc_device(len(node.host))
+                _ordered(self.controller.load(list(node.host), pages))
+                self.tree.set_device(node, pages)
+                self.stats.load_pages += len(pages)
+            if self.write_policy == "write_through_selective" and self.host_pools is not None:
+                for node in match.nodes:
+                    if node.host is None and node.hit_count >= self.selective_threshold:
+                        self._backup(node)
+        except OutOfPagesError:
+            self.tree.unlock(match.last_node)
+            self.stats.out_of_pages_errors += 1
+            raise
+        return match
 
     def finish(self, handle: Handle) -> None:
         """Cache the request's whole pages (prompt + answer) and release its locks."""

@@ -72,6 +72,45 @@ if HAVE_TRITON:
         tl.store(dst + dp * dst_stride + offs, vals, mask=mask)
 
 
+    @triton.jit
+    def _copy_flat_kernel(
+        src_table, dst_table, src_idx, dst_idx, n_pages, src_stride, dst_stride, words_per_page,
+        total_words,
+        WORD: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        """Small pages: one flat index space over (layer, page, word), so no lane idles.
+
+        With 1 KiB pages a program-per-page grid leaves most of every block
+        masked off and pays a program per page; here each program copies
+        ``BLOCK`` consecutive words that may span several pages and layers.
+        """
+        w = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = w < total_words
+        seg = w // words_per_page
+        off = w - seg * words_per_page
+        layer = seg // n_pages
+        slot = seg - layer * n_pages
+        if WORD == 8:
+            ptype = tl.pointer_type(tl.int64)
+        elif WORD == 4:
+            ptype = tl.pointer_type(tl.int32)
+        elif WORD == 2:
+            ptype = tl.pointer_type(tl.int16)
+        else:
+            ptype = tl.pointer_type(tl.int8)
+        src = tl.load(src_table + layer, mask=mask, other=0).to(ptype)
+        dst = tl.load(dst_table + layer, mask=mask, other=0).to(ptype)
+        sp = tl.load(src_idx + slot, mask=mask, other=0).to(tl.int64)
+        dp = tl.load(dst_idx + slot, mask=mask, other=0).to(tl.int64)
+        vals = tl.load(src + sp * src_stride + off, mask=mask)
+        tl.store(dst + dp * dst_stride + off, vals, mask=mask)
+
+
+#: Pages of fewer words than this use the flat kernel (C128 KV, indexer, C128 state at 256 tokens).
+FLAT_BELOW_WORDS = 2048
+
+
 def word_bytes(page_bytes: int, strides: Sequence[int], addresses: Sequence[int]) -> int:
     """Widest word (8/4/2/1 bytes) dividing the page size, both strides and every base address."""
     for w in (8, 4, 2):
@@ -89,7 +128,8 @@ def copy_pages(
     src_stride_bytes: int,
     dst_stride_bytes: int,
     word: int,
-    block_words: int = BLOCK_WORDS,
+    block_words: int | None = None,
+    num_warps: int | None = None,
 ) -> None:
     """Launch one copy of ``len(src_idx)`` pages for every entry of the tables.
 
@@ -107,10 +147,19 @@ def copy_pages(
     if n_layers != int(dst_table.numel()) or n_pages != int(dst_idx.numel()):
         raise ValueError("copy_pages: source and destination tables/ids differ in length")
     words = page_bytes // word
-    block = min(block_words, triton.next_power_of_2(words))
+    if words < FLAT_BELOW_WORDS:
+        block = block_words or BLOCK_WORDS
+        total = n_layers * n_pages * words
+        _copy_flat_kernel[(triton.cdiv(total, block),)](
+            src_table, dst_table, src_idx, dst_idx, n_pages,
+            src_stride_bytes // word, dst_stride_bytes // word, words, total,
+            WORD=word, BLOCK=block, num_warps=num_warps or max(1, min(8, block // 256)),
+        )
+        return
+    block = min(block_words or BLOCK_WORDS, triton.next_power_of_2(words))
     grid = (n_layers * n_pages, triton.cdiv(words, block))
     _copy_pages_kernel[grid](
         src_table, dst_table, src_idx, dst_idx, n_pages,
         src_stride_bytes // word, dst_stride_bytes // word, words,
-        WORD=word, BLOCK=block, num_warps=4 if block >= 512 else 1,
+        WORD=word, BLOCK=block, num_warps=num_warps or max(1, min(8, block // 256)),
     )

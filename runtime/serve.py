@@ -42,6 +42,15 @@ SUPERVISE_INTERVAL_S = 0.2
 STOP_GRACE_S = 3.0
 PEER_LOST_GRACE_S = 1.5
 DEFAULT_HIDDEN = 256
+CPU_HIDDEN_CAP = 512
+
+#: Imported once by the forkserver that forks the stage processes.
+STAGE_PRELOAD = (
+    "numpy", "torch", "torch.distributed", "stagecache.runtime.stage_worker",
+    "stagecache.runtime.stage_cache", "stagecache.runtime.pipeline", "stagecache.runtime.hicache",
+    "stagecache.runtime.controller", "stagecache.runtime.host_pool", "stagecache.runtime.pools",
+    "stagecache.runtime.kv_writer", "stagecache.runtime.workload", "stagecache.exporters.snapshot",
+)
 
 
 class _Stop(Exception):
@@ -101,10 +110,18 @@ def model_hidden_size(model: str) -> int | None:
     return value if isinstance(value, int) and value > 0 else None
 
 
+def _may_have_gpu() -> bool:
+    return bool(os.environ.get("CUDA_VISIBLE_DEVICES")) or any(
+        os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia")
+    )
+
+
 def resolve_device(choice: str, pp_size: int) -> str:
     """auto: CUDA (one GPU per stage, nccl) when there are >= pp_size GPUs, else CPU (gloo)."""
     if choice == "cpu":
         return "cpu"
+    if choice == "auto" and not _may_have_gpu():
+        return "cpu"  # skip importing torch in the parent just to count zero GPUs
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -136,13 +153,11 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
     requests = args.requests or (0 if args.trace else DEFAULT_REQUESTS)
     trace = build_trace(args.trace, requests, args.seed)  # TraceError (exit 2) lists bad lines
     check_trace_fits(trace, la.page_size, device_pages, args.micro_batch)
-    partition = tuple(s.num_layers for s in la.layout.stages) if args.pp_partition else None
+    partition = tuple(s.local_layers for s in la.layout.stages) if args.pp_partition else None
+    device = resolve_device(args.device, args.pp_size)
     hidden = args.hidden_size or model_hidden_size(args.model) or DEFAULT_HIDDEN
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not os.environ.get("STAGECACHE_ALLOW_PUBLIC"):
-        raise ConfigError(
-            f"--host {args.host!r}: the dashboard binds loopback only (127.0.0.1); "
-            "set STAGECACHE_ALLOW_PUBLIC=1 to bind another address"
-        )
+    if not args.hidden_size and device == "cpu":
+        hidden = min(hidden, CPU_HIDDEN_CAP)  # a 4096-wide stand-in compute would dominate on CPU
     return ServeOptions(
         model=args.model,
         model_name=la.spec.name,
@@ -161,7 +176,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         micro_batch=args.micro_batch,
         rate=args.rate,
         hidden_size=hidden,
-        device=resolve_device(args.device, args.pp_size),
+        device=device,
         host=args.host,
         port=args.port,
         dashboard=not args.no_dashboard,
@@ -316,7 +331,11 @@ class Supervisor:
 
         from .stage_worker import stage_main
 
-        ctx = mp.get_context("spawn")
+        # forkserver + preload: torch is imported once, in a clean single-threaded server, and
+        # every stage is forked from it -- starting 4 stages costs one torch import, not four,
+        # and no stage inherits this process's threads (dashboard, progress).
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(list(STAGE_PRELOAD))
         master_port = free_port()
         for rank in range(self.opts.pp_size):
             cfg = _stage_config(self.opts, rank, self.run_dir, master_port)
@@ -325,7 +344,8 @@ class Supervisor:
             self.procs.append(StageProc(rank, proc))
         pids = ", ".join(f"stage {p.rank}: pid {p.pid}" for p in self.procs)
         backend = "nccl" if self.opts.device == "cuda" else "gloo"
-        self.console.print(f"started {len(self.procs)} stage processes ({backend}, {self.opts.device}): {pids}")
+        self.console.print(f"started {len(self.procs)} stage processes ({backend}, {self.opts.device}, "
+                           f"activations [tokens, {self.opts.hidden_size}] float32): {pids}", markup=False)
         self.write_run_file()
 
     def stop(self) -> None:
@@ -345,8 +365,14 @@ class Supervisor:
         for p in self.procs:
             self.exit_codes[p.rank] = p.exitcode
 
-    def _dead_stage(self, first_seen: dict[int, float]) -> StageProc | None:
-        """The stage whose exit ends the run, preferring the one that failed over peers that noticed."""
+    def _dead_stage(self, first_seen: dict[int, float]) -> str | None:
+        """Why the run must stop, naming the stage that failed rather than the peers that noticed.
+
+        A stage that exits on its own (code 1, or a signal) is the cause.  Stages that
+        exit with ``EXIT_PEER_LOST`` only noticed; after a short grace, if some stage is
+        still alive while its neighbours gave up on it, that live stage is the one that
+        stopped responding (stuck, or SIGSTOPped) and is named instead.
+        """
         from .stage_worker import EXIT_OK, EXIT_PEER_LOST
 
         now = time.monotonic()
@@ -361,12 +387,18 @@ class Supervisor:
             return None
         real = [p for p in failed if p.exitcode != EXIT_PEER_LOST]
         if real:
-            return min(real, key=lambda p: (first_seen[p.rank], p.rank))
-        if now - min(first_seen[p.rank] for p in failed) >= PEER_LOST_GRACE_S or all(
+            return self.failure_message(min(real, key=lambda p: (first_seen[p.rank], p.rank)))
+        if now - min(first_seen[p.rank] for p in failed) < PEER_LOST_GRACE_S and not all(
             p.exitcode is not None for p in self.procs
         ):
-            return min(failed, key=lambda p: (first_seen[p.rank], p.rank))
-        return None
+            return None
+        stuck = [p for p in self.procs if p.exitcode is None]
+        if stuck:
+            gave_up = ", ".join(str(p.rank) for p in failed)
+            names = " and ".join(f"stage {p.rank} (pid {p.pid})" for p in stuck)
+            return (f"{names} stopped responding: stage(s) {gave_up} lost contact with it "
+                    f"(torch.distributed timeout {self.opts.dist_timeout:g} s)")
+        return self.failure_message(min(failed, key=lambda p: (first_seen[p.rank], p.rank)))
 
     def failure_message(self, p: StageProc) -> str:
         code = p.exitcode
@@ -390,10 +422,10 @@ class Supervisor:
                 progress.startup(report)
             stages = self.source.stages()
             progress.update(stages)
-            dead = self._dead_stage(first_seen)
-            if dead is not None:
+            why = self._dead_stage(first_seen)
+            if why is not None:
                 self.phase = "failed"
-                self.failure = self.failure_message(dead)
+                self.failure = why
                 break
             if all(p.exitcode is not None for p in self.procs):
                 if self.phase == "starting":
@@ -508,6 +540,7 @@ def summarize(opts: ServeOptions, sup: Supervisor, wall: float) -> dict[str, Any
             "stage_seconds": busy, "bubble_seconds": bubble, "idle_seconds": s.get("idle_seconds", 0.0),
             "bubble_fraction": bubble / (busy + bubble) if busy + bubble > 0 else 0.0,
             "activation_bytes_sent": s.get("activation_bytes_sent", 0),
+            "kv_verified_pages": s.get("kv_verified_pages", 0),
             "error": s.get("error"),
         })
     steps = max((r["steps"] for r in rows), default=0)
@@ -566,6 +599,10 @@ def print_summary(console: Console, summary: dict[str, Any]) -> None:
     if summary["micro_batches"]:
         console.print(f"ideal bubble for pp={summary['pp_size']}, m={summary['micro_batches']}: "
                       f"{summary['ideal_bubble_fraction']:.0%} (measured per stage above)")
+    if summary["phase"] == "done" and summary["pp_size"] > 1:
+        verified = sum(r["kv_verified_pages"] for r in summary["stages"])
+        console.print("cache decisions identical on every stage (checked per micro-batch); "
+                      f"{verified} host-loaded pages verified byte for byte")
 
 
 def _install_signal_handlers() -> dict[int, Any]:
@@ -603,6 +640,8 @@ def _hold(console: Console, opts: ServeOptions, dash: Dashboard | None, phase: s
 
 def serve(opts: ServeOptions) -> int:
     """Run ``stagecache serve``; returns the process exit code."""
+    from rich.markup import escape
+
     console = Console(opts.json)
     own_run_dir = opts.run_dir is None
     run_dir = tempfile.mkdtemp(prefix="stagecache-serve-") if own_run_dir else opts.run_dir
@@ -622,9 +661,12 @@ def serve(opts: ServeOptions) -> int:
             dash = Dashboard(sup.source, sock, title=f"stagecache {opts.model_name} pp={opts.pp_size}")
             sup.url = dash.url
             dash.start()
+            if not dash.server.started:
+                raise ConfigError(f"the dashboard did not start on {dash.url}: "
+                                  f"{dash.error or 'no answer within 10 s'}")
             console.print(f"dashboard: {dash.url}  (metrics: {dash.url}metrics, "
                           f"startup probe: {dash.url}startupz)")
-        console.print(f"run dir: {run_dir}")
+        console.print(f"run dir: {run_dir}", markup=False)
         try:
             sup.start()
             with Progress(opts, console) as progress:
@@ -634,7 +676,7 @@ def serve(opts: ServeOptions) -> int:
             sup.failure = f"interrupted by {stop}"
             sup.stop()
             sup.write_run_file()
-            console.print(f"[yellow]{sup.failure}: stopped all stage processes[/yellow]")
+            console.print(f"[yellow]{escape(sup.failure)}: stopped all stage processes[/yellow]")
             code = 130 if stop.signum == signal.SIGINT else 143
             summary = summarize(opts, sup, time.perf_counter() - t0)
             summary["exit_code"] = code
@@ -643,7 +685,7 @@ def serve(opts: ServeOptions) -> int:
         summary = summarize(opts, sup, wall)
         code = summary["exit_code"]
         if phase == "failed":
-            console.print(f"[red]run stopped: {sup.failure}[/red]", markup=True)
+            console.print(f"[red]run stopped: {escape(sup.failure or '')}[/red]")
             print_summary(console, summary)
             return code
         print_summary(console, summary)

@@ -25,7 +25,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import torch
 
 from .errors import ConfigError, StageCacheError
 
@@ -81,7 +80,9 @@ class LayerCompute:
     layers and computed tokens the way a real stage's does (without weights to load).
     """
 
-    def __init__(self, global_ids: list[int], hidden: int, device: torch.device):
+    def __init__(self, global_ids: list[int], hidden: int, device: Any):
+        import torch
+
         self.hidden = hidden
         self.device = device
         self.weights = []
@@ -91,11 +92,15 @@ class LayerCompute:
             self.weights.append(w.to(device))
         self.freq = torch.arange(1, hidden + 1, dtype=torch.float32, device=device) / hidden
 
-    def embed(self, tokens: np.ndarray) -> torch.Tensor:
+    def embed(self, tokens: np.ndarray) -> Any:
+        import torch
+
         t = torch.as_tensor(np.asarray(tokens, dtype=np.float32), device=self.device)
         return torch.sin(t[:, None] * self.freq[None, :])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Any) -> Any:
+        import torch
+
         for w in self.weights:
             x = torch.tanh(x @ w)
         return x
@@ -105,6 +110,8 @@ class StageCache:
     """One stage's pools, host stack, HiCache and compute (see module docstring)."""
 
     def __init__(self, worker: Any):
+        import torch
+
         from .cache_stats import CacheStats
         from .controller import TransferController
         from .hicache import HiCache
@@ -147,7 +154,7 @@ class StageCache:
         return build_trace(self.cfg.trace, self.cfg.requests, self.cfg.seed)
 
     # -- one micro-batch ------------------------------------------------------------------------
-    def work(self, mb: Any, act_in: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    def work(self, mb: Any, act_in: Any | None) -> tuple[Any, int]:
         from .pipeline import decision_digest
 
         assert self.cache is not None and self.writer is not None

@@ -78,7 +78,7 @@ class PeerLost(RuntimeError):
 
 
 def _die_with_parent() -> None:
-    """Linux: get SIGKILL when the serve parent dies, so a killed parent leaves no orphan stage."""
+    """Linux: SIGKILL when the parent (the forkserver, which exits with serve) dies: no orphans."""
     if not sys.platform.startswith("linux"):
         return
     try:
@@ -90,12 +90,25 @@ def _die_with_parent() -> None:
         pass
 
 
+def _parent_alive(pid: int) -> bool:
+    """The serve process still exists (stages are forked by a forkserver, so not getppid())."""
+    if not pid:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def stage_main(cfg: StageConfig) -> None:
-    """Process entry point (``multiprocessing`` spawn target); exits with one of the EXIT_* codes."""
+    """Process entry point (``multiprocessing`` target); exits with one of the EXIT_* codes."""
     _die_with_parent()
     # Ctrl-C goes to the whole process group; the parent coordinates shutdown (SIGTERM, then SIGKILL).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if cfg.parent_pid and os.getppid() != cfg.parent_pid:
+    if not _parent_alive(cfg.parent_pid):
         os._exit(EXIT_FAILED)  # parent already gone
     code = EXIT_OK
     worker = None
@@ -284,7 +297,7 @@ class StageWorker:
         return wait
 
     def _check_parent(self) -> None:
-        if self.cfg.parent_pid and os.getppid() != self.cfg.parent_pid:
+        if not _parent_alive(self.cfg.parent_pid):
             raise PeerLost("the serve parent process is gone")
 
     # -- live numbers ----------------------------------------------------------------------------

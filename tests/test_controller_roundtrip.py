@@ -6,7 +6,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from stagecache.runtime.controller import TransferController, TransferError
 from stagecache.runtime.errors import LayerNotOwnedError
 from stagecache.runtime.host_pool import HostPools
@@ -43,7 +42,7 @@ page_sets = st.integers(1, DEV_PAGES).flatmap(lambda n: st.tuples(
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(pages=page_sets)
 def test_round_trip_bit_identical_every_pool(layout, pages):
     src, host, dst = (list(x) for x in pages)

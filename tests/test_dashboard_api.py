@@ -17,7 +17,6 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-
 from stagecache.dashboard.app import dashboard_in_thread
 from stagecache.exporters.snapshot import StaticSource, empty_stage_numbers
 from stagecache.runtime.cli import main

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from stagecache.exporters.snapshot import empty_stage_numbers
 from stagecache.runtime.faults import parse_faults
 from stagecache.runtime.layer_map import POOLS, build_layout
@@ -231,12 +230,42 @@ def test_live_charts_extend_without_reload(driver, free_port, tmp_path):
         assert driver.execute_script("return window.__sameDocument") is True  # no page reload
         assert driver.execute_script(
             "return (document.getElementById('chart-hit-ratio').layout.annotations || []).length") == 0
-        last = driver.execute_script("return window.stagecacheDashboard.lastSummary")
-        bars = driver.execute_script(
-            "return document.getElementById('chart-tokens').data.map(t => Array.from(t.y))")
+        last, bars = driver.execute_script(  # one script: no poll can land in between
+            "return [window.stagecacheDashboard.lastSummary,"
+            " document.getElementById('chart-tokens').data.map(t => Array.from(t.y))]")
         want = [[s["cache_tokens"][k] for s in last["stages"]] for k in ("device", "host", "miss")]
         assert bars == want
         bw = driver.execute_script("return document.getElementById('chart-bandwidth').data.length")
         assert bw == 2 * PP
         assert severe_console_messages(driver) == []
         screenshot(driver, "dashboard-live.png", tmp_path)
+
+
+class LateReportSource:
+    """No report until ``ready`` is set: what ``serve`` looks like while its stages start."""
+
+    def __init__(self) -> None:
+        self.ready = False
+        self._report = expected_report(["global-swa"])
+
+    def startup(self):
+        return self._report if self.ready else None
+
+    def stages(self):
+        return {}
+
+
+def test_starting_page_reloads_once_the_report_arrives(driver, free_port):
+    from selenium.webdriver.common.by import By
+    from stagecache.dashboard.app import dashboard_in_thread
+
+    source = LateReportSource()
+    with dashboard_in_thread(source, port=free_port) as url:
+        load(driver, url + "/")
+        assert driver.find_element(By.TAG_NAME, "body").get_attribute("data-status") == "starting"
+        assert driver.find_elements(By.CSS_SELECTOR, ".layer-map") == []
+        source.ready = True
+        _wait(lambda: len(driver.find_elements(By.CSS_SELECTOR, ".layer-map.js-plotly-plot")) == PP,
+              timeout=20, what="the reload with the report's layer maps")
+        assert len(driver.find_elements(By.CSS_SELECTOR, "tr.stage-row.error")) == PP
+        assert severe_console_messages(driver) == []

@@ -12,7 +12,6 @@ from __future__ import annotations
 import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
-
 from stagecache.dashboard.app import create_app
 from stagecache.exporters.snapshot import StaticSource, empty_stage_numbers
 from stagecache.runtime.faults import parse_faults

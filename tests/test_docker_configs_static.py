@@ -17,6 +17,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -375,3 +376,9 @@ def test_container_commands_are_accepted_by_the_stagecache_cli() -> None:
         assert (args.host, args.port) == ("0.0.0.0", 8000), where
         assert not getattr(args, "no_dashboard", False), f"{where}: /metrics needs the dashboard"
     assert parsed_stagecache_command(commands["compose.cuda.yaml"]).device == "cuda"
+
+
+def test_dashboard_json_is_what_its_generator_writes() -> None:
+    res = subprocess.run([sys.executable, str(DOCKER / "grafana" / "make_dashboard.py"), "--check"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
 from stagecache.runtime.errors import LayerNotOwnedError
 from stagecache.runtime.faults import parse_faults, planned_inventory
 from stagecache.runtime.layer_map import POOLS, build_layout

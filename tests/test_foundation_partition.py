@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
 from stagecache.runtime.errors import ConfigError
 from stagecache.runtime.partition import parse_partition, partition_layers, pp_indices
 

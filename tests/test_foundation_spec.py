@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from stagecache.runtime.errors import ConfigError
 from stagecache.runtime.spec import check_page_size, load_spec, spec_from_config
 

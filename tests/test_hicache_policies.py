@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from stagecache.runtime.controller import TransferController
 from stagecache.runtime.errors import ConfigError
 from stagecache.runtime.hicache import CacheOutOfPagesError, HandleError, HiCache
@@ -28,13 +27,13 @@ def _one_thread():
     torch.set_num_threads(old)
 
 
-def make(device_pages=3, host_pages=16, policy="write_back", stage=2):
+def make(device_pages=3, host_pages=16, policy="write_back", stage=2, layout="layer_first"):
     spec = load_spec("tiny-v4")
     sm = build_layout(spec, 4).stages[stage]  # stage 2 of 4 has every pool kind
     pools = StagePools(spec, sm, PS, device_pages)
     host = ctrl = None
     if host_pages:
-        host = HostPools(pools, num_pages=host_pages)
+        host = HostPools(pools, num_pages=host_pages, layout=layout)
         ctrl = TransferController(pools, host, TransferStats())
     return HiCache(pools, host, ctrl, write_policy=policy), KvWriter(pools)
 
@@ -125,6 +124,38 @@ def test_host_hit_reloads_exact_bytes_of_every_pool_and_layer():
     assert w.verify(h.prefix_hashes, h.prefix_pages) == []
     cache.finish(h)
     assert cache.stats.host_hit_tokens == 2 * PS and cache.stats.load_pages == 2
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_host_copies_hold_the_written_bytes(layout):
+    cache, w = make(device_pages=2, layout=layout)
+    prefix = page(1, 2)
+    run(cache, w, req(prefix, out=1))
+    run(cache, w, req(page(2, 2), out=1))  # prefix -> host (write-back copy at eviction)
+    node = next(n for n in cache.tree.nodes() if n.key[:1] == (10_000,))
+    assert node.device is None and len(node.host) == 2
+    hashes = w.hashes(prefix)
+    assert w.verify(hashes, node.host, target=cache.host_pools) == []
+    cache.host_pools.get_raw_buffer("swa", cache.pools.stage_map.start)[node.host[1], 0] ^= 1
+    bad = w.verify(hashes, node.host, target=cache.host_pools)
+    assert [(m.where, m.pool, m.page_index) for m in bad] == [("host", "swa", 1)]
+
+
+def test_match_prefix_loads_host_hits_and_locks_on_request():
+    cache, w = make(device_pages=3)
+    prefix = page(1, 2)
+    run(cache, w, req(prefix, out=1))
+    run(cache, w, req(page(2, 2), out=1))  # prefix -> host
+    m = cache.match_prefix(prefix + [5], lock=True)
+    assert (m.device_tokens, m.host_tokens, len(m.pages)) == (0, 2 * PS, 2)
+    assert w.verify(w.hashes(prefix), list(m.pages)) == []
+    with pytest.raises(CacheOutOfPagesError):  # the locked prefix cannot make room
+        cache.begin(req(page(3, 3), out=1))
+    cache.release(m)
+    run(cache, w, req(page(3, 3), out=1))
+    again = cache.match_prefix(page(3, 3))
+    assert again.tokens == 3 * PS and not again.locked
+    cache.check()
 
 
 def test_verify_names_pool_layer_and_page_of_a_corrupted_host_copy():

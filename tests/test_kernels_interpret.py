@@ -28,7 +28,8 @@ SCRIPT = textwrap.dedent(r'''
     assert kernels.HAVE_TRITON
 
     # 1. raw kernel: every word size, strided (page_first-like) destination, scattered ids
-    for page_bytes, want_word in ((64, 8), (36, 4), (18, 2), (9, 1)):
+    # small pages take the flat kernel, 16 KiB+ pages the program-per-page kernel
+    for page_bytes, want_word in ((64, 8), (36, 4), (18, 2), (9, 1), (8 * 2050, 8), (4 * 2101, 4)):
         L, P = 3, 7
         src = [torch.randint(0, 256, (P, page_bytes), dtype=torch.uint8) for _ in range(L)]
         dst = torch.zeros((P, L, page_bytes), dtype=torch.uint8)  # one page of all layers contiguous
@@ -37,14 +38,18 @@ SCRIPT = textwrap.dedent(r'''
         s_idx, d_idx = torch.tensor([5, 0, 3]), torch.tensor([1, 6, 2])
         w = kernels.word_bytes(page_bytes, (page_bytes, L * page_bytes), [t.data_ptr() for t in src] + [dst.data_ptr()])
         assert w == want_word, (page_bytes, w)
-        kernels.copy_pages(s_tab, d_tab, s_idx, d_idx, page_bytes, page_bytes, L * page_bytes, w, block_words=4)
+        block = 4 if page_bytes < 100 else 512
+        kernels.copy_pages(s_tab, d_tab, s_idx, d_idx, page_bytes, page_bytes, L * page_bytes, w, block_words=block)
         for l in range(L):
             assert torch.equal(dst[d_idx, l], src[l][s_idx]), (page_bytes, l)
         untouched = [p for p in range(P) if p not in d_idx.tolist()]
         assert int(dst[untouched].sum()) == 0
         print(f"kernel word={w} ok")
 
-    # 2. controller Triton paths: round trip bit-identical for every pool, both layouts and modes
+    # 2. controller Triton paths: round trip bit-identical for every pool, both layouts and modes;
+    #    tiny staging chunks so the staged path really pipelines several chunks
+    from stagecache.runtime import controller as ctl
+    ctl.STAGING_CHUNK_MIN_BYTES, ctl.STAGING_CHUNKS = 1, 3
     spec = load_spec("tiny-v4")
     stage = build_layout(spec, 2).stages[1]
     rng = random.Random(7)
@@ -91,7 +96,7 @@ def test_triton_kernels_under_interpreter():
     proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.split("\n")
-    assert sum(line.startswith("kernel word=") for line in lines) == 4
+    assert sum(line.startswith("kernel word=") for line in lines) == 6
     for layout in ("layer_first", "page_first"):
         for mode in ("direct", "staged"):
             assert f"controller {layout} {mode} ok" in lines

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from stagecache.runtime.errors import ConfigError, LayerNotOwnedError, StageMappingInvalid
 from stagecache.runtime.faults import parse_faults
 from stagecache.runtime.host_pool import HostPools

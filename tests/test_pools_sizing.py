@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from stagecache.runtime.cli import main
 from stagecache.runtime.errors import ConfigError
 from stagecache.runtime.faults import buffer_plan, parse_faults

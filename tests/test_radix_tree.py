@@ -14,7 +14,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from stagecache.runtime.controller import TransferController
 from stagecache.runtime.hicache import CacheOutOfPagesError, HiCache
 from stagecache.runtime.host_pool import HostPools
@@ -120,7 +119,8 @@ _req = st.tuples(
     st.integers(0, PAGE + 3),  # answer tokens
 )
 # the largest request: 4 + 1 prompt pages + 2 answer pages = 7 pages, so >= 8 device pages always fit one
-_ops = st.lists(st.tuples(st.sampled_from(["begin", "finish", "abort"]), _req), min_size=1, max_size=40)
+_ops = st.lists(st.tuples(st.sampled_from(["begin", "begin", "finish", "finish", "abort"]), _req),
+                min_size=5, max_size=60)
 
 
 def _request(spec, i):
@@ -130,9 +130,9 @@ def _request(spec, i):
     return Request("h", i, np.asarray(prompt, np.int32), np.asarray(answer, np.int32))
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=_ops, policy=st.sampled_from(["write_back", "write_through", "write_through_selective"]),
-       device_pages=st.integers(8, 14), host_pages=st.integers(1, 8))
+       device_pages=st.integers(8, 11), host_pages=st.integers(1, 10))
 def test_random_streams_keep_invariants_and_bytes(ops, policy, device_pages, host_pages):
     old = torch.get_num_threads()
     torch.set_num_threads(1)

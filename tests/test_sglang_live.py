@@ -31,7 +31,10 @@ torch = pytest.importorskip("torch")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from prometheus_client import generate_latest  # noqa: E402
-
+from sglang.srt.distributed.utils import get_pp_indices  # noqa: E402
+from sglang.srt.managers.cache_controller import HiCacheAck  # noqa: E402
+from sglang.srt.mem_cache import deepseek_v4_memory_pool as dsv4  # noqa: E402
+from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as hpa  # noqa: E402
 from stagecache.exporters.metrics import make_registry  # noqa: E402
 from stagecache.exporters.snapshot import SnapshotSource  # noqa: E402
 from stagecache.integrations import sglang as integ  # noqa: E402
@@ -41,11 +44,6 @@ from stagecache.runtime.layer_map import build_layout  # noqa: E402
 from stagecache.runtime.partition import partition_layers  # noqa: E402
 from stagecache.runtime.report import preflight  # noqa: E402
 from stagecache.runtime.spec import load_spec  # noqa: E402
-
-from sglang.srt.distributed.utils import get_pp_indices  # noqa: E402
-from sglang.srt.mem_cache import deepseek_v4_memory_pool as dsv4  # noqa: E402
-from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as hpa  # noqa: E402
-from sglang.srt.managers.cache_controller import HiCacheAck  # noqa: E402
 
 PAGE = 256
 FLASH = load_spec("deepseek-v4-flash")
@@ -158,8 +156,11 @@ def _check_stage(spec_ratios, stage_map):
     assert m.c4_state_global_layers == [e.global_id for e in stage_map.pool_layers("c4_state")]
     # the real buffers: one per local layer of each kind
     assert len(pool.swa_kv_pool.kv_buffer) == stage_map.expected_buffers()["swa"]
-    assert len(pool.c4_kv_pool.kv_buffer) == stage_map.expected_buffers()["c4"]
-    assert len(pool.c128_kv_pool.kv_buffer) == stage_map.expected_buffers()["c128"]
+    for ratio, kv in ((4, pool.c4_kv_pool), (128, pool.c128_kv_pool)):
+        # sglang keeps a (possibly empty) pool only for ratios the model has
+        assert (kv is None) == (ratio not in spec_ratios)
+        got = len(kv.kv_buffer) if kv is not None else 0
+        assert got == stage_map.expected_buffers()[f"c{ratio}"]
     return pool
 
 
@@ -267,7 +268,7 @@ def test_attach_validates_publishes_and_restores():
         assert isinstance(source, SnapshotSource)
         assert hpa.build_deepseek_v4_hicache_stack is not original
         assert source.startup() is None
-        with pytest.raises(StageMappingInvalid, match="stage 3.*PP-stage-local: got 43 buffers for 10"):
+        with pytest.raises(StageMappingInvalid, match="stage 3.*PP-stage-local: got 43 buffers for 11"):
             hpa.build_deepseek_v4_hicache_stack(
                 params=_Params(), kvcache=bad, load_cache_event=None, storage_backend=None)
         startup = source.startup()
@@ -287,13 +288,6 @@ def test_attach_non_strict_delegates_to_sglang():
             hpa.build_deepseek_v4_hicache_stack(
                 params=_Params(), kvcache=bad, load_cache_event=None, storage_backend=None)
     assert source.startup()["ok"] is False
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason=(
-    "the rest of build_deepseek_v4_hicache_stack pins host memory and builds a "
-    "HybridCacheController with CUDA streams: needs a GPU"))
-def test_attach_full_stack_on_gpu():  # pragma: no cover - GPU only
-    pytest.skip("needs a full sglang CacheInitParams from a running scheduler")
 
 
 class _Controller:
@@ -332,3 +326,72 @@ def test_transfers_reach_the_prometheus_exporter():
     text = generate_latest(make_registry(source)).decode()
     assert 'stagecache_transfer_bytes_total{direction="h2d",stage="1"} 16384.0' in text
     assert 'stagecache_startup_ok 1.0' in text
+
+
+def test_install_serves_the_stage_dashboard(free_port):
+    import httpx
+
+    s = build_layout(FLASH, 4).stages[2]
+    bad = _global_swa(make_pool(FLASH.compress_ratios, s.start, s.end))
+    att = integ.install(pp_size=4, dashboard_port=free_port - 2)  # served on port + pp_rank
+    try:
+        with pytest.raises(StageMappingInvalid):
+            hpa.build_deepseek_v4_hicache_stack(
+                params=_Params(), kvcache=bad, load_cache_event=None, storage_backend=None)
+        assert att.dashboard_url == f"http://127.0.0.1:{free_port}"
+        startup = httpx.get(f"{att.dashboard_url}/api/startup", timeout=10).json()
+        assert startup["ok"] is False
+        assert startup["stages"][0]["errors"][0]["message"].startswith(
+            "SWA KV pool must be PP-stage-local: got 43 buffers for 11")
+        metrics = httpx.get(f"{att.dashboard_url}/metrics", timeout=10).text
+        assert "stagecache_startup_ok 0.0" in metrics
+    finally:
+        att.detach()
+    assert hpa.build_deepseek_v4_hicache_stack.__module__ == hpa.__name__
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{free_port}/healthz", timeout=2)
+
+
+def test_sglang_plugin_entry_point(monkeypatch):
+    """sglang's own plugin loader finds the entry point; it is off unless STAGECACHE_SGLANG=1."""
+    from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins_by_group
+    from sglang.srt.runtime_context import get_parallel
+
+    plugin, dist = load_plugins_by_group(GENERAL_PLUGINS_GROUP)["stagecache"]
+    assert dist == "stagecache" and plugin is integ.sglang_plugin
+    original = hpa.build_deepseek_v4_hicache_stack
+    monkeypatch.delenv("STAGECACHE_SGLANG", raising=False)
+    assert plugin() is None and hpa.build_deepseek_v4_hicache_stack is original
+
+    assert get_parallel().pp_size == 1  # the published default ServerArgs: pp_size 1
+    monkeypatch.setenv("STAGECACHE_SGLANG", "1")
+    monkeypatch.setattr(integ, "_PLUGIN", None)
+    att = plugin()
+    try:
+        assert plugin() is att  # once per process
+        pool = make_pool(TINY.compress_ratios, 0, TINY.num_layers)
+        pool.compress_state_pools[TINY.ratio_layers(4)[-1]] = None
+        with pytest.raises(StageMappingInvalid, match=r"\[stage 0\] c4_state: deepseek_v4_c4_state"):
+            hpa.build_deepseek_v4_hicache_stack(
+                params=_Params(), kvcache=pool, load_cache_event=None, storage_backend=None)
+        assert att.source.startup()["pp_size"] == 1
+    finally:
+        att.detach()
+    assert hpa.build_deepseek_v4_hicache_stack is original
+
+
+def test_pool_of_another_partition_is_a_clear_config_error():
+    from stagecache.runtime.errors import ConfigError
+
+    pool = make_pool(FLASH.compress_ratios, 0, 10)  # rank 0 of pp 4, no rank of pp 3
+    with pytest.raises(ConfigError, match=r"layers \[0, 10\) matches no rank of get_pp_indices for pp_size=3"):
+        integ.inspect_pool(pool, pp_size=3)
+
+
+def test_sync_transfers_still_records_without_cuda_events():
+    source = integ.SglangSource()
+    ctl = _Controller()
+    integ.wrap_controller(ctl, source, stage=0, sync=True)
+    ctl.start_loading()
+    live = source.stages()[0]
+    assert live["transfer_bytes"]["h2d"] == 8192 and live["transfer_seconds"]["h2d"] > 0

@@ -6,7 +6,6 @@ import json
 
 import numpy as np
 import pytest
-
 from stagecache.runtime.errors import ConfigError
 from stagecache.runtime.workload import (
     TraceError,

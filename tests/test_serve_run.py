@@ -1,0 +1,284 @@
+"""``stagecache serve`` end to end: real stage processes (gloo), real HTTP scrape, real signals.
+
+Each test starts the CLI as a subprocess on a free port with a small trace,
+then looks at it from outside the way an operator would: /metrics, /startupz,
+the run directory, exit codes, and which processes are still alive.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from stagecache.exporters.metrics import METRIC_NAMES
+
+SMALL = ["--model", "tiny-v4", "--pp-size", "4", "--rate", "0", "--requests", "40",
+         "--device-pages", "24", "--micro-batch", "2"]
+
+
+def start(args: list[str], out: Path) -> subprocess.Popen:
+    f = open(out, "w")  # noqa: SIM115 - closed by the OS when the child exits; read via the path
+    return subprocess.Popen([sys.executable, "-m", "stagecache.runtime", "serve", *args],
+                            stdout=f, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for(pred, timeout: float, what: str, proc: subprocess.Popen | None = None, out: Path | None = None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            text = out.read_text() if out else ""
+            pytest.fail(f"serve exited with {proc.returncode} while waiting for {what}:\n{text}")
+        time.sleep(0.2)
+    text = out.read_text() if out else ""
+    pytest.fail(f"timed out after {timeout} s waiting for {what}:\n{text}")
+
+
+def read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def run_phase(run_dir: Path) -> str | None:
+    data = read_json(run_dir / "run.json")
+    return data.get("phase") if data else None
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead for our purpose
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def stage_pids(run_dir: Path) -> list[int]:
+    data = read_json(run_dir / "run.json") or {}
+    return [int(p) for p in data.get("pids", {}).values() if p]
+
+
+def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 20) -> int:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        pytest.fail(f"serve did not exit within {timeout} s of {signal.Signals(sig).name}")
+
+
+def samples(text: str) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out.setdefault(s.name, []).append(s)
+    return out
+
+
+def value(smp: dict[str, list], name: str, **labels) -> float:
+    hits = [s.value for s in smp.get(name, []) if all(s.labels.get(k) == v for k, v in labels.items())]
+    assert len(hits) == 1, f"{name}{labels}: {len(hits)} samples"
+    return hits[0]
+
+
+def test_serve_pp4_metrics_match_the_run(tmp_path, free_port):
+    run_dir, out = tmp_path / "run", tmp_path / "out.txt"
+    proc = start([*SMALL, "--port", str(free_port), "--run-dir", str(run_dir),
+                  "--hold-seconds", "120", "--json"], out)
+    try:
+        wait_for(lambda: run_phase(run_dir) == "done", 80, "the trace to finish", proc, out)
+        base = f"http://127.0.0.1:{free_port}"
+        assert httpx.get(f"{base}/startupz", timeout=10).status_code == 200
+        text = httpx.get(f"{base}/metrics", timeout=10).text
+        pids = stage_pids(run_dir)
+    finally:
+        code = stop(proc)
+    assert code == 0, out.read_text()
+    smp = samples(text)
+    names = {n for n in smp}
+    for name in METRIC_NAMES:
+        assert any(n == name or n.startswith(name + "_") for n in names), f"{name} missing from /metrics"
+    for st in ("0", "1", "2", "3"):
+        assert value(smp, "stagecache_stage_local_layers", stage=st) == 3
+        assert value(smp, "stagecache_stage_mapping_ok", stage=st) == 1
+        assert value(smp, "stagecache_stage_mapping_errors", stage=st) == 0
+        assert value(smp, "stagecache_stage_buffers", stage=st, pool="swa") == 3
+        for pool in ("swa", "c4", "c128", "c4_state", "c128_state", "indexer"):
+            assert value(smp, "stagecache_stage_buffers", stage=st, pool=pool) == value(
+                smp, "stagecache_stage_expected_buffers", stage=st, pool=pool)
+        assert value(smp, "stagecache_requests_total", stage=st) == 40
+        for tier in ("device", "host", "miss"):
+            assert value(smp, "stagecache_cache_tokens_total", stage=st, tier=tier) > 0, tier
+        assert 0 < value(smp, "stagecache_host_hit_ratio", stage=st) < 1
+        for d in ("d2h", "h2d"):
+            assert value(smp, "stagecache_transfer_bytes_total", stage=st, direction=d) > 0
+            assert value(smp, "stagecache_transfer_seconds_count", stage=st, direction=d) > 0
+            assert value(smp, "stagecache_transfer_bandwidth_bytes_per_second", stage=st, direction=d) > 0
+        assert value(smp, "stagecache_pool_pages", stage=st, pool="swa", state="used") + value(
+            smp, "stagecache_pool_pages", stage=st, pool="swa", state="free") == 24
+        assert value(smp, "stagecache_pool_bytes", stage=st, pool="swa", tier="host") == 2 * value(
+            smp, "stagecache_pool_bytes", stage=st, pool="swa", tier="device")
+        assert value(smp, "stagecache_stage_busy_seconds_total", stage=st) > 0
+    # every stage took the same cache decisions on the same stream
+    toks = {tuple(value(smp, "stagecache_cache_tokens_total", stage=st, tier=t) for t in ("device", "host", "miss"))
+            for st in ("0", "1", "2", "3")}
+    assert len(toks) == 1
+    # stage 0 and 3 differ in layers, so in bytes moved per page: the numbers are per stage, not copies
+    assert value(smp, "stagecache_transfer_bytes_total", stage="0", direction="d2h") != value(
+        smp, "stagecache_transfer_bytes_total", stage="3", direction="d2h")
+    summary = json.loads(out.read_text()[out.read_text().index("{\n"):])
+    assert summary["phase"] == "done" and summary["exit_code"] == 0
+    assert [s["requests"] for s in summary["stages"]] == [40] * 4
+    assert all(s["bubble_seconds"] >= 0 for s in summary["stages"])
+    snap = read_json(run_dir / "snapshot.json")
+    assert snap["startup"]["ok"] is True and set(snap["stages"]) == {"0", "1", "2", "3"}
+    assert len(pids) == 4 and not any(alive(p) for p in pids)
+
+
+def test_serve_global_swa_refuses_and_startupz_shows_errors(tmp_path, free_port):
+    run_dir, out = tmp_path / "run", tmp_path / "out.txt"
+    proc = start([*SMALL, "--fault", "global-swa", "--port", str(free_port), "--run-dir", str(run_dir),
+                  "--hold-seconds", "120"], out)
+    base = f"http://127.0.0.1:{free_port}"
+
+    def failed_startupz():
+        try:
+            r = httpx.get(f"{base}/startupz", timeout=5)
+        except httpx.HTTPError:
+            return None
+        return r if r.status_code == 503 and r.json().get("status") == "failed" else None
+
+    try:
+        r = wait_for(failed_startupz, 80, "/startupz to report the failure", proc, out)
+        metrics = samples(httpx.get(f"{base}/metrics", timeout=10).text)
+        wait_for(lambda: "not serving traffic" in out.read_text(), 20, "the printed errors", proc, out)
+        stages = read_json(run_dir / "run.json")
+    finally:
+        code = stop(proc)
+    errors = r.json()["errors"]
+    swa = sorted((e["stage"], e["expected"], e["got"]) for e in errors if e["pool"] == "swa")
+    assert swa == [(s, 3, 12) for s in range(4)]
+    text = out.read_text()
+    for s in range(4):
+        assert f"[stage {s}] pool=swa expected=3 got=12" in text
+    assert "SWA KV pool must be PP-stage-local" in text
+    assert code == 1, text  # refused to serve
+    assert value(metrics, "stagecache_stage_mapping_ok", stage="2") == 0
+    assert value(metrics, "stagecache_stage_buffers", stage="2", pool="swa") == 12
+    assert value(metrics, "stagecache_startup_ok") == 0
+    # no request was served by any stage
+    assert all(s.value == 0 for s in metrics.get("stagecache_requests_total", []))
+    assert stages["phase"] == "refused"
+
+
+def test_serve_exit_on_error_exits_1(tmp_path):
+    out = tmp_path / "out.txt"
+    proc = start([*SMALL, "--fault", "global-swa", "--port", "0", "--exit-on-error"], out)
+    try:
+        code = proc.wait(90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("serve --exit-on-error did not exit")
+    text = out.read_text()
+    assert code == 1, text
+    assert "[stage 3] pool=swa expected=3 got=12" in text
+
+
+def test_serve_killed_stage_stops_the_run_naming_it(tmp_path, free_port):
+    run_dir, out = tmp_path / "run", tmp_path / "out.txt"
+    # a paced, long trace so the run is still going when the stage is killed
+    args = [a for a in SMALL]
+    args[args.index("--rate") + 1] = "4"
+    args[args.index("--requests") + 1] = "400"
+    proc = start([*args, "--port", str(free_port), "--run-dir", str(run_dir), "--exit-after-run"], out)
+    try:
+        def serving():
+            s = read_json(run_dir / "stage-2.json")
+            return s if s and s.get("phase") == "serving" and s.get("steps", 0) >= 1 else None
+
+        victim = wait_for(serving, 80, "stage 2 to serve", proc, out)["pid"]
+        pids = stage_pids(run_dir)
+        os.kill(victim, signal.SIGKILL)
+        t0 = time.monotonic()
+        code = proc.wait(30)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = out.read_text()
+    assert code == 1, text
+    assert f"stage 2 (pid {victim}) exited with code -9" in text
+    assert took < 30
+    time.sleep(0.5)
+    assert not [p for p in pids if alive(p)], "stage processes left behind"
+    assert run_phase(run_dir) == "failed"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "no-such-model"], "unknown model 'no-such-model'"),
+    (["--page-size", "100"], "--page-size 100 must be a multiple of 128"),
+    (["--device-pages", "4"], "raise --device-pages"),
+    (["--fault", "bogus"], "unknown --fault 'bogus'"),
+    (["--pp-size", "13"], "larger than the model's 12 layers"),
+])
+def test_serve_bad_input_exits_2_with_one_line(args, message, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "stagecache.runtime", "serve", "--port", "0", *args],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and message in lines[0], r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
+
+
+def test_serve_port_in_use_exits_2():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "stagecache.runtime", "serve", "--port", str(port)],
+                           capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"cannot bind the dashboard to 127.0.0.1:{port}" in r.stderr
+
+
+def test_serve_sigterm_mid_run_stops_every_stage(tmp_path, free_port):
+    run_dir, out = tmp_path / "run", tmp_path / "out.txt"
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    args = [a for a in SMALL]
+    args[args.index("--rate") + 1] = "4"
+    args[args.index("--requests") + 1] = "400"
+    proc = start([*args, "--port", str(free_port), "--run-dir", str(run_dir)], out)
+    try:
+        wait_for(lambda: (read_json(run_dir / "stage-0.json") or {}).get("phase") == "serving", 80,
+                 "stage 0 to serve", proc, out)
+        pids = stage_pids(run_dir)
+        assert len(pids) == 4 and all(alive(p) for p in pids)
+    finally:
+        code = stop(proc, signal.SIGTERM, timeout=20)
+    assert code == 143, out.read_text()
+    assert "interrupted by SIGTERM: stopped all stage processes" in out.read_text()
+    assert not [p for p in pids if alive(p)], "stage processes left behind"
+    if os.path.isdir("/dev/shm"):  # other suites may use /dev/shm at the same time: only ours count
+        ours = [n for n in set(os.listdir("/dev/shm")) - shm_before
+                if any(str(p) in n for p in [*pids, proc.pid])]
+        assert not ours, f"leaked shared memory: {ours}"
