@@ -62,6 +62,10 @@ FAMILIES: tuple[tuple[str, str, str], ...] = (
      "Seconds the stage spent on its own work (cache, KV writes, transfers, layer compute)"),
     ("stagecache_stage_bubble_seconds_total", "counter",
      "Seconds the stage waited on a peer (activation, credit, send drain): the pipeline bubble"),
+    ("stagecache_stage_idle_seconds_total", "counter",
+     "Seconds the stage waited for requests to arrive (paced traffic), not counted as bubble"),
+    ("stagecache_activation_bytes_total", "counter",
+     "Activation bytes (with headers) the stage sent to / received from its pipeline neighbours"),
 )
 
 METRIC_NAMES: tuple[str, ...] = tuple(name for name, _kind, _help in FAMILIES)
@@ -164,6 +168,10 @@ class StageCollector(Collector):
                     fams["stagecache_pool_bytes"].add_metric([st, pool, tier], _num(tiers.get(tier)))
         fams["stagecache_stage_busy_seconds_total"].add_metric([st], _num(d.get("stage_seconds")))
         fams["stagecache_stage_bubble_seconds_total"].add_metric([st], _num(d.get("bubble_seconds")))
+        fams["stagecache_stage_idle_seconds_total"].add_metric([st], _num(d.get("idle_seconds")))
+        for direction in ("sent", "received"):
+            fams["stagecache_activation_bytes_total"].add_metric(
+                [st, direction], _num(d.get(f"activation_bytes_{direction}")))
 
 
 _LABELS: dict[str, list[str]] = {
@@ -178,6 +186,7 @@ _LABELS: dict[str, list[str]] = {
     "stagecache_transfer_bandwidth_bytes_per_second": ["stage", "direction"],
     "stagecache_pool_pages": ["stage", "pool", "state"],
     "stagecache_pool_bytes": ["stage", "pool", "tier"],
+    "stagecache_activation_bytes_total": ["stage", "direction"],
 }
 
 

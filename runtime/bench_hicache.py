@@ -200,6 +200,12 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    try:
+        dev = torch.device(args.device)
+    except RuntimeError as exc:
+        raise ConfigError(f"--device {args.device!r}: {exc}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {args.device}: CUDA is not available on this machine")
     la = layout_from_args(args)
     reqs, trace_info = _load_requests(args)
     longest = max(-(-(r.input_len + r.output_len) // la.page_size) for r in reqs)
@@ -307,8 +313,9 @@ def _print_table(res: dict[str, Any]) -> None:
     con.print(f"host-tier hits = {hi['host_share_of_ceiling']:.1%} of what the ceiling reuses; "
               f"hit tokens x{s['ratio_hit_tokens_hicache_vs_device_only']} vs device only; "
               f"stages agree: {hi['stages_agree'] and s['device_only']['stages_agree']}; "
-              f"{hi['pages_verified'] + s['device_only']['pages_verified']} reused pages verified; "
-              f"{res['seconds']} s")
+              + (f"{hi['pages_verified'] + s['device_only']['pages_verified']} reused pages verified; "
+                 if res["verify"] else "not verified (--verify); ")
+              + f"{res['seconds']} s")
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -72,7 +72,7 @@ def _gbps(nbytes: int, seconds: float) -> float:
 
 
 #: (words per program, warps) tried by ``--sweep`` for the direct kernel.
-SWEEP = ((256, 2), (512, 4), (1024, 4), (2048, 8), (4096, 8))
+SWEEP = ((1024, 4, True), (1024, 4, False), (256, 2, True), (4096, 8, True))
 
 
 def _measure(clock: _Clock, total: int, repeat: int, fn) -> dict[str, Any]:
@@ -177,11 +177,14 @@ def bench_kind(base: ModelSpec, pool: str, layers: int, page_size: int, pages: i
                 }
             if sweep and cuda and pattern == "scattered":
                 row["direct_sweep"] = []
-                for block_words, warps in SWEEP:
+                from . import kernels
+
+                for block_words, warps, align16 in SWEEP:
                     c = TransferController(dp, hp, stats=None, mode="direct")
                     c.kernel_config = (block_words, warps)
+                    kernels.USE_ALIGN16 = align16
                     row["direct_sweep"].append({
-                        "block_words": block_words, "num_warps": warps,
+                        "block_words": block_words, "num_warps": warps, "align16": align16,
                         "d2h": _measure(clock, total, repeat,
                                         lambda c=c, hpg=host_ids, dpg=dev_ids: c.backup(dpg, hpg, blocking=True)),
                         "h2d": _measure(clock, total, repeat,

@@ -80,6 +80,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the generated trace (default 0)")
     p.add_argument("--micro-batch", type=positive_int, default=DEFAULT_MICRO_BATCH,
                    help=f"requests per pipeline micro-batch (default {DEFAULT_MICRO_BATCH})")
+    p.add_argument("--in-flight", type=positive_int, default=None,
+                   help="micro-batches inside the pipeline at once (default: pp-size)")
     p.add_argument("--rate", type=_nonneg_float, default=DEFAULT_RATE,
                    help=f"request arrivals per second at stage 0 (default {DEFAULT_RATE:g}, so the "
                    "dashboard can be watched live; 0 = as fast as possible)")

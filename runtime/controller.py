@@ -9,12 +9,11 @@ Paths (``TransferResult.path`` and the stats say which ran):
 * ``cpu-index``     -- device pools on CPU: ``index_select``/``index_put_``; same API, used by
   tests and CPU demos.
 * ``triton-direct`` -- CUDA: one Triton launch per pool kind reads/writes the pinned host pages
-  in place (zero-copy through unified addressing).  Wins for scattered host pages.
-* ``triton-staged`` -- CUDA: one launch gathers the device pages into a contiguous staging
-  buffer, then one DMA per contiguous run of host pages (scatter in reverse for loads).
-  Wins when host pages come in long runs (a fresh host allocator hands them out in order).
-* ``triton-mixed``  -- ``auto`` mode chose per pool kind: staged for big pages in long host
-  runs, direct for the rest (``STAGED_MIN_RUN_BYTES``).
+  in place (zero-copy through unified addressing).  The ``auto`` choice: fastest measured.
+* ``triton-staged`` -- CUDA, ``mode="staged"``: Triton gathers the device pages into a staging
+  buffer on a second stream, pipelined with one DMA per contiguous run of host pages and buffer
+  (scatter in reverse for loads).  Needs long host runs to be competitive.
+* ``triton-mixed``  -- staged where a DMA can do it, direct for strided page_first subsets.
 * ``torch-staged``  -- CUDA without Triton: ``index_select`` gather + DMA runs.
 
 On CUDA all work goes to a dedicated copy stream, which first waits for the
@@ -40,12 +39,11 @@ from .layer_map import POOLS
 from .pools import StagePools
 from .transfer_stats import TransferStats
 
+#: ``auto`` = ``direct`` with pinned host pools: on the H200 the direct kernel matched or beat
+#: the pipelined staged path for every pool kind, page pattern and layout (docs/bench-transfer.md),
+#: and it needs no staging memory.  ``staged`` stays selectable (and is what pageable host
+#: memory or a CUDA build without Triton gets).
 MODES = ("auto", "direct", "staged")
-
-#: ``auto`` stages through one DMA per host run only when runs average at least this many
-#: bytes per buffer: below it the per-DMA cost beats what the direct kernel loses to PCIe
-#: round trips.  Chosen from the H200 benchmark (docs/bench-transfer.md).
-STAGED_MIN_RUN_BYTES = 1 << 20
 
 #: The staged path cuts a transfer into about this many chunks (each at least
 #: ``STAGING_CHUNK_MIN_BYTES``) so gather and DMA of neighbouring chunks overlap.
@@ -284,9 +282,16 @@ class TransferController:
                 )
         target = host if dest == "host" else dev
         if target.numel() > 1 and not bool((target[1:] > target[:-1]).all()):  # ascending: no dups
-            uniq, counts = target.unique(return_counts=True)
-            if uniq.numel() != target.numel():
-                dup = uniq[counts > 1].tolist()
+            # O(n) duplicate test: write each position into its page's slot, read back; a page
+            # listed twice keeps only one position (sorting 20k ids costs ~20x more)
+            import torch
+
+            n = self.host_pools.num_pages if dest == "host" else self.device_pools.num_pages
+            pos = torch.arange(target.numel())
+            marks = torch.empty(n, dtype=torch.int64).index_copy_(0, target, pos)
+            lost = marks.index_select(0, target) != pos
+            if bool(lost.any()):
+                dup = sorted(set(target[lost].tolist()))
                 raise TransferError(
                     f"stage {stage}: destination {dest} page(s) {dup[:8]} appear more than once; "
                     "the result would depend on copy order"
@@ -341,19 +346,16 @@ class TransferController:
         kinds = [p for p, _ in plan.pools]
         if not self.use_triton:
             return ("torch-staged" if self.cuda else "cpu-index"), frozenset(kinds)
-        if self.mode == "direct" or not host.numel():
+        hp = self.host_pools
+        if self.cuda and not hp.pinned:  # pageable host memory: the kernel cannot reach it, DMA can
+            return "torch-staged", frozenset(kinds)
+        if self.mode in ("direct", "auto") or not host.numel():
             staged: frozenset[str] = frozenset()
         else:
             # page_first with only some buffers of a kind: host slices are strided, which a
             # DMA cannot do in one piece, so those always go direct.
-            hp = self.host_pools
             dma_ok = [p for p, ix in plan.pools if hp.layout == "layer_first" or len(ix) == len(hp.buffers[p])]
-            if self.mode == "staged":
-                staged = frozenset(dma_ok)
-            else:
-                avg_run = host.numel() / _run_count(host)
-                staged = frozenset(p for p in dma_ok
-                                   if avg_run * self.device_pools.page_bytes(p) >= STAGED_MIN_RUN_BYTES)
+            staged = frozenset(dma_ok)
         if not staged:
             return "triton-direct", staged
         return ("triton-staged" if len(staged) == len(kinds) else "triton-mixed"), staged
@@ -628,13 +630,6 @@ def _ids(values, what: str, stage: int):
         bad = next((v for v in items if type(v) is not int), items[0])
         raise TransferError(f"stage {stage}: {what} ids must be integers, got {bad!r}")
     return torch.from_numpy(arr.astype(np.int64, copy=False).reshape(-1))
-
-
-def _run_count(ids) -> int:
-    """How many contiguous ascending runs ``ids`` (1-D tensor, non-empty) has."""
-    if ids.numel() < 2:
-        return int(ids.numel())
-    return int(((ids[1:] - ids[:-1]) != 1).sum()) + 1
 
 
 def _runs(ids) -> list[tuple[int, int, int]]:

@@ -146,11 +146,15 @@ class HiCache:
     def begin(self, request: Any) -> Handle:
         """Match the prompt, load host hits to device, allocate the rest, lock the prefix.
 
-        At least the prompt's last token is always computed (as in sglang), so at
-        most ``(input_len - 1) // page_size`` pages can hit.
+        ``request`` has ``input_ids`` and ``output_ids`` (``workload.Request``), or
+        just ``tokens`` (all prompt).  At least the prompt's last token is always
+        computed (as in sglang), so at most ``(input_len - 1) // page_size`` pages hit.
         """
-        input_ids = np.asarray(request.input_ids)
-        output_ids = np.asarray(request.output_ids)
+        prompt = getattr(request, "input_ids", None)
+        if prompt is None:  # a plain ``tokens`` request: all prompt, no answer
+            prompt = request.tokens
+        input_ids = np.asarray(prompt, dtype=np.int64)
+        output_ids = np.asarray(getattr(request, "output_ids", ()), dtype=np.int64)
         if len(input_ids) == 0:
             raise ConfigError(f"stage {self.stage}: a request needs at least one prompt token")
         tokens = np.concatenate([input_ids, output_ids]).tolist()

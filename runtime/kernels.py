@@ -35,6 +35,10 @@ except ImportError:  # pragma: no cover - triton is a test/gpu dependency
 #: Words per program along a page; 1024 x 8 B = 8 KiB per program for int64.
 BLOCK_WORDS = 1024
 
+#: Give the compiler the 16-byte alignment hint when addresses allow it (the benchmark's
+#: sweep turns it off to measure what it buys; a compiler that rejects it turns it off).
+USE_ALIGN16 = True
+
 if HAVE_TRITON:
 
     @triton.jit
@@ -49,6 +53,7 @@ if HAVE_TRITON:
         words_per_page,
         WORD: tl.constexpr,  # bytes per word: 8, 4, 2 or 1
         BLOCK: tl.constexpr,
+        ALIGN16: tl.constexpr,  # every base address, page and stride is a multiple of 16 bytes
     ):
         pid = tl.program_id(0)  # layer * n_pages + page slot
         chunk = tl.program_id(1)
@@ -62,8 +67,13 @@ if HAVE_TRITON:
             ptype = tl.pointer_type(tl.int16)
         else:
             ptype = tl.pointer_type(tl.int8)
-        src = tl.load(src_table + layer).to(ptype)
-        dst = tl.load(dst_table + layer).to(ptype)
+        src_addr = tl.load(src_table + layer)
+        dst_addr = tl.load(dst_table + layer)
+        if ALIGN16:  # lets the compiler use 16-byte accesses (addresses come from a table)
+            src_addr = tl.multiple_of(src_addr, 16)
+            dst_addr = tl.multiple_of(dst_addr, 16)
+        src = src_addr.to(ptype)
+        dst = dst_addr.to(ptype)
         sp = tl.load(src_idx + slot).to(tl.int64)
         dp = tl.load(dst_idx + slot).to(tl.int64)
         offs = chunk * BLOCK + tl.arange(0, BLOCK)
@@ -112,8 +122,11 @@ FLAT_BELOW_WORDS = 2048
 
 
 def word_bytes(page_bytes: int, strides: Sequence[int], addresses: Sequence[int]) -> int:
-    """Widest word (8/4/2/1 bytes) dividing the page size, both strides and every base address."""
-    for w in (8, 4, 2):
+    """Widest alignment (16/8/4/2/1 bytes) dividing the page size, both strides and every address.
+
+    16 means 8-byte words whose pairs may be moved as one 16-byte access.
+    """
+    for w in (16, 8, 4, 2):
         if page_bytes % w == 0 and all(s % w == 0 for s in strides) and all(a % w == 0 for a in addresses):
             return w
     return 1
@@ -146,6 +159,8 @@ def copy_pages(
         return
     if n_layers != int(dst_table.numel()) or n_pages != int(dst_idx.numel()):
         raise ValueError("copy_pages: source and destination tables/ids differ in length")
+    align16 = word == 16 and USE_ALIGN16  # 8-byte words, 16-byte accesses allowed
+    word = min(word, 8)
     words = page_bytes // word
     if words < FLAT_BELOW_WORDS:
         block = block_words or BLOCK_WORDS
@@ -158,8 +173,19 @@ def copy_pages(
         return
     block = min(block_words or BLOCK_WORDS, triton.next_power_of_2(words))
     grid = (n_layers * n_pages, triton.cdiv(words, block))
-    _copy_pages_kernel[grid](
-        src_table, dst_table, src_idx, dst_idx, n_pages,
-        src_stride_bytes // word, dst_stride_bytes // word, words,
-        WORD=word, BLOCK=block, num_warps=num_warps or max(1, min(8, block // 256)),
-    )
+    args = (src_table, dst_table, src_idx, dst_idx, n_pages, src_stride_bytes // word,
+            dst_stride_bytes // word, words)
+    warps = num_warps or max(1, min(8, block // 256))
+    try:
+        _copy_pages_kernel[grid](*args, WORD=word, BLOCK=block, ALIGN16=align16, num_warps=warps)
+    except Exception:
+        if not align16:
+            raise
+        _disable_align16()
+        _copy_pages_kernel[grid](*args, WORD=word, BLOCK=block, ALIGN16=False, num_warps=warps)
+
+
+def _disable_align16() -> None:
+    """The hint failed to compile on this Triton: fall back to plain 8-byte words for good."""
+    global USE_ALIGN16
+    USE_ALIGN16 = False

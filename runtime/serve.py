@@ -77,6 +77,7 @@ class ServeOptions:
     requests: int
     seed: int
     micro_batch: int
+    in_flight: int | None
     rate: float
     hidden_size: int
     device: str  # resolved: "cpu" | "cuda"
@@ -153,8 +154,9 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
     requests = args.requests or (0 if args.trace else DEFAULT_REQUESTS)
     trace = build_trace(args.trace, requests, args.seed)  # TraceError (exit 2) lists bad lines
     check_trace_fits(trace, la.page_size, device_pages, args.micro_batch)
-    partition = tuple(s.local_layers for s in la.layout.stages) if args.pp_partition else None
     device = resolve_device(args.device, args.pp_size)
+    check_host_memory(la, device_pages, args.hicache_ratio, device)
+    partition = tuple(s.local_layers for s in la.layout.stages) if args.pp_partition else None
     hidden = args.hidden_size or model_hidden_size(args.model) or DEFAULT_HIDDEN
     if not args.hidden_size and device == "cpu":
         hidden = min(hidden, CPU_HIDDEN_CAP)  # a 4096-wide stand-in compute would dominate on CPU
@@ -174,6 +176,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         requests=len(trace),
         seed=args.seed,
         micro_batch=args.micro_batch,
+        in_flight=args.in_flight,
         rate=args.rate,
         hidden_size=hidden,
         device=device,
@@ -188,6 +191,36 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         dist_timeout=args.dist_timeout,
         json=args.json,
     )
+
+
+def check_host_memory(la: Any, device_pages: int, hicache_ratio: float, device: str) -> None:
+    """All stages share this host's RAM: their pools together must fit (a per-stage check cannot see it).
+
+    Host (HiCache) pools always live in RAM; device pools too when running on CPU.
+    Counts include ``--fault`` plans, since a faulty build really allocates its buggy pools.
+    """
+    from .faults import apply_layout_faults, buffer_plan
+    from .pool_sizing import host_pages_for, stage_pool_bytes
+    from .pools import _fmt_bytes, host_available_bytes
+
+    avail = host_available_bytes()
+    if avail is None:
+        return
+    host_pages = host_pages_for(device_pages, hicache_ratio)
+    faulty = apply_layout_faults(la.layout, la.faults)
+    need = 0
+    for stage_map in faulty.stages:
+        plan = buffer_plan(stage_map, la.spec.compress_ratios, la.faults, la.layout.pp_size)
+        counts = {pool: len(slots) for pool, slots in plan.items()}
+        per_page = sum(stage_pool_bytes(la.spec, stage_map, la.page_size, 1, counts).values())
+        need += per_page * (host_pages + (device_pages if device == "cpu" else 0))
+    if need > avail:
+        where = "device + host pools" if device == "cpu" else "host pools"
+        raise ConfigError(
+            f"the {len(faulty.stages)} stages' {where} need {_fmt_bytes(need)} of RAM together "
+            f"({device_pages} device pages, {host_pages} host pages per stage), only "
+            f"{_fmt_bytes(avail)} available; lower --device-pages/--max-total-tokens or --hicache-ratio"
+        )
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -286,6 +319,7 @@ def _stage_config(opts: ServeOptions, rank: int, run_dir: str, master_port: int)
         master_port=master_port, backend="nccl" if opts.device == "cuda" else "gloo",
         device=opts.device, trace=opts.trace, requests=opts.requests, seed=opts.seed,
         micro_batch_requests=opts.micro_batch, hidden_size=opts.hidden_size, rate=opts.rate,
+        in_flight=opts.in_flight or opts.pp_size,
         dist_timeout_s=opts.dist_timeout, parent_pid=os.getpid(),
     )
 
@@ -419,6 +453,7 @@ class Supervisor:
             report = self.source.startup()
             if self.phase == "starting" and report is not None:
                 self.phase = "serving" if report.get("ok") else "refused"
+                self.write_run_file()
                 progress.startup(report)
             stages = self.source.stages()
             progress.update(stages)
@@ -575,30 +610,44 @@ def exit_code_for(phase: str, opts: ServeOptions) -> int:
     return 0 if phase == "done" else 1
 
 
+def _si(n: float) -> str:
+    """Compact count/byte figure for an 80-column table: 163840 -> 164k, 87954944 -> 88M."""
+    for unit, div in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.0f}{unit}" if abs(n) >= 10 * div else f"{n / div:.1f}{unit}"
+    return f"{n:.0f}"
+
+
 def print_summary(console: Console, summary: dict[str, Any]) -> None:
+    """Per-stage table that fits 80 columns (the full numbers are in --json / snapshot.json)."""
+    from rich import box
     from rich.table import Table
 
     if not summary["stages"] or summary["phase"] == "refused":
         return
     table = Table(title=f"{summary['model']} pp={summary['pp_size']}: {summary['phase']} "
-                        f"in {summary['wall_seconds']:.1f} s, {summary['micro_batches']} micro-batches")
-    for col in ("stage", "layers", "requests", "device tok", "host tok", "miss tok", "host-hit",
-                "d2h MiB", "h2d MiB", "busy s", "bubble s", "idle s", "bubble"):
-        table.add_column(col, justify="right")
+                        f"in {summary['wall_seconds']:.1f} s, {summary['micro_batches']} micro-batches",
+                  box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=True, pad_edge=False)
+    for col in ("stage", "layers", "req", "tokens d/h/m", "host hit", "B d2h/h2d",
+                "s busy/bub/idle", "bubble"):
+        table.add_column(col, justify="right", no_wrap=True)
     for r in summary["stages"]:
         tok, tb = r["cache_tokens"], r["transfer_bytes"]
         layers = r["layers"]
         table.add_row(
             str(r["stage"]), f"[{layers[0]},{layers[1]})" if None not in layers else "?",
-            str(r["requests"]), str(tok.get("device", 0)), str(tok.get("host", 0)), str(tok.get("miss", 0)),
-            f"{r['host_hit_ratio']:.1%}", f"{tb.get('d2h', 0) / 2**20:.2f}", f"{tb.get('h2d', 0) / 2**20:.2f}",
-            f"{r['stage_seconds']:.2f}", f"{r['bubble_seconds']:.2f}", f"{r['idle_seconds']:.2f}",
+            str(r["requests"]),
+            "/".join(_si(tok.get(t, 0)) for t in ("device", "host", "miss")),
+            f"{r['host_hit_ratio']:.1%}",
+            f"{_si(tb.get('d2h', 0))}/{_si(tb.get('h2d', 0))}",
+            f"{r['stage_seconds']:.1f}/{r['bubble_seconds']:.1f}/{r['idle_seconds']:.1f}",
             f"{r['bubble_fraction']:.0%}",
         )
     console.print(table)
     if summary["micro_batches"]:
-        console.print(f"ideal bubble for pp={summary['pp_size']}, m={summary['micro_batches']}: "
-                      f"{summary['ideal_bubble_fraction']:.0%} (measured per stage above)")
+        console.print(f"tokens: device hit / host hit / miss; bubble = bub / (busy + bub); ideal for "
+                      f"pp={summary['pp_size']}, m={summary['micro_batches']}: "
+                      f"{summary['ideal_bubble_fraction']:.0%}")
     if summary["phase"] == "done" and summary["pp_size"] > 1:
         verified = sum(r["kv_verified_pages"] for r in summary["stages"])
         console.print("cache decisions identical on every stage (checked per micro-batch); "
@@ -672,12 +721,13 @@ def serve(opts: ServeOptions) -> int:
             with Progress(opts, console) as progress:
                 phase = sup.supervise(progress)
         except _Stop as stop:
-            sup.phase = "interrupted"
+            refused = sup.phase == "refused"  # validation already failed: that stays the outcome
+            sup.phase = "refused" if refused else "interrupted"
             sup.failure = f"interrupted by {stop}"
             sup.stop()
             sup.write_run_file()
             console.print(f"[yellow]{escape(sup.failure)}: stopped all stage processes[/yellow]")
-            code = 130 if stop.signum == signal.SIGINT else 143
+            code = 1 if refused else 130 if stop.signum == signal.SIGINT else 143
             summary = summarize(opts, sup, time.perf_counter() - t0)
             summary["exit_code"] = code
             return code

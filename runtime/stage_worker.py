@@ -65,6 +65,7 @@ class StageConfig:
     hidden_size: int
     rate: float  # requests/s at stage 0; 0 = as fast as possible
     dist_timeout_s: float
+    in_flight: int = 0  # micro-batches in the pipe at once; 0 = pp_size
     parent_pid: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -275,7 +276,8 @@ class StageWorker:
         mbs = split_micro_batches(requests, cfg.micro_batch_requests)
         self.total_micro_batches = len(mbs)
         self.total_requests = len(requests)
-        self.pipe = StagePipe(self.rank, cfg.pp_size, cfg.hidden_size, cfg.torch_device)
+        self.pipe = StagePipe(self.rank, cfg.pp_size, cfg.hidden_size, cfg.torch_device,
+                              window=cfg.in_flight or cfg.pp_size)
         t0 = time.perf_counter()
         self.publish(force=True)
         for mb in mbs:

@@ -291,3 +291,12 @@ def test_snapshot_has_the_live_dict_keys():
     assert snap["cache_tokens"]["host"] == PS and snap["evictions"]["device"] == 3  # 1, 2, 3
     assert snap["host_hit_ratio"] == pytest.approx(PS / cache.stats.looked_up_tokens)
     assert snap["transfer_bytes"]["h2d"] == cache.pools.token_page_bytes()
+
+
+def test_plain_tokens_request_is_all_prompt():
+    from types import SimpleNamespace
+
+    cache, w = make(device_pages=4)
+    run(cache, w, SimpleNamespace(tokens=np.asarray(page(1, 2), np.int64)))
+    h = run(cache, w, SimpleNamespace(tokens=np.asarray(page(1, 2) + [3], np.int64)))
+    assert (h.device_hit_pages, h.input_len) == (2, 2 * PS + 1)

@@ -100,3 +100,19 @@ def test_gpu_kernel_direct_into_pinned_host():
     torch.cuda.synchronize()
     for i in range(L):
         assert torch.equal(dst[d_idx.cpu(), i], src[i][s_idx].cpu())
+
+
+def test_gpu_pageable_host_goes_through_dma():
+    """Unpinned host pools cannot be reached by the kernel: the controller must stage + DMA."""
+    stage = build_layout(TINY, 2).stages[0]
+    dp = StagePools(TINY, stage, 128, 8, device="cuda")
+    for bufs in dp.buffers.values():
+        for b in bufs:
+            b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, device="cuda"))
+    hp = HostPools(dp, num_pages=8, pin_memory=False)
+    c = TransferController(dp, hp)
+    r = c.backup([1, 5, 2], [0, 1, 2], blocking=True)
+    assert r.path == "torch-staged"
+    for pool in POOLS:
+        for i, b in enumerate(hp.buffers[pool]):
+            assert torch.equal(b[[0, 1, 2]], dp.buffers[pool][i][[1, 5, 2]].cpu())

@@ -29,7 +29,7 @@ SCRIPT = textwrap.dedent(r'''
 
     # 1. raw kernel: every word size, strided (page_first-like) destination, scattered ids
     # small pages take the flat kernel, 16 KiB+ pages the program-per-page kernel
-    for page_bytes, want_word in ((64, 8), (36, 4), (18, 2), (9, 1), (8 * 2050, 8), (4 * 2101, 4)):
+    for page_bytes, want_word in ((64, 16), (36, 4), (18, 2), (9, 1), (8 * 2050, 16), (4 * 2101, 4), (8 * 2051, 8)):
         L, P = 3, 7
         src = [torch.randint(0, 256, (P, page_bytes), dtype=torch.uint8) for _ in range(L)]
         dst = torch.zeros((P, L, page_bytes), dtype=torch.uint8)  # one page of all layers contiguous
@@ -96,7 +96,7 @@ def test_triton_kernels_under_interpreter():
     proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.split("\n")
-    assert sum(line.startswith("kernel word=") for line in lines) == 6
+    assert sum(line.startswith("kernel word=") for line in lines) == 7
     for layout in ("layer_first", "page_first"):
         for mode in ("direct", "staged"):
             assert f"controller {layout} {mode} ok" in lines

@@ -138,6 +138,11 @@ def test_serve_pp4_metrics_match_the_run(tmp_path, free_port):
         assert value(smp, "stagecache_pool_bytes", stage=st, pool="swa", tier="host") == 2 * value(
             smp, "stagecache_pool_bytes", stage=st, pool="swa", tier="device")
         assert value(smp, "stagecache_stage_busy_seconds_total", stage=st) > 0
+        if st != "0":  # activations flow 0 -> 1 -> 2 -> 3
+            assert value(smp, "stagecache_activation_bytes_total", stage=st, direction="received") > 0
+    assert value(smp, "stagecache_activation_bytes_total", stage="0", direction="sent") == value(
+        smp, "stagecache_activation_bytes_total", stage="1", direction="received")
+    assert value(smp, "stagecache_activation_bytes_total", stage="3", direction="sent") == 0
     # every stage took the same cache decisions on the same stream
     toks = {tuple(value(smp, "stagecache_cache_tokens_total", stage=st, tier=t) for t in ("device", "host", "miss"))
             for st in ("0", "1", "2", "3")}
@@ -171,9 +176,9 @@ def test_serve_global_swa_refuses_and_startupz_shows_errors(tmp_path, free_port)
         r = wait_for(failed_startupz, 80, "/startupz to report the failure", proc, out)
         metrics = samples(httpx.get(f"{base}/metrics", timeout=10).text)
         wait_for(lambda: "not serving traffic" in out.read_text(), 20, "the printed errors", proc, out)
-        stages = read_json(run_dir / "run.json")
     finally:
         code = stop(proc)
+    stages = read_json(run_dir / "run.json")
     errors = r.json()["errors"]
     swa = sorted((e["stage"], e["expected"], e["got"]) for e in errors if e["pool"] == "swa")
     assert swa == [(s, 3, 12) for s in range(4)]
@@ -240,6 +245,8 @@ def test_serve_killed_stage_stops_the_run_naming_it(tmp_path, free_port):
     (["--device-pages", "4"], "raise --device-pages"),
     (["--fault", "bogus"], "unknown --fault 'bogus'"),
     (["--pp-size", "13"], "larger than the model's 12 layers"),
+    (["--device-pages", "200000"], "of RAM together"),
+    (["--trace", "/nonexistent/trace.jsonl"], "no such file"),
 ])
 def test_serve_bad_input_exits_2_with_one_line(args, message, tmp_path):
     r = subprocess.run([sys.executable, "-m", "stagecache.runtime", "serve", "--port", "0", *args],
@@ -282,3 +289,14 @@ def test_serve_sigterm_mid_run_stops_every_stage(tmp_path, free_port):
         ours = [n for n in set(os.listdir("/dev/shm")) - shm_before
                 if any(str(p) in n for p in [*pids, proc.pid])]
         assert not ours, f"leaked shared memory: {ours}"
+
+
+def test_serve_malformed_trace_exits_2_listing_the_lines(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"session": "a", "turn": 0, "input_len": 300, "output_len": 8}\n'
+                     '{"session": "a", "turn": 1, "input_len": 0, "output_len": 8}\n'
+                     'not json\n')
+    r = subprocess.run([sys.executable, "-m", "stagecache.runtime", "serve", "--port", "0",
+                        "--trace", str(trace)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "2 malformed line(s)" in r.stderr and "line 2" in r.stderr and "line 3" in r.stderr

@@ -42,4 +42,6 @@ for path in sys.argv[1:]:
               f' auto {cell("auto","d2h")}/{cell("auto","h2d")} direct {cell("direct","d2h")}/{cell("direct","h2d")}'
               f' staged {cell("staged","d2h")}/{cell("staged","h2d")} ok={r["bit_exact"]} stat%={r["stats_overhead"]["record_pct_of_transfer"]}')
 PY
-timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests > "$OUT/pytest-m-gpu.log" 2>&1; echo "pytest -m gpu rc=$?"; tail -3 "$OUT/pytest-m-gpu.log"
+# others' gpu tests: collection needs packages the image lacks (fastapi, ...), so only ours run above
+timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu --continue-on-collection-errors tests > "$OUT/pytest-m-gpu.log" 2>&1
+echo "pytest -m gpu rc=$?"; tail -4 "$OUT/pytest-m-gpu.log"
