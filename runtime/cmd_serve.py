@@ -73,7 +73,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hicache-layout", choices=("layer_first", "page_first"), default="layer_first",
                    help="host pool memory layout (default layer_first)")
     p.add_argument("--trace", default=None, metavar="FILE",
-                   help="JSONL request trace (default: a generated trace with shared prefixes)")
+                   help="JSONL request trace (default: a generated multi-turn chat trace)")
     p.add_argument("--requests", type=positive_int, default=None,
                    help=f"requests to generate, or to take from --trace (default {DEFAULT_REQUESTS} "
                    "generated; all of --trace)")
@@ -86,7 +86,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"request arrivals per second at stage 0 (default {DEFAULT_RATE:g}, so the "
                    "dashboard can be watched live; 0 = as fast as possible)")
     p.add_argument("--hidden-size", type=positive_int, default=None,
-                   help="activation width sent between stages (default: the model's hidden_size)")
+                   help="activation width sent between stages (default: the model's hidden_size, "
+                   "at most 512 on CPU)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto (default): one GPU per stage with nccl if there are >= pp-size GPUs, "
                    "else CPU with gloo")

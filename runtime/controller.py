@@ -141,7 +141,11 @@ class TransferResult:
 
 
 class TransferController:
-    """Moves token pages of one stage between its device pools and its host mirror."""
+    """Moves token pages of one stage between its device pools and its host mirror.
+
+    One controller per stage, driven from one thread (the stage's scheduler); the
+    ``TransferStats`` it records into may be read from any thread.
+    """
 
     def __init__(self, device_pools: StagePools, host_pools: HostPools,
                  stats: TransferStats | None = None, use_triton: bool | None = None,

@@ -30,7 +30,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -92,7 +92,6 @@ class ServeOptions:
     dist_timeout: float
     json: bool
     model_name: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def model_hidden_size(model: str) -> int | None:
@@ -154,6 +153,13 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
     requests = args.requests or (0 if args.trace else DEFAULT_REQUESTS)
     trace = build_trace(args.trace, requests, args.seed)  # TraceError (exit 2) lists bad lines
     check_trace_fits(trace, la.page_size, device_pages, args.micro_batch)
+    if args.rate > 0 and args.micro_batch / args.rate > args.dist_timeout / 2:
+        gap = args.micro_batch / args.rate
+        raise ConfigError(
+            f"--rate {args.rate:g} with --micro-batch {args.micro_batch} leaves {gap:g} s between "
+            f"micro-batches, too close to --dist-timeout {args.dist_timeout:g} s (later stages wait "
+            "in recv that long); raise --dist-timeout or --rate"
+        )
     device = resolve_device(args.device, args.pp_size)
     check_host_memory(la, device_pages, args.hicache_ratio, device)
     partition = tuple(s.local_layers for s in la.layout.stages) if args.pp_partition else None

@@ -27,7 +27,7 @@ import signal
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from . import run_dir as rd
@@ -67,7 +67,6 @@ class StageConfig:
     dist_timeout_s: float
     in_flight: int = 0  # micro-batches in the pipe at once; 0 = pp_size
     parent_pid: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def torch_device(self) -> str:

@@ -246,6 +246,7 @@ def test_serve_killed_stage_stops_the_run_naming_it(tmp_path, free_port):
     (["--fault", "bogus"], "unknown --fault 'bogus'"),
     (["--pp-size", "13"], "larger than the model's 12 layers"),
     (["--device-pages", "200000"], "of RAM together"),
+    (["--rate", "0.01"], "raise --dist-timeout or --rate"),
     (["--trace", "/nonexistent/trace.jsonl"], "no such file"),
 ])
 def test_serve_bad_input_exits_2_with_one_line(args, message, tmp_path):
