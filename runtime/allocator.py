@@ -37,7 +37,11 @@ class ForeignPageError(AllocatorError, ValueError):
 
 
 class PageAllocator:
-    """Hands out page ids ``0..num_pages-1``; lowest ids first on a fresh allocator."""
+    """Hands out page ids ``0..num_pages-1``; lowest ids first on a fresh allocator.
+
+    ``alloc`` returns its ids ascending: a fresh (or freshly freed) range comes back as one
+    contiguous run, which the transfer controller turns into one large DMA per run.
+    """
 
     def __init__(self, num_pages: int, name: str = "pool"):
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0:
@@ -66,7 +70,7 @@ class PageAllocator:
         with self._lock:
             if n > len(self._free):
                 raise OutOfPagesError(self.name, n, len(self._free), self.num_pages)
-            ids = [self._free.pop() for _ in range(n)]
+            ids = sorted(self._free.pop() for _ in range(n))  # ascending: host runs -> few DMAs
             for i in ids:
                 self._used[i] = 1
             return ids

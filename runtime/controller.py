@@ -9,12 +9,15 @@ Paths (``TransferResult.path`` and the stats say which ran):
 * ``cpu-index``     -- device pools on CPU: ``index_select``/``index_put_``; same API, used by
   tests and CPU demos.
 * ``triton-direct`` -- CUDA: one Triton launch per pool kind reads/writes the pinned host pages
-  in place (zero-copy through unified addressing).  The ``auto`` choice: fastest measured.
-* ``triton-staged`` -- CUDA, ``mode="staged"``: Triton gathers the device pages into a staging
-  buffer on a second stream, pipelined with one DMA per contiguous run of host pages and buffer
-  (scatter in reverse for loads).  Needs long host runs to be competitive.
-* ``triton-mixed``  -- staged where a DMA can do it, direct for strided page_first subsets.
-* ``torch-staged``  -- CUDA without Triton: ``index_select`` gather + DMA runs.
+  in place (zero-copy through unified addressing).  ``auto`` uses it for small transfers and
+  scattered host pages.
+* ``triton-staged`` -- CUDA: the device pages are gathered (``index_select`` per layer, or the
+  Triton kernel for page_first blocks) into a cached staging ring on a second stream, pipelined
+  with one copy-engine DMA per contiguous run of host pages (and buffer, for layer_first);
+  loads DMA first, then scatter.  ``auto`` uses it for big transfers into long host runs,
+  which is what the host allocator hands out (lowest free ids, ascending).
+* ``triton-mixed``  -- staged for some pool kinds, direct for the rest.
+* ``torch-staged``  -- CUDA without Triton, or pageable host memory: the staged path.
 
 On CUDA all work goes to a dedicated copy stream, which first waits for the
 caller's current stream (so the KV the model just wrote is what gets copied).
@@ -39,16 +42,24 @@ from .layer_map import POOLS
 from .pools import StagePools
 from .transfer_stats import TransferStats
 
-#: ``auto`` = ``direct`` with pinned host pools: on the H200 the direct kernel matched or beat
-#: the pipelined staged path for every pool kind, page pattern and layout (docs/bench-transfer.md),
-#: and it needs no staging memory.  ``staged`` stays selectable (and is what pageable host
-#: memory or a CUDA build without Triton gets).
+#: ``auto`` picks per pool kind between the direct kernel and the staged path (thresholds
+#: below, measured on the H200: docs/bench-transfer.md); ``direct`` and ``staged`` force one.
 MODES = ("auto", "direct", "staged")
 
-#: The staged path cuts a transfer into about this many chunks (each at least
-#: ``STAGING_CHUNK_MIN_BYTES``) so gather and DMA of neighbouring chunks overlap.
+#: Staged path: a transfer is cut into units of about ``total / STAGING_CHUNKS`` bytes, at
+#: least ``STAGING_CHUNK_MIN_BYTES`` and at most ``STAGING_CHUNK_BYTES`` (a layer_first unit
+#: never spans layers), so the device gather of unit k+1 overlaps the DMA of unit k.
 STAGING_CHUNKS = 8
 STAGING_CHUNK_MIN_BYTES = 4 << 20
+STAGING_CHUNK_BYTES = 32 << 20
+#: Staging memory a controller keeps (a ring of unit slots, reused in order; at least 2 slots).
+STAGING_MAX_BYTES = 256 << 20
+
+#: ``auto`` stages a pool kind when it moves at least this many bytes in the transfer ...
+AUTO_STAGED_MIN_BYTES = 4 << 20
+#: ... and its contiguous host runs give DMAs of at least this many bytes on average
+#: (scattered host pages would mean one small DMA per page: the direct kernel wins there).
+AUTO_STAGED_MIN_DMA_BYTES = 1 << 20
 
 
 class TransferError(StageCacheError, ValueError):
@@ -186,6 +197,12 @@ class TransferController:
         #: (words per program, warps) of the direct kernel, None = kernels' defaults; the
         #: benchmark sweeps these.
         self.kernel_config: tuple[int | None, int | None] = (None, None)
+        # cached between calls: staging ring, pinned/device id buffers, device arange
+        self._stage_buf: Any = None
+        self._ids_host: Any = None
+        self._ids_dev: Any = None
+        self._ids_event: Any = None
+        self._arange: Any = None
 
     # -- public API -------------------------------------------------------------------------
     def backup(self, device_pages: Sequence[int], host_pages: Sequence[int],
@@ -340,12 +357,14 @@ class TransferController:
         return _Plan(tuple(pools), tuple(gids))
 
     # -- engine -----------------------------------------------------------------------------
-    def _choose(self, plan: _Plan, host: list[int]) -> tuple[str, frozenset[str]]:
+    def _choose(self, plan: _Plan, host) -> tuple[str, frozenset[str]]:
         """Path name and the pool kinds that go through staging + DMA (the rest: direct kernel).
 
-        ``auto`` decides per pool kind: big pages in long host runs make few large
-        DMAs (staged); small pages or scattered host pages would make many tiny
-        DMAs, so the direct kernel writes them in place.
+        ``auto`` decides per pool kind from two measured thresholds: the pool's bytes in this
+        transfer (``AUTO_STAGED_MIN_BYTES``) and the mean bytes per DMA the host runs give
+        (``AUTO_STAGED_MIN_DMA_BYTES``).  Big transfers into long host runs make few large DMAs,
+        which the copy engine moves at the link's ceiling; small ones or scattered host pages
+        would make many small DMAs, so the direct kernel writes them in place.
         """
         kinds = [p for p, _ in plan.pools]
         if not self.use_triton:
@@ -353,16 +372,27 @@ class TransferController:
         hp = self.host_pools
         if self.cuda and not hp.pinned:  # pageable host memory: the kernel cannot reach it, DMA can
             return "torch-staged", frozenset(kinds)
-        if self.mode in ("direct", "auto") or not host.numel():
+        if self.mode == "direct" or not host.numel():
             staged: frozenset[str] = frozenset()
         else:
             # page_first with only some buffers of a kind: host slices are strided, which a
             # DMA cannot do in one piece, so those always go direct.
-            dma_ok = [p for p, ix in plan.pools if hp.layout == "layer_first" or len(ix) == len(hp.buffers[p])]
-            staged = frozenset(dma_ok)
+            dma_ok = [(p, ix) for p, ix in plan.pools
+                      if hp.layout == "layer_first" or len(ix) == len(hp.buffers[p])]
+            if self.mode == "staged":
+                staged = frozenset(p for p, _ in dma_ok)
+            else:
+                n = int(host.numel())
+                runs = 1 + int((host[1:] - host[:-1] != 1).sum()) if n > 1 else 1
+                staged = frozenset(p for p, ix in dma_ok if self._staging_pays(p, ix, n, runs))
         if not staged:
             return "triton-direct", staged
         return ("triton-staged" if len(staged) == len(kinds) else "triton-mixed"), staged
+
+    def _staging_pays(self, pool: str, ix: tuple[int, ...], n: int, runs: int) -> bool:
+        nbytes = self.device_pools.page_bytes(pool) * len(ix) * n
+        dmas = runs * (len(ix) if self.host_pools.layout == "layer_first" else 1)
+        return nbytes >= AUTO_STAGED_MIN_BYTES and nbytes / dmas >= AUTO_STAGED_MIN_DMA_BYTES
 
     def _transfer(self, direction: str, device_pages, host_pages, layers, blocking: bool,
                   kinds: Sequence[str] | None = None) -> TransferResult:
@@ -437,13 +467,31 @@ class TransferController:
                 else:
                     d.index_copy_(0, d_idx, h.index_select(0, h_idx))
 
-    def _index_tensors(self, dev: list[int], host: list[int]):
+    def _index_tensors(self, dev, host):
+        """Both id tensors on the launch device, through one cached pinned buffer (no per-call
+        pinned allocation, one small async upload on the copy stream)."""
+        if not self.cuda:
+            return dev, host
         import torch
 
-        both = torch.stack([dev, host])
-        if self.cuda:
-            both = both.pin_memory().to(self.device_pools.device, non_blocking=True)
-        return both[0], both[1]
+        n = int(dev.numel())
+        if self._ids_host is None or self._ids_host.shape[1] < n:
+            if self._ids_event is not None:
+                self._ids_event.synchronize()
+            cap = max(1024, 1 << max(0, n - 1).bit_length())
+            self._ids_host = torch.empty((2, cap), dtype=torch.int64, pin_memory=True)
+            self._ids_dev = torch.empty((2, cap), dtype=torch.int64, device=self.device_pools.device)
+        elif self._ids_event is not None:
+            self._ids_event.synchronize()  # the previous upload has finished reading the buffer
+        self._ids_host[0, :n].copy_(dev)
+        self._ids_host[1, :n].copy_(host)
+        # later uses of _ids_dev are ordered after earlier ones: all on self.stream, and the
+        # staged path's side stream is joined back into it before a transfer ends
+        self._ids_dev[:, :n].copy_(self._ids_host[:, :n], non_blocking=True)
+        if self._ids_event is None:
+            self._ids_event = torch.cuda.Event()
+        self._ids_event.record()
+        return self._ids_dev[0, :n], self._ids_dev[1, :n]
 
     def _table(self, side: str, pool: str, ix: tuple[int, ...]):
         """Cached int64 device tensor of the base addresses of buffers ``ix`` of one side."""
@@ -457,14 +505,13 @@ class TransferController:
             self._tables[key] = t
         return t
 
-    def _run_cuda(self, direction: str, plan: _Plan, dev: list[int], host: list[int],
-                  dev_t, host_t, staged: frozenset[str]) -> None:
+    def _run_cuda(self, direction: str, plan: _Plan, dev, host, dev_t, host_t, staged: frozenset[str]) -> None:
         direct = _Plan(tuple(x for x in plan.pools if x[0] not in staged), plan.layers)
         via_dma = _Plan(tuple(x for x in plan.pools if x[0] in staged), plan.layers)
         if direct.pools:
             self._run_direct(direction, direct, dev_t, host_t)
         if via_dma.pools:
-            self._run_staged(direction, via_dma, dev, host, dev_t, host_t, self.use_triton)
+            self._run_staged(direction, via_dma, dev, host, dev_t, self.use_triton)
 
     def _run_direct(self, direction: str, plan: _Plan, dev_t, host_t) -> None:
         from .kernels import copy_pages, word_bytes
@@ -474,141 +521,186 @@ class TransferController:
             pb = dp.page_bytes(pool)
             d_tab, h_tab = self._table("device", pool, ix), self._table("host", pool, ix)
             d_stride, h_stride = pb, hp.page_stride(pool)
-            addrs = [dp.buffers[pool][i].data_ptr() for i in ix] + [hp.buffers[pool][i].data_ptr() for i in ix]
-            w = word_bytes(pb, (d_stride, h_stride), addrs)
+            key = ("word", pool, ix)
+            w = self._tables.get(key)
+            if w is None:
+                addrs = [dp.buffers[pool][i].data_ptr() for i in ix] + [hp.buffers[pool][i].data_ptr() for i in ix]
+                w = self._tables[key] = word_bytes(pb, (d_stride, h_stride), addrs)
             if direction == "d2h":
                 copy_pages(d_tab, h_tab, dev_t, host_t, pb, d_stride, h_stride, w, *self.kernel_config)
             else:
                 copy_pages(h_tab, d_tab, host_t, dev_t, pb, h_stride, d_stride, w, *self.kernel_config)
 
-    def _run_staged(self, direction: str, plan: _Plan, dev, host, dev_t, host_t, triton_gather: bool) -> None:
-        """Gather/scatter on the device + one DMA per (buffer, contiguous host run), pipelined.
+    # -- staged path: device gather/scatter at HBM speed + few large copy-engine DMAs ---------------
+    def _staging(self, nbytes: int):
+        """The controller's staging buffer, at least ``nbytes``; kept between calls, grown on demand.
 
-        Pages are cut into a few chunks: the gather of chunk k+1 runs on a second
-        stream while the DMA engine copies chunk k, so the device-side gather
-        hides behind PCIe instead of adding to it (the reverse for loads).
+        Allocated on the copy stream and marked as used by the side stream, so the caching
+        allocator reuses a replaced buffer only after both streams are done with it.
+        """
+        import torch
+
+        buf = self._stage_buf
+        if buf is None or buf.numel() < nbytes:
+            self._stage_buf = None
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device_pools.device)
+            if self.gather_stream is not None:
+                buf.record_stream(self.gather_stream)
+            self._stage_buf = buf
+        return buf
+
+    def _run_staged(self, direction: str, plan: _Plan, dev, host, dev_t, triton_gather: bool) -> None:
+        """Gather on the device into a staging ring, one DMA per contiguous host run, pipelined.
+
+        The transfer is cut into units of at most ``STAGING_CHUNK_BYTES``: (one layer buffer,
+        a page range) for layer_first, (a page range of every buffer) for page_first with all
+        buffers (a run of n host pages is then ONE block of n x layers x page bytes).  For
+        backups the side stream gathers unit k+1 while the copy engine moves unit k; loads run
+        DMA first and scatter on the side stream.  Units reuse ``nslots`` staging slots, each
+        reuse waiting for the event of the unit that last used the slot.
         """
         import contextlib
 
-        import torch
+        import numpy as np
 
         dp, hp = self.device_pools, self.host_pools
         n = int(dev.numel())
-        side = self.gather_stream
-        side_ctx = (lambda: torch.cuda.stream(side)) if side is not None else contextlib.nullcontext
-        if side is not None:
-            side.wait_stream(self.stream)
-            dev_t.record_stream(side)
-        whole_pf = hp.layout == "page_first"
-        slots = _arange_like(dev_t, n)
+        total = plan.nbytes(dp, n)
+        chunk = max(STAGING_CHUNK_MIN_BYTES, min(STAGING_CHUNK_BYTES, total // max(1, STAGING_CHUNKS)))
+        units = []  # (pool, ix, full, j, a, b, row_bytes)
         for pool, ix in plan.pools:
             pb = dp.page_bytes(pool)
-            full = whole_pf and len(ix) == len(hp.buffers[pool])
-            # staging: page_first + all buffers -> (n, L, pb) matches a host run as one block;
-            # otherwise (L, n, pb): one block per buffer and run.
-            shape = (n, len(ix), pb) if full else (len(ix), n, pb)
-            staging = torch.empty(shape, dtype=torch.uint8, device=dp.device)
-            if side is not None:
-                staging.record_stream(side)
-            per_pos = len(ix) * pb
-            chunk = max(1, -(-max(STAGING_CHUNK_MIN_BYTES, n * per_pos // STAGING_CHUNKS) // per_pos))
-            pieces = _chunk_runs(host, chunk)
-            for c0 in range(0, n, chunk):
-                c1 = min(n, c0 + chunk)
-                if direction == "d2h":
-                    with side_ctx():
-                        self._gather(pool, ix, dev_t, slots, c0, c1, staging, full, triton_gather)
-                    self._handoff(side, self.stream)
-                for k0, h0, length in pieces.get(c0 // chunk, ()):
-                    self._dma(direction, pool, ix, staging, full, k0, h0, length)
-                if direction == "h2d":
-                    self._handoff(self.stream, side)
-                    with side_ctx():
-                        self._scatter(pool, ix, dev_t, slots, c0, c1, staging, full, triton_gather)
-        if side is not None:
-            self.stream.wait_stream(side)
+            full = hp.layout == "page_first" and len(ix) == len(hp.buffers[pool])
+            row = pb * (len(ix) if full else 1)
+            step = max(1, chunk // row)
+            for j in ((None,) if full else range(len(ix))):
+                for a in range(0, n, step):
+                    units.append((pool, ix, full, j, a, min(n, a + step), row))
+        slot_bytes = -(-max((u[5] - u[4]) * u[6] for u in units) // 256) * 256
+        nslots = max(1, min(len(units), STAGING_MAX_BYTES // slot_bytes))
+        if len(units) > 1:
+            nslots = max(2, nslots)
+        staging = self._staging(nslots * slot_bytes)
+        h = host.numpy()
+        breaks = (np.flatnonzero(np.diff(h) != 1) + 1).tolist()
+        run_starts = [0, *breaks]
+        run_ends = [*breaks, n]
+        import bisect
 
-    @staticmethod
-    def _handoff(producer, consumer) -> None:
-        """``consumer`` waits for what ``producer`` has queued so far (no-op without CUDA)."""
-        if producer is None or consumer is None:
-            return
         import torch
 
-        ev = torch.cuda.Event()
-        ev.record(producer)
-        consumer.wait_event(ev)
+        cuda = self.cuda
+        main, side = self.stream, self.gather_stream
+        side_ctx = (lambda: torch.cuda.stream(side)) if cuda else contextlib.nullcontext
+        if cuda:
+            side.wait_stream(main)
+        slots = self._slot_ids(max(u[5] - u[4] for u in units), dev_t.device)
+        done: list[Any] = [None] * len(units)
+        for u, (pool, ix, full, j, a, b, row) in enumerate(units):
+            base = (u % nslots) * slot_bytes
+            slot = staging[base:base + (b - a) * row]
+            r = bisect.bisect_right(run_starts, a) - 1
+            pieces = []
+            while r < len(run_starts) and run_starts[r] < b:
+                p0, p1 = max(a, run_starts[r]), min(b, run_ends[r])
+                pieces.append((p0 - a, int(h[p0]), p1 - p0))
+                r += 1
+            reuse = done[u - nslots] if u >= nslots else None
+            last_user = u + nslots < len(units)
+            if direction == "d2h":
+                with side_ctx():
+                    if reuse is not None:
+                        side.wait_event(reuse)
+                    self._stage_move("gather", pool, ix, full, j, dev_t[a:b], slots[:b - a], slot, triton_gather)
+                    ready = _event(side)
+                if ready is not None:
+                    main.wait_event(ready)
+                self._stage_dma("d2h", pool, ix, full, j, slot, pieces)
+                done[u] = _event(main) if last_user else None
+            else:
+                if reuse is not None:
+                    main.wait_event(reuse)
+                self._stage_dma("h2d", pool, ix, full, j, slot, pieces)
+                ready = _event(main)
+                with side_ctx():
+                    if ready is not None:
+                        side.wait_event(ready)
+                    self._stage_move("scatter", pool, ix, full, j, dev_t[a:b], slots[:b - a], slot, triton_gather)
+                    done[u] = _event(side) if last_user else None
+        if cuda:
+            main.wait_stream(side)
 
-    def _dma(self, direction: str, pool: str, ix, staging, full: bool, k0: int, h0: int, length: int) -> None:
+    def _slot_ids(self, n: int, device):
+        """Cached ``arange`` on the device (staging positions for the page_first gather kernel)."""
+        import torch
+
+        t = self._arange
+        if t is None or t.numel() < n or t.device != device:
+            t = self._arange = torch.arange(max(n, 1024), dtype=torch.int64, device=device)
+        return t
+
+    def _stage_dma(self, direction: str, pool: str, ix, full: bool, j, slot, pieces) -> None:
+        """One ``copy_`` per contiguous host run of this unit (copy engine, pinned host)."""
         hp = self.host_pools
+        pb = self.device_pools.page_bytes(pool)
         if full:
-            pairs = [(hp.pool_tensors[pool][h0:h0 + length], staging[k0:k0 + length])]
+            view = slot.view(-1, len(ix), pb)
+            host_t = hp.pool_tensors[pool]
         else:
-            pairs = [(hp.buffers[pool][i][h0:h0 + length], staging[j, k0:k0 + length]) for j, i in enumerate(ix)]
-        for host_part, stage_part in pairs:
+            view = slot.view(-1, pb)
+            host_t = hp.buffers[pool][ix[j]]
+        for k0, h0, length in pieces:
+            host_part, stage_part = host_t[h0:h0 + length], view[k0:k0 + length]
             if direction == "d2h":
                 host_part.copy_(stage_part, non_blocking=True)
             else:
                 stage_part.copy_(host_part, non_blocking=True)
 
-    def _staging_table(self, staging, full: bool, n_layers: int, pb: int):
+    def _stage_move(self, op: str, pool: str, ix, full: bool, j, dev_ids, pos, slot, use_triton: bool) -> None:
+        """Device pages <-> staging slot at HBM speed (``op`` = gather or scatter)."""
         import torch
 
-        base = staging.data_ptr()
-        step = pb if full else staging.shape[1] * pb
-        return torch.arange(n_layers, dtype=torch.int64, device=staging.device) * step + base
-
-    def _gather(self, pool: str, ix, dev_t, slots, a: int, b: int, staging, full: bool, use_triton: bool) -> None:
-        """Device pages ``dev_t[a:b]`` of buffers ``ix`` -> staging positions ``a..b-1``."""
-        dev_ids = dev_t[a:b]
         dp = self.device_pools
         pb = dp.page_bytes(pool)
+        m = int(dev_ids.numel())
+        if not full:
+            buf = dp.buffers[pool][ix[j]]
+            view = slot.view(m, pb)
+            if pb % 8 == 0 and buf.data_ptr() % 8 == 0 and slot.data_ptr() % 8 == 0:
+                buf, view = buf.view(torch.int64), view.view(torch.int64)  # 8x fewer elements
+            if op == "gather":
+                torch.index_select(buf, 0, dev_ids, out=view)
+            else:
+                buf.index_copy_(0, dev_ids, view)
+            return
+        view = slot.view(m, len(ix), pb)
         if use_triton:
             from .kernels import copy_pages, word_bytes
 
-            s_stride = len(ix) * pb if full else pb
-            w = word_bytes(pb, (pb, s_stride), [staging.data_ptr()] + [dp.buffers[pool][i].data_ptr() for i in ix])
-            copy_pages(self._table("device", pool, ix), self._staging_table(staging, full, len(ix), pb),
-                       dev_ids, slots[a:b], pb, pb, s_stride, w)
+            L = len(ix)
+            stage_tab = torch.arange(L, dtype=torch.int64, device=slot.device) * pb + slot.data_ptr()
+            w = word_bytes(pb, (pb, L * pb), [slot.data_ptr()] + [dp.buffers[pool][i].data_ptr() for i in ix])
+            if op == "gather":
+                copy_pages(self._table("device", pool, ix), stage_tab, dev_ids, pos, pb, pb, L * pb, w)
+            else:
+                copy_pages(stage_tab, self._table("device", pool, ix), pos, dev_ids, pb, L * pb, pb, w)
             return
-        for j, i in enumerate(ix):
-            target = staging[a:b, j] if full else staging[j, a:b]
-            target.copy_(dp.buffers[pool][i].index_select(0, dev_ids))
-
-    def _scatter(self, pool: str, ix, dev_t, slots, a: int, b: int, staging, full: bool, use_triton: bool) -> None:
-        """Staging positions ``a..b-1`` -> device pages ``dev_t[a:b]`` of buffers ``ix``."""
-        dev_ids = dev_t[a:b]
-        dp = self.device_pools
-        pb = dp.page_bytes(pool)
-        if use_triton:
-            from .kernels import copy_pages, word_bytes
-
-            s_stride = len(ix) * pb if full else pb
-            w = word_bytes(pb, (pb, s_stride), [staging.data_ptr()] + [dp.buffers[pool][i].data_ptr() for i in ix])
-            copy_pages(self._staging_table(staging, full, len(ix), pb), self._table("device", pool, ix),
-                       slots[a:b], dev_ids, pb, s_stride, pb, w)
-            return
-        for j, i in enumerate(ix):
-            source = staging[a:b, j] if full else staging[j, a:b]
-            dp.buffers[pool][i].index_copy_(0, dev_ids, source)
+        for k, i in enumerate(ix):
+            if op == "gather":
+                view[:, k].copy_(dp.buffers[pool][i].index_select(0, dev_ids))
+            else:
+                dp.buffers[pool][i].index_copy_(0, dev_ids, view[:, k])
 
 
-def _chunk_runs(host, chunk: int) -> dict[int, list[tuple[int, int, int]]]:
-    """Host runs cut at every ``chunk`` positions, grouped by chunk index."""
-    out: dict[int, list[tuple[int, int, int]]] = {}
-    for k0, h0, length in _runs(host):
-        pos, end = k0, k0 + length
-        while pos < end:
-            stop = min(end, (pos // chunk + 1) * chunk)
-            out.setdefault(pos // chunk, []).append((pos, h0 + pos - k0, stop - pos))
-            pos = stop
-    return out
-
-
-def _arange_like(t, n: int):
+def _event(stream):
+    """A CUDA event recorded on ``stream`` now (None on CPU, where everything is synchronous)."""
+    if stream is None:
+        return None
     import torch
 
-    return torch.arange(n, dtype=torch.int64, device=t.device)
+    ev = torch.cuda.Event()
+    ev.record(stream)
+    return ev
 
 
 def _ids(values, what: str, stage: int):

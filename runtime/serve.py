@@ -374,8 +374,12 @@ class Supervisor:
         # forkserver + preload: torch is imported once, in a clean single-threaded server, and
         # every stage is forked from it -- starting 4 stages costs one torch import, not four,
         # and no stage inherits this process's threads (dashboard, progress).
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(list(STAGE_PRELOAD))
+        method = os.environ.get("STAGECACHE_START_METHOD", "forkserver")
+        if method not in ("forkserver", "spawn"):
+            raise ConfigError(f"STAGECACHE_START_METHOD={method!r}: use forkserver (default) or spawn")
+        ctx = mp.get_context(method)
+        if method == "forkserver":
+            ctx.set_forkserver_preload(list(STAGE_PRELOAD))
         master_port = free_port()
         for rank in range(self.opts.pp_size):
             cfg = _stage_config(self.opts, rank, self.run_dir, master_port)

@@ -49,7 +49,7 @@ SCRIPT = textwrap.dedent(r'''
     # 2. controller Triton paths: round trip bit-identical for every pool, both layouts and modes;
     #    tiny staging chunks so the staged path really pipelines several chunks
     from stagecache.runtime import controller as ctl
-    ctl.STAGING_CHUNK_MIN_BYTES, ctl.STAGING_CHUNKS = 1, 3
+    ctl.STAGING_CHUNK_MIN_BYTES, ctl.STAGING_CHUNKS, ctl.STAGING_MAX_BYTES = 1, 3, 1
     spec = load_spec("tiny-v4")
     stage = build_layout(spec, 2).stages[1]
     rng = random.Random(7)
@@ -88,6 +88,23 @@ SCRIPT = textwrap.dedent(r'''
             assert torch.equal(dp.buffers["indexer"][i][dst], before["indexer"][i][src])
             assert int(dp.buffers["swa"][stage.local_id(g) + 1].sum()) == 0
             print(f"controller {layout} {mode} ok")
+
+    # 3. auto picks staged for long host runs and direct for scattered pages (thresholds scaled
+    #    down to tiny pages), and its staged choice round-trips bit-identically too
+    ctl.AUTO_STAGED_MIN_BYTES, ctl.AUTO_STAGED_MIN_DMA_BYTES = 1, 2 * 128 * 584
+    dp = StagePools(spec, stage, 128, 6)
+    hp = HostPools(dp, num_pages=9)
+    for bufs in dp.buffers.values():
+        for b in bufs:
+            b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8))
+    c = TransferController(dp, hp, use_triton=True, mode="auto")
+    r = c.backup([5, 0, 3], [2, 3, 4]).synchronize()
+    assert r.path in ("triton-staged", "triton-mixed"), r.path
+    for pool in POOLS:
+        for i, b in enumerate(hp.buffers[pool]):
+            assert torch.equal(b[[2, 3, 4]], dp.buffers[pool][i][[5, 0, 3]]), (pool, i)
+    assert c.backup([5, 0, 3], [0, 4, 8]).synchronize().path == "triton-direct"
+    print("auto choice ok")
 ''')
 
 
@@ -100,3 +117,4 @@ def test_triton_kernels_under_interpreter():
     for layout in ("layer_first", "page_first"):
         for mode in ("direct", "staged"):
             assert f"controller {layout} {mode} ok" in lines
+    assert "auto choice ok" in lines
