@@ -56,7 +56,7 @@ STAGING_CHUNK_BYTES = 32 << 20
 STAGING_MAX_BYTES = 256 << 20
 
 #: ``auto`` stages a pool kind when it moves at least this many bytes in the transfer ...
-AUTO_STAGED_MIN_BYTES = 4 << 20
+AUTO_STAGED_MIN_BYTES = 32 << 20
 #: ... and its contiguous host runs give DMAs of at least this many bytes on average
 #: (scattered host pages would mean one small DMA per page: the direct kernel wins there).
 AUTO_STAGED_MIN_DMA_BYTES = 1 << 20
@@ -550,85 +550,170 @@ class TransferController:
         return buf
 
     def _run_staged(self, direction: str, plan: _Plan, dev, host, dev_t, triton_gather: bool) -> None:
-        """Gather on the device into a staging ring, one DMA per contiguous host run, pipelined.
+        """Gather on the device into staging, one copy-engine DMA per contiguous host run, pipelined.
 
         The transfer is cut into units of at most ``STAGING_CHUNK_BYTES``: (one layer buffer,
         a page range) for layer_first, (a page range of every buffer) for page_first with all
-        buffers (a run of n host pages is then ONE block of n x layers x page bytes).  For
-        backups the side stream gathers unit k+1 while the copy engine moves unit k; loads run
-        DMA first and scatter on the side stream.  Units reuse ``nslots`` staging slots, each
-        reuse waiting for the event of the unit that last used the slot.
+        buffers (a run of n host pages is then ONE block of n x layers x page bytes).  Units are
+        grouped into batches of 1, 2, 4, ... units, each moved to/from staging by ONE device
+        launch: the first DMA starts after a tiny gather, later gathers hide behind DMAs, and
+        the CPU issues few launches and events.  Backups gather on the side stream and DMA on
+        the copy stream; loads DMA first and scatter on the side stream.  A transfer larger than
+        ``STAGING_MAX_BYTES`` runs in rounds that reuse the staging buffer once the previous
+        round's DMAs (scatters) are done.
         """
+        import bisect
         import contextlib
 
         import numpy as np
+        import torch
 
         dp, hp = self.device_pools, self.host_pools
         n = int(dev.numel())
         total = plan.nbytes(dp, n)
         chunk = max(STAGING_CHUNK_MIN_BYTES, min(STAGING_CHUNK_BYTES, total // max(1, STAGING_CHUNKS)))
-        units = []  # (pool, ix, full, j, a, b, row_bytes)
+        batches = []  # (pool, ix, kind, j0, j1, a, b, units): kind full|layers|unit
         for pool, ix in plan.pools:
             pb = dp.page_bytes(pool)
             full = hp.layout == "page_first" and len(ix) == len(hp.buffers[pool])
             row = pb * (len(ix) if full else 1)
             step = max(1, chunk // row)
-            for j in ((None,) if full else range(len(ix))):
-                for a in range(0, n, step):
-                    units.append((pool, ix, full, j, a, min(n, a + step), row))
-        slot_bytes = -(-max((u[5] - u[4]) * u[6] for u in units) // 256) * 256
-        nslots = max(1, min(len(units), STAGING_MAX_BYTES // slot_bytes))
-        if len(units) > 1:
-            nslots = max(2, nslots)
-        staging = self._staging(nslots * slot_bytes)
+            if full:
+                units = [(a, min(n, a + step)) for a in range(0, n, step)]
+                for u0, u1 in _doubling(len(units)):
+                    batches.append((pool, ix, "full", 0, len(ix), units[u0][0], units[u1 - 1][1],
+                                    [(None, a, b) for a, b in units[u0:u1]]))
+            elif step >= n:  # whole layers per unit: a batch is a range of layers
+                for j0, j1 in _doubling(len(ix)):
+                    batches.append((pool, ix, "layers", j0, j1, 0, n, [(j, 0, n) for j in range(j0, j1)]))
+            else:
+                for j in range(len(ix)):
+                    for a in range(0, n, step):
+                        b = min(n, a + step)
+                        batches.append((pool, ix, "unit", j, j + 1, a, b, [(j, a, b)]))
+        sizes = [-(-self._batch_bytes(bt) // 256) * 256 for bt in batches]
+        staging = self._staging(max(max(sizes), min(sum(sizes), STAGING_MAX_BYTES)))
         h = host.numpy()
         breaks = (np.flatnonzero(np.diff(h) != 1) + 1).tolist()
-        run_starts = [0, *breaks]
-        run_ends = [*breaks, n]
-        import bisect
+        run_starts, run_ends = [0, *breaks], [*breaks, n]
 
-        import torch
+        def pieces(a: int, b: int):
+            r = bisect.bisect_right(run_starts, a) - 1
+            out = []
+            while r < len(run_starts) and run_starts[r] < b:
+                p0, p1 = max(a, run_starts[r]), min(b, run_ends[r])
+                out.append((p0 - a, int(h[p0]), p1 - p0))
+                r += 1
+            return out
 
         cuda = self.cuda
         main, side = self.stream, self.gather_stream
         side_ctx = (lambda: torch.cuda.stream(side)) if cuda else contextlib.nullcontext
         if cuda:
             side.wait_stream(main)
-        slots = self._slot_ids(max(u[5] - u[4] for u in units), dev_t.device)
-        done: list[Any] = [None] * len(units)
-        for u, (pool, ix, full, j, a, b, row) in enumerate(units):
-            base = (u % nslots) * slot_bytes
-            slot = staging[base:base + (b - a) * row]
-            r = bisect.bisect_right(run_starts, a) - 1
-            pieces = []
-            while r < len(run_starts) and run_starts[r] < b:
-                p0, p1 = max(a, run_starts[r]), min(b, run_ends[r])
-                pieces.append((p0 - a, int(h[p0]), p1 - p0))
-                r += 1
-            reuse = done[u - nslots] if u >= nslots else None
-            last_user = u + nslots < len(units)
+        pos = self._slot_ids(n, dev_t.device)
+        offset = 0
+        for bt, size in zip(batches, sizes, strict=True):
+            if offset + size > staging.numel():  # next round: staging is reused
+                offset = 0
+                if cuda:
+                    (side.wait_stream(main) if direction == "d2h" else main.wait_stream(side))
+            region = staging[offset:offset + size]
+            offset += size
             if direction == "d2h":
                 with side_ctx():
-                    if reuse is not None:
-                        side.wait_event(reuse)
-                    self._stage_move("gather", pool, ix, full, j, dev_t[a:b], slots[:b - a], slot, triton_gather)
+                    self._batch_move("gather", bt, dev_t, pos, region, triton_gather)
                     ready = _event(side)
                 if ready is not None:
                     main.wait_event(ready)
-                self._stage_dma("d2h", pool, ix, full, j, slot, pieces)
-                done[u] = _event(main) if last_user else None
+                self._batch_dma("d2h", bt, region, pieces)
             else:
-                if reuse is not None:
-                    main.wait_event(reuse)
-                self._stage_dma("h2d", pool, ix, full, j, slot, pieces)
+                self._batch_dma("h2d", bt, region, pieces)
                 ready = _event(main)
                 with side_ctx():
                     if ready is not None:
                         side.wait_event(ready)
-                    self._stage_move("scatter", pool, ix, full, j, dev_t[a:b], slots[:b - a], slot, triton_gather)
-                    done[u] = _event(side) if last_user else None
+                    self._batch_move("scatter", bt, dev_t, pos, region, triton_gather)
         if cuda:
             main.wait_stream(side)
+
+    def _batch_bytes(self, bt) -> int:
+        pool, ix, kind, j0, j1, a, b, _units = bt
+        return self.device_pools.page_bytes(pool) * (j1 - j0) * (b - a)
+
+    def _unit_view(self, bt, region, unit):
+        """Staging view of one unit (rows of one layer, or page blocks of every layer)."""
+        pool, ix, kind, j0, j1, a, b, _units = bt
+        pb = self.device_pools.page_bytes(pool)
+        j, ua, ub = unit
+        if kind == "full":
+            return region.view(b - a, len(ix), pb)[ua - a:ub - a]
+        return region.view(j1 - j0, b - a, pb)[j - j0, ua - a:ub - a]
+
+    def _batch_dma(self, direction: str, bt, region, pieces) -> None:
+        """One ``copy_`` per contiguous host run of each unit of the batch (copy engine)."""
+        pool, ix, kind, _j0, _j1, _a, _b, units = bt
+        hp = self.host_pools
+        for unit in units:
+            j, ua, ub = unit
+            view = self._unit_view(bt, region, unit)
+            host_t = hp.pool_tensors[pool] if kind == "full" else hp.buffers[pool][ix[j]]
+            for k0, h0, length in pieces(ua, ub):
+                host_part, stage_part = host_t[h0:h0 + length], view[k0:k0 + length]
+                if direction == "d2h":
+                    host_part.copy_(stage_part, non_blocking=True)
+                else:
+                    stage_part.copy_(host_part, non_blocking=True)
+
+    def _batch_move(self, op: str, bt, dev_t, pos, region, use_triton: bool) -> None:
+        """Device pages <-> staging for a whole batch at HBM speed (``op`` = gather or scatter)."""
+        dp = self.device_pools
+        pool, ix, kind, j0, j1, a, b, units = bt
+        pb = dp.page_bytes(pool)
+        if use_triton:
+            from .kernels import copy_pages, word_bytes
+
+            sub = ix[j0:j1]
+            if kind == "full":
+                tab = self._stage_table(region.data_ptr(), pb, len(ix), region.device)
+                s_stride = len(ix) * pb
+            else:
+                tab = self._stage_table(region.data_ptr(), (b - a) * pb, j1 - j0, region.device)
+                s_stride = pb
+            key = ("word", pool, sub, s_stride, region.data_ptr() % 16)
+            w = self._tables.get(key)
+            if w is None:
+                w = self._tables[key] = word_bytes(
+                    pb, (pb, s_stride), [region.data_ptr()] + [dp.buffers[pool][i].data_ptr() for i in sub])
+            d_tab, ids, slots = self._table("device", pool, sub), dev_t[a:b], pos[:b - a]
+            if op == "gather":
+                copy_pages(d_tab, tab, ids, slots, pb, pb, s_stride, w)
+            else:
+                copy_pages(tab, d_tab, slots, ids, pb, s_stride, pb, w)
+            return
+        for unit in units:  # torch fallback: one index op per layer and unit
+            j, ua, ub = unit
+            view = self._unit_view(bt, region, unit)
+            ids = dev_t[ua:ub]
+            for k, i in ((jj, ix[jj]) for jj in range(len(ix))) if kind == "full" else ((None, ix[j]),):
+                target = view[:, k] if k is not None else view
+                if op == "gather":
+                    target.copy_(dp.buffers[pool][i].index_select(0, ids))
+                else:
+                    dp.buffers[pool][i].index_copy_(0, ids, target)
+
+    def _stage_table(self, base: int, stride: int, count: int, device):
+        """Cached device tensor ``base + stride * arange(count)`` (staging addresses per layer)."""
+        import torch
+
+        key = ("stage", base, stride, count)
+        t = self._tables.get(key)
+        if t is None:
+            if len(self._tables) > 512:  # staging moved or shapes churned: drop stale entries
+                self._tables = {k: v for k, v in self._tables.items() if k[0] != "stage"}
+            t = torch.arange(count, dtype=torch.int64, device=device) * stride + base
+            self._tables[key] = t
+        return t
 
     def _slot_ids(self, n: int, device):
         """Cached ``arange`` on the device (staging positions for the page_first gather kernel)."""
@@ -639,57 +724,14 @@ class TransferController:
             t = self._arange = torch.arange(max(n, 1024), dtype=torch.int64, device=device)
         return t
 
-    def _stage_dma(self, direction: str, pool: str, ix, full: bool, j, slot, pieces) -> None:
-        """One ``copy_`` per contiguous host run of this unit (copy engine, pinned host)."""
-        hp = self.host_pools
-        pb = self.device_pools.page_bytes(pool)
-        if full:
-            view = slot.view(-1, len(ix), pb)
-            host_t = hp.pool_tensors[pool]
-        else:
-            view = slot.view(-1, pb)
-            host_t = hp.buffers[pool][ix[j]]
-        for k0, h0, length in pieces:
-            host_part, stage_part = host_t[h0:h0 + length], view[k0:k0 + length]
-            if direction == "d2h":
-                host_part.copy_(stage_part, non_blocking=True)
-            else:
-                stage_part.copy_(host_part, non_blocking=True)
 
-    def _stage_move(self, op: str, pool: str, ix, full: bool, j, dev_ids, pos, slot, use_triton: bool) -> None:
-        """Device pages <-> staging slot at HBM speed (``op`` = gather or scatter)."""
-        import torch
-
-        dp = self.device_pools
-        pb = dp.page_bytes(pool)
-        m = int(dev_ids.numel())
-        if not full:
-            buf = dp.buffers[pool][ix[j]]
-            view = slot.view(m, pb)
-            if pb % 8 == 0 and buf.data_ptr() % 8 == 0 and slot.data_ptr() % 8 == 0:
-                buf, view = buf.view(torch.int64), view.view(torch.int64)  # 8x fewer elements
-            if op == "gather":
-                torch.index_select(buf, 0, dev_ids, out=view)
-            else:
-                buf.index_copy_(0, dev_ids, view)
-            return
-        view = slot.view(m, len(ix), pb)
-        if use_triton:
-            from .kernels import copy_pages, word_bytes
-
-            L = len(ix)
-            stage_tab = torch.arange(L, dtype=torch.int64, device=slot.device) * pb + slot.data_ptr()
-            w = word_bytes(pb, (pb, L * pb), [slot.data_ptr()] + [dp.buffers[pool][i].data_ptr() for i in ix])
-            if op == "gather":
-                copy_pages(self._table("device", pool, ix), stage_tab, dev_ids, pos, pb, pb, L * pb, w)
-            else:
-                copy_pages(stage_tab, self._table("device", pool, ix), pos, dev_ids, pb, L * pb, pb, w)
-            return
-        for k, i in enumerate(ix):
-            if op == "gather":
-                view[:, k].copy_(dp.buffers[pool][i].index_select(0, dev_ids))
-            else:
-                dp.buffers[pool][i].index_copy_(0, dev_ids, view[:, k])
+def _doubling(count: int) -> list[tuple[int, int]]:
+    """``[0, count)`` cut into ranges of 1, 2, 4, ... items (the last one possibly shorter)."""
+    out, start, size = [], 0, 1
+    while start < count:
+        out.append((start, min(count, start + size)))
+        start, size = start + size, size * 2
+    return out
 
 
 def _event(stream):

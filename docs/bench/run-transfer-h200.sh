@@ -27,10 +27,10 @@ timeout 200 python3 /tmp/bench_main.py --out "$OUT/transfer-h200.json" > /dev/nu
 timeout 120 python3 /tmp/bench_main.py --mib 64 --out "$OUT/transfer-h200-64mib.json" > /dev/null 2>> "$OUT/bench.err"
 echo "bench64 rc=$?"
 # auto's size threshold: small transfers into one host run, staged vs direct
-timeout 60 python3 /tmp/bench_main.py --mib 4 --pool swa --pool c4_state --pool c128 --pattern run \
-  --out "$OUT/transfer-h200-4mib.json" > /dev/null 2>> "$OUT/bench.err"
+for m in 4 16; do timeout 40 python3 /tmp/bench_main.py --mib $m --pool swa --pool c4_state --pool c128 --pattern run \
+  --out "$OUT/transfer-h200-${m}mib.json" > /dev/null 2>> "$OUT/bench.err"; done
 echo "bench4 rc=$?"; tail -5 "$OUT/bench.err"
-python3 - "$OUT/transfer-h200.json" "$OUT/transfer-h200-64mib.json" "$OUT/transfer-h200-4mib.json" <<'PY'
+python3 - "$OUT/transfer-h200.json" "$OUT/transfer-h200-64mib.json" "$OUT/transfer-h200-4mib.json" "$OUT/transfer-h200-16mib.json" <<'PY'
 import json, sys
 for path in sys.argv[1:]:
     try:
