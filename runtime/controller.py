@@ -618,7 +618,7 @@ class TransferController:
                 offset = 0
                 if cuda:
                     (side.wait_stream(main) if direction == "d2h" else main.wait_stream(side))
-            region = staging[offset:offset + size]
+            region = staging[offset:offset + self._batch_bytes(bt)]  # exact; offsets 256-aligned
             offset += size
             if direction == "d2h":
                 with side_ctx():
