@@ -5,8 +5,9 @@
 # wheels are CUDA builds whose ops do not load into the CPU torch 2.13.0 of the main
 # environment ("operator torchvision::nms does not exist").  torch 2.14.1 (the version
 # sglang pins; a CUDA build on local disk, ~5.5 GB) + torchvision 0.29.1 import fine on a
-# CPU-only machine.  The venv sees the system site-packages (pytest, hypothesis, fastapi...)
-# but its own torch shadows the system one, so the main environment is untouched.
+# CPU-only machine.  The venv is self-contained: it installs its own test tools and
+# stagecache's own dependencies, so it works the same whether the suite runs from the
+# system Python or from a fresh virtualenv.
 #
 # sglang goes in with --no-deps: its full dependency list pulls GPU kernels and dozens of
 # serving packages.  SGLANG_DEPS is what importing
@@ -24,6 +25,9 @@ SGLANG_DEPS=(
     "torchvision==0.29.1" "transformers==5.19.0" "compressed-tensors==0.18.0"
     "apache-tvm-ffi==0.1.11" "sentencepiece==0.2.1"
     psutil pybase64 pillow msgspec pyzmq tqdm aiohttp dill gguf
+    # what sglang imports at module level and stagecache + the live test need
+    fastapi uvicorn starlette pydantic numpy prometheus-client plotly rich httpx jinja2
+    pytest pytest-timeout hypothesis
 )
 STAMP="$VENV/.stagecache-pins"
 WANT="sglang==$SGLANG_VERSION torch==$TORCH_VERSION ${SGLANG_DEPS[*]}"
@@ -40,7 +44,7 @@ fi
 start=$(date +%s)
 PY=${PYTHON:-python3}
 rm -rf "$VENV"
-$PY -m venv --system-site-packages "$VENV"
+$PY -m venv "$VENV"
 # pip, minus the noise: "sglang requires X, which is not installed" is --no-deps by design.
 pip_install() {
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@" 2>&1 \
