@@ -26,7 +26,7 @@ SGLANG_DEPS=(
     "apache-tvm-ffi==0.1.11" "sentencepiece==0.2.1"
     psutil pybase64 pillow msgspec pyzmq tqdm aiohttp dill gguf
     # what sglang imports at module level and stagecache + the live test need
-    fastapi uvicorn starlette pydantic numpy prometheus-client plotly rich httpx jinja2
+    orjson ipython fastapi uvicorn starlette pydantic numpy prometheus-client plotly rich httpx jinja2
     pytest pytest-timeout hypothesis
 )
 STAMP="$VENV/.stagecache-pins"
