@@ -22,9 +22,9 @@ from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 from pydantic import ValidationError
+from stagecache.exporters.snapshot import SnapshotSource
+from stagecache.runtime.model.layer_map import POOL_LABELS, POOLS
 
-from ..exporters.snapshot import SnapshotSource
-from ..runtime.layer_map import POOL_LABELS, POOLS
 from . import figures
 from .models import (
     ErrorMessage,
@@ -114,7 +114,7 @@ class _MetricsRegistry:
                 from prometheus_client import CollectorRegistry
 
                 try:
-                    from ..exporters.metrics import make_registry
+                    from stagecache.exporters.metrics import make_registry
                 except ModuleNotFoundError as exc:
                     if exc.name != METRICS_MODULE:
                         raise
@@ -127,7 +127,7 @@ class _MetricsRegistry:
 
 def create_app(source: SnapshotSource, *, title: str = "stagecache") -> FastAPI:
     """The dashboard over ``source``; mount it or run it with ``serve_dashboard``."""
-    from .. import runtime
+    from stagecache import runtime
 
     app = FastAPI(
         title=title,

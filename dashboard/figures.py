@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import plotly.graph_objects as go
+from stagecache.runtime.model.layer_map import POOL_LABELS, POOLS
 
-from ..runtime.layer_map import POOL_LABELS, POOLS
 from .models import LayerMapCell, PoolStatus, StageLive, StageReportModel
 
 RATIO_CLASS = {0: 0, 4: 1, 128: 2}

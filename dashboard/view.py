@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from pydantic import ValidationError
+from stagecache.runtime.model.layer_map import POOL_LABELS, POOL_RATIO, POOLS
 
-from ..runtime.layer_map import POOL_LABELS, POOL_RATIO, POOLS
 from .models import (
     LayerEntryModel,
     LayerMapCell,

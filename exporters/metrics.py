@@ -26,8 +26,8 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
+from stagecache.runtime.model.layer_map import POOLS
 
-from ..runtime.layer_map import POOLS
 from .snapshot import SnapshotSource
 
 DIRECTIONS = ("d2h", "h2d")

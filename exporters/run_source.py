@@ -14,7 +14,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..runtime import run_dir as rd
+from stagecache.runtime.serve import run_dir as rd
+
 from .snapshot import empty_stage_numbers
 
 

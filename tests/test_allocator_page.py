@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from stagecache.runtime.allocator import (
+from stagecache.runtime.errors import StageCacheError
+from stagecache.runtime.memory.allocator import (
     AllocatorError,
     DoubleFreeError,
     ForeignPageError,
     OutOfPagesError,
     PageAllocator,
 )
-from stagecache.runtime.errors import StageCacheError
 
 
 def state(a: PageAllocator):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from stagecache.runtime.cli import main
+from stagecache.runtime.cli.main import main
 
 
 def test_bench_transfer_cpu_json(capsys, tmp_path):

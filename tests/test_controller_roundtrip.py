@@ -6,13 +6,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from stagecache.runtime.controller import TransferController, TransferError
 from stagecache.runtime.errors import LayerNotOwnedError
-from stagecache.runtime.host_pool import HostPools
-from stagecache.runtime.layer_map import POOLS, build_layout
-from stagecache.runtime.pools import StagePools
-from stagecache.runtime.spec import load_spec
-from stagecache.runtime.transfer_stats import TransferStats
+from stagecache.runtime.memory.host_pools import HostPools
+from stagecache.runtime.memory.pools import StagePools
+from stagecache.runtime.model.layer_map import POOLS, build_layout
+from stagecache.runtime.model.spec import load_spec
+from stagecache.runtime.transfer.controller import TransferController, TransferError
+from stagecache.runtime.transfer.stats import TransferStats
 
 TINY = load_spec("tiny-v4")
 STAGE = build_layout(TINY, 2).stages[1]  # has every pool kind

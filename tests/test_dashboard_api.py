@@ -19,11 +19,11 @@ import httpx
 import pytest
 from stagecache.dashboard.app import dashboard_in_thread
 from stagecache.exporters.snapshot import StaticSource, empty_stage_numbers
-from stagecache.runtime.cli import main
-from stagecache.runtime.faults import parse_faults
-from stagecache.runtime.layer_map import POOLS, build_layout
-from stagecache.runtime.report import preflight
-from stagecache.runtime.spec import load_spec
+from stagecache.runtime.cli.main import main
+from stagecache.runtime.model.layer_map import POOLS, build_layout
+from stagecache.runtime.model.spec import load_spec
+from stagecache.runtime.validation.faults import parse_faults
+from stagecache.runtime.validation.report import preflight
 
 PP = 4
 

@@ -23,10 +23,10 @@ from pathlib import Path
 import httpx
 import pytest
 from stagecache.exporters.snapshot import empty_stage_numbers
-from stagecache.runtime.faults import parse_faults
-from stagecache.runtime.layer_map import POOLS, build_layout
-from stagecache.runtime.report import preflight
-from stagecache.runtime.spec import load_spec
+from stagecache.runtime.model.layer_map import POOLS, build_layout
+from stagecache.runtime.model.spec import load_spec
+from stagecache.runtime.validation.faults import parse_faults
+from stagecache.runtime.validation.report import preflight
 
 CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if os.path.exists("/usr/bin/chromium") else None)
 MODEL, PP = "deepseek-v4-flash", 4

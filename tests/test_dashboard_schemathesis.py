@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 from stagecache.dashboard.app import create_app
 from stagecache.exporters.snapshot import StaticSource, empty_stage_numbers
-from stagecache.runtime.faults import parse_faults
-from stagecache.runtime.layer_map import POOLS, build_layout
-from stagecache.runtime.report import preflight
-from stagecache.runtime.spec import load_spec
+from stagecache.runtime.model.layer_map import POOLS, build_layout
+from stagecache.runtime.model.spec import load_spec
+from stagecache.runtime.validation.faults import parse_faults
+from stagecache.runtime.validation.report import preflight
 
 
 def _report(faults: list[str]) -> dict:

@@ -15,10 +15,10 @@ from stagecache.dashboard.view import (
     stages_response,
 )
 from stagecache.exporters.snapshot import empty_stage_numbers
-from stagecache.runtime.faults import parse_faults
-from stagecache.runtime.layer_map import POOLS, build_layout
-from stagecache.runtime.report import preflight
-from stagecache.runtime.spec import load_spec
+from stagecache.runtime.model.layer_map import POOLS, build_layout
+from stagecache.runtime.model.spec import load_spec
+from stagecache.runtime.validation.faults import parse_faults
+from stagecache.runtime.validation.report import preflight
 
 
 def report(model: str, pp: int, faults: list[str] = ()) -> dict:

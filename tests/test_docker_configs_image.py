@@ -81,12 +81,12 @@ def run_from_wheel(site: Path, *argv: str) -> subprocess.CompletedProcess[str]:
 
 def test_wheel_declares_the_stagecache_command(wheel_dir: Path) -> None:
     (info,) = wheel_dir.glob("stagecache-*.dist-info")
-    assert "stagecache = stagecache.runtime.cli:main" in (info / "entry_points.txt").read_text()
+    assert "stagecache = stagecache.runtime.cli.main:main" in (info / "entry_points.txt").read_text()
 
 
 def test_cli_from_the_image_install_runs_check(wheel_dir: Path) -> None:
     res = run_from_wheel(wheel_dir, "-c",
-                         "import stagecache.runtime.cli as c, sys; print(c.__file__); "
+                         "import stagecache.runtime.cli.main as c, sys; print(c.__file__); "
                          "sys.exit(c.main(['check', '--model', 'tiny-v4', '--pp-size', '4']))")
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout.splitlines()[0].startswith(str(wheel_dir)), "ran the work tree, not the wheel"
@@ -99,7 +99,7 @@ def test_image_install_ships_the_dashboard_assets_and_serve(wheel_dir: Path) -> 
         "d = r.files('stagecache.dashboard')\n"
         "assert (d / 'templates' / 'index.html').is_file(), 'templates/index.html'\n"
         "assert any(p.name.endswith('.js') for p in (d / 'static').iterdir()), 'static/*.js'\n"
-        "for m in ('stagecache.runtime.cmd_serve', 'stagecache.exporters.metrics',\n"
+        "for m in ('stagecache.runtime.cli.serve', 'stagecache.exporters.metrics',\n"
         "          'stagecache.dashboard.app'):\n"
         "    assert importlib.import_module(m).__file__.startswith(sys.argv[1]), m\n"
     )

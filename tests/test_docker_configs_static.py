@@ -56,9 +56,9 @@ def exported_sample_names() -> set[str]:
     """Sample names of a real registry over a tiny-v4 pp=4 report with live numbers."""
     from stagecache.exporters.metrics import make_registry
     from stagecache.exporters.snapshot import StaticSource, empty_stage_numbers
-    from stagecache.runtime.layer_map import POOLS, build_layout
-    from stagecache.runtime.report import preflight
-    from stagecache.runtime.spec import load_spec
+    from stagecache.runtime.model.layer_map import POOLS, build_layout
+    from stagecache.runtime.model.spec import load_spec
+    from stagecache.runtime.validation.report import preflight
 
     layout = build_layout(load_spec("tiny-v4"), 4, 1, None)
     report = preflight(layout, 256).to_dict()
@@ -353,7 +353,7 @@ def test_compose_cuda_override_builds_a_gpu_image() -> None:
 
 def parsed_stagecache_command(argv: list[str]):
     """Parse a container command with the real `stagecache` CLI parser (flags and values)."""
-    from stagecache.runtime.cli import build_parser
+    from stagecache.runtime.cli.main import build_parser
 
     assert argv[0] == "stagecache", argv
     try:

@@ -7,7 +7,7 @@ import multiprocessing as mp
 
 from stagecache.exporters.run_source import RunDirSource
 from stagecache.exporters.snapshot import SnapshotSource, empty_stage_numbers
-from stagecache.runtime import run_dir as rd
+from stagecache.runtime.serve import run_dir as rd
 
 
 def test_empty_run_dir_is_starting(tmp_path):

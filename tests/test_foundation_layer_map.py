@@ -6,12 +6,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from stagecache.runtime.errors import LayerNotOwnedError
-from stagecache.runtime.faults import parse_faults, planned_inventory
-from stagecache.runtime.layer_map import POOLS, build_layout
-from stagecache.runtime.partition import StageSlice
-from stagecache.runtime.report import preflight
-from stagecache.runtime.spec import load_spec, spec_from_config
-from stagecache.runtime.validate import PoolInventory, validate_stage, validate_tiling
+from stagecache.runtime.model.layer_map import POOLS, build_layout
+from stagecache.runtime.model.partition import StageSlice
+from stagecache.runtime.model.spec import load_spec, spec_from_config
+from stagecache.runtime.validation.checks import PoolInventory, validate_stage, validate_tiling
+from stagecache.runtime.validation.faults import parse_faults, planned_inventory
+from stagecache.runtime.validation.report import preflight
 
 FLASH = load_spec("deepseek-v4-flash")
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from stagecache.runtime.errors import ConfigError
-from stagecache.runtime.partition import parse_partition, partition_layers, pp_indices
+from stagecache.runtime.model.partition import parse_partition, partition_layers, pp_indices
 
 
 def test_flash_pp4_gives_the_extra_layers_to_the_last_stages():

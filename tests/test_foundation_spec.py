@@ -6,7 +6,7 @@ import json
 
 import pytest
 from stagecache.runtime.errors import ConfigError
-from stagecache.runtime.spec import check_page_size, load_spec, spec_from_config
+from stagecache.runtime.model.spec import check_page_size, load_spec, spec_from_config
 
 SHARED_FLASH = "runtime/presets/deepseek-v4-flash.json"
 

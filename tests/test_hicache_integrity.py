@@ -10,17 +10,17 @@ import json
 
 import pytest
 import torch
-from stagecache.runtime.bench_hicache import CeilingCache, replay
-from stagecache.runtime.cli import main
-from stagecache.runtime.controller import TransferController
-from stagecache.runtime.hicache import HiCache
-from stagecache.runtime.host_pool import HostPools
-from stagecache.runtime.kv_writer import KvWriter
-from stagecache.runtime.layer_map import build_layout
-from stagecache.runtime.pools import StagePools
-from stagecache.runtime.spec import load_spec
-from stagecache.runtime.transfer_stats import TransferStats
-from stagecache.runtime.workload import WorkloadConfig, generate, write_trace
+from stagecache.runtime.bench.hicache import CeilingCache, replay
+from stagecache.runtime.cache.hicache import HiCache
+from stagecache.runtime.cache.kv_writer import KvWriter
+from stagecache.runtime.cache.traces import WorkloadConfig, generate, write_trace
+from stagecache.runtime.cli.main import main
+from stagecache.runtime.memory.host_pools import HostPools
+from stagecache.runtime.memory.pools import StagePools
+from stagecache.runtime.model.layer_map import build_layout
+from stagecache.runtime.model.spec import load_spec
+from stagecache.runtime.transfer.controller import TransferController
+from stagecache.runtime.transfer.stats import TransferStats
 
 PAGE = 128
 TRACE = WorkloadConfig(seed=11, requests=1200, system_prompts=3, system_prompt_len=(128, 512),

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from stagecache.runtime.kv_writer import KvWriter, page_hashes
-from stagecache.runtime.layer_map import POOLS, build_layout
-from stagecache.runtime.pools import StagePools
-from stagecache.runtime.spec import load_spec, spec_from_config
+from stagecache.runtime.cache.kv_writer import KvWriter, page_hashes
+from stagecache.runtime.memory.pools import StagePools
+from stagecache.runtime.model.layer_map import POOLS, build_layout
+from stagecache.runtime.model.spec import load_spec, spec_from_config
 
 
 def _pools(num_pages=8, stage=2):

@@ -5,16 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from stagecache.runtime.controller import TransferController
+from stagecache.runtime.cache.hicache import CacheOutOfPagesError, HandleError, HiCache
+from stagecache.runtime.cache.kv_writer import KvWriter
+from stagecache.runtime.cache.traces import Request
 from stagecache.runtime.errors import ConfigError
-from stagecache.runtime.hicache import CacheOutOfPagesError, HandleError, HiCache
-from stagecache.runtime.host_pool import HostPools
-from stagecache.runtime.kv_writer import KvWriter
-from stagecache.runtime.layer_map import POOLS, build_layout
-from stagecache.runtime.pools import StagePools
-from stagecache.runtime.spec import load_spec
-from stagecache.runtime.transfer_stats import TransferStats
-from stagecache.runtime.workload import Request
+from stagecache.runtime.memory.host_pools import HostPools
+from stagecache.runtime.memory.pools import StagePools
+from stagecache.runtime.model.layer_map import POOLS, build_layout
+from stagecache.runtime.model.spec import load_spec
+from stagecache.runtime.transfer.controller import TransferController
+from stagecache.runtime.transfer.stats import TransferStats
 
 PS = 128
 

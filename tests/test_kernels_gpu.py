@@ -6,12 +6,12 @@ import random
 
 import pytest
 import torch
-from stagecache.runtime.controller import TransferController
-from stagecache.runtime.host_pool import HostPools
-from stagecache.runtime.layer_map import POOLS, build_layout
-from stagecache.runtime.pools import StagePools
-from stagecache.runtime.spec import load_spec
-from stagecache.runtime.transfer_stats import TransferStats
+from stagecache.runtime.memory.host_pools import HostPools
+from stagecache.runtime.memory.pools import StagePools
+from stagecache.runtime.model.layer_map import POOLS, build_layout
+from stagecache.runtime.model.spec import load_spec
+from stagecache.runtime.transfer.controller import TransferController
+from stagecache.runtime.transfer.stats import TransferStats
 
 pytestmark = pytest.mark.gpu
 
@@ -86,7 +86,7 @@ def test_gpu_layer_by_layer_wait_on_current_stream():
 
 
 def test_gpu_kernel_direct_into_pinned_host():
-    from stagecache.runtime.kernels import copy_pages, word_bytes
+    from stagecache.runtime.transfer.kernels import copy_pages, word_bytes
 
     L, P, pb = 4, 32, 1168
     src = [torch.randint(0, 256, (P, pb), dtype=torch.uint8, device="cuda") for _ in range(L)]
@@ -121,7 +121,7 @@ def test_gpu_pageable_host_goes_through_dma():
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 def test_gpu_staged_ring_reuse_bit_identical(layout, monkeypatch):
     """Tiny units and a 2-slot staging ring: every slot is reused, guarded only by events."""
-    from stagecache.runtime import controller as ctl
+    from stagecache.runtime.transfer import controller as ctl
 
     monkeypatch.setattr(ctl, "STAGING_CHUNK_MIN_BYTES", 1)
     monkeypatch.setattr(ctl, "STAGING_CHUNK_BYTES", 300_000)
@@ -150,7 +150,7 @@ def test_gpu_staged_ring_reuse_bit_identical(layout, monkeypatch):
 
 
 def test_gpu_auto_stages_big_runs_and_goes_direct_for_scattered(monkeypatch):
-    from stagecache.runtime import controller as ctl
+    from stagecache.runtime.transfer import controller as ctl
 
     stage = build_layout(FLASH, 4).stages[1]
     dp, hp = filled(FLASH, stage, 256, 64, 128, "layer_first")

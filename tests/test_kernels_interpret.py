@@ -18,12 +18,12 @@ pytest.importorskip("triton")
 SCRIPT = textwrap.dedent(r'''
     import random
     import torch
-    from stagecache.runtime import kernels
-    from stagecache.runtime.controller import TransferController
-    from stagecache.runtime.host_pool import HostPools
-    from stagecache.runtime.layer_map import POOLS, build_layout
-    from stagecache.runtime.pools import StagePools
-    from stagecache.runtime.spec import load_spec
+    from stagecache.runtime.transfer import kernels
+    from stagecache.runtime.transfer.controller import TransferController
+    from stagecache.runtime.memory.host_pools import HostPools
+    from stagecache.runtime.model.layer_map import POOLS, build_layout
+    from stagecache.runtime.memory.pools import StagePools
+    from stagecache.runtime.model.spec import load_spec
 
     assert kernels.HAVE_TRITON
 
@@ -48,7 +48,7 @@ SCRIPT = textwrap.dedent(r'''
 
     # 2. controller Triton paths: round trip bit-identical for every pool, both layouts and modes;
     #    tiny staging chunks so the staged path really pipelines several chunks
-    from stagecache.runtime import controller as ctl
+    from stagecache.runtime.transfer import controller as ctl
     ctl.STAGING_CHUNK_MIN_BYTES, ctl.STAGING_CHUNKS, ctl.STAGING_MAX_BYTES = 1, 3, 1
     spec = load_spec("tiny-v4")
     stage = build_layout(spec, 2).stages[1]

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 from stagecache.runtime.errors import ConfigError, LayerNotOwnedError, StageMappingInvalid
-from stagecache.runtime.faults import parse_faults
-from stagecache.runtime.host_pool import HostPools
-from stagecache.runtime.layer_map import build_layout
-from stagecache.runtime.pools import StagePools
-from stagecache.runtime.spec import load_spec
+from stagecache.runtime.memory.host_pools import HostPools
+from stagecache.runtime.memory.pools import StagePools
+from stagecache.runtime.model.layer_map import build_layout
+from stagecache.runtime.model.spec import load_spec
+from stagecache.runtime.validation.faults import parse_faults
 
 TINY = load_spec("tiny-v4")
 LAYOUT = build_layout(TINY, 2)

@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from stagecache.runtime.cli import main
+from stagecache.runtime.cli.main import main
 from stagecache.runtime.errors import ConfigError
-from stagecache.runtime.faults import buffer_plan, parse_faults
-from stagecache.runtime.layer_map import POOLS, build_layout
-from stagecache.runtime.pool_sizing import (
+from stagecache.runtime.memory.pools import StagePools
+from stagecache.runtime.memory.sizing import (
     PoolGeometry,
     host_pages_for,
     pages_for_budget,
@@ -18,8 +17,9 @@ from stagecache.runtime.pool_sizing import (
     stage_pool_bytes,
     stage_token_page_bytes,
 )
-from stagecache.runtime.pools import StagePools
-from stagecache.runtime.spec import load_spec
+from stagecache.runtime.model.layer_map import POOLS, build_layout
+from stagecache.runtime.model.spec import load_spec
+from stagecache.runtime.validation.faults import buffer_plan, parse_faults
 
 FLASH = load_spec("deepseek-v4-flash")
 TINY = load_spec("tiny-v4")

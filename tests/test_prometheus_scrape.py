@@ -168,7 +168,7 @@ def launch(tmp: Path, procs: list[Proc], client: httpx.Client) -> Stack:
     """Start serve, the faulty preflight dashboard and Prometheus; wait for a full scrape."""
     serve_port, faulty_port, prom_port = free_port(), free_port(), free_port()
     serve_addr, faulty_addr = f"127.0.0.1:{serve_port}", f"127.0.0.1:{faulty_port}"
-    exe = [sys.executable, "-m", "stagecache.runtime.cli"]
+    exe = [sys.executable, "-m", "stagecache.runtime"]
     tmp.mkdir()
     # A bounded trace; the parent keeps /metrics up (bounded too) after it is served.
     start("serve", [*exe, "serve", "--model", "tiny-v4", "--pp-size", str(PP), "--requests", "64",

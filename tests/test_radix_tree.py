@@ -14,16 +14,16 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from stagecache.runtime.controller import TransferController
-from stagecache.runtime.hicache import CacheOutOfPagesError, HiCache
-from stagecache.runtime.host_pool import HostPools
-from stagecache.runtime.kv_writer import KvWriter
-from stagecache.runtime.layer_map import build_layout
-from stagecache.runtime.pools import StagePools
-from stagecache.runtime.radix import RadixError, RadixTree
-from stagecache.runtime.spec import load_spec
-from stagecache.runtime.transfer_stats import TransferStats
-from stagecache.runtime.workload import Request
+from stagecache.runtime.cache.hicache import CacheOutOfPagesError, HiCache
+from stagecache.runtime.cache.kv_writer import KvWriter
+from stagecache.runtime.cache.radix import RadixError, RadixTree
+from stagecache.runtime.cache.traces import Request
+from stagecache.runtime.memory.host_pools import HostPools
+from stagecache.runtime.memory.pools import StagePools
+from stagecache.runtime.model.layer_map import build_layout
+from stagecache.runtime.model.spec import load_spec
+from stagecache.runtime.transfer.controller import TransferController
+from stagecache.runtime.transfer.stats import TransferStats
 
 PS = 4
 

@@ -6,7 +6,7 @@ import datetime
 import multiprocessing as mp
 
 import pytest
-from stagecache.runtime.pipeline import (
+from stagecache.runtime.serve.pipeline import (
     MicroBatch,
     PipelineClock,
     decision_digest,
@@ -50,7 +50,7 @@ def test_clock_rebooks_arrival_idle():
 def _stage(rank: int, world: int, port: int, diverge: bool, q) -> None:
     import torch
     import torch.distributed as dist
-    from stagecache.runtime.pipeline import PipelineError, StagePipe
+    from stagecache.runtime.serve.pipeline import PipelineError, StagePipe
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -77,7 +77,7 @@ def _stage(rank: int, world: int, port: int, diverge: bool, q) -> None:
 
 def _run(world: int, diverge: bool, free_port: int):
     ctx = mp.get_context("forkserver")  # torch imported once by the server, as serve does
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "stagecache.runtime.pipeline"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "stagecache.runtime.serve.pipeline"])
     q = ctx.Queue()
     procs = [ctx.Process(target=_stage, args=(r, world, free_port, diverge, q)) for r in range(world)]
     for p in procs:

@@ -1,7 +1,7 @@
 """The sglang integration from the main environment (no sglang here).
 
 * the core package never imports sglang;
-* ``stagecache.integrations.sglang`` fails with an install hint when sglang is missing;
+* ``stagecache.runtime.integrations.sglang`` fails with an install hint when sglang is missing;
 * the real-sglang suite (tests/test_sglang_live.py) runs in ``.venv-sglang``, which
   tests/setup.d/50-sglang.sh builds (torch 2.14.1 + sglang 0.5.23 --no-deps: sglang's
   torchvision import does not work with this environment's CPU torch 2.13.0).
@@ -43,12 +43,11 @@ def test_core_imports_without_sglang():
     proc = _run("""
         import importlib, pkgutil, sys
         names = []
-        for pkg in ("stagecache.runtime", "stagecache.exporters", "stagecache.dashboard",
-                    "stagecache.integrations"):
+        for pkg in ("stagecache.runtime", "stagecache.exporters", "stagecache.dashboard"):
             mod = importlib.import_module(pkg)
             names.append(pkg)
-            for info in pkgutil.iter_modules(mod.__path__, pkg + "."):
-                if info.name == "stagecache.integrations.sglang" or info.name.endswith("__main__"):
+            for info in pkgutil.walk_packages(mod.__path__, pkg + "."):
+                if info.name.startswith("stagecache.runtime.integrations.sglang") or info.name.endswith("__main__"):
                     continue
                 importlib.import_module(info.name)
                 names.append(info.name)
@@ -62,12 +61,12 @@ def test_core_imports_without_sglang():
 def test_integration_without_sglang_says_how_to_install():
     proc = _run("""
         try:
-            import stagecache.integrations.sglang
+            import stagecache.runtime.integrations.sglang
         except ImportError as exc:
             print("IMPORTERROR", exc)
     """)
     assert proc.returncode == 0, proc.stderr
-    assert "IMPORTERROR stagecache.integrations.sglang needs sglang: " \
+    assert "IMPORTERROR stagecache.runtime.integrations.sglang needs sglang: " \
            "pip install 'stagecache[sglang]'" in proc.stdout
 
 

@@ -37,13 +37,13 @@ from sglang.srt.mem_cache import deepseek_v4_memory_pool as dsv4  # noqa: E402
 from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as hpa  # noqa: E402
 from stagecache.exporters.metrics import make_registry  # noqa: E402
 from stagecache.exporters.snapshot import SnapshotSource  # noqa: E402
-from stagecache.integrations import sglang as integ  # noqa: E402
 from stagecache.runtime.errors import StageMappingInvalid  # noqa: E402
-from stagecache.runtime.faults import Fault  # noqa: E402
-from stagecache.runtime.layer_map import build_layout  # noqa: E402
-from stagecache.runtime.partition import partition_layers  # noqa: E402
-from stagecache.runtime.report import preflight  # noqa: E402
-from stagecache.runtime.spec import load_spec  # noqa: E402
+from stagecache.runtime.integrations import sglang as integ  # noqa: E402
+from stagecache.runtime.model.layer_map import build_layout  # noqa: E402
+from stagecache.runtime.model.partition import partition_layers  # noqa: E402
+from stagecache.runtime.model.spec import load_spec  # noqa: E402
+from stagecache.runtime.validation.faults import Fault  # noqa: E402
+from stagecache.runtime.validation.report import preflight  # noqa: E402
 
 PAGE = 256
 FLASH = load_spec("deepseek-v4-flash")

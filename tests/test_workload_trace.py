@@ -6,8 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from stagecache.runtime.errors import ConfigError
-from stagecache.runtime.workload import (
+from stagecache.runtime.cache.traces import (
     TraceError,
     WorkloadConfig,
     generate,
@@ -15,6 +14,7 @@ from stagecache.runtime.workload import (
     parse_trace,
     write_trace,
 )
+from stagecache.runtime.errors import ConfigError
 
 SMALL = WorkloadConfig(seed=3, requests=300, system_prompts=3, system_prompt_len=(64, 256),
                        user_len=(8, 64), assistant_len=(8, 64), turns=(2, 6))

@@ -1,0 +1,69 @@
+"""``stagecache bench check``: how long the startup check takes per configuration.
+
+The check runs at every server start, so it must stay cheap: the target is
+well under 50 ms per (model, pp_size) after import.  The baseline is the cost
+of just building the layer maps in the same run, so the ratio shows what the
+validation itself adds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from ..model.layer_map import build_layout
+from ..model.spec import load_spec, spec_from_config
+from ..validation.faults import parse_faults
+from ..validation.report import preflight
+
+
+def synthetic_spec(num_layers: int):
+    """A DeepSeek-V4-shaped model of any depth: [0, 0] then alternating 4/128 (like Flash)."""
+    ratios = [0, 0] + [4 if i % 2 == 0 else 128 for i in range(num_layers - 2)] + [0]
+    cfg = {
+        "num_hidden_layers": num_layers, "compress_ratios": ratios, "sliding_window": 128,
+        "head_dim": 512, "qk_rope_head_dim": 64, "index_head_dim": 128, "num_nextn_predict_layers": 1,
+    }
+    return spec_from_config(cfg, name=f"synthetic-{num_layers}")
+
+
+def _time(fn, repeat: int) -> dict[str, float]:
+    samples = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return {"median_ms": statistics.median(samples), "max_ms": max(samples)}
+
+
+def run_bench(model: str | None, layers: int, max_pp: int, repeat: int, fault: list[str]) -> dict:
+    spec = load_spec(model) if model else synthetic_spec(layers)
+    rows = []
+    for pp in range(1, max_pp + 1):
+        faults = parse_faults(fault, pp)
+        layout_only = _time(lambda pp=pp: build_layout(spec, pp), repeat)
+        full = _time(lambda pp=pp, faults=faults: preflight(build_layout(spec, pp), 256, faults), repeat)
+        rows.append({
+            "pp_size": pp,
+            "check_median_ms": round(full["median_ms"], 4),
+            "check_max_ms": round(full["max_ms"], 4),
+            "layout_only_median_ms": round(layout_only["median_ms"], 4),
+            "ratio_check_vs_layout_only": round(full["median_ms"] / layout_only["median_ms"], 2),
+            "under_50ms": full["max_ms"] < 50.0,
+        })
+    return {"bench": "check", "model": spec.name, "num_layers": spec.num_layers,
+            "repeat": repeat, "results": rows}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("check", help="time the startup check for pp 1..N")
+    p.add_argument("--model", default=None, help="preset or config.json (default: synthetic 61-layer)")
+    p.add_argument("--layers", type=int, default=61, help="layers of the synthetic model")
+    p.add_argument("--max-pp", type=int, default=8)
+    p.add_argument("--repeat", type=int, default=50)
+    p.add_argument("--fault", action="append", default=[])
+    p.add_argument("--json", action="store_true", help="(always JSON; kept for symmetry)")
+    p.set_defaults(func=lambda a: print(json.dumps(
+        run_bench(a.model, a.layers, a.max_pp, a.repeat, a.fault), indent=2)) or 0)

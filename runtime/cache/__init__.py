@@ -1,0 +1,1 @@
+"""stagecache.runtime.cache"""

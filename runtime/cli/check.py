@@ -1,0 +1,58 @@
+"""``stagecache check``: preflight every PP stage's layer map and pools without a GPU."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ..model.layer_map import POOLS
+from ..validation.report import StartupReport, preflight
+from .common import add_layout_args, layout_from_args
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "check",
+        help="validate every PP stage's layer map and pool sizes",
+        description="Exit 0: every stage valid; 1: mapping errors found; 2: bad input.",
+    )
+    add_layout_args(p)
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    la = layout_from_args(args)
+    report = preflight(la.layout, la.page_size, la.faults)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print_report(report)
+    return 0 if report.ok else 1
+
+
+def print_report(report: StartupReport) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=160)
+    title = (
+        f"{report.model}: {report.num_layers} layers, pp={report.pp_size} tp={report.tp_size}, "
+        f"page={report.page_size}" + (f", faults={','.join(report.faults)}" if report.faults else "")
+    )
+    table = Table(title=title)
+    for col in ("stage", "layers", "local", *POOLS, "status"):
+        table.add_column(col, justify="right" if col not in ("status", "layers") else "left")
+    for s in report.stages:
+        cells = []
+        for pool in POOLS:
+            got, want = s.buffers[pool], s.expected[pool]
+            cells.append(str(got) if got == want else f"[red]{got}/{want}[/red]")
+        status = "[green]OK[/green]" if s.ok else "[red]" + "; ".join(e.message for e in s.errors) + "[/red]"
+        m = s.stage_map
+        table.add_row(str(m.stage), f"[{m.start}, {m.end})", str(m.local_layers), *cells, status)
+    console.print(table)
+    for e in report.cross_errors:
+        console.print(f"[red]cross-stage[/red] {e.pool}: {e.message}")
+    n = len(report.all_errors)
+    console.print("[green]all stages valid[/green]" if report.ok else f"[red]{n} mapping error(s)[/red]")

@@ -1,0 +1,99 @@
+"""``stagecache dashboard``: the dashboard over a preflight report, without starting any stage.
+
+``--from-check`` plans the stages exactly like ``stagecache check`` (same flags,
+faults included); ``--from-json`` shows a saved ``stagecache check --json``
+report.  Either way the source is a ``StaticSource``: layer maps and errors,
+no live numbers (``stagecache serve`` mounts the same app over live stages).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+from .common import add_layout_args, layout_from_args, positive_int
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "dashboard",
+        help="serve the layer-map dashboard of a check run (preflight view)",
+        description="Serve the dashboard of a `check` run (--from-check, same flags as check) "
+        "or of a saved `stagecache check --json` output (--from-json). Exit 2: bad input.",
+    )
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--from-check", action="store_true",
+                      help="plan the stages like `stagecache check` (needs --model)")
+    what.add_argument("--from-json", metavar="FILE", type=Path,
+                      help="a saved `stagecache check --json` report")
+    # A default model makes --model optional for argparse (it is refused with --from-json);
+    # the defaults are then reset so --from-check behaves exactly like `check`.
+    add_layout_args(p, default_model="deepseek-v4-flash")
+    p.set_defaults(model=None, pp_size=1)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=positive_int, default=8000, help="TCP port (default 8000)")
+    p.set_defaults(func=run)
+
+
+def load_json_report(path: Path) -> dict[str, Any]:
+    """A saved check report, validated: a clear one-line ConfigError for anything else."""
+    from stagecache.dashboard.view import ReportShapeError, parse_report
+
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"--from-json {path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--from-json {path}: not JSON (line {exc.lineno}: {exc.msg})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--from-json {path}: expected a JSON object, got {type(raw).__name__}")
+    try:
+        parse_report(raw)
+    except ReportShapeError as exc:
+        raise ConfigError(f"--from-json {path}: {exc} (expected `stagecache check --json` output)") from None
+    return raw
+
+
+def _check_port(host: str, port: int) -> None:
+    """Fail with one line before uvicorn would log a traceback-ish bind error."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from stagecache.dashboard.app import serve_dashboard
+    from stagecache.exporters.snapshot import StaticSource
+
+    from ..validation.report import preflight
+
+    if args.from_json is not None:
+        if args.model is not None or args.fault:
+            raise ConfigError("--from-json takes model, stages and faults from the file; "
+                              "drop --model/--fault (or use --from-check)")
+        report = load_json_report(args.from_json)
+        what = f"{report['model']} pp={report['pp_size']} from {args.from_json}"
+    else:
+        if args.model is None:
+            raise ConfigError("--from-check needs --model (a preset or a config.json path)")
+        la = layout_from_args(args)
+        report = preflight(la.layout, la.page_size, la.faults).to_dict()
+        what = f"{report['model']} pp={report['pp_size']}" + (
+            f" faults={','.join(report['faults'])}" if report["faults"] else "")
+    _check_port(args.host, args.port)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    status = "all stages valid" if report["ok"] else "MAPPING ERRORS"
+    print(f"stagecache dashboard: http://{host}:{args.port}/  (preflight view of {what}: {status}; "
+          "Ctrl-C to stop)", flush=True)
+    serve_dashboard(StaticSource(report), host=args.host, port=args.port,
+                    title=f"stagecache · {report['model']}")
+    return 0

@@ -1,0 +1,6 @@
+"""stagecache.runtime.integrations: optional bridges to serving engines.
+
+Each subpackage imports its engine and fails with an install hint when it is missing
+(``stagecache.runtime.integrations.sglang`` -> ``pip install 'stagecache[sglang]'``);
+nothing else in stagecache imports these.
+"""

@@ -1,0 +1,149 @@
+"""Host (HiCache) mirror of a stage's device pools: same pool kinds, same buffer counts, own pages.
+
+The host mirror is built *from* the device ``StagePools`` so it can never be
+sized by a different layer count than the device side -- the PP+HiCache bug
+was exactly a host stack that disagreed with the device pools.  A device side
+with mapping errors is refused here (the original crash, but with the stage,
+pool and counts in the message) unless ``allow_invalid`` is set.
+
+Two layouts, as in sglang's HiCache:
+
+* ``layer_first`` -- one ``(num_pages, page_bytes)`` tensor per buffer, like the
+  device side; a layer's pages are contiguous (good for layer-by-layer loads).
+* ``page_first``  -- one ``(num_pages, buffers, page_bytes)`` tensor per pool
+  kind; a token page of every layer is one contiguous block (good for storage
+  back-ends and large DMAs).  ``buffers[pool][i]`` is then a strided view.
+
+Host pages are pinned (page-locked) when CUDA is present, so DMA and the
+zero-copy kernels can reach them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import ConfigError, LayerNotOwnedError, MappingError, StageMappingInvalid
+from ..model.layer_map import POOL_LABELS, POOLS
+from ..validation.checks import PoolInventory, validate_stage
+from .allocator import PageAllocator
+from .pools import StagePools, _fmt_bytes, host_available_bytes
+from .sizing import PoolGeometry, host_pages_for
+
+LAYOUTS = ("layer_first", "page_first")
+
+
+class HostPools:
+    """Host mirror of one stage's device pools."""
+
+    def __init__(
+        self,
+        device_pools: StagePools,
+        num_pages: int | None = None,
+        hicache_ratio: float | None = None,
+        hicache_size_bytes: int | None = None,
+        layout: str = "layer_first",
+        pin_memory: bool | None = None,
+        allow_invalid: bool = False,
+    ):
+        import torch
+
+        dp = device_pools
+        where = f"stage {dp.stage_map.stage} host pools"
+        if layout not in LAYOUTS:
+            raise ConfigError(f"{where}: unknown layout {layout!r}; layouts are {', '.join(LAYOUTS)}")
+        problems = dp.errors()
+        if problems and not allow_invalid:
+            raise StageMappingInvalid(problems)
+        self.device_pools = dp
+        self.spec = dp.spec
+        self.stage_map = dp.stage_map
+        self.page_size = dp.page_size
+        self.layout = layout
+        self.plan = {pool: tuple(b is not None for b in bufs) for pool, bufs in dp.buffers.items()}
+        self.geometry: dict[str, PoolGeometry] = dict(dp.geometry)
+        token_page = self.token_page_bytes()
+        if num_pages is not None:
+            if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0:
+                raise ConfigError(f"{where}: number of host pages must be a positive integer, got {num_pages!r}")
+        else:
+            num_pages = host_pages_for(dp.num_pages, hicache_ratio, hicache_size_bytes, token_page)
+        self.num_pages = num_pages
+        need = token_page * num_pages
+        avail = host_available_bytes()
+        if avail is not None and need > avail:
+            raise ConfigError(
+                f"{where}: {num_pages} host pages x {token_page} B = {_fmt_bytes(need)} needed, "
+                f"only {_fmt_bytes(avail)} of host RAM available; lower --hicache-ratio or --hicache-size"
+            )
+        self.pinned = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+        if self.pinned and not torch.cuda.is_available():
+            raise ConfigError(f"{where}: pin_memory=True needs CUDA, and none is available")
+
+        def alloc(shape: tuple[int, ...]) -> torch.Tensor:
+            return torch.zeros(shape, dtype=torch.uint8, pin_memory=self.pinned)
+
+        self.buffers: dict[str, list[torch.Tensor | None]] = {}
+        #: page_first: the one tensor of each pool kind, (num_pages, buffers, page_bytes).
+        self.pool_tensors: dict[str, torch.Tensor] = {}
+        for pool in POOLS:
+            slots = self.plan.get(pool, ())
+            if not slots:
+                self.buffers[pool] = []
+                continue
+            pb = self.geometry[pool].page_bytes
+            if layout == "layer_first":
+                self.buffers[pool] = [alloc((num_pages, pb)) if ok else None for ok in slots]
+            else:
+                whole = alloc((num_pages, len(slots), pb))
+                self.pool_tensors[pool] = whole
+                self.buffers[pool] = [whole[:, i, :] if ok else None for i, ok in enumerate(slots)]
+        self.allocator = PageAllocator(num_pages, f"stage {self.stage_map.stage} host")
+
+    # -- sizes -------------------------------------------------------------------------------
+    def page_bytes(self, pool: str) -> int:
+        return self.device_pools.page_bytes(pool)
+
+    def page_stride(self, pool: str) -> int:
+        """Bytes from page p to page p+1 inside one buffer of ``pool`` (layout dependent)."""
+        pb = self.page_bytes(pool)
+        return pb * len(self.plan[pool]) if self.layout == "page_first" else pb
+
+    def token_page_bytes(self) -> int:
+        return sum(sum(slots) * self.geometry[p].page_bytes for p, slots in self.plan.items() if slots)
+
+    def pool_bytes(self) -> dict[str, int]:
+        """Bytes each pool's present buffers hold (page_first: the same total, one tensor)."""
+        return {pool: sum(self.num_pages * self.geometry[pool].page_bytes for ok in slots if ok)
+                for pool, slots in self.plan.items()}
+
+    # -- lookup --------------------------------------------------------------------------------
+    def get_raw_buffer(self, pool: str, global_layer_id: int):
+        index = self.stage_map.pool_index(pool, global_layer_id)
+        bufs = self.buffers.get(pool, [])
+        if not 0 <= index < len(bufs) or bufs[index] is None:
+            m = self.stage_map
+            raise LayerNotOwnedError(
+                f"stage {m.stage} host (global layers [{m.start}, {m.end})): global layer "
+                f"{global_layer_id} maps to {POOL_LABELS[pool]} buffer {index}, which the host pool "
+                f"does not hold ({len(bufs)} buffers)"
+            )
+        return bufs[index]
+
+    def get_swa_raw_buffer(self, global_layer_id: int):
+        return self.get_raw_buffer("swa", global_layer_id)
+
+    def inventory(self) -> PoolInventory:
+        return PoolInventory.from_buffers(self.stage_map.stage, self.buffers)
+
+    def errors(self) -> list[MappingError]:
+        kinds = self.device_pools.kinds
+        return [e for e in validate_stage(self.stage_map, self.inventory())
+                if e.pool in kinds or e.pool not in POOLS]
+
+    def describe(self) -> dict[str, Any]:
+        return {"stage": self.stage_map.stage, "layout": self.layout, "num_pages": self.num_pages,
+                "pinned": self.pinned, "pool_bytes": self.pool_bytes()}
+
+    def __repr__(self) -> str:
+        return (f"HostPools(stage={self.stage_map.stage}, pages={self.num_pages}, layout={self.layout}, "
+                f"pinned={self.pinned})")

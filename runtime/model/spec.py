@@ -1,0 +1,177 @@
+"""DeepSeek-V4 model spec: the few config.json fields that decide the KV-cache layout.
+
+A spec is built from a real Hugging Face ``config.json`` (a preset name or a
+path).  Everything is validated here, at the boundary, so later code can trust
+the spec: unknown ratios, wrong list lengths and non-positive sizes are
+``ConfigError`` with the field, index and value.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+
+#: Compress ratios DeepSeek V4 uses: 0 = SWA only, 4 = C4 (+indexer, state), 128 = C128.
+SUPPORTED_RATIOS = (0, 4, 128)
+
+#: Bytes per token of one FP8 KV row in DeepSeek V4's published layout
+#: (448 nope FP8 + 64 rope BF16 + UE8M0 scales + padding) for head_dim 512.
+FP8_ROW_ALIGN = 8
+
+PRESETS = {
+    "deepseek-v4-flash": "deepseek-v4-flash.json",
+    "tiny-v4": "tiny-v4.json",
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the KV cache needs to know about a DeepSeek-V4-style model."""
+
+    name: str
+    num_layers: int
+    compress_ratios: tuple[int, ...]  # one per PP layer (the MTP placeholder dropped)
+    sliding_window: int
+    head_dim: int
+    qk_rope_head_dim: int
+    index_head_dim: int
+    num_nextn_predict_layers: int = 0
+
+    @property
+    def nope_head_dim(self) -> int:
+        return self.head_dim - self.qk_rope_head_dim
+
+    @property
+    def kv_row_bytes(self) -> int:
+        """Bytes per token of a KV row: FP8 nope, BF16 rope, one UE8M0 scale per 64 nope dims.
+
+        For head_dim 512 / rope 64 this is 448 + 128 + 7 = 583, padded to 584 --
+        the figure sglang's ``DeepSeekV4TokenToKVPool`` uses.
+        """
+        raw = self.nope_head_dim + 2 * self.qk_rope_head_dim + -(-self.nope_head_dim // 64)
+        return -(-raw // FP8_ROW_ALIGN) * FP8_ROW_ALIGN
+
+    @property
+    def indexer_row_bytes(self) -> int:
+        """Bytes per compressed token of the C4 indexer key: FP8 dims + one FP32 scale."""
+        return self.index_head_dim + 4
+
+    def compress_state_row_bytes(self, ratio: int) -> int:
+        """Bytes per token slot of a compressor's running state (FP32 kv + FP32 gate score).
+
+        C4 compresses overlapping windows, so its state covers 2 x ratio tokens;
+        C128 keeps one window.  Rows are stored per *token* of the page.
+        """
+        if ratio not in (4, 128):
+            raise ConfigError(f"compress state exists only for ratios 4 and 128, got {ratio}")
+        overlap = 2 if ratio == 4 else 1
+        return overlap * 2 * self.head_dim * 4 // ratio
+
+    def ratio_layers(self, ratio: int) -> tuple[int, ...]:
+        """Global ids of layers with this compress ratio."""
+        return tuple(i for i, r in enumerate(self.compress_ratios) if r == ratio)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "num_layers": self.num_layers,
+            "compress_ratios": list(self.compress_ratios),
+            "sliding_window": self.sliding_window,
+            "head_dim": self.head_dim,
+            "qk_rope_head_dim": self.qk_rope_head_dim,
+            "index_head_dim": self.index_head_dim,
+            "num_nextn_predict_layers": self.num_nextn_predict_layers,
+        }
+
+
+def _positive_int(cfg: dict[str, Any], key: str, source: str, default: int | None = None) -> int:
+    if key not in cfg:
+        if default is not None:
+            return default
+        raise ConfigError(f"{source}: missing required field {key!r}")
+    value = cfg[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{source}: field {key!r} must be a positive integer, got {value!r}")
+    return value
+
+
+def spec_from_config(cfg: dict[str, Any], name: str = "custom") -> ModelSpec:
+    """Validate a parsed config.json and build a ``ModelSpec``."""
+    source = f"model config {name!r}"
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{source}: expected a JSON object, got {type(cfg).__name__}")
+    num_layers = _positive_int(cfg, "num_hidden_layers", source)
+    mtp = cfg.get("num_nextn_predict_layers", 0)
+    if isinstance(mtp, bool) or not isinstance(mtp, int) or mtp < 0:
+        raise ConfigError(f"{source}: 'num_nextn_predict_layers' must be an integer >= 0, got {mtp!r}")
+    ratios = cfg.get("compress_ratios")
+    if not isinstance(ratios, list) or not ratios:
+        raise ConfigError(f"{source}: 'compress_ratios' must be a non-empty list, got {ratios!r}")
+    if len(ratios) not in (num_layers, num_layers + 1):
+        raise ConfigError(
+            f"{source}: 'compress_ratios' has {len(ratios)} entries; expected "
+            f"num_hidden_layers={num_layers} or {num_layers + 1} (with the MTP placeholder)"
+        )
+    for i, r in enumerate(ratios):
+        if isinstance(r, bool) or r not in SUPPORTED_RATIOS:
+            raise ConfigError(
+                f"{source}: compress_ratios[{i}] = {r!r} is not supported "
+                f"(supported: {', '.join(map(str, SUPPORTED_RATIOS))})"
+            )
+    head_dim = _positive_int(cfg, "head_dim", source)
+    rope = _positive_int(cfg, "qk_rope_head_dim", source)
+    if rope >= head_dim:
+        raise ConfigError(f"{source}: qk_rope_head_dim ({rope}) must be < head_dim ({head_dim})")
+    return ModelSpec(
+        name=name,
+        num_layers=num_layers,
+        compress_ratios=tuple(ratios[:num_layers]),
+        sliding_window=_positive_int(cfg, "sliding_window", source),
+        head_dim=head_dim,
+        qk_rope_head_dim=rope,
+        index_head_dim=_positive_int(cfg, "index_head_dim", source),
+        num_nextn_predict_layers=mtp,
+    )
+
+
+def load_spec(model: str) -> ModelSpec:
+    """A preset name (``deepseek-v4-flash``, ``tiny-v4``) or a path to a config.json."""
+    if model in PRESETS:
+        text = resources.files("stagecache.runtime.model").joinpath("presets", PRESETS[model]).read_text()
+        return spec_from_config(json.loads(text), name=model)
+    path = Path(model)
+    if not path.suffix == ".json" and not path.exists():
+        raise ConfigError(
+            f"unknown model {model!r}: not a preset ({', '.join(PRESETS)}) and no such config file"
+        )
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read model config {str(path)!r}: {exc.strerror or exc}") from None
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f"model config {str(path)!r} is not valid JSON: {exc.msg} at line {exc.lineno}"
+        ) from None
+    return spec_from_config(cfg, name=str(path))
+
+
+def check_page_size(spec: ModelSpec, page_size: int) -> int:
+    """A page must hold whole compressed tokens of every ratio the model uses."""
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
+        raise ConfigError(f"--page-size must be a positive integer, got {page_size!r}")
+    largest = max((r for r in spec.compress_ratios if r), default=1)
+    if page_size % largest:
+        raise ConfigError(
+            f"--page-size {page_size} must be a multiple of {largest} (the largest compress ratio "
+            f"of {spec.name}), so each page holds whole compressed tokens"
+        )
+    return page_size

@@ -1,0 +1,233 @@
+"""What one stage process serves with: its own pools, host stack, HiCache and layer compute.
+
+Kept apart from ``stage_worker`` (process, dist, publishing) so the per-stage
+work is one object with the calls the worker needs: ``inventory()`` for the
+startup gather, ``load_trace()``, ``work(micro_batch, activation)`` for the
+pipeline, and ``numbers()`` for the live snapshot.
+
+Per micro-batch, on every stage, in the same order::
+
+    begin(request) for each request   # HiCache: match, load host hits (h2d), allocate new pages
+    verify the host-loaded pages      # their KV bytes must be exactly what was written
+    write KV of the new pages         # KvWriter: deterministic bytes per (prefix, layer, pool)
+    layer compute on the activation   # [computed tokens, hidden] through the local layers
+    finish(request) for each request  # insert into the radix tree; write-through backups (d2h)
+
+The stages hold different layers (different pools and bytes) but the same
+page-id space size, so their cache decisions are identical; the decision
+digest in the pipeline header proves it per micro-batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConfigError, StageCacheError
+
+#: The generated trace of ``serve`` (multi-turn chat, sized for a CPU demo of tiny-v4).
+SERVE_WORKLOAD = {
+    "system_prompts": 4,
+    "system_prompt_len": (512, 1024),
+    "turns": (2, 6),
+    "user_len": (32, 256),
+    "assistant_len": (32, 256),
+    "vocab": 4096,
+}
+
+
+class KvMismatchError(StageCacheError):
+    """Bytes loaded back from host are not the bytes written: the cache returned wrong KV."""
+
+
+def build_trace(trace: str | None, requests: int, seed: int) -> list[Any]:
+    """The request stream every stage replays: a JSONL file (first ``requests``) or a generated one."""
+    from ..cache.traces import WorkloadConfig, generate, load_trace
+
+    if trace:
+        reqs = list(load_trace(trace).requests)
+        return reqs[:requests] if requests else reqs
+    return generate(WorkloadConfig(seed=seed, requests=requests, **SERVE_WORKLOAD))
+
+
+def request_pages(req: Any, page_size: int) -> int:
+    return -(-(len(req.input_ids) + len(req.output_ids)) // page_size)
+
+
+def check_trace_fits(requests: Sequence[Any], page_size: int, device_pages: int, micro_batch: int) -> None:
+    """Every micro-batch's requests must fit the device pages at once (they run together)."""
+    from .pipeline import split_micro_batches
+
+    for mb in split_micro_batches(requests, micro_batch):
+        need = sum(request_pages(r, page_size) for r in mb.requests)
+        if need > device_pages:
+            longest = max(request_pages(r, page_size) for r in mb.requests)
+            raise ConfigError(
+                f"micro-batch {mb.index} ({len(mb.requests)} requests, longest {longest} pages) needs "
+                f"up to {need} device pages of {page_size} tokens at once, but each stage has "
+                f"--device-pages {device_pages}; raise --device-pages/--max-total-tokens or lower "
+                "--micro-batch"
+            )
+
+
+class LayerCompute:
+    """A stand-in for the stage's layers: ``tanh(x @ W_l)`` per local layer on the activation.
+
+    Real matmuls on the real activation tensor, so stage time scales with local
+    layers and computed tokens the way a real stage's does (without weights to load).
+    """
+
+    def __init__(self, global_ids: list[int], hidden: int, device: Any):
+        import torch
+
+        self.hidden = hidden
+        self.device = device
+        self.weights = []
+        for gid in global_ids:
+            g = torch.Generator().manual_seed(1_000 + gid)
+            w = torch.randn((hidden, hidden), generator=g) / math.sqrt(hidden)
+            self.weights.append(w.to(device))
+        self.freq = torch.arange(1, hidden + 1, dtype=torch.float32, device=device) / hidden
+
+    def embed(self, tokens: np.ndarray) -> Any:
+        import torch
+
+        t = torch.as_tensor(np.asarray(tokens, dtype=np.float32), device=self.device)
+        return torch.sin(t[:, None] * self.freq[None, :])
+
+    def forward(self, x: Any) -> Any:
+        import torch
+
+        for w in self.weights:
+            x = torch.tanh(x @ w)
+        return x
+
+
+class StageCache:
+    """One stage's pools, host stack, HiCache and compute (see module docstring)."""
+
+    def __init__(self, worker: Any):
+        import torch
+
+        from ..cache.hicache import HiCache
+        from ..cache.kv_writer import KvWriter
+        from ..cache.stats import CacheStats
+        from ..memory.host_pools import HostPools
+        from ..memory.pools import StagePools
+        from ..transfer.controller import TransferController
+        from ..transfer.stats import TransferStats
+
+        cfg = worker.cfg
+        self.cfg = cfg
+        self.stage = worker.rank
+        self.page_size = cfg.page_size
+        self.stage_map = worker.stage_map
+        self.device = torch.device(cfg.torch_device)
+        # allow_invalid: a faulty build must still report its real inventory to rank 0.
+        self.pools = StagePools(worker.spec, self.stage_map, cfg.page_size, cfg.device_pages,
+                                self.device, worker.faults, cfg.pp_size, allow_invalid=True)
+        self.valid = not self.pools.errors()
+        self.host = HostPools(self.pools, hicache_ratio=cfg.hicache_ratio, layout=cfg.hicache_layout,
+                              allow_invalid=True)
+        self.transfer_stats = TransferStats()
+        self.cache = None
+        self.writer = None
+        if self.valid:  # an invalid stage never serves; its transfer stack is not needed
+            self.controller = TransferController(self.pools, self.host, self.transfer_stats)
+            self.stats = CacheStats(self.stage, cfg.page_size, transfer=self.transfer_stats)
+            self.cache = HiCache(self.pools, self.host, self.controller, cfg.hicache_write_policy,
+                                 stats=self.stats)
+            self.writer = KvWriter(self.pools)
+        self.compute = LayerCompute([e.global_id for e in self.stage_map.layers], cfg.hidden_size,
+                                    self.device)
+        self.verified_pages = 0
+        self.computed_rows = 0
+
+    # -- startup --------------------------------------------------------------------------------
+    def inventory(self) -> Any:
+        return self.pools.inventory()
+
+    def load_trace(self) -> list[Any]:
+        return build_trace(self.cfg.trace, self.cfg.requests, self.cfg.seed)
+
+    # -- one micro-batch ------------------------------------------------------------------------
+    def work(self, mb: Any, act_in: Any | None) -> tuple[Any, int]:
+        from .pipeline import decision_digest
+
+        assert self.cache is not None and self.writer is not None
+        ps = self.page_size
+        handles = []
+        try:
+            for req in mb.requests:
+                handles.append(self.cache.begin(req))
+        except Exception:
+            for h in handles:
+                self.cache.abort(h)
+            raise
+        decisions = []
+        computed = []
+        try:
+            for h in handles:
+                self._verify_loaded(h)
+                self.writer.write(h.new_hashes, h.new_pages)
+                req = h.request
+                decisions.append((req.session, req.turn, h.device_hit_pages, h.host_hit_pages,
+                                  len(h.new_pages)))
+                computed.append(np.asarray(h.tokens[h.matched_pages * ps:]))
+            tokens = np.concatenate(computed) if computed else np.zeros(1, dtype=np.int64)
+            if act_in is None:
+                act_in = self.compute.embed(tokens)
+            act_out = self.compute.forward(act_in)
+            self.computed_rows += int(act_out.shape[0])
+        except Exception:
+            for h in handles:
+                self.cache.abort(h)
+            raise
+        for h in handles:
+            self.cache.finish(h)
+        return act_out, decision_digest(decisions)
+
+    def _verify_loaded(self, h: Any) -> None:
+        """Check the KV bytes of the pages just loaded from host (the ones a PP bug would corrupt)."""
+        if not h.host_hit_pages:
+            return
+        lo, hi = h.device_hit_pages, h.matched_pages
+        bad = self.writer.verify(h.hashes[lo:hi], h.prefix_pages[lo:hi], page_offset=lo)
+        self.verified_pages += hi - lo
+        if bad:
+            raise KvMismatchError(
+                f"stage {self.stage}: {len(bad)} page(s) loaded from host have wrong KV bytes, "
+                f"first: {bad[0]}"
+            )
+
+    # -- live numbers -----------------------------------------------------------------------------
+    def numbers(self) -> dict[str, Any]:
+        if self.cache is None:
+            dev_bytes = self.pools.pool_bytes()
+            host_bytes = self.host.pool_bytes()
+            return {"pool_bytes": {p: {"device": int(b), "host": int(host_bytes.get(p, 0))}
+                                   for p, b in dev_bytes.items() if self.pools.buffers.get(p)}}
+        out = self.cache.snapshot()
+        out.pop("stage", None)
+        out.pop("requests", None)
+        # only pools the stage really has (a stage without C128 layers has no C128 rows)
+        out["pool_pages"] = {p: v for p, v in out["pool_pages"].items() if self.pools.buffers.get(p)}
+        out["pool_bytes"] = {p: v for p, v in out["pool_bytes"].items() if self.pools.buffers.get(p)}
+        snap = self.transfer_stats.snapshot()
+        out["transfer_seconds_buckets"] = {"le": list(snap["buckets_s"]),
+                                           "d2h": list(snap["d2h"]["bucket_counts"]),
+                                           "h2d": list(snap["h2d"]["bucket_counts"])}
+        s = self.stats
+        out["host_pages"] = {"used": self.host.allocator.num_used, "free": self.host.allocator.num_free}
+        out["cache_pages"] = {"backup": s.backup_pages, "load": s.load_pages, "dropped": s.dropped_pages,
+                              "backup_skipped": s.backup_skipped_pages}
+        out["kv_verified_pages"] = self.verified_pages
+        out["computed_rows"] = self.computed_rows
+        return out
+
+
+def build_stage_cache(worker: Any) -> StageCache:
+    return StageCache(worker)

@@ -1,0 +1,345 @@
+"""One PP stage as one OS process: dist init, own pools + host stack, startup gather, request loop.
+
+``serve`` starts ``stage_main(config)`` once per stage (spawn).  A stage builds
+*only its own* pools, from its own ``StageLayerMap`` -- nothing global is
+allocated anywhere, which is the point of stage-local pools -- and reports the
+real inventory of those tensors to rank 0 over ``gather_object``.  Rank 0 builds
+the ``StartupReport`` (per-stage validation plus the cross-stage tiling check),
+writes it to the run directory, and broadcasts the verdict: every stage then
+either serves the trace or stops before touching a request.
+
+While serving, each stage runs its own prefix cache over its own pools on the
+same request stream (so every stage takes the same hit/miss decisions, which
+the pipeline header checks), and the activation of every micro-batch travels
+stage to stage with ``torch.distributed`` send/recv (``pipeline.StagePipe``).
+Live numbers go to ``stage-<k>.json`` in the run directory (``run_dir``).
+
+Exit codes: 0 done (or startup refused, see ``startup.json``), 1 this stage
+failed, 4 a peer went away (connection closed / timed out) -- so the parent can
+name the stage that really died rather than the neighbours that noticed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from . import run_dir as rd
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_PEER_LOST = 4
+
+PUBLISH_INTERVAL_S = 0.25
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    """Everything a stage process needs, picklable (spawn sends it to the child)."""
+
+    rank: int
+    pp_size: int
+    model: str
+    tp_size: int
+    pp_partition: tuple[int, ...] | None
+    page_size: int
+    device_pages: int
+    hicache_ratio: float
+    hicache_write_policy: str
+    hicache_layout: str
+    faults: tuple[str, ...]
+    run_dir: str
+    master_port: int
+    backend: str  # "gloo" | "nccl"
+    device: str  # "cpu" | "cuda"
+    trace: str | None
+    requests: int
+    seed: int
+    micro_batch_requests: int
+    hidden_size: int
+    rate: float  # requests/s at stage 0; 0 = as fast as possible
+    dist_timeout_s: float
+    in_flight: int = 0  # micro-batches in the pipe at once; 0 = pp_size
+    parent_pid: int = 0
+
+    @property
+    def torch_device(self) -> str:
+        return f"cuda:{self.rank}" if self.device == "cuda" else "cpu"
+
+
+class PeerLost(RuntimeError):
+    """A collective or point-to-point call failed because another stage went away."""
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL when the parent (the forkserver, which exits with serve) dies: no orphans."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _parent_alive(pid: int) -> bool:
+    """The serve process still exists (stages are forked by a forkserver, so not getppid())."""
+    if not pid:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stage_main(cfg: StageConfig) -> None:
+    """Process entry point (``multiprocessing`` target); exits with one of the EXIT_* codes."""
+    _die_with_parent()
+    # Ctrl-C goes to the whole process group; the parent coordinates shutdown (SIGTERM, then SIGKILL).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if not _parent_alive(cfg.parent_pid):
+        os._exit(EXIT_FAILED)  # parent already gone
+    code = EXIT_OK
+    worker = None
+    try:
+        worker = StageWorker(cfg)
+        worker.run()
+    except PeerLost as exc:
+        code = EXIT_PEER_LOST
+        _note_failure(cfg, worker, f"lost a peer: {exc}", code)
+    except Exception as exc:  # report the failure in one line + the stage file, not a bare traceback
+        code = EXIT_FAILED
+        detail = f"{type(exc).__name__}: {exc}"
+        _note_failure(cfg, worker, detail, code)
+        print(f"stage {cfg.rank}: error: {detail}", file=sys.stderr, flush=True)
+        if os.environ.get("STAGECACHE_DEBUG"):
+            traceback.print_exc()
+    finally:
+        if worker is not None:
+            worker.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip atexit work of torch/gloo that can hang with a dead peer
+
+
+def _note_failure(cfg: StageConfig, worker: StageWorker | None, message: str, code: int) -> None:
+    try:
+        if worker is not None:
+            worker.publish(phase="failed", error=message, force=True)
+        else:
+            rd.write_json_atomic(rd.stage_file(cfg.run_dir, cfg.rank),
+                                 {"stage": cfg.rank, "pid": os.getpid(), "phase": "failed",
+                                  "error": message, "exit_code": code})
+    except OSError:
+        pass
+
+
+def _is_peer_error(exc: BaseException) -> bool:
+    import torch.distributed as dist
+
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        s in text for s in ("Connection closed by peer", "Connection reset", "Timed out", "timed out",
+                            "Socket Timeout", "Broken pipe", "connection refused", "NCCL")
+    )
+
+
+class StageWorker:
+    """The stage process's state; ``run()`` does startup, then the trace, then a clean shutdown."""
+
+    def __init__(self, cfg: StageConfig):
+        from ..model.layer_map import build_layout
+        from ..model.spec import load_spec
+        from ..validation.faults import apply_layout_faults, parse_faults
+
+        self.cfg = cfg
+        self.rank = cfg.rank
+        self.pid = os.getpid()
+        self.phase = "starting"
+        self.error: str | None = None
+        self.t_start = time.time()
+        self._last_publish = 0.0
+        self.dist_ready = False
+        self.layout = build_layout(load_spec(cfg.model), cfg.pp_size, cfg.tp_size, cfg.pp_partition)
+        self.faults = parse_faults(cfg.faults, cfg.pp_size)
+        self.faulty_layout = apply_layout_faults(self.layout, self.faults)
+        self.stage_map = self.faulty_layout.stages[self.rank]
+        self.spec = self.layout.spec
+        self.cache: Any = None
+        self.pipe: Any = None
+        self.requests_done = 0
+        self.steps_done = 0
+        self.total_micro_batches = 0
+        self.total_requests = 0
+        self.publish(force=True)
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def run(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        # one process per stage shares the host's cores: no oversubscription by intra-op threads
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.cfg.pp_size))
+
+        self._init_dist()
+        from .stage_cache import build_stage_cache
+
+        self.cache = build_stage_cache(self)
+        inventory = self.cache.inventory()
+        report_ok = self._startup(inventory)
+        if not report_ok:
+            self.phase = "refused"
+            self.publish(force=True)
+            return
+        self.phase = "serving"
+        requests = self.cache.load_trace()
+        self._serve(requests)
+        self.phase = "done"
+        self.publish(force=True)
+        self._call(lambda: dist.barrier())
+
+    def close(self) -> None:
+        if self.dist_ready:
+            try:
+                import torch.distributed as dist
+
+                if self.phase == "done":
+                    dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - best effort at exit
+                pass
+
+    def _call(self, fn: Any) -> Any:
+        """Run a torch.distributed call; a peer failure becomes ``PeerLost`` (exit code 4)."""
+        try:
+            return fn()
+        except Exception as exc:
+            if _is_peer_error(exc):
+                raise PeerLost(str(exc).splitlines()[0][:300]) from None
+            raise
+
+    def _init_dist(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        cfg = self.cfg
+        if cfg.device == "cuda":
+            torch.cuda.set_device(self.rank)
+        timeout = datetime.timedelta(seconds=cfg.dist_timeout_s)
+        self._call(lambda: dist.init_process_group(
+            cfg.backend, init_method=f"tcp://127.0.0.1:{cfg.master_port}",
+            rank=self.rank, world_size=cfg.pp_size, timeout=timeout,
+        ))
+        self.dist_ready = True
+
+    def _startup(self, inventory: Any) -> bool:
+        """Gather every stage's map + inventory to rank 0, which validates and publishes the report."""
+        import torch.distributed as dist
+
+        from ..validation.report import build_report
+
+        mine = {"stage": self.rank, "pid": self.pid, "stage_map": self.stage_map, "inventory": inventory}
+        gathered: list[Any] | None = [None] * self.cfg.pp_size if self.rank == 0 else None
+        self._call(lambda: dist.gather_object(mine, gathered, dst=0))
+        verdict: list[Any] = [None]
+        if self.rank == 0:
+            assert gathered is not None
+            import dataclasses
+
+            maps = tuple(g["stage_map"] for g in sorted(gathered, key=lambda g: g["stage"]))
+            layout = dataclasses.replace(self.faulty_layout, stages=maps)
+            report = build_report(layout, [g["inventory"] for g in gathered], self.cfg.page_size,
+                                  list(self.cfg.faults))
+            rd.write_json_atomic(os.path.join(self.cfg.run_dir, rd.STARTUP_FILE), report.to_dict())
+            verdict = [report.ok]
+        self._call(lambda: dist.broadcast_object_list(verdict, src=0))
+        return bool(verdict[0])
+
+    # -- the request loop ----------------------------------------------------------------------
+    def _serve(self, requests: list[Any]) -> None:
+        from .pipeline import StagePipe, split_micro_batches
+
+        cfg = self.cfg
+        mbs = split_micro_batches(requests, cfg.micro_batch_requests)
+        self.total_micro_batches = len(mbs)
+        self.total_requests = len(requests)
+        self.pipe = StagePipe(self.rank, cfg.pp_size, cfg.hidden_size, cfg.torch_device,
+                              window=cfg.in_flight or cfg.pp_size)
+        t0 = time.perf_counter()
+        self.publish(force=True)
+        for mb in mbs:
+            idle = self._pace(t0, mb) if cfg.rate > 0 and self.rank == 0 else 0.0
+            self._check_parent()
+            self._call(lambda mb=mb, idle=idle: self.pipe.step(mb, self.cache.work, idle))
+            self.steps_done += 1
+            self.requests_done += len(mb.requests)
+            self.publish()
+        self._call(self.pipe.drain)
+
+    def _pace(self, t0: float, mb: Any) -> float:
+        """Open-loop arrivals: micro-batch i may start once its last request has arrived."""
+        due = t0 + (self.requests_done + len(mb.requests)) / self.cfg.rate
+        wait = due - time.perf_counter()
+        if wait <= 0:
+            return 0.0
+        time.sleep(wait)
+        return wait
+
+    def _check_parent(self) -> None:
+        if not _parent_alive(self.cfg.parent_pid):
+            raise PeerLost("the serve parent process is gone")
+
+    # -- live numbers ----------------------------------------------------------------------------
+    def numbers(self) -> dict[str, Any]:
+        from stagecache.exporters.snapshot import empty_stage_numbers
+
+        from ..model.layer_map import POOLS
+
+        d = empty_stage_numbers(self.rank, POOLS)
+        if self.cache is not None:
+            d.update(self.cache.numbers())
+        d["stage"] = self.rank
+        d["time"] = time.time()
+        d["steps"] = self.steps_done
+        d["requests"] = self.requests_done
+        if self.pipe is not None:
+            clock = self.pipe.clock
+            d["stage_seconds"] = clock.stage_seconds
+            d["bubble_seconds"] = clock.bubble_seconds
+            d["activation_bytes_sent"] = clock.activation_bytes_sent
+            d["activation_bytes_received"] = clock.activation_bytes_received
+            d["idle_seconds"] = clock.idle_seconds
+        d["pid"] = self.pid
+        d["phase"] = self.phase
+        d["error"] = self.error
+        d["start_layer"] = self.stage_map.start
+        d["end_layer"] = self.stage_map.end
+        d["local_layers"] = self.stage_map.local_layers
+        d["total_requests"] = self.total_requests
+        d["total_steps"] = self.total_micro_batches
+        d["started_at"] = self.t_start
+        return d
+
+    def publish(self, phase: str | None = None, error: str | None = None, force: bool = False) -> None:
+        """Rewrite ``stage-<k>.json`` (atomically), at most every ``PUBLISH_INTERVAL_S`` unless forced."""
+        if phase is not None:
+            self.phase = phase
+        if error is not None:
+            self.error = error
+        now = time.monotonic()
+        if not force and now - self._last_publish < PUBLISH_INTERVAL_S:
+            return
+        self._last_publish = now
+        rd.write_json_atomic(rd.stage_file(self.cfg.run_dir, self.rank), self.numbers())

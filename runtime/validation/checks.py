@@ -1,0 +1,164 @@
+"""Startup validation: pure functions that return *every* mapping error.
+
+Nothing here raises on a bad stage; callers decide (``check`` prints and exits
+1, pool construction raises ``StageMappingInvalid``, ``serve`` refuses to
+start serving and shows the errors on the dashboard).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ..errors import MappingError
+from ..model.layer_map import POOL_LABELS, POOL_RATIO, POOLS, StageLayerMap
+from ..model.partition import StageSlice
+
+
+@dataclass(frozen=True)
+class PoolInventory:
+    """What a stage really holds: per pool, one flag per buffer (False = the slot is None).
+
+    A pool absent from ``slots`` was never built.  Real pools report their
+    inventory from their tensors; ``check`` plans one the way a pool
+    constructor (or a known-buggy one, see ``faults``) would allocate.
+    """
+
+    stage: int
+    slots: Mapping[str, tuple[bool, ...]]
+
+    @classmethod
+    def from_buffers(cls, stage: int, buffers: Mapping[str, Sequence[object] | None]) -> PoolInventory:
+        slots = {
+            pool: tuple(b is not None for b in bufs)
+            for pool, bufs in buffers.items()
+            if bufs is not None
+        }
+        return cls(stage, slots)
+
+    def counts(self) -> dict[str, int]:
+        return {pool: len(self.slots.get(pool, ())) for pool in POOLS}
+
+
+def _count_message(pool: str, got: int, expected: int) -> str:
+    if pool == "swa":
+        return f"SWA KV pool must be PP-stage-local: got {got} buffers for {expected} local layers"
+    ratio = POOL_RATIO[pool]
+    return (
+        f"{POOL_LABELS[pool]} pool must hold one buffer per local ratio-{ratio} layer: "
+        f"got {got} buffers for {expected} local ratio-{ratio} layers"
+    )
+
+
+def validate_stage(stage_map: StageLayerMap, inventory: PoolInventory) -> list[MappingError]:
+    """All errors of one stage: buffer counts, None slots, layer ids and compress ids."""
+    s = stage_map.stage
+    errors: list[MappingError] = []
+    expected = stage_map.expected_buffers()
+
+    for pool in POOLS:
+        want = expected[pool]
+        slots = inventory.slots.get(pool)
+        if slots is None:
+            if want:
+                errors.append(MappingError(
+                    s, pool, want, None,
+                    f"{POOL_LABELS[pool]} pool is missing: {want} local layers need it",
+                ))
+            continue
+        if len(slots) != want:
+            errors.append(MappingError(s, pool, want, len(slots), _count_message(pool, len(slots), want)))
+        empty = [i for i, present in enumerate(slots) if not present]
+        if empty:
+            name = f"deepseek_v4_{pool} state_pools" if pool.endswith("_state") else f"{POOL_LABELS[pool]} pool"
+            errors.append(MappingError(
+                s, pool, "no None buffers", f"None at {empty}",
+                f"{name} must not contain None: buffer(s) {empty} are None",
+            ))
+
+    for e in stage_map.layers:
+        if e.global_id != stage_map.start + e.local:
+            errors.append(MappingError(
+                s, "layer_map", stage_map.start + e.local, e.global_id,
+                f"local layer {e.local} must map to global layer start+local="
+                f"{stage_map.start + e.local}, got {e.global_id}",
+            ))
+        if e.compress_ratio == 0 and (e.compress_layer_id is not None or e.c4_state_id is not None):
+            errors.append(MappingError(
+                s, "layer_map", None, e.compress_layer_id,
+                f"global layer {e.global_id} has ratio 0 but a compress id",
+            ))
+
+    errors += _check_ids(stage_map, "c4", 4, "compress_layer_id", inventory)
+    errors += _check_ids(stage_map, "c128", 128, "compress_layer_id", inventory)
+    errors += _check_ids(stage_map, "c4_state", 4, "c4_state_id", inventory)
+    return errors
+
+
+def _check_ids(
+    stage_map: StageLayerMap, pool: str, ratio: int, attr: str, inventory: PoolInventory
+) -> list[MappingError]:
+    """Ids of one pool must be unique and inside the pool's buffer range."""
+    s = stage_map.stage
+    layers = [e for e in stage_map.layers if e.compress_ratio == ratio]
+    size = len(inventory.slots.get(pool, ()))
+    errors: list[MappingError] = []
+    seen: dict[int, int] = {}
+    for e in layers:
+        cid = getattr(e, attr)
+        if cid is None:
+            errors.append(MappingError(
+                s, pool, "an id", None, f"global layer {e.global_id} (ratio {ratio}) has no {attr}",
+            ))
+            continue
+        if not 0 <= cid < size:
+            errors.append(MappingError(
+                s, pool, f"0..{size - 1}" if size else "no ids (empty pool)", cid,
+                f"global layer {e.global_id}: {attr} {cid} is out of range for the stage's "
+                f"{size} {POOL_LABELS[pool]} buffers",
+            ))
+        if cid in seen:
+            errors.append(MappingError(
+                s, pool, "unique ids", cid,
+                f"global layers {seen[cid]} and {e.global_id} share {attr} {cid}",
+            ))
+        else:
+            seen[cid] = e.global_id
+    return errors
+
+
+def validate_tiling(slices: Sequence[StageSlice], num_layers: int) -> list[MappingError]:
+    """Stage slices must tile ``[0, num_layers)``: no gap, overlap, empty stage or overflow."""
+    errors: list[MappingError] = []
+    expected_next = 0
+    for sl in sorted(slices, key=lambda x: (x.start, x.stage)):
+        if sl.end <= sl.start:
+            errors.append(MappingError(
+                sl.stage, "partition", "at least 1 layer", sl.end - sl.start,
+                f"stage {sl.stage} is empty: [{sl.start}, {sl.end})",
+            ))
+        if sl.start < 0 or sl.end > num_layers:
+            errors.append(MappingError(
+                sl.stage, "partition", f"[0, {num_layers})", [sl.start, sl.end],
+                f"stage {sl.stage} range [{sl.start}, {sl.end}) is outside the model's "
+                f"{num_layers} layers",
+            ))
+        if sl.start > expected_next:
+            errors.append(MappingError(
+                None, "partition", expected_next, sl.start,
+                f"gap: layers [{expected_next}, {sl.start}) belong to no stage "
+                f"(stage {sl.stage} starts at {sl.start})",
+            ))
+        elif sl.start < expected_next:
+            errors.append(MappingError(
+                None, "partition", expected_next, sl.start,
+                f"overlap: layers [{sl.start}, {min(expected_next, sl.end)}) are owned twice "
+                f"(stage {sl.stage} starts at {sl.start})",
+            ))
+        expected_next = max(expected_next, sl.end)
+    if expected_next < num_layers:
+        errors.append(MappingError(
+            None, "partition", num_layers, expected_next,
+            f"gap: layers [{expected_next}, {num_layers}) belong to no stage",
+        ))
+    return errors
