@@ -8,8 +8,6 @@ validation itself adds.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 
@@ -55,15 +53,3 @@ def run_bench(model: str | None, layers: int, max_pp: int, repeat: int, fault: l
         })
     return {"bench": "check", "model": spec.name, "num_layers": spec.num_layers,
             "repeat": repeat, "results": rows}
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("check", help="time the startup check for pp 1..N")
-    p.add_argument("--model", default=None, help="preset or config.json (default: synthetic 61-layer)")
-    p.add_argument("--layers", type=int, default=61, help="layers of the synthetic model")
-    p.add_argument("--max-pp", type=int, default=8)
-    p.add_argument("--repeat", type=int, default=50)
-    p.add_argument("--fault", action="append", default=[])
-    p.add_argument("--json", action="store_true", help="(always JSON; kept for symmetry)")
-    p.set_defaults(func=lambda a: print(json.dumps(
-        run_bench(a.model, a.layers, a.max_pp, a.repeat, a.fault), indent=2)) or 0)

@@ -16,8 +16,6 @@ with stage, pool, layer and page, and the run exits 1.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -195,8 +193,8 @@ def _sum(rows: list[dict[str, Any]], key: str) -> int:
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from ..cli.common import layout_from_args
     from ..errors import ConfigError
+    from ..validation.inputs import resolve_layout
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -206,7 +204,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         raise ConfigError(f"--device {args.device!r}: {exc}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"--device {args.device}: CUDA is not available on this machine")
-    la = layout_from_args(args)
+    la = resolve_layout(args.model, args.pp_size, args.tp_size, args.pp_partition,
+                        args.page_size, args.fault)
     reqs, trace_info = _load_requests(args)
     longest = max(-(-(r.input_len + r.output_len) // la.page_size) for r in reqs)
     if args.device_pages < longest:
@@ -287,7 +286,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _print_table(res: dict[str, Any]) -> None:
+def print_table(res: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -316,55 +315,3 @@ def _print_table(res: dict[str, Any]) -> None:
               + (f"{hi['pages_verified'] + s['device_only']['pages_verified']} reused pages verified; "
                  if res["verify"] else "not verified (--verify); ")
               + f"{res['seconds']} s")
-
-
-def _run(args: argparse.Namespace) -> int:
-    res = run_bench(args)
-    if args.json:
-        print(json.dumps(res, indent=2))
-    else:
-        _print_table(res)
-    bad = res["summary"]["hicache"]["mismatches"] + res["summary"]["device_only"]["mismatches"]
-    if bad:
-        for mode in ("hicache", "device_only"):
-            for r in res["per_stage"][mode]:
-                for m in r["replay"]["mismatches"]:
-                    print(f"stagecache bench hicache: MISMATCH ({mode}): {m}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    from ..cli.common import add_layout_args, positive_int
-
-    p = sub.add_parser("hicache", help="replay a chat trace: HiCache vs device only vs infinite cache")
-    add_layout_args(p, default_model="tiny-v4")
-    p.add_argument("--trace", default=None, metavar="FILE",
-                   help="JSONL trace (docs/hicache.md); default: a generated multi-turn chat trace")
-    p.add_argument("--skip-bad-lines", action="store_true",
-                   help="skip malformed trace lines (reported) instead of refusing the whole file")
-    p.add_argument("--save-trace", default=None, metavar="FILE", help="write the replayed trace as JSONL")
-    p.add_argument("--requests", type=positive_int, default=None,
-                   help=f"requests to generate (default {DEFAULT_REQUESTS}) or to take from --trace")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--think-time", type=float, default=30.0, help="mean seconds between a session's turns")
-    p.add_argument("--session-gap", type=float, default=1.5, help="mean seconds between session starts")
-    p.add_argument("--device-pages", type=positive_int, default=DEFAULT_DEVICE_PAGES,
-                   help=f"device token pages per stage (default {DEFAULT_DEVICE_PAGES})")
-    p.add_argument("--hicache-ratio", type=float, default=DEFAULT_HICACHE_RATIO,
-                   help=f"host pages per device page (default {DEFAULT_HICACHE_RATIO})")
-    p.add_argument("--hicache-write-policy", "--write-policy", dest="write_policy",
-                   choices=("write_back", "write_through", "write_through_selective"),
-                   default="write_through", help="when device pages are copied to host (sglang's flag)")
-    p.add_argument("--hicache-layout", choices=("layer_first", "page_first"), default="layer_first")
-    p.add_argument("--concurrency", type=positive_int, default=4, help="requests in flight (locked) at once")
-    p.add_argument("--stage", type=int, action="append", default=None,
-                   help="replay only this stage (repeatable; default all stages)")
-    p.add_argument("--device", default="cpu", help="torch device of the device pools (cpu, cuda)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads (default 1: small copies are fastest single-threaded)")
-    p.add_argument("--verify", action="store_true", help="check every reused page byte for byte")
-    p.add_argument("--check-every", type=int, default=0, metavar="N",
-                   help="check tree invariants and page accounting every N requests")
-    p.add_argument("--json", action="store_true", help="print the full JSON result")
-    p.set_defaults(func=_run)

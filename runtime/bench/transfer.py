@@ -21,7 +21,6 @@ Prints JSON; ``--out`` also writes it to a file.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import statistics
@@ -310,37 +309,3 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     return {"bench": "transfer", "model": base.name, "device": device, "page_size": args.page_size,
             "layers": args.layers, "repeat": args.repeat, "date": time.strftime("%Y-%m-%d", time.gmtime()),
             "env": info, "results": results, "summary": summary}
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    from ..cli.common import positive_int
-
-    p = sub.add_parser("transfer", help="device<->host page transfers vs contiguous copy and per-page loop")
-    p.add_argument("--model", default="deepseek-v4-flash", help="preset or config.json (row sizes)")
-    p.add_argument("--pages", type=positive_int, default=None,
-                   help="pages per transfer (default: enough for --mib per pool kind)")
-    p.add_argument("--mib", type=float, default=256.0, help="bytes per transfer when --pages is not given")
-    p.add_argument("--layers", type=positive_int, default=11, help="layer buffers per transfer (flash pp4: 11)")
-    p.add_argument("--page-size", type=positive_int, default=256, help="tokens per page")
-    p.add_argument("--pool", action="append", choices=POOLS, help="pool kind(s) to measure (default all)")
-    p.add_argument("--layout", action="append", choices=["layer_first", "page_first"])
-    p.add_argument("--pattern", action="append", choices=["run", "scattered"], help="host page pattern")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    p.add_argument("--repeat", type=positive_int, default=5)
-    p.add_argument("--loop-copies", type=positive_int, default=4000,
-                   help="per-page loop baseline: copies actually timed")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sweep", action="store_true", help="also try several direct-kernel block sizes")
-    p.add_argument("--out", default=None, help="also write the JSON here")
-    p.add_argument("--json", action="store_true", help="(always JSON; kept for symmetry)")
-    p.set_defaults(func=_run)
-
-
-def _run(args: argparse.Namespace) -> int:
-    report = run_bench(args)
-    text = json.dumps(report, indent=2)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    print(text)
-    return 0

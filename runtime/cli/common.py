@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
 
 from ..errors import ConfigError
-from ..model.layer_map import ModelLayout, build_layout
-from ..model.partition import parse_partition
-from ..model.spec import PRESETS, ModelSpec, check_page_size, load_spec
-from ..validation.faults import FAULTS, Fault, parse_faults
+from ..model.spec import PRESETS
+from ..validation.faults import FAULTS
+from ..validation.inputs import LayoutArgs, resolve_layout
 
 DEFAULT_PAGE_SIZE = 256
 
@@ -44,21 +42,10 @@ def add_layout_args(p: argparse.ArgumentParser, default_model: str | None = None
                    help="build the stages the way a known bug did: " + ", ".join(FAULTS))
 
 
-@dataclass(frozen=True)
-class LayoutArgs:
-    spec: ModelSpec
-    layout: ModelLayout
-    page_size: int
-    faults: tuple[Fault, ...]
-
-
 def layout_from_args(args: argparse.Namespace) -> LayoutArgs:
-    spec = load_spec(args.model)
-    page_size = check_page_size(spec, args.page_size)
-    partition = parse_partition(args.pp_partition)
-    layout = build_layout(spec, args.pp_size, args.tp_size, partition)
-    faults = parse_faults(args.fault, args.pp_size)
-    return LayoutArgs(spec, layout, page_size, faults)
+    """The layout flags of ``add_layout_args`` as validated objects."""
+    return resolve_layout(args.model, args.pp_size, args.tp_size, args.pp_partition,
+                          args.page_size, args.fault)
 
 
 __all__ = ["ConfigError", "LayoutArgs", "add_layout_args", "layout_from_args", "positive_int"]
