@@ -18,5 +18,7 @@ done
 
 echo "== ruff"
 $PY -m ruff check runtime exporters dashboard integrations tests
+echo "== lint-imports (layers point one way, no cycles)"
+$PY -c "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"
 echo "== pytest"
 exec $PY -m pytest -q "$@"

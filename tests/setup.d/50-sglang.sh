@@ -58,7 +58,7 @@ pip_install --no-deps -e .
 "$VENV/bin/python" -W ignore -c "
 import sglang.srt.mem_cache.deepseek_v4_memory_pool
 import sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler
-import stagecache.integrations.sglang
+import stagecache.runtime.integrations.sglang
 "
 echo "$WANT" > "$STAMP"
 echo "built $VENV in $(( $(date +%s) - start )) s"
