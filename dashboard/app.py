@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -80,17 +79,26 @@ NOT_READY = {503: {"model": Starting, "description": "no startup report yet"}}
 BAD_SOURCE = {502: {"model": ErrorMessage, "description": "the snapshot source returned a malformed report"}}
 
 
-def _live_numbers(stages: Mapping[int, Mapping[str, Any]]) -> list[StageLive]:
+def _live_numbers(stages: Mapping[int, Any]) -> list[StageLive]:
+    """The stages' live numbers in stage order.
+
+    Sources hand out ``StageLive``; a third-party source that returns plain dicts
+    is validated here, and a malformed one is a 502 naming the stage and field.
+    """
     out = []
     for key in sorted(stages):
+        value = stages[key]
+        if isinstance(value, StageLive):
+            out.append(value)
+            continue
         try:
-            out.append(StageLive.model_validate(stages[key]))
+            out.append(StageLive.model_validate(value))
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
             raise SourceShapeError(
-                f"stage {key}: live numbers do not match the snapshot shape "
-                f"(exporters/snapshot.py): {where}: {first['msg']} ({exc.error_count()} problem(s))"
+                f"stage {key}: live numbers do not match the StageLive model "
+                f"(runtime/serve/live.py): {where}: {first['msg']} ({exc.error_count()} problem(s))"
             ) from None
     return out
 
@@ -272,61 +280,3 @@ def create_app(source: SnapshotSource, *, title: str = "stagecache") -> FastAPI:
         return Response(generate_latest(metrics.get()), media_type=CONTENT_TYPE_LATEST)
 
     return app
-
-
-def make_server(
-    source: SnapshotSource, host: str = "127.0.0.1", port: int = 8000, *,
-    title: str = "stagecache", log_level: str = "warning",
-) -> Any:
-    """A ``uvicorn.Server`` for the dashboard; ``.run()`` it (any thread), set ``.should_exit`` to stop."""
-    import uvicorn
-
-    config = uvicorn.Config(create_app(source, title=title), host=host, port=port,
-                            log_level=log_level, access_log=False)
-    return uvicorn.Server(config)
-
-
-def serve_dashboard(
-    source: SnapshotSource, host: str = "127.0.0.1", port: int = 8000, *,
-    title: str = "stagecache", log_level: str = "warning",
-) -> None:
-    """Serve the dashboard until interrupted (blocks; run it in a thread or a process)."""
-    make_server(source, host, port, title=title, log_level=log_level).run()
-
-
-@contextmanager
-def dashboard_in_thread(
-    source: SnapshotSource, host: str = "127.0.0.1", port: int = 8000, *,
-    title: str = "stagecache", startup_timeout_s: float = 15.0,
-) -> Iterator[str]:
-    """Serve the dashboard in a daemon thread while the block runs; yields its base URL.
-
-    For processes that already do something else in the main thread (``serve``'s
-    rank 0, tests).  Startup waits are bounded; a port that cannot be bound is a
-    RuntimeError naming it instead of a silently dead thread.
-    """
-    server = make_server(source, host, port, title=title)
-    failure: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            server.run()
-        except (SystemExit, Exception) as exc:  # uvicorn sys.exit()s when it cannot bind
-            failure.append(exc)
-
-    thread = threading.Thread(target=run, name=f"stagecache-dashboard:{port}", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + startup_timeout_s
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            server.should_exit = True
-            why = f" ({failure[0]!r}; uvicorn logged the cause)" if failure else ""
-            raise RuntimeError(
-                f"dashboard did not start on {host}:{port} within {startup_timeout_s:.0f} s{why}"
-            )
-        time.sleep(0.02)
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)

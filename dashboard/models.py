@@ -1,9 +1,9 @@
 """Pydantic models of the dashboard's JSON API.
 
-They mirror two shapes defined elsewhere -- ``StartupReport.to_dict()``
-(runtime/report.py) and the live stage dict (exporters/snapshot.py) -- so a
-source that drifts from either is caught at the API boundary with a message
-naming the field, instead of surfacing as a broken chart in the browser.
+The startup report mirrors ``StartupReport.to_dict()`` (runtime/validation/report.py),
+so a source that drifts from it is caught at the API boundary with a message
+naming the field, instead of surfacing as a broken chart in the browser.  Live
+numbers are the runtime's own ``StageLive`` model, used here unchanged.
 The rest are the dashboard's own views (stage rows, layer-map cells, probes).
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from stagecache.runtime.serve.live import StageLive
 
 # -- the startup report (runtime/report.py) ---------------------------------------------
 
@@ -122,53 +123,7 @@ class LayerMapResponse(BaseModel):
     figure: dict[str, Any] = Field(description="Plotly figure JSON (data + layout)")
 
 
-# -- live numbers (exporters/snapshot.py) ---------------------------------------------------
-
-
-class CacheTokens(BaseModel):
-    device: int
-    host: int
-    miss: int
-
-
-class DeviceHost(BaseModel):
-    device: int
-    host: int
-
-
-class Directions(BaseModel):
-    d2h: float
-    h2d: float
-
-
-class DirectionCounts(BaseModel):
-    d2h: int
-    h2d: int
-
-
-class PoolPages(BaseModel):
-    used: int
-    free: int
-
-
-class StageLive(BaseModel):
-    """A stage's live numbers, exactly the snapshot dict of exporters/snapshot.py."""
-
-    stage: int
-    time: float
-    steps: int
-    requests: int
-    cache_tokens: CacheTokens
-    host_hit_ratio: float
-    evictions: DeviceHost
-    transfer_bytes: DirectionCounts
-    transfer_seconds: Directions
-    transfer_count: DirectionCounts
-    bandwidth_bytes_per_second: Directions
-    pool_pages: dict[str, PoolPages]
-    pool_bytes: dict[str, DeviceHost]
-    stage_seconds: float
-    bubble_seconds: float
+# -- live numbers: the runtime's own type (one model from stage process to this API) -----------
 
 
 class MetricsSummary(BaseModel):

@@ -28,7 +28,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from stagecache.runtime.model.layer_map import POOLS
 
-from .snapshot import SnapshotSource
+from .snapshot import SnapshotSource, StageLive
 
 DIRECTIONS = ("d2h", "h2d")
 TIERS = ("device", "host", "miss")
@@ -84,20 +84,15 @@ def _sub(d: Mapping[str, Any], key: str) -> Mapping[str, Any]:
     return value if isinstance(value, Mapping) else {}
 
 
-def _histogram_buckets(live: Mapping[str, Any], direction: str) -> list[tuple[str, float]]:
-    """Cumulative ``(le, count)`` buckets of one direction; +Inf only when no buckets were reported.
-
-    Stages report ``transfer_seconds_buckets = {"le": [...], "d2h": [...], "h2d": [...]}``
-    (cumulative counts, the last entry being +Inf), straight from ``TransferStats``.
-    """
-    count = _num(_sub(live, "transfer_count").get(direction))
-    hist = _sub(live, "transfer_seconds_buckets")
-    bounds = hist.get("le")
-    counts = hist.get(direction)
+def _histogram_buckets(live: StageLive, direction: str) -> list[tuple[str, float]]:
+    """Cumulative ``(le, count)`` buckets of one direction; +Inf only when no buckets were reported."""
+    count = getattr(live.transfer_count, direction)
+    hist = live.transfer_seconds_buckets
+    counts = getattr(hist, direction)
     buckets: list[tuple[str, float]] = []
-    if isinstance(bounds, list) and isinstance(counts, list) and len(counts) == len(bounds) + 1:
-        buckets = [(repr(float(b)), _num(c)) for b, c in zip(bounds, counts[:-1], strict=True)]
-        count = _num(counts[-1])
+    if counts and len(counts) == len(hist.le) + 1:
+        buckets = [(repr(float(b)), c) for b, c in zip(hist.le, counts[:-1], strict=True)]
+        count = counts[-1]
     buckets.append(("+Inf", count))
     return buckets
 
@@ -139,39 +134,33 @@ class StageCollector(Collector):
             fams["stagecache_stage_mapping_errors"].add_metric([st], float(len(errors)))
 
     @staticmethod
-    def _live(fams: dict[str, Metric], st: str, d: Mapping[str, Any]) -> None:
-        fams["stagecache_requests_total"].add_metric([st], _num(d.get("requests")))
-        fams["stagecache_steps_total"].add_metric([st], _num(d.get("steps")))
-        tokens = _sub(d, "cache_tokens")
+    def _live(fams: dict[str, Metric], st: str, d: StageLive) -> None:
+        fams["stagecache_requests_total"].add_metric([st], d.requests)
+        fams["stagecache_steps_total"].add_metric([st], d.steps)
         for tier in TIERS:
-            fams["stagecache_cache_tokens_total"].add_metric([st, tier], _num(tokens.get(tier)))
-        fams["stagecache_host_hit_ratio"].add_metric([st], _num(d.get("host_hit_ratio")))
-        ev = _sub(d, "evictions")
+            fams["stagecache_cache_tokens_total"].add_metric([st, tier], getattr(d.cache_tokens, tier))
+        fams["stagecache_host_hit_ratio"].add_metric([st], d.host_hit_ratio)
         for tier in ("device", "host"):
-            fams["stagecache_evictions_total"].add_metric([st, tier], _num(ev.get(tier)))
-        nbytes, secs, bw = _sub(d, "transfer_bytes"), _sub(d, "transfer_seconds"), _sub(
-            d, "bandwidth_bytes_per_second")
+            fams["stagecache_evictions_total"].add_metric([st, tier], getattr(d.evictions, tier))
         for direction in DIRECTIONS:
-            fams["stagecache_transfer_bytes_total"].add_metric([st, direction], _num(nbytes.get(direction)))
+            fams["stagecache_transfer_bytes_total"].add_metric(
+                [st, direction], getattr(d.transfer_bytes, direction))
             fams["stagecache_transfer_seconds"].add_metric(
                 [st, direction], buckets=_histogram_buckets(d, direction),
-                sum_value=_num(secs.get(direction)))
+                sum_value=getattr(d.transfer_seconds, direction))
             fams["stagecache_transfer_bandwidth_bytes_per_second"].add_metric(
-                [st, direction], _num(bw.get(direction)))
-        for pool, pages in sorted(_sub(d, "pool_pages").items()):
-            if isinstance(pages, Mapping):
-                for state in ("used", "free"):
-                    fams["stagecache_pool_pages"].add_metric([st, pool, state], _num(pages.get(state)))
-        for pool, tiers in sorted(_sub(d, "pool_bytes").items()):
-            if isinstance(tiers, Mapping):
-                for tier in ("device", "host"):
-                    fams["stagecache_pool_bytes"].add_metric([st, pool, tier], _num(tiers.get(tier)))
-        fams["stagecache_stage_busy_seconds_total"].add_metric([st], _num(d.get("stage_seconds")))
-        fams["stagecache_stage_bubble_seconds_total"].add_metric([st], _num(d.get("bubble_seconds")))
-        fams["stagecache_stage_idle_seconds_total"].add_metric([st], _num(d.get("idle_seconds")))
-        for direction in ("sent", "received"):
-            fams["stagecache_activation_bytes_total"].add_metric(
-                [st, direction], _num(d.get(f"activation_bytes_{direction}")))
+                [st, direction], getattr(d.bandwidth_bytes_per_second, direction))
+        for pool, pages in sorted(d.pool_pages.items()):
+            for state in ("used", "free"):
+                fams["stagecache_pool_pages"].add_metric([st, pool, state], getattr(pages, state))
+        for pool, tiers in sorted(d.pool_bytes.items()):
+            for tier in ("device", "host"):
+                fams["stagecache_pool_bytes"].add_metric([st, pool, tier], getattr(tiers, tier))
+        fams["stagecache_stage_busy_seconds_total"].add_metric([st], d.stage_seconds)
+        fams["stagecache_stage_bubble_seconds_total"].add_metric([st], d.bubble_seconds)
+        fams["stagecache_stage_idle_seconds_total"].add_metric([st], d.idle_seconds)
+        fams["stagecache_activation_bytes_total"].add_metric([st, "sent"], d.activation_bytes_sent)
+        fams["stagecache_activation_bytes_total"].add_metric([st, "received"], d.activation_bytes_received)
 
 
 _LABELS: dict[str, list[str]] = {

@@ -17,8 +17,9 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from stagecache.dashboard.app import dashboard_in_thread
-from stagecache.exporters.snapshot import StaticSource, empty_stage_numbers
+from live_helpers import blank_live
+from stagecache.dashboard.server import dashboard_in_thread
+from stagecache.exporters.snapshot import StaticSource
 from stagecache.runtime.cli.main import main
 from stagecache.runtime.model.layer_map import POOLS, build_layout
 from stagecache.runtime.model.spec import load_spec
@@ -33,9 +34,22 @@ def report_dict(model: str = "tiny-v4", faults: tuple[str, ...] = ()) -> dict:
     return preflight(layout, 256, parse_faults(list(faults), PP)).to_dict()
 
 
+class RawSource:
+    """A third-party source that hands out unvalidated dicts (the dashboard must check them)."""
+
+    def __init__(self, report, stages):
+        self._report, self._stages = report, stages
+
+    def startup(self):
+        return self._report
+
+    def stages(self):
+        return dict(self._stages)
+
+
 def live_numbers(stage: int) -> dict:
     """A shape-correct live dict (empty_stage_numbers) filled with distinct numbers per stage."""
-    d = empty_stage_numbers(stage, POOLS)
+    d = blank_live(stage, POOLS)
     d.update(time=1_700_000_000.0 + stage, steps=10 + stage, requests=3 + stage,
              host_hit_ratio=0.25 * (stage % 4), stage_seconds=1.5, bubble_seconds=0.25)
     d["cache_tokens"] = {"device": 1000 * (stage + 1), "host": 200 * (stage + 1), "miss": 50 + stage}
@@ -59,7 +73,7 @@ SOURCES = {
     "ids": lambda: StaticSource(report_dict("deepseek-v4-flash", ("global-compress-ids", "overlap"))),
     "starting": lambda: StaticSource(None),
     "live": lambda: StaticSource(report_dict(), {s: live_numbers(s) for s in range(PP)}),
-    "bad-live": lambda: StaticSource(report_dict(), {0: live_numbers(0), 1: {"stage": 1, "time": 0.0}}),
+    "bad-live": lambda: RawSource(report_dict(), {0: live_numbers(0), 1: {"stage": 1, "cache_tokens": "lots"}}),
     "bad-report": lambda: StaticSource({"ok": True, "model": "x"}),
 }
 
@@ -229,7 +243,8 @@ def test_summary_returns_every_stage_numbers_unchanged(servers):
 def test_malformed_source_data_is_502_naming_the_stage_and_field(servers):
     r = servers["bad-live"].get("/api/metrics/summary")
     assert r.status_code == 502
-    assert r.json()["detail"].startswith("stage 1: live numbers do not match the snapshot shape")
+    assert r.json()["detail"].startswith("stage 1: live numbers do not match the StageLive model")
+    assert "cache_tokens" in r.json()["detail"]
     r = servers["bad-report"].get("/api/stages")
     assert r.status_code == 502
     assert "startup report from the source: not a startup report" in r.json()["detail"]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from stagecache.exporters.snapshot import empty_stage_numbers
+from live_helpers import blank_live
 from stagecache.runtime.model.layer_map import POOLS, build_layout
 from stagecache.runtime.model.spec import load_spec
 from stagecache.runtime.validation.faults import parse_faults
@@ -208,7 +208,7 @@ class GrowingSource:
         n = self.reads
         out = {}
         for s in range(PP):
-            d = empty_stage_numbers(s, POOLS)
+            d = blank_live(s, POOLS)
             d.update(time=time.time(), steps=n, requests=n)
             d["cache_tokens"] = {"device": 900 * n * (s + 1), "host": 300 * n, "miss": 100 * n}
             d["host_hit_ratio"] = min(0.95, 0.1 * s + 0.02 * n)
@@ -218,7 +218,7 @@ class GrowingSource:
 
 
 def test_live_charts_extend_without_reload(driver, free_port, tmp_path):
-    from stagecache.dashboard.app import dashboard_in_thread
+    from stagecache.dashboard.server import dashboard_in_thread
 
     source = GrowingSource()
     with dashboard_in_thread(source, port=free_port) as url:
@@ -257,7 +257,7 @@ class LateReportSource:
 
 def test_starting_page_reloads_once_the_report_arrives(driver, free_port):
     from selenium.webdriver.common.by import By
-    from stagecache.dashboard.app import dashboard_in_thread
+    from stagecache.dashboard.server import dashboard_in_thread
 
     source = LateReportSource()
     with dashboard_in_thread(source, port=free_port) as url:

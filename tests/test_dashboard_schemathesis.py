@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import schemathesis
 from hypothesis import HealthCheck, settings
+from live_helpers import blank_live
 from schemathesis.checks import not_a_server_error
 from stagecache.dashboard.app import create_app
-from stagecache.exporters.snapshot import StaticSource, empty_stage_numbers
+from stagecache.exporters.snapshot import StaticSource
 from stagecache.runtime.model.layer_map import POOLS, build_layout
 from stagecache.runtime.model.spec import load_spec
 from stagecache.runtime.validation.faults import parse_faults
@@ -28,7 +29,7 @@ def _report(faults: list[str]) -> dict:
 def _live() -> dict[int, dict]:
     out = {}
     for s in range(4):
-        d = empty_stage_numbers(s, POOLS)
+        d = blank_live(s, POOLS)
         d["cache_tokens"] = {"device": 10 * s, "host": 5, "miss": 1}
         d["host_hit_ratio"] = 0.5
         out[s] = d

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+from live_helpers import blank_live
 from stagecache.dashboard import figures
 from stagecache.dashboard.models import StageLive
 from stagecache.dashboard.view import (
@@ -14,7 +15,6 @@ from stagecache.dashboard.view import (
     pool_statuses,
     stages_response,
 )
-from stagecache.exporters.snapshot import empty_stage_numbers
 from stagecache.runtime.model.layer_map import POOLS, build_layout
 from stagecache.runtime.model.spec import load_spec
 from stagecache.runtime.validation.faults import parse_faults
@@ -99,7 +99,7 @@ def test_live_figures_empty_state_and_one_trace_per_stage():
     fig = figures.to_json_dict(figures.hit_ratio_figure([0, 1, 2], 0.0, []))
     assert [t["meta"]["stage"] for t in fig["data"]] == [0, 1, 2]
     assert fig["layout"]["annotations"][0]["text"] == figures.NO_LIVE_TEXT
-    live = [StageLive.model_validate(empty_stage_numbers(s, POOLS)) for s in range(2)]
+    live = [StageLive.model_validate(blank_live(s, POOLS)) for s in range(2)]
     fig = figures.to_json_dict(figures.bandwidth_figure([0, 1], 1000.0, live))
     assert len(fig["data"]) == 4 and "annotations" not in fig["layout"]
     assert fig["data"][0]["x"] == [1000.0]

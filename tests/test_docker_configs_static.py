@@ -54,8 +54,9 @@ def exporter_families() -> set[str]:
 
 def exported_sample_names() -> set[str]:
     """Sample names of a real registry over a tiny-v4 pp=4 report with live numbers."""
+    from live_helpers import blank_live
     from stagecache.exporters.metrics import make_registry
-    from stagecache.exporters.snapshot import StaticSource, empty_stage_numbers
+    from stagecache.exporters.snapshot import StaticSource
     from stagecache.runtime.model.layer_map import POOLS, build_layout
     from stagecache.runtime.model.spec import load_spec
     from stagecache.runtime.validation.report import preflight
@@ -64,7 +65,7 @@ def exported_sample_names() -> set[str]:
     report = preflight(layout, 256).to_dict()
     stages = {}
     for k in range(4):
-        n = empty_stage_numbers(k, POOLS)
+        n = blank_live(k, POOLS)
         n.update(steps=3, requests=2, cache_tokens={"device": 10, "host": 30, "miss": 60},
                  host_hit_ratio=0.3, transfer_bytes={"d2h": 4096, "h2d": 8192},
                  transfer_seconds={"d2h": 0.001, "h2d": 0.002}, transfer_count={"d2h": 1, "h2d": 2},

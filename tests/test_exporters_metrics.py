@@ -6,10 +6,11 @@ import shutil
 import subprocess
 
 import pytest
+from live_helpers import blank_live
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from stagecache.exporters.metrics import METRIC_NAMES, make_registry
-from stagecache.exporters.snapshot import StaticSource, empty_stage_numbers
+from stagecache.exporters.snapshot import StageLive, StaticSource
 from stagecache.runtime.model.layer_map import POOLS, build_layout
 from stagecache.runtime.model.spec import load_spec
 from stagecache.runtime.transfer.stats import TransferStats
@@ -24,7 +25,7 @@ def report(faults=()):
 
 
 def live(stage: int, scale: int = 1) -> dict:
-    d = empty_stage_numbers(stage, POOLS)
+    d = blank_live(stage, POOLS)
     d.update(
         steps=5 * scale, requests=20 * scale,
         cache_tokens={"device": 1000 * scale, "host": 300 * scale, "miss": 700 * scale},
@@ -147,7 +148,7 @@ def test_the_source_is_read_on_every_scrape():
             self.n += 1
             d = live(0)
             d["requests"] = self.n
-            return {0: d}
+            return {0: StageLive.model_validate(d)}
 
     registry = make_registry(Growing())
     first = by_name(generate_latest(registry).decode())

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 
-from stagecache.exporters.run_source import RunDirSource
-from stagecache.exporters.snapshot import SnapshotSource, empty_stage_numbers
+from live_helpers import blank_live
+from stagecache.exporters.snapshot import SnapshotSource
 from stagecache.runtime.serve import run_dir as rd
+from stagecache.runtime.serve.run_dir import RunDirSource
 
 
 def test_empty_run_dir_is_starting(tmp_path):
@@ -18,14 +19,14 @@ def test_empty_run_dir_is_starting(tmp_path):
 
 def test_reads_startup_and_stage_files(tmp_path):
     rd.write_json_atomic(tmp_path / rd.STARTUP_FILE, {"ok": True, "stages": []})
-    d = empty_stage_numbers(1, ("swa",))
+    d = blank_live(1, ("swa",))
     d["requests"] = 7
     rd.write_json_atomic(rd.stage_file(tmp_path, 1), d)
-    rd.write_json_atomic(rd.stage_file(tmp_path, 0), empty_stage_numbers(0))
+    rd.write_json_atomic(rd.stage_file(tmp_path, 0), blank_live(0))
     src = RunDirSource(tmp_path)
     assert src.startup() == {"ok": True, "stages": []}
     stages = src.stages()
-    assert list(stages) == [0, 1] and stages[1]["requests"] == 7
+    assert list(stages) == [0, 1] and stages[1].requests == 7
     snap = src.snapshot()
     assert set(snap) == {"run", "startup", "stages"} and set(snap["stages"]) == {"0", "1"}
     json.dumps(snap)  # the snapshot document is plain JSON
@@ -36,10 +37,16 @@ def test_partial_stage_file_gets_every_key(tmp_path):
     rd.write_json_atomic(rd.stage_file(tmp_path, 3), {"stage": 3, "phase": "failed", "error": "boom",
                                                       "cache_tokens": {"miss": 5}})
     s = RunDirSource(tmp_path).stages()[3]
-    full = empty_stage_numbers(3)
-    assert set(full) <= set(s)
-    assert s["cache_tokens"] == {"device": 0, "host": 0, "miss": 5}
-    assert s["error"] == "boom"
+    assert set(blank_live(3)) == set(s.model_dump())
+    assert s.cache_tokens.model_dump() == {"device": 0, "host": 0, "miss": 5}
+    assert s.error == "boom" and s.phase == "failed" and s.requests == 0
+
+
+def test_a_stage_file_of_another_shape_is_not_shown(tmp_path):
+    # a typo'd or foreign field is refused at the boundary, not silently dropped
+    rd.write_json_atomic(rd.stage_file(tmp_path, 1), {"stage": 1, "cache_tokenz": {"miss": 5}})
+    rd.write_json_atomic(rd.stage_file(tmp_path, 2), {"stage": 2, "requests": 4})
+    assert list(RunDirSource(tmp_path).stages()) == [2]
 
 
 def test_torn_or_foreign_files_are_ignored(tmp_path):

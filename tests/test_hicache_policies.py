@@ -274,14 +274,14 @@ def test_handle_misuse_and_bad_policy():
 
 
 def test_snapshot_has_the_live_dict_keys():
-    from stagecache.exporters.snapshot import empty_stage_numbers
+    from live_helpers import blank_live
 
     cache, w = make(device_pages=2)
     for tag in range(1, 4):
         run(cache, w, req(page(tag), out=1))
     run(cache, w, req(page(1) + [1]))
     snap = cache.snapshot()
-    want = empty_stage_numbers(2, POOLS)
+    want = blank_live(2, POOLS)
     for key in ("cache_tokens", "host_hit_ratio", "evictions", "requests", "transfer_bytes",
                 "transfer_seconds", "transfer_count", "bandwidth_bytes_per_second",
                 "pool_pages", "pool_bytes"):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 from stagecache.runtime.cli.main import build_parser
+from stagecache.runtime.cli.serve import options_from_args
 from stagecache.runtime.errors import ConfigError
 from stagecache.runtime.serve.stage_cache import build_trace, check_trace_fits, request_pages
-from stagecache.runtime.serve.supervisor import options_from_args
 
 
 def opts(*argv: str):

@@ -274,7 +274,7 @@ def test_attach_validates_publishes_and_restores():
         startup = source.startup()
         assert startup["ok"] is False and startup["stages"][0]["stage"] == 3
         assert startup["stages"][0]["buffers"]["swa"] == 43
-        live = source.stages()[3]
+        live = source.stages()[3].model_dump()
         assert live["pool_bytes"]["swa"]["device"] == sum(b.nbytes for b in bad.swa_kv_pool.kv_buffer)
     assert hpa.build_deepseek_v4_hicache_stack is original
 
@@ -315,14 +315,14 @@ def test_transfers_reach_the_prometheus_exporter():
     ctl.start_writing()
     ctl.start_loading()
     ctl.start_loading()
-    live = source.stages()[1]
+    live = source.stages()[1].model_dump()
     assert live["transfer_bytes"] == {"d2h": 4096, "h2d": 16384}
     assert live["transfer_count"] == {"d2h": 1, "h2d": 2}
     assert live["cache_tokens"]["host"] == 1024
     assert live["transfer_seconds"]["h2d"] > 0
     restore()
     ctl.start_writing()
-    assert source.stages()[1]["transfer_count"]["d2h"] == 1
+    assert source.stages()[1].transfer_count.d2h == 1
     text = generate_latest(make_registry(source)).decode()
     assert 'stagecache_transfer_bytes_total{direction="h2d",stage="1"} 16384.0' in text
     assert 'stagecache_startup_ok 1.0' in text
@@ -393,5 +393,5 @@ def test_sync_transfers_still_records_without_cuda_events():
     ctl = _Controller()
     integ.wrap_controller(ctl, source, stage=0, sync=True)
     ctl.start_loading()
-    live = source.stages()[0]
+    live = source.stages()[0].model_dump()
     assert live["transfer_bytes"]["h2d"] == 8192 and live["transfer_seconds"]["h2d"] > 0

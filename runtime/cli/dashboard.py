@@ -71,7 +71,7 @@ def _check_port(host: str, port: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stagecache.dashboard.app import serve_dashboard
+    from stagecache.dashboard.server import serve_dashboard
     from stagecache.exporters.snapshot import StaticSource
 
     from ..validation.report import preflight

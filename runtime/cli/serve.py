@@ -1,21 +1,72 @@
 """``stagecache serve``: one process per PP stage over torch.distributed, with the dashboard and /metrics.
 
-Only argument parsing lives here (cheap to import for ``stagecache --help``);
-the launcher and supervisor are ``runtime/serve.py``.
+The flags are validated here once (``options_from_args``: every bad value is
+exit 2 before any process starts); ``run`` then composes the pieces that live
+in their own layers: the ``Supervisor`` (stage processes), the dashboard server
+and the console output.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import shutil
+import signal
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
-from .common import add_layout_args, positive_int
+from stagecache.dashboard.server import DashboardThread, bind_dashboard_socket
 
-DEFAULT_MODEL = "tiny-v4"
-DEFAULT_REQUESTS = 240
-DEFAULT_DEVICE_PAGES = 64
-DEFAULT_RATE = 20.0
-DEFAULT_MICRO_BATCH = 4
-WRITE_POLICIES = ("write_through", "write_back", "write_through_selective")
+from ..errors import ConfigError
+from ..serve import run_dir as rd
+from ..serve.options import (
+    CPU_HIDDEN_CAP,
+    DEFAULT_DEVICE_PAGES,
+    DEFAULT_HIDDEN,
+    DEFAULT_MICRO_BATCH,
+    DEFAULT_MODEL,
+    DEFAULT_RATE,
+    DEFAULT_REQUESTS,
+    WRITE_POLICIES,
+    ServeOptions,
+    check_host_memory,
+    model_hidden_size,
+    resolve_device,
+)
+from ..serve.supervisor import Supervisor, summarize
+from .common import add_layout_args, layout_from_args, positive_int
+from .serve_console import Console, Progress, print_summary
+
+
+class _Stop(Exception):
+    """Raised in the main thread by the SIGINT/SIGTERM handler."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+def _install_signal_handlers() -> dict[int, Any]:
+    """SIGINT/SIGTERM raise ``_Stop`` once; repeats (a second Ctrl-C, ``timeout`` forwarding the
+    signal) are ignored so the cleanup that the first one started is never interrupted."""
+    fired = []
+
+    def handler(signum: int, frame: Any) -> None:
+        if fired:
+            return
+        fired.append(signum)
+        raise _Stop(signum)
+
+    old = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        old[sig] = signal.signal(sig, handler)
+    return old
+
+
 
 
 def _positive_float(text: str) -> float:
@@ -114,7 +165,199 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    from ..serve.supervisor import options_from_args, serve
+def options_from_args(args: argparse.Namespace) -> ServeOptions:
+    """Validate every flag once, in the parent, so a bad value is exit 2 before any process starts."""
+    from ..memory.sizing import check_layout_page_size, pages_for_tokens
+    from ..serve.stage_cache import build_trace, check_trace_fits
 
+    la = layout_from_args(args)  # spec, partition, page size, faults: ConfigError on bad input
+    check_layout_page_size(la.spec, la.page_size)
+    if args.max_total_tokens is not None:
+        device_pages = pages_for_tokens(args.max_total_tokens, la.page_size)
+    else:
+        device_pages = args.device_pages or DEFAULT_DEVICE_PAGES
+    if args.trace is not None and not Path(args.trace).is_file():
+        raise ConfigError(f"--trace {args.trace!r}: no such file")
+    requests = args.requests or (0 if args.trace else DEFAULT_REQUESTS)
+    trace = build_trace(args.trace, requests, args.seed)  # TraceError (exit 2) lists bad lines
+    check_trace_fits(trace, la.page_size, device_pages, args.micro_batch)
+    if args.rate > 0 and args.micro_batch / args.rate > args.dist_timeout / 2:
+        gap = args.micro_batch / args.rate
+        raise ConfigError(
+            f"--rate {args.rate:g} with --micro-batch {args.micro_batch} leaves {gap:g} s between "
+            f"micro-batches, too close to --dist-timeout {args.dist_timeout:g} s (later stages wait "
+            "in recv that long); raise --dist-timeout or --rate"
+        )
+    device = resolve_device(args.device, args.pp_size)
+    check_host_memory(la, device_pages, args.hicache_ratio, device)
+    partition = tuple(s.local_layers for s in la.layout.stages) if args.pp_partition else None
+    hidden = args.hidden_size or model_hidden_size(args.model) or DEFAULT_HIDDEN
+    if not args.hidden_size and device == "cpu":
+        hidden = min(hidden, CPU_HIDDEN_CAP)  # a 4096-wide stand-in compute would dominate on CPU
+    return ServeOptions(
+        model=args.model,
+        model_name=la.spec.name,
+        pp_size=args.pp_size,
+        tp_size=args.tp_size,
+        pp_partition=partition,
+        page_size=la.page_size,
+        faults=tuple(args.fault),
+        device_pages=device_pages,
+        hicache_ratio=args.hicache_ratio,
+        hicache_write_policy=args.hicache_write_policy,
+        hicache_layout=args.hicache_layout,
+        trace=args.trace,
+        requests=len(trace),
+        seed=args.seed,
+        micro_batch=args.micro_batch,
+        in_flight=args.in_flight,
+        rate=args.rate,
+        hidden_size=hidden,
+        device=device,
+        host=args.host,
+        port=args.port,
+        dashboard=not args.no_dashboard,
+        run_dir=args.run_dir,
+        exit_on_error=args.exit_on_error,
+        hold_seconds=0.0 if args.exit_after_run else args.hold_seconds,
+        exit_after_run=args.exit_after_run,
+        startup_timeout=args.startup_timeout,
+        dist_timeout=args.dist_timeout,
+        json=args.json,
+    )
+
+
+
+
+def _hold(console: Console, opts: ServeOptions, dash: DashboardThread | None, phase: str) -> None:
+    """Keep the dashboard up after the run: ``--hold-seconds`` or until Ctrl-C/SIGTERM."""
+    if dash is None or opts.exit_after_run or opts.hold_seconds == 0:
+        return
+    if phase == "refused" and opts.exit_on_error:
+        return
+    what = "the errors" if phase == "refused" else "the final numbers"
+    if opts.hold_seconds is None:
+        console.print(f"dashboard still serving {what} at {dash.url} -- Ctrl-C to exit")
+        while True:
+            time.sleep(0.5)
+    else:
+        console.print(f"dashboard serving {what} at {dash.url} for {opts.hold_seconds:g} s")
+        time.sleep(opts.hold_seconds)
+
+
+
+
+def run(args: argparse.Namespace) -> int:
     return serve(options_from_args(args))
+
+
+@dataclass
+class _Run:
+    """One ``serve`` invocation's moving parts, torn down together in ``_close``."""
+
+    opts: ServeOptions
+    console: Console
+    run_dir: str
+    own_run_dir: bool
+    sup: Supervisor
+    t0: float = field(default_factory=time.perf_counter)
+    dash: DashboardThread | None = None
+    summary: dict[str, Any] | None = None
+    code: int = 1
+
+
+def _prepare_run_dir(opts: ServeOptions) -> tuple[str, bool]:
+    """A temporary run dir (removed at exit), or the user's, emptied of a previous run's files."""
+    if opts.run_dir is None:
+        return tempfile.mkdtemp(prefix="stagecache-serve-"), True
+    os.makedirs(opts.run_dir, exist_ok=True)
+    for stale in [*Path(opts.run_dir).glob("stage-*.json"), Path(opts.run_dir) / rd.STARTUP_FILE]:
+        stale.unlink(missing_ok=True)
+    return opts.run_dir, False
+
+
+def _start_dashboard(r: _Run) -> None:
+    opts = r.opts
+    sock = bind_dashboard_socket(opts.host, opts.port)
+    r.dash = DashboardThread(r.sup.source, sock, title=f"stagecache {opts.model_name} pp={opts.pp_size}")
+    r.sup.url = r.dash.url
+    r.dash.start()
+    if not r.dash.server.started:
+        raise ConfigError(f"the dashboard did not start on {r.dash.url}: "
+                          f"{r.dash.error or 'no answer within 10 s'}")
+    r.console.print(f"dashboard: {r.dash.url}  (metrics: {r.dash.url}metrics, "
+                    f"startup probe: {r.dash.url}startupz)")
+
+
+def _interrupted(r: _Run, stop: _Stop) -> int:
+    from rich.markup import escape
+
+    refused = r.sup.phase == "refused"  # validation already failed: that stays the outcome
+    r.sup.phase = "refused" if refused else "interrupted"
+    r.sup.failure = f"interrupted by {stop}"
+    r.sup.stop()
+    r.sup.write_run_file()
+    r.console.print(f"[yellow]{escape(r.sup.failure)}: stopped all stage processes[/yellow]")
+    r.summary = summarize(r.opts, r.sup, time.perf_counter() - r.t0)
+    return 1 if refused else 130 if stop.signum == signal.SIGINT else 143
+
+
+def _finished(r: _Run, phase: str) -> int:
+    """Print the outcome, then hold the dashboard up if asked to; the exit code of the run."""
+    from rich.markup import escape
+
+    r.summary = summarize(r.opts, r.sup, time.perf_counter() - r.t0)
+    code = r.summary["exit_code"]
+    if phase == "failed":
+        r.console.print(f"[red]run stopped: {escape(r.sup.failure or '')}[/red]")
+    print_summary(r.console, r.summary)
+    if phase == "failed":
+        return code
+    if phase == "refused" and r.opts.exit_on_error:
+        r.console.print("[red]exiting: --exit-on-error[/red]")
+        return code
+    try:
+        _hold(r.console, r.opts, r.dash, phase)
+    except _Stop:
+        pass
+    return code
+
+
+def _close(r: _Run, old_handlers: dict[int, Any]) -> None:
+    r.sup.stop()
+    if r.dash is not None:
+        r.dash.stop()
+    for sig, handler in old_handlers.items():
+        signal.signal(sig, handler)
+    if r.opts.json and r.summary is not None:
+        r.summary["exit_code"] = r.code
+        print(json.dumps(r.summary, indent=2, default=str), flush=True)
+    if r.own_run_dir:
+        shutil.rmtree(r.run_dir, ignore_errors=True)
+
+
+def serve(opts: ServeOptions) -> int:
+    """Run ``stagecache serve``; returns the process exit code."""
+    console = Console(opts.json)
+    run_dir, own = _prepare_run_dir(opts)
+    sup = Supervisor(opts, run_dir, log=lambda text: console.print(text, markup=False))
+    r = _Run(opts, console, run_dir, own, sup)
+    old_handlers = _install_signal_handlers()
+    try:
+        if opts.dashboard:
+            _start_dashboard(r)
+        console.print(f"run dir: {run_dir}", markup=False)
+        try:
+            sup.start()
+            with Progress(opts, console) as progress:
+                phase = sup.supervise(progress)
+        except _Stop as stop:
+            r.code = _interrupted(r, stop)
+            return r.code
+        r.code = _finished(r, phase)
+        return r.code
+    except _Stop as stop:  # interrupted before the stages started
+        r.code = 130 if stop.signum == signal.SIGINT else 143
+        return r.code
+    finally:
+        _close(r, old_handlers)

@@ -3,7 +3,7 @@
 Kept apart from ``stage_worker`` (process, dist, publishing) so the per-stage
 work is one object with the calls the worker needs: ``inventory()`` for the
 startup gather, ``load_trace()``, ``work(micro_batch, activation)`` for the
-pipeline, and ``numbers()`` for the live snapshot.
+pipeline, and ``live_fields()`` for the stage's ``StageLive``.
 
 Per micro-batch, on every stage, in the same order::
 
@@ -123,25 +123,25 @@ class StageCache:
         cfg = worker.cfg
         self.cfg = cfg
         self.stage = worker.rank
-        self.page_size = cfg.page_size
+        self.page_size = cfg.opts.page_size
         self.stage_map = worker.stage_map
         self.device = torch.device(cfg.torch_device)
         # allow_invalid: a faulty build must still report its real inventory to rank 0.
-        self.pools = StagePools(worker.spec, self.stage_map, cfg.page_size, cfg.device_pages,
-                                self.device, worker.faults, cfg.pp_size, allow_invalid=True)
+        self.pools = StagePools(worker.spec, self.stage_map, cfg.opts.page_size, cfg.opts.device_pages,
+                                self.device, worker.faults, cfg.opts.pp_size, allow_invalid=True)
         self.valid = not self.pools.errors()
-        self.host = HostPools(self.pools, hicache_ratio=cfg.hicache_ratio, layout=cfg.hicache_layout,
+        self.host = HostPools(self.pools, hicache_ratio=cfg.opts.hicache_ratio, layout=cfg.opts.hicache_layout,
                               allow_invalid=True)
         self.transfer_stats = TransferStats()
         self.cache = None
         self.writer = None
         if self.valid:  # an invalid stage never serves; its transfer stack is not needed
             self.controller = TransferController(self.pools, self.host, self.transfer_stats)
-            self.stats = CacheStats(self.stage, cfg.page_size, transfer=self.transfer_stats)
-            self.cache = HiCache(self.pools, self.host, self.controller, cfg.hicache_write_policy,
+            self.stats = CacheStats(self.stage, cfg.opts.page_size, transfer=self.transfer_stats)
+            self.cache = HiCache(self.pools, self.host, self.controller, cfg.opts.hicache_write_policy,
                                  stats=self.stats)
             self.writer = KvWriter(self.pools)
-        self.compute = LayerCompute([e.global_id for e in self.stage_map.layers], cfg.hidden_size,
+        self.compute = LayerCompute([e.global_id for e in self.stage_map.layers], cfg.opts.hidden_size,
                                     self.device)
         self.verified_pages = 0
         self.computed_rows = 0
@@ -151,7 +151,7 @@ class StageCache:
         return self.pools.inventory()
 
     def load_trace(self) -> list[Any]:
-        return build_trace(self.cfg.trace, self.cfg.requests, self.cfg.seed)
+        return build_trace(self.cfg.opts.trace, self.cfg.opts.requests, self.cfg.opts.seed)
 
     # -- one micro-batch ------------------------------------------------------------------------
     def work(self, mb: Any, act_in: Any | None) -> tuple[Any, int]:
@@ -204,29 +204,59 @@ class StageCache:
             )
 
     # -- live numbers -----------------------------------------------------------------------------
-    def numbers(self) -> dict[str, Any]:
+    def live_fields(self) -> dict[str, Any]:
+        """The cache, pool and transfer fields of this stage's ``StageLive``."""
+        from .live import PageUsage, PoolBytes
+
+        dev_bytes, host_bytes = self.pools.pool_bytes(), self.host.pool_bytes()
+        kinds = [p for p in dev_bytes if self.pools.buffers.get(p)]  # pools the stage really has
+        fields: dict[str, Any] = {
+            "pool_bytes": {p: PoolBytes(device=int(dev_bytes[p]), host=int(host_bytes.get(p, 0)))
+                           for p in kinds},
+        }
         if self.cache is None:
-            dev_bytes = self.pools.pool_bytes()
-            host_bytes = self.host.pool_bytes()
-            return {"pool_bytes": {p: {"device": int(b), "host": int(host_bytes.get(p, 0))}
-                                   for p, b in dev_bytes.items() if self.pools.buffers.get(p)}}
-        out = self.cache.snapshot()
-        out.pop("stage", None)
-        out.pop("requests", None)
-        # only pools the stage really has (a stage without C128 layers has no C128 rows)
-        out["pool_pages"] = {p: v for p, v in out["pool_pages"].items() if self.pools.buffers.get(p)}
-        out["pool_bytes"] = {p: v for p, v in out["pool_bytes"].items() if self.pools.buffers.get(p)}
-        snap = self.transfer_stats.snapshot()
-        out["transfer_seconds_buckets"] = {"le": list(snap["buckets_s"]),
-                                           "d2h": list(snap["d2h"]["bucket_counts"]),
-                                           "h2d": list(snap["h2d"]["bucket_counts"])}
-        s = self.stats
-        out["host_pages"] = {"used": self.host.allocator.num_used, "free": self.host.allocator.num_free}
-        out["cache_pages"] = {"backup": s.backup_pages, "load": s.load_pages, "dropped": s.dropped_pages,
-                              "backup_skipped": s.backup_skipped_pages}
-        out["kv_verified_pages"] = self.verified_pages
-        out["computed_rows"] = self.computed_rows
-        return out
+            return fields
+        alloc = self.cache.dev_alloc
+        fields["pool_pages"] = {p: PageUsage(used=alloc.num_used, free=alloc.num_free) for p in kinds}
+        fields["host_pages"] = PageUsage(used=self.host.allocator.num_used,
+                                         free=self.host.allocator.num_free)
+        fields.update(cache_live_fields(self.stats))
+        fields.update(transfer_live_fields(self.transfer_stats))
+        fields["kv_verified_pages"] = self.verified_pages
+        fields["computed_rows"] = self.computed_rows
+        return fields
+
+
+def cache_live_fields(stats: Any) -> dict[str, Any]:
+    """``CacheStats`` counters as ``StageLive`` fields."""
+    from .live import CachePages, TierPages, TierTokens
+
+    return {
+        "cache_tokens": TierTokens(device=stats.device_hit_tokens, host=stats.host_hit_tokens,
+                                   miss=stats.miss_tokens),
+        "host_hit_ratio": stats.host_hit_ratio,
+        "evictions": TierPages(device=stats.device_evicted_pages, host=stats.host_evicted_pages),
+        "cache_pages": CachePages(backup=stats.backup_pages, load=stats.load_pages,
+                                  dropped=stats.dropped_pages,
+                                  backup_skipped=stats.backup_skipped_pages),
+    }
+
+
+def transfer_live_fields(transfer_stats: Any) -> dict[str, Any]:
+    """``TransferStats`` totals and duration histogram as ``StageLive`` fields."""
+    from ..transfer.stats import DIRECTIONS
+    from .live import DirectionCounts, Directions, DurationBuckets
+
+    snap = transfer_stats.snapshot()
+    per = {d: snap[d] for d in DIRECTIONS}
+    return {
+        "transfer_bytes": DirectionCounts(**{d: int(v["bytes"]) for d, v in per.items()}),
+        "transfer_seconds": Directions(**{d: float(v["seconds"]) for d, v in per.items()}),
+        "transfer_count": DirectionCounts(**{d: int(v["count"]) for d, v in per.items()}),
+        "bandwidth_bytes_per_second": Directions(**{d: float(v["gbps"]) * 1e9 for d, v in per.items()}),
+        "transfer_seconds_buckets": DurationBuckets(
+            le=list(snap["buckets_s"]), **{d: list(v["bucket_counts"]) for d, v in per.items()}),
+    }
 
 
 def build_stage_cache(worker: Any) -> StageCache:

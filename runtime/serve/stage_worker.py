@@ -27,50 +27,16 @@ import signal
 import sys
 import time
 import traceback
-from dataclasses import dataclass
 from typing import Any
 
 from . import run_dir as rd
+from .options import StageConfig
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_PEER_LOST = 4
 
 PUBLISH_INTERVAL_S = 0.25
-
-
-@dataclass(frozen=True)
-class StageConfig:
-    """Everything a stage process needs, picklable (spawn sends it to the child)."""
-
-    rank: int
-    pp_size: int
-    model: str
-    tp_size: int
-    pp_partition: tuple[int, ...] | None
-    page_size: int
-    device_pages: int
-    hicache_ratio: float
-    hicache_write_policy: str
-    hicache_layout: str
-    faults: tuple[str, ...]
-    run_dir: str
-    master_port: int
-    backend: str  # "gloo" | "nccl"
-    device: str  # "cpu" | "cuda"
-    trace: str | None
-    requests: int
-    seed: int
-    micro_batch_requests: int
-    hidden_size: int
-    rate: float  # requests/s at stage 0; 0 = as fast as possible
-    dist_timeout_s: float
-    in_flight: int = 0  # micro-batches in the pipe at once; 0 = pp_size
-    parent_pid: int = 0
-
-    @property
-    def torch_device(self) -> str:
-        return f"cuda:{self.rank}" if self.device == "cuda" else "cpu"
 
 
 class PeerLost(RuntimeError):
@@ -173,8 +139,8 @@ class StageWorker:
         self.t_start = time.time()
         self._last_publish = 0.0
         self.dist_ready = False
-        self.layout = build_layout(load_spec(cfg.model), cfg.pp_size, cfg.tp_size, cfg.pp_partition)
-        self.faults = parse_faults(cfg.faults, cfg.pp_size)
+        self.layout = build_layout(load_spec(cfg.opts.model), cfg.opts.pp_size, cfg.opts.tp_size, cfg.opts.pp_partition)
+        self.faults = parse_faults(cfg.opts.faults, cfg.opts.pp_size)
         self.faulty_layout = apply_layout_faults(self.layout, self.faults)
         self.stage_map = self.faulty_layout.stages[self.rank]
         self.spec = self.layout.spec
@@ -192,7 +158,7 @@ class StageWorker:
         import torch.distributed as dist
 
         # one process per stage shares the host's cores: no oversubscription by intra-op threads
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.cfg.pp_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.cfg.opts.pp_size))
 
         self._init_dist()
         from .stage_cache import build_stage_cache
@@ -235,12 +201,12 @@ class StageWorker:
         import torch.distributed as dist
 
         cfg = self.cfg
-        if cfg.device == "cuda":
+        if cfg.opts.device == "cuda":
             torch.cuda.set_device(self.rank)
-        timeout = datetime.timedelta(seconds=cfg.dist_timeout_s)
+        timeout = datetime.timedelta(seconds=cfg.opts.dist_timeout)
         self._call(lambda: dist.init_process_group(
             cfg.backend, init_method=f"tcp://127.0.0.1:{cfg.master_port}",
-            rank=self.rank, world_size=cfg.pp_size, timeout=timeout,
+            rank=self.rank, world_size=cfg.opts.pp_size, timeout=timeout,
         ))
         self.dist_ready = True
 
@@ -251,7 +217,7 @@ class StageWorker:
         from ..validation.report import build_report
 
         mine = {"stage": self.rank, "pid": self.pid, "stage_map": self.stage_map, "inventory": inventory}
-        gathered: list[Any] | None = [None] * self.cfg.pp_size if self.rank == 0 else None
+        gathered: list[Any] | None = [None] * self.cfg.opts.pp_size if self.rank == 0 else None
         self._call(lambda: dist.gather_object(mine, gathered, dst=0))
         verdict: list[Any] = [None]
         if self.rank == 0:
@@ -260,8 +226,8 @@ class StageWorker:
 
             maps = tuple(g["stage_map"] for g in sorted(gathered, key=lambda g: g["stage"]))
             layout = dataclasses.replace(self.faulty_layout, stages=maps)
-            report = build_report(layout, [g["inventory"] for g in gathered], self.cfg.page_size,
-                                  list(self.cfg.faults))
+            report = build_report(layout, [g["inventory"] for g in gathered], self.cfg.opts.page_size,
+                                  list(self.cfg.opts.faults))
             rd.write_json_atomic(os.path.join(self.cfg.run_dir, rd.STARTUP_FILE), report.to_dict())
             verdict = [report.ok]
         self._call(lambda: dist.broadcast_object_list(verdict, src=0))
@@ -272,15 +238,15 @@ class StageWorker:
         from .pipeline import StagePipe, split_micro_batches
 
         cfg = self.cfg
-        mbs = split_micro_batches(requests, cfg.micro_batch_requests)
+        mbs = split_micro_batches(requests, cfg.opts.micro_batch)
         self.total_micro_batches = len(mbs)
         self.total_requests = len(requests)
-        self.pipe = StagePipe(self.rank, cfg.pp_size, cfg.hidden_size, cfg.torch_device,
-                              window=cfg.in_flight or cfg.pp_size)
+        self.pipe = StagePipe(self.rank, cfg.opts.pp_size, cfg.opts.hidden_size, cfg.torch_device,
+                              window=cfg.in_flight)
         t0 = time.perf_counter()
         self.publish(force=True)
         for mb in mbs:
-            idle = self._pace(t0, mb) if cfg.rate > 0 and self.rank == 0 else 0.0
+            idle = self._pace(t0, mb) if cfg.opts.rate > 0 and self.rank == 0 else 0.0
             self._check_parent()
             self._call(lambda mb=mb, idle=idle: self.pipe.step(mb, self.cache.work, idle))
             self.steps_done += 1
@@ -290,7 +256,7 @@ class StageWorker:
 
     def _pace(self, t0: float, mb: Any) -> float:
         """Open-loop arrivals: micro-batch i may start once its last request has arrived."""
-        due = t0 + (self.requests_done + len(mb.requests)) / self.cfg.rate
+        due = t0 + (self.requests_done + len(mb.requests)) / self.cfg.opts.rate
         wait = due - time.perf_counter()
         if wait <= 0:
             return 0.0
@@ -302,35 +268,24 @@ class StageWorker:
             raise PeerLost("the serve parent process is gone")
 
     # -- live numbers ----------------------------------------------------------------------------
-    def numbers(self) -> dict[str, Any]:
-        from stagecache.exporters.snapshot import empty_stage_numbers
+    def live(self) -> Any:
+        """This stage's ``StageLive`` now."""
+        from .live import StageLive
 
-        from ..model.layer_map import POOLS
-
-        d = empty_stage_numbers(self.rank, POOLS)
-        if self.cache is not None:
-            d.update(self.cache.numbers())
-        d["stage"] = self.rank
-        d["time"] = time.time()
-        d["steps"] = self.steps_done
-        d["requests"] = self.requests_done
+        fields: dict[str, Any] = self.cache.live_fields() if self.cache is not None else {}
         if self.pipe is not None:
             clock = self.pipe.clock
-            d["stage_seconds"] = clock.stage_seconds
-            d["bubble_seconds"] = clock.bubble_seconds
-            d["activation_bytes_sent"] = clock.activation_bytes_sent
-            d["activation_bytes_received"] = clock.activation_bytes_received
-            d["idle_seconds"] = clock.idle_seconds
-        d["pid"] = self.pid
-        d["phase"] = self.phase
-        d["error"] = self.error
-        d["start_layer"] = self.stage_map.start
-        d["end_layer"] = self.stage_map.end
-        d["local_layers"] = self.stage_map.local_layers
-        d["total_requests"] = self.total_requests
-        d["total_steps"] = self.total_micro_batches
-        d["started_at"] = self.t_start
-        return d
+            fields.update(stage_seconds=clock.stage_seconds, bubble_seconds=clock.bubble_seconds,
+                          idle_seconds=clock.idle_seconds,
+                          activation_bytes_sent=clock.activation_bytes_sent,
+                          activation_bytes_received=clock.activation_bytes_received)
+        return StageLive(
+            stage=self.rank, time=time.time(), pid=self.pid, phase=self.phase, error=self.error,
+            started_at=self.t_start, start_layer=self.stage_map.start, end_layer=self.stage_map.end,
+            local_layers=self.stage_map.local_layers, steps=self.steps_done,
+            requests=self.requests_done, total_steps=self.total_micro_batches,
+            total_requests=self.total_requests, **fields,
+        )
 
     def publish(self, phase: str | None = None, error: str | None = None, force: bool = False) -> None:
         """Rewrite ``stage-<k>.json`` (atomically), at most every ``PUBLISH_INTERVAL_S`` unless forced."""
@@ -342,4 +297,4 @@ class StageWorker:
         if not force and now - self._last_publish < PUBLISH_INTERVAL_S:
             return
         self._last_publish = now
-        rd.write_json_atomic(rd.stage_file(self.cfg.run_dir, self.rank), self.numbers())
+        rd.write_text_atomic(rd.stage_file(self.cfg.run_dir, self.rank), self.live().model_dump_json())

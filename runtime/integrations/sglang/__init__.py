@@ -43,10 +43,10 @@ except ImportError as exc:  # pragma: no cover - exercised in the no-sglang envi
         f"(import failed: {exc})"
     ) from exc
 
-from stagecache.exporters.snapshot import empty_stage_numbers
+from stagecache.runtime.serve.live import PoolBytes, StageLive
 
 from ...errors import ConfigError, MappingError, StageMappingInvalid
-from ...model.layer_map import POOLS, LayerEntry, ModelLayout, StageLayerMap, build_stage_map
+from ...model.layer_map import LayerEntry, ModelLayout, StageLayerMap, build_stage_map
 from ...model.partition import parse_partition, partition_layers
 from ...model.spec import SUPPORTED_RATIOS, ModelSpec
 from ...validation.checks import PoolInventory, validate_stage, validate_tiling
@@ -343,7 +343,7 @@ class SglangSource:
         self._reports: dict[int, StageReport] = {}
         self._meta: dict[str, Any] = {}
         self._cross: list[MappingError] = []
-        self._live: dict[int, dict[str, Any]] = {}
+        self._live: dict[int, StageLive] = {}
 
     # -- feeding ---------------------------------------------------------------------------
     def publish(self, report: StartupReport, pool_bytes: dict[int, dict[str, int]] | None = None) -> None:
@@ -353,10 +353,11 @@ class SglangSource:
                 "tp_size": report.tp_size, "page_size": report.page_size,
             }
             for s in report.stages:
-                self._reports[s.stage_map.stage] = s
-                live = self._live.setdefault(s.stage_map.stage, empty_stage_numbers(s.stage_map.stage, POOLS))
-                for pool, nbytes in (pool_bytes or {}).get(s.stage_map.stage, {}).items():
-                    live["pool_bytes"][pool]["device"] = nbytes
+                stage = s.stage_map.stage
+                self._reports[stage] = s
+                live = self._live.setdefault(stage, StageLive(stage=stage))
+                for pool, nbytes in (pool_bytes or {}).get(stage, {}).items():
+                    live.pool_bytes[pool] = PoolBytes(device=nbytes)
             self._cross = [e for e in self._cross if e not in report.cross_errors] + list(report.cross_errors)
 
     def record_transfer(self, stage: int, direction: str, num_bytes: int, seconds: float, tokens: int) -> None:
@@ -364,17 +365,16 @@ class SglangSource:
         if direction not in ("d2h", "h2d"):
             raise ConfigError(f"transfer direction must be 'd2h' or 'h2d', got {direction!r}")
         with self._lock:
-            live = self._live.setdefault(stage, empty_stage_numbers(stage, POOLS))
-            live["time"] = time.time()
-            live["transfer_bytes"][direction] += int(num_bytes)
-            live["transfer_seconds"][direction] += float(seconds)
-            live["transfer_count"][direction] += 1
-            secs = live["transfer_seconds"][direction]
-            live["bandwidth_bytes_per_second"][direction] = (
-                live["transfer_bytes"][direction] / secs if secs > 0 else 0.0
-            )
+            live = self._live.setdefault(stage, StageLive(stage=stage))
+            live.time = time.time()
+            nbytes = getattr(live.transfer_bytes, direction) + int(num_bytes)
+            secs = getattr(live.transfer_seconds, direction) + float(seconds)
+            setattr(live.transfer_bytes, direction, nbytes)
+            setattr(live.transfer_seconds, direction, secs)
+            setattr(live.transfer_count, direction, getattr(live.transfer_count, direction) + 1)
+            setattr(live.bandwidth_bytes_per_second, direction, nbytes / secs if secs > 0 else 0.0)
             if direction == "h2d":
-                live["cache_tokens"]["host"] += int(tokens)
+                live.cache_tokens.host += int(tokens)
 
     # -- SnapshotSource --------------------------------------------------------------------
     def startup(self) -> dict[str, Any] | None:
@@ -385,11 +385,9 @@ class SglangSource:
             report = StartupReport(stages=stages, cross_errors=tuple(self._cross), **self._meta)
         return report.to_dict()
 
-    def stages(self) -> dict[int, dict[str, Any]]:
-        import copy
-
+    def stages(self) -> dict[int, StageLive]:
         with self._lock:
-            return copy.deepcopy(self._live)
+            return {k: v.model_copy(deep=True) for k, v in self._live.items()}
 
 
 def _ack_seconds(ack: Any) -> float | None:
@@ -464,7 +462,9 @@ class Attachment:
         with self._lock:
             if self._dashboard is not None:
                 return
-            from stagecache.dashboard.app import dashboard_in_thread  # heavy: only when asked for
+            from stagecache.dashboard.server import (
+                dashboard_in_thread,  # heavy: only when asked for
+            )
 
             stack = contextlib.ExitStack()
             self.dashboard_url = stack.enter_context(

@@ -1,0 +1,126 @@
+"""Serving the dashboard: a uvicorn server on a pre-bound socket, in a thread of its own.
+
+Binding happens before anything else starts, so "port in use" is a clean exit 2
+for ``serve`` instead of a dashboard that silently never comes up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from stagecache.exporters.snapshot import SnapshotSource
+from stagecache.runtime.errors import ConfigError
+
+from .app import create_app
+
+
+def bind_dashboard_socket(host: str, port: int) -> socket.socket:
+    """Bind the dashboard port *before* starting stages, so "port in use" is a clean exit 2."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(
+            f"cannot bind the dashboard to {host}:{port}: {exc.strerror or exc}; "
+            "pass --port N (0 = any free port) or --no-dashboard"
+        ) from None
+    sock.listen(128)
+    sock.set_inheritable(False)
+    return sock
+
+
+class DashboardThread:
+    """The dashboard app (with /metrics) on a pre-bound socket, in a daemon thread of the parent."""
+
+    def __init__(self, source: Any, sock: socket.socket, title: str):
+        host, port = sock.getsockname()[:2]
+        self.sock = sock
+        self.url = f"http://{host}:{port}/"
+        self.server = make_server(source, host, port, title=title)
+        self.thread = threading.Thread(target=self._run, name="dashboard", daemon=True)
+        self.error: BaseException | None = None
+
+    def _run(self) -> None:
+        try:
+            self.server.run(sockets=[self.sock])
+        except BaseException as exc:  # noqa: BLE001 - reported by the supervisor
+            self.error = exc
+
+    def start(self, timeout: float = 10.0) -> None:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started and self.thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=5)
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+def make_server(
+    source: SnapshotSource, host: str = "127.0.0.1", port: int = 8000, *,
+    title: str = "stagecache", log_level: str = "warning",
+) -> Any:
+    """A ``uvicorn.Server`` for the dashboard; ``.run()`` it (any thread), set ``.should_exit`` to stop."""
+    import uvicorn
+
+    config = uvicorn.Config(create_app(source, title=title), host=host, port=port,
+                            log_level=log_level, access_log=False)
+    return uvicorn.Server(config)
+
+
+def serve_dashboard(
+    source: SnapshotSource, host: str = "127.0.0.1", port: int = 8000, *,
+    title: str = "stagecache", log_level: str = "warning",
+) -> None:
+    """Serve the dashboard until interrupted (blocks; run it in a thread or a process)."""
+    make_server(source, host, port, title=title, log_level=log_level).run()
+
+
+@contextmanager
+def dashboard_in_thread(
+    source: SnapshotSource, host: str = "127.0.0.1", port: int = 8000, *,
+    title: str = "stagecache", startup_timeout_s: float = 15.0,
+) -> Iterator[str]:
+    """Serve the dashboard in a daemon thread while the block runs; yields its base URL.
+
+    For processes that already do something else in the main thread (``serve``'s
+    rank 0, tests).  Startup waits are bounded; a port that cannot be bound is a
+    RuntimeError naming it instead of a silently dead thread.
+    """
+    server = make_server(source, host, port, title=title)
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            server.run()
+        except (SystemExit, Exception) as exc:  # uvicorn sys.exit()s when it cannot bind
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name=f"stagecache-dashboard:{port}", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            why = f" ({failure[0]!r}; uvicorn logged the cause)" if failure else ""
+            raise RuntimeError(
+                f"dashboard did not start on {host}:{port} within {startup_timeout_s:.0f} s{why}"
+            )
+        time.sleep(0.02)
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

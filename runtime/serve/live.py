@@ -1,0 +1,125 @@
+"""A stage's live numbers: one typed model from the stage process to every reader.
+
+The stage worker fills a ``StageLive`` and writes it to the run directory as
+JSON; the parent parses the same model back (``run_dir.RunDirSource``); the
+Prometheus collector reads its attributes; the dashboard API returns it as its
+``response_model``; ``serve --json`` and ``snapshot.json`` dump it.  Because
+every consumer holds this one type, a renamed or missing field is a
+validation error at the boundary, not a silently empty chart.
+
+Every field has a zero default, so a stage that has served nothing yet (or a
+stage file written by an older process) still parses.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TierTokens(_Model):
+    """Prompt tokens by where the prefix cache found them."""
+
+    device: int = 0
+    host: int = 0
+    miss: int = 0
+
+    @property
+    def looked_up(self) -> int:
+        return self.device + self.host + self.miss
+
+
+class TierPages(_Model):
+    """A per-tier page count (evictions: device = left the device tier, host = left the host)."""
+
+    device: int = 0
+    host: int = 0
+
+
+class Directions(_Model):
+    """One figure per transfer direction: d2h = backup to host, h2d = load from host."""
+
+    d2h: float = 0.0
+    h2d: float = 0.0
+
+
+class DirectionCounts(_Model):
+    d2h: int = 0
+    h2d: int = 0
+
+
+class PageUsage(_Model):
+    used: int = 0
+    free: int = 0
+
+
+class PoolBytes(_Model):
+    """Bytes one pool kind occupies on the device and in its host mirror."""
+
+    device: int = 0
+    host: int = 0
+
+
+class DurationBuckets(_Model):
+    """Cumulative transfer-duration histogram: ``le`` upper bounds (s), counts per direction.
+
+    Each count list has ``len(le) + 1`` entries, the last being +Inf (= the total count).
+    """
+
+    le: list[float] = Field(default_factory=list)
+    d2h: list[int] = Field(default_factory=list)
+    h2d: list[int] = Field(default_factory=list)
+
+
+class CachePages(_Model):
+    """Pages the stage's HiCache moved or lost, by reason."""
+
+    backup: int = 0
+    load: int = 0
+    dropped: int = 0
+    backup_skipped: int = 0
+
+
+class StageLive(_Model):
+    """Everything one PP stage reports while it runs (``stage-<k>.json``)."""
+
+    stage: int
+    time: float = Field(0.0, description="unix time of this report")
+    pid: int | None = None
+    phase: str = Field("starting", description="starting, serving, refused, done or failed")
+    error: str | None = Field(None, description="the stage's own last error, if it failed")
+    started_at: float = 0.0
+    start_layer: int | None = None
+    end_layer: int | None = None
+    local_layers: int | None = None
+    steps: int = Field(0, description="micro-batches finished")
+    requests: int = Field(0, description="requests finished")
+    total_steps: int = 0
+    total_requests: int = 0
+    cache_tokens: TierTokens = Field(default_factory=TierTokens)
+    host_hit_ratio: float = Field(0.0, description="host-hit tokens / looked-up tokens")
+    evictions: TierPages = Field(default_factory=TierPages)
+    transfer_bytes: DirectionCounts = Field(default_factory=DirectionCounts)
+    transfer_seconds: Directions = Field(default_factory=Directions)
+    transfer_count: DirectionCounts = Field(default_factory=DirectionCounts)
+    bandwidth_bytes_per_second: Directions = Field(default_factory=Directions)
+    transfer_seconds_buckets: DurationBuckets = Field(default_factory=DurationBuckets)
+    pool_pages: dict[str, PageUsage] = Field(default_factory=dict)
+    pool_bytes: dict[str, PoolBytes] = Field(default_factory=dict)
+    host_pages: PageUsage = Field(default_factory=PageUsage)
+    cache_pages: CachePages = Field(default_factory=CachePages)
+    kv_verified_pages: int = 0
+    computed_rows: int = 0
+    stage_seconds: float = Field(0.0, description="seconds of the stage's own work")
+    bubble_seconds: float = Field(0.0, description="seconds waiting on a pipeline peer")
+    idle_seconds: float = Field(0.0, description="seconds waiting for requests to arrive")
+    activation_bytes_sent: int = 0
+    activation_bytes_received: int = 0
+
+    @property
+    def bubble_fraction(self) -> float:
+        busy = self.stage_seconds + self.bubble_seconds
+        return self.bubble_seconds / busy if busy > 0 else 0.0

@@ -1,0 +1,162 @@
+"""``serve``'s options: validated once in the parent, then handed to every stage unchanged.
+
+``ServeOptions`` is built by the CLI from the flags (every check happens there,
+before any process starts) and travels inside each stage's ``StageConfig``; no
+field is copied from one to the other, so a new option needs one field here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+
+DEFAULT_MODEL = "tiny-v4"
+DEFAULT_REQUESTS = 240
+DEFAULT_DEVICE_PAGES = 64
+DEFAULT_RATE = 20.0
+DEFAULT_MICRO_BATCH = 4
+DEFAULT_HIDDEN = 256
+CPU_HIDDEN_CAP = 512
+WRITE_POLICIES = ("write_through", "write_back", "write_through_selective")
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """Every ``serve`` option, validated once in the parent and handed to each stage as is."""
+
+    model: str
+    pp_size: int
+    tp_size: int
+    pp_partition: tuple[int, ...] | None
+    page_size: int
+    faults: tuple[str, ...]
+    device_pages: int
+    hicache_ratio: float
+    hicache_write_policy: str
+    hicache_layout: str
+    trace: str | None
+    requests: int
+    seed: int
+    micro_batch: int
+    in_flight: int | None
+    rate: float
+    hidden_size: int
+    device: str  # resolved: "cpu" | "cuda"
+    host: str
+    port: int
+    dashboard: bool
+    run_dir: str | None
+    exit_on_error: bool
+    hold_seconds: float | None  # None = until interrupted
+    exit_after_run: bool
+    startup_timeout: float
+    dist_timeout: float
+    json: bool
+    model_name: str = ""
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    """What one stage process gets (picklable: the start method sends it to the child)."""
+
+    rank: int
+    opts: ServeOptions
+    run_dir: str
+    master_port: int
+    parent_pid: int = 0
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.opts.device == "cuda" else "gloo"
+
+    @property
+    def torch_device(self) -> str:
+        return f"cuda:{self.rank}" if self.opts.device == "cuda" else "cpu"
+
+    @property
+    def in_flight(self) -> int:
+        """Micro-batches inside the pipeline at once (default: one per stage)."""
+        return self.opts.in_flight or self.opts.pp_size
+
+
+def model_hidden_size(model: str) -> int | None:
+    """``hidden_size`` of a preset or config.json (the spec does not keep it: the KV cache needs none)."""
+    from ..model.spec import PRESETS
+
+    try:
+        if model in PRESETS:
+            text = resources.files("stagecache.runtime.model").joinpath("presets", PRESETS[model]).read_text()
+        else:
+            path = Path(model)
+            text = (path / "config.json" if path.is_dir() else path).read_text()
+        value = json.loads(text).get("hidden_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def _may_have_gpu() -> bool:
+    return bool(os.environ.get("CUDA_VISIBLE_DEVICES")) or any(
+        os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia")
+    )
+
+
+def resolve_device(choice: str, pp_size: int) -> str:
+    """auto: CUDA (one GPU per stage, nccl) when there are >= pp_size GPUs, else CPU (gloo)."""
+    if choice == "cpu":
+        return "cpu"
+    if choice == "auto" and not _may_have_gpu():
+        return "cpu"  # skip importing torch in the parent just to count zero GPUs
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if choice == "cuda":
+        if gpus < pp_size:
+            raise ConfigError(
+                f"--device cuda needs one GPU per stage: --pp-size {pp_size}, but {gpus} GPU(s) visible"
+            )
+        return "cuda"
+    return "cuda" if gpus >= pp_size else "cpu"
+
+
+def check_host_memory(la: Any, device_pages: int, hicache_ratio: float, device: str) -> None:
+    """All stages share this host's RAM: their pools together must fit (a per-stage check cannot see it).
+
+    Host (HiCache) pools always live in RAM; device pools too when running on CPU.
+    Counts include ``--fault`` plans, since a faulty build really allocates its buggy pools.
+    """
+    from ..memory.pools import _fmt_bytes, host_available_bytes
+    from ..memory.sizing import host_pages_for, stage_pool_bytes
+    from ..validation.faults import apply_layout_faults, buffer_plan
+
+    avail = host_available_bytes()
+    if avail is None:
+        return
+    host_pages = host_pages_for(device_pages, hicache_ratio)
+    faulty = apply_layout_faults(la.layout, la.faults)
+    need = 0
+    for stage_map in faulty.stages:
+        plan = buffer_plan(stage_map, la.spec.compress_ratios, la.faults, la.layout.pp_size)
+        counts = {pool: len(slots) for pool, slots in plan.items()}
+        per_page = sum(stage_pool_bytes(la.spec, stage_map, la.page_size, 1, counts).values())
+        need += per_page * (host_pages + (device_pages if device == "cpu" else 0))
+    if need > avail:
+        where = "device + host pools" if device == "cpu" else "host pools"
+        raise ConfigError(
+            f"the {len(faulty.stages)} stages' {where} need {_fmt_bytes(need)} of RAM together "
+            f"({device_pages} device pages, {host_pages} host pages per stage), only "
+            f"{_fmt_bytes(avail)} available; lower --device-pages/--max-total-tokens or --hicache-ratio"
+        )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

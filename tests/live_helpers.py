@@ -1,0 +1,18 @@
+"""Shared test helper: a stage's live numbers before any traffic, as the JSON dict a stage writes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from stagecache.runtime.serve.live import StageLive
+
+
+def blank_live(stage: int, pools: Iterable[str] = ()) -> dict[str, Any]:
+    """``StageLive(stage)`` as a plain dict, with zeroed page/byte entries for ``pools``."""
+    pools = tuple(pools)
+    return StageLive(
+        stage=stage,
+        pool_pages={p: {"used": 0, "free": 0} for p in pools},
+        pool_bytes={p: {"device": 0, "host": 0} for p in pools},
+    ).model_dump()
