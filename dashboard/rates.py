@@ -16,6 +16,7 @@ import bisect
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from itertools import pairwise
 
 from pydantic import BaseModel, Field
 from stagecache.runtime.serve.live import StageLive
@@ -64,7 +65,7 @@ class StageRates(BaseModel):
 def increase(values: Sequence[float]) -> float:
     """Total increase of a counter over consecutive samples; a drop is a reset to zero."""
     total = 0.0
-    for prev, cur in zip(values, values[1:]):
+    for prev, cur in pairwise(values):
         total += cur - prev if cur >= prev else cur
     return total
 
