@@ -7,7 +7,6 @@ with shape-correct live numbers, and deliberately malformed ones.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import socket
 import subprocess
@@ -50,14 +49,16 @@ class RawSource:
 def live_numbers(stage: int) -> dict:
     """A shape-correct live dict (empty_stage_numbers) filled with distinct numbers per stage."""
     d = blank_live(stage, POOLS)
-    d.update(time=1_700_000_000.0 + stage, steps=10 + stage, requests=3 + stage,
-             host_hit_ratio=0.25 * (stage % 4), stage_seconds=1.5, bubble_seconds=0.25)
+    d.update(time=1_700_000_000.0 + stage, steps=10 + stage, requests=3 + stage, phase="serving",
+             total_requests=10, stage_seconds=1.5, bubble_seconds=0.25)
     d["cache_tokens"] = {"device": 1000 * (stage + 1), "host": 200 * (stage + 1), "miss": 50 + stage}
     d["transfer_bytes"] = {"d2h": 4096 * (stage + 1), "h2d": 2048}
     d["transfer_seconds"] = {"d2h": 0.001, "h2d": 0.002}
     d["transfer_count"] = {"d2h": 2, "h2d": 1}
-    d["bandwidth_bytes_per_second"] = {"d2h": 4.0e9 * (stage + 1), "h2d": 1.0e9}
-    d["pool_pages"]["swa"] = {"used": 7, "free": 9}
+    d["page_spaces"]["device"].update(used=7, total=16)
+    d["timeline"] = [{"kind": "compute", "start": 1_700_000_000.0, "seconds": 0.01, "micro_batch": 1},
+                     {"kind": "recv_wait", "start": 1_700_000_000.01, "seconds": 0.002 * stage,
+                      "micro_batch": 2}]
     return d
 
 
@@ -231,13 +232,30 @@ def test_no_write_endpoints(servers):
 
 def test_summary_is_empty_in_a_preflight_view(servers):
     body = servers["fault"].get("/api/metrics/summary").json()
-    assert body["live"] is False and body["stages"] == [] and body["status"] == "failed"
+    assert body["has_live_numbers"] is False and body["stages"] == [] and body["status"] == "failed"
+    assert body["run"]["phase"] == "preflight" and body["run"]["live"] is False
+    assert body["rates"] == []
 
 
 def test_summary_returns_every_stage_numbers_unchanged(servers):
     body = servers["live"].get("/api/metrics/summary").json()
-    assert body["live"] is True and body["status"] == "ok"
+    assert body["has_live_numbers"] is True and body["status"] == "ok"
     assert body["stages"] == [live_numbers(s) for s in range(PP)]
+    assert body["run"] == {"phase": "running", "live": True, "detail": "3/10 requests",
+                           "requests_done": 3, "requests_planned": 10, "progress": 0.3}
+
+
+def test_summary_rates_are_windowed_and_validated(servers):
+    c = servers["live"]
+    body = c.get("/api/metrics/summary", params={"window": 30}).json()
+    assert body["window_s"] == 30
+    assert [r["stage"] for r in body["rates"]] == list(range(PP))
+    # constant counters: rates over the window are zero, ratios have nothing to divide
+    time.sleep(0.3)
+    rates = c.get("/api/metrics/summary", params={"window": 30}).json()["rates"]
+    assert all(r["lookup_tokens_per_s"] == 0 and r["host_hit_rate"] is None for r in rates)
+    for bad in ("0", "301", "x"):
+        assert c.get("/api/metrics/summary", params={"window": bad}).status_code == 422
 
 
 def test_malformed_source_data_is_502_naming_the_stage_and_field(servers):
@@ -253,8 +271,13 @@ def test_malformed_source_data_is_502_naming_the_stage_and_field(servers):
 
 def test_live_page_embeds_current_points(servers):
     page = servers["live"].get("/")
-    assert 'data-live="true"' in page.text
+    assert 'data-phase="running"' in page.text and "live · running" in page.text
     assert "no live data (preflight view)" not in page.text
+
+
+def test_preflight_page_is_never_live(servers):
+    page = servers["fault"].get("/").text
+    assert 'data-phase="preflight"' in page and "preflight view" in page and "live ·" not in page
 
 
 # -- HTML, static assets, /metrics ---------------------------------------------------------------------
@@ -286,24 +309,34 @@ def test_metrics_is_prometheus_text(servers):
 
     r = servers["live"].get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    list(text_string_to_metric_families(r.text))  # raises on anything but the text format
+    names = {f.name for f in text_string_to_metric_families(r.text)}  # raises on a bad format
+    assert {"stagecache_requests", "stagecache_build_info", "stagecache_model_info"} <= names
 
 
-def test_metrics_falls_back_to_an_empty_registry_without_the_exporter(monkeypatch, free_port):
-    # Simulate a checkout without exporters/metrics.py: the import machinery refuses the module.
-    monkeypatch.setitem(sys.modules, "stagecache.exporters.metrics", None)
-    with dashboard_in_thread(StaticSource(report_dict()), port=free_port) as url:
-        r = httpx.get(url + "/metrics")
-    assert r.status_code == 200 and r.text == ""
+def test_metrics_speaks_openmetrics_when_asked(servers):
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+    r = servers["live"].get("/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+    assert r.headers["content-type"].startswith("application/openmetrics-text")
+    types = {f.name: f.type for f in text_string_to_metric_families(r.text)}
+    assert types["stagecache_build"] == "info" and types["stagecache_stage_phase"] == "stateset"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("stagecache.exporters.metrics") is None,
-                    reason="exporters/metrics.py not written yet")
-def test_metrics_uses_make_registry_when_the_exporter_exists(free_port):
-    source = StaticSource(report_dict(), {s: live_numbers(s) for s in range(PP)})
-    with dashboard_in_thread(source, port=free_port) as url:
-        r = httpx.get(url + "/metrics")
-    assert r.status_code == 200 and r.text.strip()
+def test_api_docs_are_served_offline_from_the_app(servers):
+    """/docs and /redoc load Swagger UI / ReDoc from this server only (fastapi-offline's files)."""
+    import re
+
+    c = servers["ok"]
+    for page, assets in (("/docs", ("swagger-ui-bundle.js", "swagger-ui.css")),
+                         ("/redoc", ("redoc.standalone.js",))):
+        html = c.get(page).text
+        urls = re.findall(r'(?:src|href)="([^"]+)"', html)
+        assert urls and all(not u.startswith(("http:", "https:", "//")) for u in urls), urls
+        for name in assets:
+            (url,) = [u for u in urls if u.endswith(name)]
+            r = c.get(url)
+            assert r.status_code == 200 and len(r.content) > 100_000, url
+    assert "fonts.googleapis" not in c.get("/redoc").text
 
 
 def test_busy_port_is_a_clear_error(free_port):
