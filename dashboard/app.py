@@ -46,6 +46,7 @@ from .view import find_stage, layer_map_cells, pool_statuses, stage_pools, stage
 HERE = Path(__file__).resolve().parent
 POLL_MS = 1000  # the page polls /api/metrics/summary this often
 DOCS_ASSETS = "/vendor/docs"  # Swagger UI / ReDoc files of the fastapi-offline package
+DOCS_URL, REDOC_URL = "/docs", "/redoc"
 NOT_READY = {503: {"model": Starting, "description": "no startup report yet"}}
 BAD_SOURCE = {502: {"model": ErrorMessage, "description": "the snapshot source returned a malformed report"}}
 Window = Annotated[float, Query(ge=1, le=MAX_WINDOW_S, description="rate window, seconds")]
@@ -160,6 +161,23 @@ def add_metrics_route(app: FastAPI, source: SnapshotSource) -> None:
         return Response(encoder(registry), media_type=content_type)
 
 
+#: /docs and /redoc may load from this server only.  ReDoc's bundle still asks for its
+#: attribution logo on cdn.redoc.ly; the browser blocks that before it reaches the network.
+DOCS_CSP = ("default-src 'self'; img-src 'self' data:; style-src 'self' 'unsafe-inline'; "
+            "script-src 'self' 'unsafe-inline'; worker-src 'self' blob:; connect-src 'self'")
+
+
+def add_docs_policy(app: FastAPI) -> None:
+    docs = {DOCS_URL, REDOC_URL}
+
+    @app.middleware("http")
+    async def same_origin_docs(request: Request, call_next: Any) -> Response:
+        response = await call_next(request)
+        if request.url.path in docs:
+            response.headers["Content-Security-Policy"] = DOCS_CSP
+        return response
+
+
 def create_app(source: SnapshotSource, *, title: str = "stagecache") -> FastAPI:
     """The dashboard over ``source``; mount it or run it with ``serve_dashboard``."""
     from stagecache import runtime
@@ -169,10 +187,12 @@ def create_app(source: SnapshotSource, *, title: str = "stagecache") -> FastAPI:
         version=getattr(runtime, "__version__", "0"),
         description="Read-only view of stagecache's PP stages: layer maps, pool validation, "
         "live cache numbers. Data comes from one SnapshotSource.",
-        static_url=DOCS_ASSETS, favicon_url="static/favicon.svg",
+        docs_url=DOCS_URL, redoc_url=REDOC_URL, static_url=DOCS_ASSETS,
+        favicon_url="static/favicon.svg",
         swagger_ui_parameters={"validatorUrl": None},  # never call the online spec validator
     )
     app.add_middleware(GZipMiddleware, minimum_size=2048)  # plotly.min.js is ~4.8 MB raw
+    add_docs_policy(app)
     app.mount("/static", StaticFiles(directory=str(HERE / "static")), name="static")
     reader = Reader(source)
     app.state.source = source

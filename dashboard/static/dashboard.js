@@ -60,8 +60,7 @@
   function updateTimeline(stages) {
     var gd = chart("chart-timeline");
     if (!gd) return;
-    var upd = { base: [], x: [], y: [], customdata: [] };
-    gd.data.forEach(function (trace) {
+    var data = gd.data.map(function (trace) {
       var base = [], len = [], rows = [], mbs = [];
       stages.forEach(function (s) {
         (s.timeline || []).forEach(function (e) {
@@ -70,9 +69,11 @@
           rows.push("stage " + s.stage); mbs.push(e.micro_batch);
         });
       });
-      upd.base.push(base); upd.x.push(len); upd.y.push(rows); upd.customdata.push(mbs);
+      return Object.assign({}, trace, { base: base, x: len, y: rows, customdata: mbs });
     });
-    Plotly.restyle(gd, upd, gd.data.map(function (_, i) { return i; }));
+    // Plotly.react, not restyle: restyling `base` makes plotly re-guess the axis type (linear)
+    gd.layout.xaxis.type = "date";
+    Plotly.react(gd, data, gd.layout, plotConfig);
   }
 
   function updateRun(run) {
@@ -127,6 +128,7 @@
   }
 
   function poll() {
+    var started = Date.now(); // the next poll starts pollMs after this one started, not after it ended
     fetch("api/metrics/summary?window=" + windowS, { cache: "no-store" })
       .then(function (r) {
         if (!r.ok) return r.json().then(function (b) { throw new Error(r.status + ": " + b.detail); });
@@ -141,7 +143,9 @@
         state.failures += 1;
         setPollState("live numbers unavailable: " + err.message, true);
       })
-      .finally(function () { window.setTimeout(poll, pollMs); });
+      .finally(function () {
+        window.setTimeout(poll, Math.max(0, pollMs - (Date.now() - started)));
+      });
   }
   window.setTimeout(poll, pollMs);
 })();
