@@ -39,19 +39,15 @@ def _discrete_scale(colours: Sequence[str]) -> list[list[Any]]:
     return scale
 
 
-def layer_map_figure(
-    stage: StageReportModel, pools: Sequence[PoolStatus], cells: Sequence[LayerMapCell]
-) -> go.Figure:
-    xs = list(range(stage.start_layer, stage.end_layer))
+def _cell_grid(xs: list[int], names: list[str], cells: Sequence[LayerMapCell]
+               ) -> tuple[list[list[int | None]], list[list[str]], list[list[str]], list[dict[str, Any]]]:
+    """Heatmap z (ratio class), cell text, hover text, and a red frame per wrong cell."""
     col = {g: i for i, g in enumerate(xs)}
-    names = [p.pool for p in pools]
     row = {p: i for i, p in enumerate(names)}
     z: list[list[int | None]] = [[None] * len(xs) for _ in names]
     text: list[list[str]] = [[""] * len(xs) for _ in names]
     hover: list[list[str]] = [["no buffer in this pool"] * len(xs) for _ in names]
-    fig = go.Figure()
-    shapes: list[dict[str, Any]] = []
-
+    frames: list[dict[str, Any]] = []
     for c in cells:
         if c.global_id not in col or c.pool not in row:  # outside [start, end): in the stage table
             continue
@@ -65,21 +61,16 @@ def layer_map_figure(
             + (f"<br><b>{c.error}</b>" if c.error else "")
         )
         if c.error:
-            shapes.append(dict(
+            frames.append(dict(
                 type="rect", xref="x", yref="y", x0=c.global_id - 0.5, x1=c.global_id + 0.5,
                 y0=r - 0.5, y1=r + 0.5, line=dict(color=ERROR_RED, width=3),
             ))
+    return z, text, hover, frames
 
-    fig.add_trace(go.Heatmap(
-        x=xs, y=list(range(len(names))), z=z, text=text, texttemplate="%{text}",
-        hovertext=hover, hovertemplate="%{hovertext}<extra></extra>",
-        zmin=-0.5, zmax=len(RATIO_COLOURS) - 0.5, colorscale=_discrete_scale(RATIO_COLOURS),
-        xgap=2, ygap=2, showscale=True,
-        colorbar=dict(tickvals=[0, 1, 2], ticktext=["ratio 0", "ratio 4", "ratio 128"],
-                      thickness=12, len=0.9, title=dict(text="compress")),
-    ))
 
-    ticktext = []
+def _pool_labels(xs: list[int], pools: Sequence[PoolStatus]) -> tuple[list[str], list[dict[str, Any]]]:
+    """Row labels ``label buffers/expected`` (red with a cross when wrong) and a red band per wrong pool."""
+    ticktext, bands = [], []
     for i, p in enumerate(pools):
         label = f"{p.label} {p.buffers}/{p.expected}"
         if p.ok:
@@ -87,12 +78,29 @@ def layer_map_figure(
             continue
         ticktext.append(f"<span style='color:{ERROR_RED}'><b>✗ {label}</b></span>")
         if xs:
-            shapes.append(dict(
+            bands.append(dict(
                 type="rect", xref="x", yref="y", x0=xs[0] - 0.5, x1=xs[-1] + 0.5,
                 y0=i - 0.5, y1=i + 0.5, line=dict(color=ERROR_RED, width=3),
                 fillcolor="rgba(214,39,40,0.12)",
             ))
+    return ticktext, bands
 
+
+def layer_map_figure(
+    stage: StageReportModel, pools: Sequence[PoolStatus], cells: Sequence[LayerMapCell]
+) -> go.Figure:
+    xs = list(range(stage.start_layer, stage.end_layer))
+    names = [p.pool for p in pools]
+    z, text, hover, frames = _cell_grid(xs, names, cells)
+    ticktext, bands = _pool_labels(xs, pools)
+    fig = go.Figure(go.Heatmap(
+        x=xs, y=list(range(len(names))), z=z, text=text, texttemplate="%{text}",
+        hovertext=hover, hovertemplate="%{hovertext}<extra></extra>",
+        zmin=-0.5, zmax=len(RATIO_COLOURS) - 0.5, colorscale=_discrete_scale(RATIO_COLOURS),
+        xgap=2, ygap=2, showscale=True,
+        colorbar=dict(tickvals=[0, 1, 2], ticktext=["ratio 0", "ratio 4", "ratio 128"],
+                      thickness=12, len=0.9, title=dict(text="compress")),
+    ))
     n_err = len(stage.errors)
     title = f"stage {stage.stage}: global layers [{stage.start_layer}, {stage.end_layer}) · {stage.local_layers} local"
     if n_err:
@@ -107,7 +115,7 @@ def layer_map_figure(
         xaxis=dict(title="global layer id", tickmode="array", tickvals=xs, showgrid=False, zeroline=False),
         yaxis=dict(tickmode="array", tickvals=list(range(len(names))), ticktext=ticktext,
                    autorange="reversed", showgrid=False, zeroline=False),
-        shapes=shapes, annotations=annotations,
+        shapes=frames + bands, annotations=annotations,
         plot_bgcolor="#f7f7f7", meta={"stage": stage.stage, "ok": stage.ok},
     )
     return fig

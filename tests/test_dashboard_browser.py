@@ -26,14 +26,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from live_helpers import blank_live
-from stagecache.runtime.model.layer_map import POOLS, build_layout
-from stagecache.runtime.model.spec import load_spec
-from stagecache.runtime.validation.faults import parse_faults
-from stagecache.runtime.validation.report import preflight
+from dashboard_sources import MODEL, PP, RATIO, LateReportSource, ScriptedRun, expected_report
 
 CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if os.path.exists("/usr/bin/chromium") else None)
-MODEL, PP = "deepseek-v4-flash", 4
 DOCS_IMG = Path(__file__).resolve().parent.parent / "docs" / "img"
 CHROME_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -157,11 +152,6 @@ def badge(driver) -> tuple[str, str]:
     return el.text, el.get_attribute("class")
 
 
-def expected_report(faults: list[str]) -> dict:
-    layout = build_layout(load_spec(MODEL), PP)
-    return preflight(layout, 256, parse_faults(faults, PP)).to_dict()
-
-
 def test_preflight_page_draws_one_layer_map_per_stage(driver, free_port, tmp_path):
     from selenium.webdriver.common.by import By
 
@@ -220,69 +210,6 @@ def test_fault_page_shows_every_error_row_and_red_pool(driver, free_port, tmp_pa
     finally:
         proc.terminate()
         proc.wait(timeout=10)
-
-
-RATIO = (0.2, 0.35, 0.5, 0.65)  # each stage's own host-hit share (stages that truly differ)
-TOTAL = 64
-
-
-class ScriptedRun:
-    """A SnapshotSource playing one run; the test moves ``phase`` on.
-
-    Counters grow with wall time while running (1000 lookups/s per stage, a
-    per-stage host-hit share), so windowed rates are known exactly; every stage
-    but the first waits for its activation before each micro-batch (bubbles).
-    """
-
-    def __init__(self) -> None:
-        self.phase = "starting"
-        self._report = expected_report([])
-        self._t0 = 0.0
-        self._elapsed = 0.0
-
-    def run(self):
-        parent = {"starting": "starting", "validating": "starting", "running": "serving",
-                  "done": "done", "failed": "failed"}[self.phase]
-        return {"phase": parent, "failure": "stage 2 (pid 4242) exited with code 1: boom"
-                if self.phase == "failed" else None}
-
-    def startup(self):
-        return None if self.phase in ("starting", "validating") else self._report
-
-    def _clock(self) -> float:
-        if self.phase == "running":
-            self._t0 = self._t0 or time.time()
-            self._elapsed = time.time() - self._t0
-        return self._elapsed
-
-    def stages(self):
-        if self.phase == "starting":
-            return {}
-        e = self._clock()
-        return {s: self._stage(s, e) for s in range(PP)}
-
-    def _stage(self, s: int, e: float) -> dict:
-        d = blank_live(s, POOLS)
-        if self.phase == "validating":
-            return d
-        lookups = int(1000 * e)
-        d.update(time=time.time(), model_name=MODEL, requests=min(TOTAL, int(4 * e)), total_requests=TOTAL,
-                 phase={"running": "serving", "failed": "failed" if s == 2 else "serving"}.get(self.phase, "done"),
-                 error="boom" if self.phase == "failed" and s == 2 else None,
-                 stage_seconds=0.06 * e, bubble_seconds=0.02 * s * e)
-        d["cache_tokens"] = {"device": 0, "host": int(RATIO[s] * lookups), "miss": lookups - int(RATIO[s] * lookups)}
-        d["transfer_bytes"] = {"d2h": int(1e6 * (s + 1) * e), "h2d": int(5e5 * e)}
-        d["timeline"] = [ev for i in range(max(0, int(10 * e) - 20), int(10 * e))
-                         for ev in self._events(s, i)]
-        return d
-
-    def _events(self, s: int, i: int) -> list[dict]:
-        start = self._t0 + 0.1 * i + 0.02 * s
-        ev = [{"kind": "compute", "start": start, "seconds": 0.06, "micro_batch": i}]
-        if s:
-            ev.insert(0, {"kind": "recv_wait", "start": start - 0.02 * s, "seconds": 0.02 * s,
-                          "micro_batch": i})
-        return ev
 
 
 def _js(driver, expr: str):
@@ -393,20 +320,6 @@ def test_api_docs_work_offline_from_the_apps_own_assets(driver, free_port):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
-
-
-class LateReportSource:
-    """No report until ``ready`` is set: what ``serve`` looks like while its stages start."""
-
-    def __init__(self) -> None:
-        self.ready = False
-        self._report = expected_report(["global-swa"])
-
-    def startup(self):
-        return self._report if self.ready else None
-
-    def stages(self):
-        return {}
 
 
 def test_starting_page_reloads_once_the_report_arrives(driver, free_port):

@@ -248,14 +248,18 @@ def test_local_layers_of_every_stage(stack: Stack) -> None:
 
 
 def test_host_hit_ratio_of_every_stage(stack: Stack) -> None:
-    """The recording rule over the token counters: one ratio per stage, a real fraction."""
+    """From the counters, per stage: host hits / lookups is a real fraction; the recording rule
+    has one series per stage (NaN when nothing was looked up in its window, as rate() gives)."""
+    sel = f'job="{JOB}",instance="{stack.serve}"'
     result = stack.wait_query(
-        "the 5-minute host hit ratio of every stage",
-        f'stagecache:prefix_host_hit_ratio:rate5m{{job="{JOB}",instance="{stack.serve}"}}',
-        lambda r: len(r) == PP)
-    ratios = by_stage(result)
-    assert set(ratios) == {str(k) for k in range(PP)}
-    assert all(0.0 <= v <= 1.0 for v in ratios.values()), ratios
+        "looked-up tokens with host hits on every stage",
+        f'sum by (pp_rank) (stagecache_prefix_hit_tokens_total{{{sel},tier="host"}})'
+        f' / sum by (pp_rank) (stagecache_prefix_lookup_tokens_total{{{sel}}})',
+        lambda r: len(r) == PP and all(0 < float(x["value"][1]) < 1 for x in r))
+    assert set(by_stage(result)) == {str(k) for k in range(PP)}
+    rule = stack.wait_query("the 5-minute host hit ratio rule", f"stagecache:prefix_host_hit_ratio:rate5m{{{sel}}}",
+                            lambda r: len(r) == PP)
+    assert all(v != v or 0.0 <= v <= 1.0 for v in by_stage(rule).values())  # NaN or a fraction
 
 
 def test_info_metrics_and_model_name(stack: Stack) -> None:
