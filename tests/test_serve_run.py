@@ -109,6 +109,7 @@ def test_serve_pp4_metrics_match_the_run(tmp_path, free_port):
         base = f"http://127.0.0.1:{free_port}"
         assert httpx.get(f"{base}/startupz", timeout=10).status_code == 200
         text = httpx.get(f"{base}/metrics", timeout=10).text
+        live = httpx.get(f"{base}/api/metrics/summary", timeout=10).json()
         pids = stage_pids(run_dir)
     finally:
         code = stop(proc)
@@ -151,6 +152,11 @@ def test_serve_pp4_metrics_match_the_run(tmp_path, free_port):
     # stage 0 and 3 differ in layers, so in bytes moved per page: the numbers are per stage, not copies
     assert value(smp, "stagecache_transfer_bytes_total", pp_rank="0", direction="d2h") != value(
         smp, "stagecache_transfer_bytes_total", pp_rank="3", direction="d2h")
+    # the dashboard's view of the same run: done, not live, and each stage's pipeline timeline
+    assert live["run"]["phase"] == "done" and live["run"]["live"] is False
+    kinds = {st["stage"]: {e["kind"] for e in st["timeline"]} for st in live["stages"]}
+    assert all("compute" in k for k in kinds.values()), kinds
+    assert all("recv_wait" in kinds[k] for k in (1, 2, 3)) and "recv_wait" not in kinds[0], kinds
     summary = json.loads(out.read_text()[out.read_text().index("{\n"):])
     assert summary["phase"] == "done" and summary["exit_code"] == 0
     assert [s["requests"] for s in summary["stages"]] == [40] * 4
