@@ -3,34 +3,35 @@
 Read-only by design: every route is GET, every number comes from one
 ``SnapshotSource`` (the same one the Prometheus collector reads), so the page,
 the JSON API and ``/metrics`` cannot disagree.  The source is asked afresh on
-every request -- a ``serve`` source changes under us (``None`` while stages
-start, then a report, then live numbers).
+every request (``reader.Reader``) -- a ``serve`` source changes under us
+(``None`` while stages start, then a report, then live numbers) -- and each
+read feeds the rate history the charts plot.  /docs and /redoc are FastAPI's
+own pages over the Swagger UI and ReDoc files that the ``fastapi-offline``
+package ships, served from this app: they work without any network.
 """
 
 from __future__ import annotations
 
-import threading
-import time
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.middleware.gzip import GZipMiddleware
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
-from pydantic import ValidationError
+from fastapi_offline import FastAPIOffline
+from prometheus_client.exposition import choose_encoder
+from stagecache.exporters.metrics import make_registry
 from stagecache.exporters.snapshot import SnapshotSource
-from stagecache.runtime.model.layer_map import POOL_LABELS, POOLS
+from stagecache.runtime.model.layer_map import POOL_LABELS
 
-from . import figures
+from . import figures, live_figures
 from .models import (
     ErrorMessage,
     Health,
     LayerMapResponse,
     MetricsSummary,
-    StageLive,
     StageOk,
     StagesResponse,
     Starting,
@@ -38,18 +39,17 @@ from .models import (
     StartupzFailed,
     StartupzOk,
 )
-from .view import (
-    ReportShapeError,
-    find_stage,
-    layer_map_cells,
-    parse_report,
-    pool_statuses,
-    stages_response,
-)
+from .rates import DEFAULT_WINDOW_S, MAX_WINDOW_S
+from .reader import STARTING_DETAIL, NotReady, Reader, SourceShapeError, status_of
+from .view import find_stage, layer_map_cells, pool_statuses, stage_pools, stages_response
 
 HERE = Path(__file__).resolve().parent
-POLL_MS = 2000
-METRICS_MODULE = "stagecache.exporters.metrics"
+POLL_MS = 1000  # the page polls /api/metrics/summary this often
+DOCS_ASSETS = "/vendor/docs"  # Swagger UI / ReDoc files of the fastapi-offline package
+DOCS_URL, REDOC_URL = "/docs", "/redoc"
+NOT_READY = {503: {"model": Starting, "description": "no startup report yet"}}
+BAD_SOURCE = {502: {"model": ErrorMessage, "description": "the snapshot source returned a malformed report"}}
+Window = Annotated[float, Query(ge=1, le=MAX_WINDOW_S, description="rate window, seconds")]
 
 
 def plotly_js_path() -> Path:
@@ -62,182 +62,78 @@ def plotly_js_path() -> Path:
     return path
 
 
-class NotReady(Exception):
-    """The source has no startup report yet (stages still starting)."""
-
-
-class SourceShapeError(Exception):
-    """The source returned data that does not have the documented shape."""
-
-
 def _error_body(status: str, detail: str) -> dict[str, str]:
     return {"status": status, "detail": detail}
 
 
-STARTING_DETAIL = "stages are still starting: no startup report yet"
-NOT_READY = {503: {"model": Starting, "description": "no startup report yet"}}
-BAD_SOURCE = {502: {"model": ErrorMessage, "description": "the snapshot source returned a malformed report"}}
-
-
-def _live_numbers(stages: Mapping[int, Any]) -> list[StageLive]:
-    """The stages' live numbers in stage order.
-
-    Sources hand out ``StageLive``; a third-party source that returns plain dicts
-    is validated here, and a malformed one is a 502 naming the stage and field.
-    """
-    out = []
-    for key in sorted(stages):
-        value = stages[key]
-        if isinstance(value, StageLive):
-            out.append(value)
-            continue
-        try:
-            out.append(StageLive.model_validate(value))
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            raise SourceShapeError(
-                f"stage {key}: live numbers do not match the StageLive model "
-                f"(runtime/serve/live.py): {where}: {first['msg']} ({exc.error_count()} problem(s))"
-            ) from None
-    return out
-
-
-class _MetricsRegistry:
-    """``make_registry(source)`` from the exporters, imported and built on first scrape.
-
-    Lazy so the dashboard works (with an empty registry) in a checkout where the
-    exporter module does not exist yet, and so importing the app stays cheap.
-    """
-
-    def __init__(self, source: SnapshotSource):
-        self._source = source
-        self._lock = threading.Lock()
-        self._registry: Any = None
-        self.exported = False
-
-    def get(self) -> Any:
-        with self._lock:
-            if self._registry is None:
-                from prometheus_client import CollectorRegistry
-
-                try:
-                    from stagecache.exporters.metrics import make_registry
-                except ModuleNotFoundError as exc:
-                    if exc.name != METRICS_MODULE:
-                        raise
-                    self._registry = CollectorRegistry()
-                else:
-                    self._registry = make_registry(self._source)
-                    self.exported = True
-            return self._registry
-
-
-def create_app(source: SnapshotSource, *, title: str = "stagecache") -> FastAPI:
-    """The dashboard over ``source``; mount it or run it with ``serve_dashboard``."""
-    from stagecache import runtime
-
-    app = FastAPI(
-        title=title,
-        version=getattr(runtime, "__version__", "0"),
-        description="Read-only view of stagecache's PP stages: layer maps, pool validation, "
-        "live cache numbers. Data comes from one SnapshotSource.",
+def layer_map(rep: StartupReportModel, stage: int) -> LayerMapResponse | None:
+    s = find_stage(rep, stage)
+    if s is None:
+        return None
+    pools, cells = pool_statuses(s), layer_map_cells(s)
+    fig = figures.layer_map_figure(s, pools, cells)
+    return LayerMapResponse(
+        stage=s.stage, start_layer=s.start_layer, end_layer=s.end_layer, ok=s.ok,
+        pools=pools, cells=cells, figure=figures.to_json_dict(fig),
     )
-    app.add_middleware(GZipMiddleware, minimum_size=2048)  # plotly.min.js is ~4.8 MB raw
+
+
+def page_context(reader: Reader, title: str, window_s: float) -> dict[str, Any]:
+    """Everything index.html renders; the live charts start with the rate history so far."""
+    rep = reader.optional_report()
+    live = reader.stages()
+    stage_ids = [s.stage for s in rep.stages] if rep else [s.stage for s in live]
+    history = reader.history
+    figs = live_figures.live_figures(stage_ids, live, history.rates(window_s),
+                                     history.series(window_s), window_s)
+    pools = stage_pools(rep.stages[0]) if rep and rep.stages else []
+    return {
+        "title": title,
+        "status": status_of(rep),
+        "run": reader.run_state(rep, live),
+        "report": rep,
+        "stages": stages_response(rep) if rep else None,
+        "pools": [(p, POOL_LABELS.get(p, p)) for p in pools],
+        "layer_maps": [layer_map(rep, s.stage) for s in rep.stages] if rep else [],
+        "has_live_numbers": bool(live),
+        "live_figures": {key: figures.to_json_dict(fig) for key, fig in figs.items()},
+        "poll_ms": POLL_MS,
+        "window_s": window_s,
+        "n_bad_stages": sum(1 for s in rep.stages if not s.ok) if rep else 0,
+        "n_errors": (sum(len(s.errors) for s in rep.stages) + len(rep.errors)) if rep else 0,
+    }
+
+
+def add_page_routes(app: FastAPI, reader: Reader, title: str) -> None:
     templates = Jinja2Templates(directory=str(HERE / "templates"))
-    app.mount("/static", StaticFiles(directory=str(HERE / "static")), name="static")
-    metrics = _MetricsRegistry(source)
-    app.state.source = source
-    app.state.metrics = metrics
 
-    @app.exception_handler(NotReady)
-    def _not_ready(request: Request, exc: NotReady) -> JSONResponse:
-        return JSONResponse(_error_body("starting", STARTING_DETAIL), status_code=503)
-
-    @app.exception_handler(SourceShapeError)
-    def _bad_source(request: Request, exc: SourceShapeError) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=502)
-
-    def optional_report() -> StartupReportModel | None:
-        raw = source.startup()
-        if raw is None:
-            return None
-        try:
-            return parse_report(raw)
-        except ReportShapeError as exc:
-            raise SourceShapeError(f"startup report from the source: {exc}") from None
-
-    def report() -> StartupReportModel:
-        rep = optional_report()
-        if rep is None:
-            raise NotReady()
-        return rep
-
-    def status_of(rep: StartupReportModel | None) -> str:
-        if rep is None:
-            return "starting"
-        return "ok" if rep.ok else "failed"
-
-    def layer_map(rep: StartupReportModel, stage: int) -> LayerMapResponse | None:
-        s = find_stage(rep, stage)
-        if s is None:
-            return None
-        pools, cells = pool_statuses(s), layer_map_cells(s)
-        fig = figures.layer_map_figure(s, pools, cells)
-        return LayerMapResponse(
-            stage=s.stage, start_layer=s.start_layer, end_layer=s.end_layer, ok=s.ok,
-            pools=pools, cells=cells, figure=figures.to_json_dict(fig),
-        )
-
-    # -- HTML -------------------------------------------------------------------------------
     @app.get("/", response_class=HTMLResponse, summary="dashboard page")
-    def index(request: Request) -> HTMLResponse:
-        rep = optional_report()
-        live = _live_numbers(source.stages())
-        stage_ids = [s.stage for s in rep.stages] if rep else [s.stage for s in live]
-        now_ms = time.time() * 1000
-        context = {
-            "title": title,
-            "status": status_of(rep),
-            "report": rep,
-            "stages": stages_response(rep) if rep else None,
-            "pools": [(p, POOL_LABELS[p]) for p in POOLS],
-            "layer_maps": [layer_map(rep, s.stage) for s in rep.stages] if rep else [],
-            "live": bool(live),
-            "live_figures": {
-                "hit-ratio": figures.to_json_dict(figures.hit_ratio_figure(stage_ids, now_ms, live)),
-                "tokens": figures.to_json_dict(figures.tokens_figure(stage_ids, live)),
-                "bandwidth": figures.to_json_dict(figures.bandwidth_figure(stage_ids, now_ms, live)),
-            },
-            "no_live_text": figures.NO_LIVE_TEXT,
-            "poll_ms": POLL_MS,
-            "n_bad_stages": sum(1 for s in rep.stages if not s.ok) if rep else 0,
-            "n_errors": (sum(len(s.errors) for s in rep.stages) + len(rep.errors)) if rep else 0,
-        }
-        return templates.TemplateResponse(request, "index.html", context)
+    def index(request: Request, window: Window = DEFAULT_WINDOW_S) -> HTMLResponse:
+        return templates.TemplateResponse(request, "index.html", page_context(reader, title, window))
 
     @app.get("/vendor/plotly.min.js", include_in_schema=False)
     def plotly_js() -> FileResponse:
         return FileResponse(plotly_js_path(), media_type="application/javascript",
                             headers={"Cache-Control": "public, max-age=86400"})
 
-    # -- JSON API ------------------------------------------------------------------------------
+
+def add_api_routes(app: FastAPI, reader: Reader) -> None:
     @app.get("/api/startup", response_model=StartupReportModel, responses={**NOT_READY, **BAD_SOURCE},
              summary="the startup report (StartupReport.to_dict())")
     def api_startup() -> StartupReportModel:
-        return report()
+        return reader.report()
 
     @app.get("/api/stages", response_model=StagesResponse, responses={**NOT_READY, **BAD_SOURCE},
              summary="one row per PP stage: layer range, buffers per pool vs expected, errors")
     def api_stages() -> StagesResponse:
-        return stages_response(report())
+        return stages_response(reader.report())
 
     @app.get("/api/stages/{stage}/layer-map", response_model=LayerMapResponse,
              responses={404: {"model": ErrorMessage, "description": "no such stage"},
                         **NOT_READY, **BAD_SOURCE},
              summary="a stage's layer map: cells per (pool, global layer) and the Plotly figure")
     def api_layer_map(stage: int):
-        rep = report()
+        rep = reader.report()
         out = layer_map(rep, stage)
         if out is None:
             ids = ", ".join(str(s.stage) for s in rep.stages)
@@ -247,11 +143,72 @@ def create_app(source: SnapshotSource, *, title: str = "stagecache") -> FastAPI:
         return out
 
     @app.get("/api/metrics/summary", response_model=MetricsSummary, responses=BAD_SOURCE,
-             summary="every stage's live numbers now (empty list in a preflight view)")
-    def api_summary() -> MetricsSummary:
-        rep = optional_report()
-        live = _live_numbers(source.stages())
-        return MetricsSummary(status=status_of(rep), live=bool(live), time=time.time(), stages=live)
+             summary="the run's phase and progress, each stage's counters now and their rates "
+                     "over the last `window` seconds (no stages in a preflight view)")
+    def api_summary(window: Window = DEFAULT_WINDOW_S) -> MetricsSummary:
+        return reader.summary(window)
+
+
+def add_metrics_route(app: FastAPI, source: SnapshotSource) -> None:
+    """/metrics: prometheus-client's registry and encoder (text or OpenMetrics, by Accept)."""
+    registry = make_registry(source)
+
+    @app.get("/metrics", response_class=Response, summary="Prometheus exposition",
+             responses={200: {"content": {"text/plain": {}, "application/openmetrics-text": {}},
+                              "description": "metrics"}})
+    def prometheus_metrics(request: Request) -> Response:
+        encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+        return Response(encoder(registry), media_type=content_type)
+
+
+#: /docs and /redoc may load from this server only.  ReDoc's bundle still asks for its
+#: attribution logo on cdn.redoc.ly; the browser blocks that before it reaches the network.
+DOCS_CSP = ("default-src 'self'; img-src 'self' data:; style-src 'self' 'unsafe-inline'; "
+            "script-src 'self' 'unsafe-inline'; worker-src 'self' blob:; connect-src 'self'")
+
+
+def add_docs_policy(app: FastAPI) -> None:
+    docs = {DOCS_URL, REDOC_URL}
+
+    @app.middleware("http")
+    async def same_origin_docs(request: Request, call_next: Any) -> Response:
+        response = await call_next(request)
+        if request.url.path in docs:
+            response.headers["Content-Security-Policy"] = DOCS_CSP
+        return response
+
+
+def create_app(source: SnapshotSource, *, title: str = "stagecache") -> FastAPI:
+    """The dashboard over ``source``; mount it or run it with ``serve_dashboard``."""
+    from stagecache import runtime
+
+    app: FastAPI = FastAPIOffline(
+        title=title,
+        version=getattr(runtime, "__version__", "0"),
+        description="Read-only view of stagecache's PP stages: layer maps, pool validation, "
+        "live cache numbers. Data comes from one SnapshotSource.",
+        docs_url=DOCS_URL, redoc_url=REDOC_URL, static_url=DOCS_ASSETS,
+        favicon_url="static/favicon.svg",
+        swagger_ui_parameters={"validatorUrl": None},  # never call the online spec validator
+    )
+    app.add_middleware(GZipMiddleware, minimum_size=2048)  # plotly.min.js is ~4.8 MB raw
+    add_docs_policy(app)
+    app.mount("/static", StaticFiles(directory=str(HERE / "static")), name="static")
+    reader = Reader(source)
+    app.state.source = source
+    app.state.reader = reader
+    report = reader.report
+
+    @app.exception_handler(NotReady)
+    def _not_ready(request: Request, exc: NotReady) -> JSONResponse:
+        return JSONResponse(_error_body("starting", STARTING_DETAIL), status_code=503)
+
+    @app.exception_handler(SourceShapeError)
+    def _bad_source(request: Request, exc: SourceShapeError) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=502)
+
+    add_page_routes(app, reader, title)
+    add_api_routes(app, reader)
 
     # -- probes ----------------------------------------------------------------------------------
     @app.get("/healthz", response_model=Health, summary="liveness: the process answers")
@@ -272,11 +229,5 @@ def create_app(source: SnapshotSource, *, title: str = "stagecache") -> FastAPI:
         body = StartupzFailed(status="failed", stages=stages, errors=errors)
         return JSONResponse(body.model_dump(mode="json"), status_code=503)
 
-    @app.get("/metrics", response_class=Response, summary="Prometheus text exposition",
-             responses={200: {"content": {"text/plain": {}}, "description": "metrics"}})
-    def prometheus_metrics() -> Response:
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-        return Response(generate_latest(metrics.get()), media_type=CONTENT_TYPE_LATEST)
-
+    add_metrics_route(app, source)
     return app

@@ -14,6 +14,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from stagecache.runtime.serve.live import StageLive
 
+from .rates import StageRates
+
 # -- the startup report (runtime/report.py) ---------------------------------------------
 
 
@@ -126,10 +128,29 @@ class LayerMapResponse(BaseModel):
 # -- live numbers: the runtime's own type (one model from stage process to this API) -----------
 
 
+RunPhase = Literal["preflight", "starting", "validating", "running", "done", "failed"]
+
+
+class RunState(BaseModel):
+    """Where the run is: what the phase badge and the progress bar show."""
+
+    phase: RunPhase = Field(description="preflight (no run: a check report), starting (no stage "
+                            "has reported), validating (stages up, no startup report yet), running, "
+                            "done, failed (a stage failed or startup validation refused the run)")
+    live: bool = Field(description="true only while a run is going (starting, validating, running)")
+    detail: str = Field(description="one line for the badge: the failure, the progress, ...")
+    requests_done: int = Field(description="requests every stage has finished")
+    requests_planned: int = Field(description="requests in the trace (0 until known)")
+    progress: float | None = Field(description="requests_done / requests_planned, when known")
+
+
 class MetricsSummary(BaseModel):
     status: Literal["starting", "ok", "failed"] = Field(description="startup validation state")
-    live: bool = Field(description="false in a preflight view: no stage reports live numbers")
+    has_live_numbers: bool = Field(description="false in a preflight view: no stage reports numbers")
     time: float = Field(description="server time of this summary (unix s)")
+    run: RunState
+    window_s: float = Field(description="the rate window asked for (seconds)")
+    rates: list[StageRates] = Field(description="each stage's counters as rates over the window")
     stages: list[StageLive]
 
 

@@ -8,7 +8,7 @@ parsing error messages, so they stay right when messages are reworded.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pydantic import ValidationError
@@ -18,6 +18,8 @@ from .models import (
     LayerEntryModel,
     LayerMapCell,
     PoolStatus,
+    RunState,
+    StageLive,
     StageReportModel,
     StageRow,
     StagesResponse,
@@ -42,14 +44,20 @@ def parse_report(report: Mapping[str, Any]) -> StartupReportModel:
         raise ReportShapeError(f"not a startup report: {problems}{more}") from None
 
 
+def stage_pools(stage: StageReportModel) -> list[str]:
+    """The stage's pool kinds as its report names them: known kinds in display order, then others."""
+    names = set(stage.buffers) | set(stage.expected_buffers)
+    return [p for p in POOLS if p in names] + sorted(names - set(POOLS))
+
+
 def pool_statuses(stage: StageReportModel) -> list[PoolStatus]:
     """Every pool of the stage, flagged when any validation error names it."""
     out = []
-    for pool in POOLS:
+    for pool in stage_pools(stage):
         msgs = [e.message for e in stage.errors if e.pool == pool]
         out.append(PoolStatus(
             pool=pool,
-            label=POOL_LABELS[pool],
+            label=POOL_LABELS.get(pool, pool),
             buffers=stage.buffers.get(pool, 0),
             expected=stage.expected_buffers.get(pool, 0),
             ok=not msgs,
@@ -87,7 +95,7 @@ def stages_response(report: StartupReportModel) -> StagesResponse:
 
 def cell_index(pool: str, entry: LayerEntryModel) -> tuple[bool, int | None]:
     """(does this layer need a buffer in ``pool``, which index it uses there)."""
-    ratio = POOL_RATIO[pool]
+    ratio = POOL_RATIO.get(pool)
     if ratio is None:
         return True, entry.local
     if entry.compress_ratio != ratio:
@@ -98,7 +106,7 @@ def cell_index(pool: str, entry: LayerEntryModel) -> tuple[bool, int | None]:
 def layer_map_cells(stage: StageReportModel) -> list[LayerMapCell]:
     """One cell per (pool, layer that needs that pool), with a reason when the cell is wrong."""
     cells: list[LayerMapCell] = []
-    for pool in POOLS:
+    for pool in stage_pools(stage):
         size = stage.buffers.get(pool, 0)
         owner: dict[int, int] = {}  # index -> first global layer using it
         for entry in stage.layers:
@@ -107,7 +115,7 @@ def layer_map_cells(stage: StageReportModel) -> list[LayerMapCell]:
                 continue
             error = None
             if index is None:
-                error = f"no {POOL_LABELS[pool]} index"
+                error = f"no {POOL_LABELS.get(pool, pool)} index"
             elif not 0 <= index < size:
                 error = f"index {index} out of range for {size} buffers"
             elif index in owner:
@@ -127,3 +135,55 @@ def layer_map_cells(stage: StageReportModel) -> list[LayerMapCell]:
 
 def find_stage(report: StartupReportModel, stage: int) -> StageReportModel | None:
     return next((s for s in report.stages if s.stage == stage), None)
+
+
+def _progress(stages: Sequence[StageLive]) -> tuple[int, int, float | None]:
+    """Requests through the whole pipeline (the slowest stage) of the trace length."""
+    done = min((s.requests for s in stages), default=0)
+    planned = max((s.total_requests for s in stages), default=0)
+    return done, planned, (min(1.0, done / planned) if planned else None)
+
+
+def _failure(stages: Sequence[StageLive], run: Mapping[str, Any]) -> str | None:
+    """Why the run failed, or None: the parent's verdict first, then a stage's own error."""
+    if run.get("phase") == "failed":
+        return str(run.get("failure") or "the run failed")
+    for s in stages:
+        if s.phase == "failed":
+            return f"stage {s.stage} failed" + (f": {s.error}" if s.error else "")
+    return None
+
+
+def run_state(report: StartupReportModel | None, stages: Sequence[StageLive],
+              run: Mapping[str, Any] | None) -> RunState:
+    """The run's phase for the badge and progress bar, from what the source knows.
+
+    ``run`` is the serving parent's own record (``RunDirSource.run()``), absent
+    for other sources.  No stages and no run is a preflight view (a check
+    report), never "live".
+    """
+    run = run or {}
+    done, planned, progress = _progress(stages)
+
+    def state(phase: str, detail: str) -> RunState:
+        return RunState(phase=phase, live=phase in ("starting", "validating", "running"),
+                        detail=detail, requests_done=done, requests_planned=planned,
+                        progress=1.0 if phase == "done" and planned else progress)
+
+    failure = _failure(stages, run)
+    if failure:
+        return state("failed", failure)
+    refused = run.get("phase") == "refused" or any(s.phase == "refused" for s in stages)
+    if refused or (stages and report is not None and not report.ok):
+        return state("failed", "startup validation refused the run (see the stage table)")
+    if not stages and not run:
+        if report is not None:
+            return state("preflight", "preflight view: a check report, no run")
+        return state("starting", "waiting for the stages to report")
+    if run.get("phase") == "done" or (stages and all(s.phase == "done" for s in stages)):
+        return state("done", f"finished {done} requests")
+    if report is None:
+        if stages:
+            return state("validating", "stages are building and validating their pools")
+        return state("starting", "starting the stage processes")
+    return state("running", f"{done}/{planned} requests" if planned else "serving")

@@ -7,7 +7,9 @@ reporting) and what are each stage's live numbers now (``stages()``: one
 dashboard and the Prometheus collector only read them, so both always show the
 same figures.  Sources: ``RunDirSource`` (a ``serve`` run directory),
 ``StaticSource`` (a preflight report, no live numbers) and the sglang
-integration's source.
+integration's source.  A source may also have ``run()``: the serving parent's
+own record (phase, failure), which the dashboard's run badge prefers over
+what the stages say (``RunDirSource.run()``).
 """
 
 from __future__ import annotations

@@ -9,10 +9,10 @@ from stagecache.runtime.serve.live import StageLive
 
 
 def blank_live(stage: int, pools: Iterable[str] = ()) -> dict[str, Any]:
-    """``StageLive(stage)`` as a plain dict, with zeroed page/byte entries for ``pools``."""
-    pools = tuple(pools)
+    """``StageLive(stage)`` as a plain dict, with zeroed page spaces and pool bytes for ``pools``."""
+    pools = list(pools)
     return StageLive(
         stage=stage,
-        pool_pages={p: {"used": 0, "free": 0} for p in pools},
+        page_spaces={"device": {"tier": "device", "used": 0, "total": 0, "pools": pools}} if pools else {},
         pool_bytes={p: {"device": 0, "host": 0} for p in pools},
     ).model_dump()

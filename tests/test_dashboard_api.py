@@ -7,11 +7,7 @@ with shape-correct live numbers, and deliberately malformed ones.
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
@@ -20,7 +16,6 @@ import pytest
 from live_helpers import blank_live
 from stagecache.dashboard.server import dashboard_in_thread
 from stagecache.exporters.snapshot import StaticSource
-from stagecache.runtime.cli.main import main
 from stagecache.runtime.model.layer_map import POOLS, build_layout
 from stagecache.runtime.model.spec import load_spec
 from stagecache.runtime.validation.faults import parse_faults
@@ -50,14 +45,16 @@ class RawSource:
 def live_numbers(stage: int) -> dict:
     """A shape-correct live dict (empty_stage_numbers) filled with distinct numbers per stage."""
     d = blank_live(stage, POOLS)
-    d.update(time=1_700_000_000.0 + stage, steps=10 + stage, requests=3 + stage,
-             host_hit_ratio=0.25 * (stage % 4), stage_seconds=1.5, bubble_seconds=0.25)
+    d.update(time=1_700_000_000.0 + stage, steps=10 + stage, requests=3 + stage, phase="serving",
+             total_requests=10, stage_seconds=1.5, bubble_seconds=0.25)
     d["cache_tokens"] = {"device": 1000 * (stage + 1), "host": 200 * (stage + 1), "miss": 50 + stage}
     d["transfer_bytes"] = {"d2h": 4096 * (stage + 1), "h2d": 2048}
     d["transfer_seconds"] = {"d2h": 0.001, "h2d": 0.002}
     d["transfer_count"] = {"d2h": 2, "h2d": 1}
-    d["bandwidth_bytes_per_second"] = {"d2h": 4.0e9 * (stage + 1), "h2d": 1.0e9}
-    d["pool_pages"]["swa"] = {"used": 7, "free": 9}
+    d["page_spaces"]["device"].update(used=7, total=16)
+    d["timeline"] = [{"kind": "compute", "start": 1_700_000_000.0, "seconds": 0.01, "micro_batch": 1},
+                     {"kind": "recv_wait", "start": 1_700_000_000.01, "seconds": 0.002 * stage,
+                      "micro_batch": 2}]
     return d
 
 
@@ -231,13 +228,30 @@ def test_no_write_endpoints(servers):
 
 def test_summary_is_empty_in_a_preflight_view(servers):
     body = servers["fault"].get("/api/metrics/summary").json()
-    assert body["live"] is False and body["stages"] == [] and body["status"] == "failed"
+    assert body["has_live_numbers"] is False and body["stages"] == [] and body["status"] == "failed"
+    assert body["run"]["phase"] == "preflight" and body["run"]["live"] is False
+    assert body["rates"] == []
 
 
 def test_summary_returns_every_stage_numbers_unchanged(servers):
     body = servers["live"].get("/api/metrics/summary").json()
-    assert body["live"] is True and body["status"] == "ok"
+    assert body["has_live_numbers"] is True and body["status"] == "ok"
     assert body["stages"] == [live_numbers(s) for s in range(PP)]
+    assert body["run"] == {"phase": "running", "live": True, "detail": "3/10 requests",
+                           "requests_done": 3, "requests_planned": 10, "progress": 0.3}
+
+
+def test_summary_rates_are_windowed_and_validated(servers):
+    c = servers["live"]
+    body = c.get("/api/metrics/summary", params={"window": 30}).json()
+    assert body["window_s"] == 30
+    assert [r["stage"] for r in body["rates"]] == list(range(PP))
+    # constant counters: rates over the window are zero, ratios have nothing to divide
+    time.sleep(0.3)
+    rates = c.get("/api/metrics/summary", params={"window": 30}).json()["rates"]
+    assert all(r["lookup_tokens_per_s"] == 0 and r["host_hit_rate"] is None for r in rates)
+    for bad in ("0", "301", "x"):
+        assert c.get("/api/metrics/summary", params={"window": bad}).status_code == 422
 
 
 def test_malformed_source_data_is_502_naming_the_stage_and_field(servers):
@@ -253,8 +267,13 @@ def test_malformed_source_data_is_502_naming_the_stage_and_field(servers):
 
 def test_live_page_embeds_current_points(servers):
     page = servers["live"].get("/")
-    assert 'data-live="true"' in page.text
+    assert 'data-phase="running"' in page.text and "live · running" in page.text
     assert "no live data (preflight view)" not in page.text
+
+
+def test_preflight_page_is_never_live(servers):
+    page = servers["fault"].get("/").text
+    assert 'data-phase="preflight"' in page and "preflight view" in page and "live ·" not in page
 
 
 # -- HTML, static assets, /metrics ---------------------------------------------------------------------
@@ -286,24 +305,34 @@ def test_metrics_is_prometheus_text(servers):
 
     r = servers["live"].get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    list(text_string_to_metric_families(r.text))  # raises on anything but the text format
+    names = {f.name for f in text_string_to_metric_families(r.text)}  # raises on a bad format
+    assert {"stagecache_requests", "stagecache_build_info", "stagecache_model_info"} <= names
 
 
-def test_metrics_falls_back_to_an_empty_registry_without_the_exporter(monkeypatch, free_port):
-    # Simulate a checkout without exporters/metrics.py: the import machinery refuses the module.
-    monkeypatch.setitem(sys.modules, "stagecache.exporters.metrics", None)
-    with dashboard_in_thread(StaticSource(report_dict()), port=free_port) as url:
-        r = httpx.get(url + "/metrics")
-    assert r.status_code == 200 and r.text == ""
+def test_metrics_speaks_openmetrics_when_asked(servers):
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+    r = servers["live"].get("/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+    assert r.headers["content-type"].startswith("application/openmetrics-text")
+    types = {f.name: f.type for f in text_string_to_metric_families(r.text)}
+    assert types["stagecache_build"] == "info" and types["stagecache_stage_phase"] == "stateset"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("stagecache.exporters.metrics") is None,
-                    reason="exporters/metrics.py not written yet")
-def test_metrics_uses_make_registry_when_the_exporter_exists(free_port):
-    source = StaticSource(report_dict(), {s: live_numbers(s) for s in range(PP)})
-    with dashboard_in_thread(source, port=free_port) as url:
-        r = httpx.get(url + "/metrics")
-    assert r.status_code == 200 and r.text.strip()
+def test_api_docs_are_served_offline_from_the_app(servers):
+    """/docs and /redoc load Swagger UI / ReDoc from this server only (fastapi-offline's files)."""
+    import re
+
+    c = servers["ok"]
+    for page, assets in (("/docs", ("swagger-ui-bundle.js", "swagger-ui.css")),
+                         ("/redoc", ("redoc.standalone.js",))):
+        html = c.get(page).text
+        urls = re.findall(r'(?:src|href)="([^"]+)"', html)
+        assert urls and all(not u.startswith(("http:", "https:", "//")) for u in urls), urls
+        for name in assets:
+            (url,) = [u for u in urls if u.endswith(name)]
+            r = c.get(url)
+            assert r.status_code == 200 and len(r.content) > 100_000, url
+    assert "fonts.googleapis" not in c.get("/redoc").text
 
 
 def test_busy_port_is_a_clear_error(free_port):
@@ -313,75 +342,3 @@ def test_busy_port_is_a_clear_error(free_port):
         with pytest.raises(RuntimeError, match=f"did not start on 127.0.0.1:{free_port}"), \
                 dashboard_in_thread(StaticSource(None), port=free_port, startup_timeout_s=5):
             pass
-
-
-# -- the CLI ---------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["--from-json", "/nonexistent/report.json"], "cannot read"),
-    (["--from-check"], "--from-check needs --model"),
-    (["--from-check", "--model", "tiny-v4", "--pp-size", "4", "--fault", "nope"], "unknown --fault 'nope'"),
-    (["--from-check", "--model", "no-such-model"], "no-such-model"),
-])
-def test_cli_bad_input_is_one_line_exit_2(argv, message, capsys):
-    assert main(["dashboard", *argv]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and message in err and "Traceback" not in err
-
-
-def test_cli_rejects_json_that_is_not_a_report(tmp_path, capsys):
-    bad = tmp_path / "bad.json"
-    bad.write_text("{not json")
-    assert main(["dashboard", "--from-json", str(bad)]) == 2
-    assert "not JSON (line 1" in capsys.readouterr().err
-    bad.write_text(json.dumps({"ok": True, "stages": []}))
-    assert main(["dashboard", "--from-json", str(bad)]) == 2
-    err = capsys.readouterr().err
-    assert "not a startup report: model: Field required" in err and len(err.strip().splitlines()) == 1
-    good = tmp_path / "good.json"
-    good.write_text(json.dumps(report_dict()))
-    assert main(["dashboard", "--from-json", str(good), "--model", "tiny-v4"]) == 2
-    assert "--from-json takes model" in capsys.readouterr().err
-
-
-def test_cli_busy_port_is_exit_2(free_port, tmp_path, capsys):
-    good = tmp_path / "good.json"
-    good.write_text(json.dumps(report_dict()))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", free_port))
-        s.listen()
-        assert main(["dashboard", "--from-json", str(good), "--port", str(free_port)]) == 2
-    assert f"cannot listen on 127.0.0.1:{free_port}" in capsys.readouterr().err
-
-
-def test_cli_from_json_serves_a_saved_check_report(tmp_path, free_port):
-    """`stagecache check --json` output, saved, then served by a real `stagecache dashboard` process."""
-    check = subprocess.run(
-        [sys.executable, "-m", "stagecache.runtime", "check", "--model", "tiny-v4", "--pp-size", "4",
-         "--fault", "missing-c4-state", "--json"], capture_output=True, text=True, timeout=60)
-    assert check.returncode == 1, check.stderr
-    saved = tmp_path / "check.json"
-    saved.write_text(check.stdout)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "stagecache.runtime", "dashboard", "--from-json", str(saved),
-         "--port", str(free_port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        line = proc.stdout.readline()
-        assert f"http://127.0.0.1:{free_port}/" in line and "MAPPING ERRORS" in line
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                r = httpx.get(f"http://127.0.0.1:{free_port}/api/stages", timeout=5)
-                break
-            except httpx.TransportError:
-                assert proc.poll() is None and time.monotonic() < deadline, "dashboard did not start"
-                time.sleep(0.1)
-        body = r.json()
-        assert body["faults"] == ["missing-c4-state"]
-        bad = {(row["stage"], p["pool"]) for row in body["stages"] for p in row["pools"] if not p["ok"]}
-        assert bad == {(1, "c4_state"), (2, "c4_state"), (3, "c4_state")}
-        assert any("state_pools must not contain None" in row["status"] for row in body["stages"])
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)

@@ -1,16 +1,20 @@
 """The dashboard in a real headless Chromium (selenium + chromedriver).
 
 The preflight pages come from a real ``stagecache dashboard --from-check``
-subprocess; the live-chart test serves a source whose numbers grow on every
-read and checks the page appends points without a reload.  Screenshots are
-checked to be real renders (many colours, not one flat fill).  Set
-``STAGECACHE_DOCS_IMG=1`` to also write them to docs/img/ for docs/dashboard.md.
-Skipped only when Chromium itself is absent.
+subprocess; the live tests serve a source that plays a whole run (starting,
+validating, running with per-stage traffic and pipeline waits, done or failed)
+and check what an operator sees: the phase badge ("live" only while the run
+goes), the progress bar, windowed rates per stage with lines that differ, the
+timeline's bubbles, and /docs and /redoc rendering with every host but
+127.0.0.1 unresolvable.  Screenshots are checked to be real renders (many
+colours, not one flat fill).  Set ``STAGECACHE_DOCS_IMG=1`` to also write them
+to docs/img/ for docs/dashboard.md.  Skipped only when Chromium itself is absent.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import os
 import shutil
 import subprocess
@@ -22,18 +26,16 @@ from pathlib import Path
 
 import httpx
 import pytest
-from live_helpers import blank_live
-from stagecache.runtime.model.layer_map import POOLS, build_layout
-from stagecache.runtime.model.spec import load_spec
-from stagecache.runtime.validation.faults import parse_faults
-from stagecache.runtime.validation.report import preflight
+from dashboard_sources import MODEL, PP, RATIO, LateReportSource, ScriptedRun, expected_report
 
 CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if os.path.exists("/usr/bin/chromium") else None)
-MODEL, PP = "deepseek-v4-flash", 4
 DOCS_IMG = Path(__file__).resolve().parent.parent / "docs" / "img"
 CHROME_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                "--window-size=1400,1000")
+                "--window-size=1400,1000",
+                # offline: every name but the loopback fails to resolve, so a CDN can never load
+                "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1")
+N_LIVE_CHARTS = 5  # hit rate, tokens, transfer, bubble, timeline
 
 pytestmark = [
     pytest.mark.browser,
@@ -54,7 +56,7 @@ def driver() -> Iterator[object]:
     for flag in CHROME_FLAGS:
         opts.add_argument(flag)
     opts.add_argument(f"--user-data-dir={profile}")
-    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
     drv = webdriver.Chrome(options=opts, service=Service(driver_path))
     drv.set_page_load_timeout(60)
     try:
@@ -99,9 +101,10 @@ def load(driver, url: str) -> None:
 
     driver.get("about:blank")  # stop the previous page's polling, then drop its console lines
     driver.get_log("browser")
+    driver.get_log("performance")
     driver.set_window_size(1400, 1000)
     driver.get(url)
-    _wait(lambda: len(driver.find_elements(By.CSS_SELECTOR, ".live-chart.js-plotly-plot")) == 3,
+    _wait(lambda: len(driver.find_elements(By.CSS_SELECTOR, ".live-chart.js-plotly-plot")) == N_LIVE_CHARTS,
           what="the live charts to render")
 
 
@@ -129,9 +132,24 @@ def severe_console_messages(driver) -> list[str]:
     return [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
 
 
-def expected_report(faults: list[str]) -> dict:
-    layout = build_layout(load_spec(MODEL), PP)
-    return preflight(layout, 256, parse_faults(faults, PP)).to_dict()
+def network_log(driver) -> tuple[dict[str, str], dict[str, str]]:
+    """Since the last drain (DevTools performance log): {request id: URL} asked for, and
+    {request id: blocked reason} of the requests the browser refused to send."""
+    asked, blocked = {}, {}
+    for entry in driver.get_log("performance"):
+        msg = json.loads(entry["message"])["message"]
+        if msg["method"] == "Network.requestWillBeSent":
+            asked[msg["params"]["requestId"]] = msg["params"]["request"]["url"]
+        elif msg["method"] == "Network.loadingFailed" and msg["params"].get("blockedReason"):
+            blocked[msg["params"]["requestId"]] = msg["params"]["blockedReason"]
+    return asked, blocked
+
+
+def badge(driver) -> tuple[str, str]:
+    from selenium.webdriver.common.by import By
+
+    el = driver.find_element(By.ID, "live-state")
+    return el.text, el.get_attribute("class")
 
 
 def test_preflight_page_draws_one_layer_map_per_stage(driver, free_port, tmp_path):
@@ -150,8 +168,9 @@ def test_preflight_page_draws_one_layer_map_per_stage(driver, free_port, tmp_pat
             cells = row.find_elements(By.TAG_NAME, "td")
             assert cells[1].text == f"[{s['start_layer']}, {s['end_layer']})"
             assert cells[-1].text == "OK"
-        # the empty live state, and the polling script reaching the summary endpoint
-        assert driver.page_source.count("no live data (preflight view)") >= 3
+        # the empty live state, a badge that is not "live", and the polling script at work
+        assert driver.page_source.count("no live data (preflight view)") >= N_LIVE_CHARTS
+        assert badge(driver) == ("preflight view", "badge preflight")
         _wait(lambda: driver.execute_script("return window.stagecacheDashboard.polls") >= 1,
               timeout=15, what="the first /api/metrics/summary poll")
         assert driver.execute_script("return window.stagecacheDashboard.failures") == 0
@@ -193,66 +212,114 @@ def test_fault_page_shows_every_error_row_and_red_pool(driver, free_port, tmp_pa
         proc.wait(timeout=10)
 
 
-class GrowingSource:
-    """A SnapshotSource whose stages serve more traffic every time they are read."""
-
-    def __init__(self) -> None:
-        self.reads = 0
-        self._report = expected_report([])
-
-    def startup(self):
-        return self._report
-
-    def stages(self):
-        self.reads += 1
-        n = self.reads
-        out = {}
-        for s in range(PP):
-            d = blank_live(s, POOLS)
-            d.update(time=time.time(), steps=n, requests=n)
-            d["cache_tokens"] = {"device": 900 * n * (s + 1), "host": 300 * n, "miss": 100 * n}
-            d["host_hit_ratio"] = min(0.95, 0.1 * s + 0.02 * n)
-            d["bandwidth_bytes_per_second"] = {"d2h": 1e9 * (s + 1 + n % 3), "h2d": 5e8 * (s + 1)}
-            out[s] = d
-        return out
+def _js(driver, expr: str):
+    return driver.execute_script("return " + expr)
 
 
-def test_live_charts_extend_without_reload(driver, free_port, tmp_path):
+def _phase_is(driver, text: str):
+    return _wait(lambda: badge(driver)[0] == text, timeout=20, what=f"the badge to read {text!r}")
+
+
+def _go_running(driver, source: ScriptedRun, url: str) -> None:
+    """starting -> validating -> running, as the page sees it (one reload when the report arrives)."""
+    from selenium.webdriver.common.by import By
+
+    load(driver, url)
+    assert badge(driver) == ("live · starting", "badge live")
+    assert _js(driver, "document.getElementById('run-progress-box').hidden") is True
+    source.phase = "validating"
+    _phase_is(driver, "live · validating")
+    source.phase = "running"
+    _wait(lambda: len(driver.find_elements(By.CSS_SELECTOR, ".layer-map.js-plotly-plot")) == PP,
+          timeout=20, what="the reload with the layer maps")
+    _phase_is(driver, "live · running")
+
+
+def test_a_run_goes_live_shows_rates_per_stage_and_timeline_then_done(driver, free_port, tmp_path):
     from stagecache.dashboard.server import dashboard_in_thread
 
-    source = GrowingSource()
+    source = ScriptedRun()
     with dashboard_in_thread(source, port=free_port) as url:
-        load(driver, url + "/")
-        driver.execute_script("window.__sameDocument = true;")
-        _wait(lambda: driver.execute_script(
-            "return document.getElementById('chart-hit-ratio').data[0].x.length") >= 3,
-            timeout=20, what="three points on the hit-ratio chart")
-        assert driver.execute_script("return window.__sameDocument") is True  # no page reload
-        assert driver.execute_script(
-            "return (document.getElementById('chart-hit-ratio').layout.annotations || []).length") == 0
-        last, bars = driver.execute_script(  # one script: no poll can land in between
-            "return [window.stagecacheDashboard.lastSummary,"
-            " document.getElementById('chart-tokens').data.map(t => Array.from(t.y))]")
-        want = [[s["cache_tokens"][k] for s in last["stages"]] for k in ("device", "host", "miss")]
-        assert bars == want
-        bw = driver.execute_script("return document.getElementById('chart-bandwidth').data.length")
-        assert bw == 2 * PP
+        _go_running(driver, source, url + "/?window=3")
+        hit = "document.getElementById('chart-hit-rate').data"
+        _wait(lambda: _js(driver, f"{hit}.every(t => t.y.filter(v => v !== null).length >= 3)"),
+              timeout=20, what="three windowed hit-rate points on every stage's line")
+        polls = _js(driver, "window.stagecacheDashboard.polls")
+        time.sleep(3.2)
+        assert _js(driver, "window.stagecacheDashboard.polls") - polls >= 3  # updates at <= 1 s
+        # every stage has its own line: its own data, colour, marker and dash
+        traces = _js(driver, f"{hit}.map(t => [t.meta.stage, t.y[t.y.length - 1], t.line.color,"
+                             " t.marker.symbol, t.line.dash])")
+        assert [t[0] for t in traces] == list(range(PP))
+        for stage, last, *_ in traces:
+            assert last == pytest.approx(RATIO[stage], abs=0.01), (stage, last)
+        assert len({t[2] for t in traces}) == PP and len({t[3] for t in traces}) == PP
+        # progress bar and the timeline's bubbles: downstream stages wait, stage 0 never does
+        value = _js(driver, "document.getElementById('run-progress').value")
+        assert 0 < value < 1 and _js(driver, "document.getElementById('run-progress-box').hidden") is False
+        kinds = _js(driver, "Object.fromEntries(document.getElementById('chart-timeline').data"
+                            ".map(t => [t.meta.kind, Array.from(new Set(t.y))]))")
+        assert sorted(kinds["compute"]) == [f"stage {s}" for s in range(PP)]
+        assert sorted(kinds["recv_wait"]) == [f"stage {s}" for s in range(1, PP)]
+        assert _js(driver, "document.getElementById('chart-timeline')._fullLayout.xaxis.type") == "date"
         assert severe_console_messages(driver) == []
         screenshot(driver, "dashboard-live.png", tmp_path)
+        source.phase = "done"
+        assert _phase_is(driver, "done") and badge(driver)[1] == "badge done"
+        assert _js(driver, "document.getElementById('run-progress-text').textContent") == "100%"
+        # the run is over: windowed rates fall to zero instead of freezing at a since-start mean
+        _wait(lambda: _js(driver, "document.getElementById('chart-tokens').data"
+                                  ".every(t => t.y.every(v => v === 0))"),
+              timeout=15, what="tokens/s to drop to zero after the run")
+        assert _js(driver, f"{hit}[0].y[{hit}[0].y.length - 1]") is None  # no lookups: no ratio
 
 
-class LateReportSource:
-    """No report until ``ready`` is set: what ``serve`` looks like while its stages start."""
+def test_a_failed_run_says_so_and_is_not_live(driver, free_port, tmp_path):
+    from selenium.webdriver.common.by import By
+    from stagecache.dashboard.server import dashboard_in_thread
 
-    def __init__(self) -> None:
-        self.ready = False
-        self._report = expected_report(["global-swa"])
+    source = ScriptedRun()
+    with dashboard_in_thread(source, port=free_port) as url:
+        _go_running(driver, source, url + "/")
+        source.phase = "failed"
+        _phase_is(driver, "failed")
+        assert badge(driver)[1] == "badge failed"
+        detail = driver.find_element(By.ID, "run-detail")
+        assert detail.text == "stage 2 (pid 4242) exited with code 1: boom"
+        assert "error-text" in detail.get_attribute("class")
+        screenshot(driver, "dashboard-failed.png", tmp_path)
 
-    def startup(self):
-        return self._report if self.ready else None
 
-    def stages(self):
-        return {}
+def test_api_docs_work_offline_from_the_apps_own_assets(driver, free_port):
+    from selenium.webdriver.common.by import By
+
+    proc = start_cli_dashboard(free_port)
+    base = f"http://127.0.0.1:{free_port}"
+    try:
+        spec = httpx.get(base + "/openapi.json", timeout=10).json()
+        n_ops = sum(len(ops) for ops in spec["paths"].values())
+        driver.get("about:blank")
+        driver.get_log("performance")
+        driver.get_log("browser")
+        driver.get(base + "/docs")
+        _wait(lambda: len(driver.find_elements(By.CSS_SELECTOR, ".swagger-ui .opblock")) == n_ops,
+              what="Swagger UI to list every operation")
+        swagger = network_log(driver)
+        driver.get(base + "/redoc")
+        _wait(lambda: "/api/metrics/summary" in driver.find_element(By.TAG_NAME, "body").text,
+              what="ReDoc to render the operations")
+        redoc = network_log(driver)
+        for asked, blocked in (swagger, redoc):
+            foreign = {rid: u for rid, u in asked.items() if not u.startswith((base, "data:", "blob:"))}
+            # nothing left this machine: anything foreign was refused by the page's CSP first
+            assert all(blocked.get(rid) == "csp" for rid in foreign), (foreign, blocked)
+        assert any(u.endswith("swagger-ui-bundle.js") for u in swagger[0].values())
+        assert any(u.endswith("redoc.standalone.js") for u in redoc[0].values())
+        console = severe_console_messages(driver)
+        assert all("cdn.redoc.ly" in m for m in console), console  # only the refused attribution logo
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
 
 
 def test_starting_page_reloads_once_the_report_arrives(driver, free_port):
@@ -264,6 +331,7 @@ def test_starting_page_reloads_once_the_report_arrives(driver, free_port):
         load(driver, url + "/")
         assert driver.find_element(By.TAG_NAME, "body").get_attribute("data-status") == "starting"
         assert driver.find_elements(By.CSS_SELECTOR, ".layer-map") == []
+        assert badge(driver) == ("live · starting", "badge live")
         source.ready = True
         _wait(lambda: len(driver.find_elements(By.CSS_SELECTOR, ".layer-map.js-plotly-plot")) == PP,
               timeout=20, what="the reload with the report's layer maps")

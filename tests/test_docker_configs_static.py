@@ -67,9 +67,8 @@ def exported_sample_names() -> set[str]:
     for k in range(4):
         n = blank_live(k, POOLS)
         n.update(steps=3, requests=2, cache_tokens={"device": 10, "host": 30, "miss": 60},
-                 host_hit_ratio=0.3, transfer_bytes={"d2h": 4096, "h2d": 8192},
-                 transfer_seconds={"d2h": 0.001, "h2d": 0.002}, transfer_count={"d2h": 1, "h2d": 2},
-                 bandwidth_bytes_per_second={"d2h": 4.096e6, "h2d": 4.096e6})
+                 transfer_bytes={"d2h": 4096, "h2d": 8192},
+                 transfer_seconds={"d2h": 0.001, "h2d": 0.002}, transfer_count={"d2h": 1, "h2d": 2})
         stages[k] = n
     registry = make_registry(StaticSource(report, stages))
     return {s.name for fam in registry.collect() for s in fam.samples}
@@ -143,25 +142,30 @@ def test_alert_rules_use_only_metrics_the_exporter_exposes() -> None:
 
 
 def test_the_name_check_catches_a_renamed_metric() -> None:
-    bad = unknown_metrics({"renamed": "rate(stagecache_cache_token_total[1m]) + stagecache_host_hit_ratio"})
-    assert bad == {"renamed": ["stagecache_cache_token_total"]}
+    bad = unknown_metrics({"renamed": "rate(stagecache_cache_tokens_total[1m]) + stagecache_requests_total"})
+    assert bad == {"renamed": ["stagecache_cache_tokens_total"]}
 
 
 def test_dashboard_recording_rules_are_recorded_in_alerts_yml() -> None:
     used = {n for e in dashboard_exprs(dashboard()).values() for n in RECORDED_RE.findall(e)}
     assert used, "expected the dashboard to plot the recording rules (ceiling, 5m ratio)"
+    assert {"stagecache:prefix_host_hit_ratio:rate5m", "stagecache:pipeline_bubble_ratio:rate1m",
+            "stagecache:transfer_bandwidth_bytes_per_second:rate1m"} <= used
     assert used <= recorded_names(), f"not recorded by docker/alerts.yml: {used - recorded_names()}"
 
 
 def test_dashboard_shows_every_required_view() -> None:
     exprs = " ".join(dashboard_exprs(dashboard()).values())
-    for metric in ("stagecache_host_hit_ratio", "stagecache_transfer_bandwidth_bytes_per_second",
+    for metric in ("stagecache_prefix_hit_tokens_total", "stagecache_prefix_lookup_tokens_total",
+                   "stagecache_transfer_bytes_total", "stagecache_transfer_duration_seconds_bucket",
                    "stagecache_stage_buffers", "stagecache_stage_expected_buffers",
                    "stagecache_stage_local_layers", "stagecache_stage_mapping_ok",
-                   "stagecache_cache_tokens_total", "stagecache_pool_pages"):
+                   "stagecache_page_space_used_pages", "stagecache_page_space_usage_ratio",
+                   "stagecache_model_info", "stagecache_build_info", "stagecache_stage_phase"):
         assert metric in exprs, f"no dashboard panel queries {metric}"
     legends = " ".join(t.get("legendFormat", "") for p in panels(dashboard()) for t in p.get("targets", []))
-    assert "{{direction}}" in legends and "{{tier}}" in legends and "{{stage}}" in legends
+    assert "{{direction}}" in legends and "{{tier}}" in legends and "{{pp_rank}}" in legends
+    assert "{{stage}}" not in legends and "$stage" not in exprs  # sglang's label names only
 
 
 def test_dashboard_uses_the_provisioned_datasource_everywhere() -> None:

@@ -1,4 +1,4 @@
-"""The Prometheus collector over a SnapshotSource: names, labels, values, promtool lint."""
+"""The Prometheus collector over a SnapshotSource: names, labels, values, conventions, promtool."""
 
 from __future__ import annotations
 
@@ -8,7 +8,15 @@ import subprocess
 import pytest
 from live_helpers import blank_live
 from prometheus_client import generate_latest
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.parser import text_string_to_metric_families
+from stagecache.exporters.families import (
+    LABEL_VALUES,
+    LABELS,
+    STAGE_LABELS,
+    all_families,
+    label_names,
+)
 from stagecache.exporters.metrics import METRIC_NAMES, make_registry
 from stagecache.exporters.snapshot import StageLive, StaticSource
 from stagecache.runtime.model.layer_map import POOLS, build_layout
@@ -27,17 +35,18 @@ def report(faults=()):
 def live(stage: int, scale: int = 1) -> dict:
     d = blank_live(stage, POOLS)
     d.update(
-        steps=5 * scale, requests=20 * scale,
+        model_name="tiny-v4", phase="serving", steps=5 * scale, requests=20 * scale, total_requests=64,
         cache_tokens={"device": 1000 * scale, "host": 300 * scale, "miss": 700 * scale},
-        host_hit_ratio=0.15,
         evictions={"device": 7, "host": 2},
+        cache_pages={"backup": 11, "load": 4, "dropped": 1, "backup_skipped": 3},
         transfer_bytes={"d2h": 4096 * scale, "h2d": 2048 * scale},
         transfer_seconds={"d2h": 0.002, "h2d": 0.001},
         transfer_count={"d2h": 3, "h2d": 2},
-        bandwidth_bytes_per_second={"d2h": 2048e3 * scale, "h2d": 2048e3 * scale},
-        pool_pages={"swa": {"used": 10, "free": 54}},
+        page_spaces={"device": {"tier": "device", "used": 10, "total": 64, "pools": list(POOLS)},
+                     "host": {"tier": "host", "used": 30, "total": 128, "pools": ["swa", "c4"]}},
         pool_bytes={"swa": {"device": 1 << 20, "host": 2 << 20}},
-        stage_seconds=1.5, bubble_seconds=0.5,
+        stage_seconds=1.5, bubble_seconds=0.5, activation_bytes_sent=100 * (3 - stage),
+        activation_bytes_received=100 * stage,
     )
     return d
 
@@ -60,61 +69,148 @@ def one(smp, name, **labels) -> float:
     return hits[0]
 
 
-def test_every_family_is_exposed_with_stage_labels():
-    smp = by_name(scrape(StaticSource(report(), {s: live(s) for s in range(4)})))
+def full_scrape() -> dict[str, list]:
+    return by_name(scrape(StaticSource(report(), {s: live(s) for s in range(4)})))
+
+
+def test_every_family_is_exposed_with_sglang_stage_labels():
+    smp = full_scrape()
     for name in METRIC_NAMES:
         assert any(n == name or n.startswith(name + "_") for n in smp), name
+    stage_families = {f.name for scope, f in all_families() if scope in ("startup", "live")}
     for name, samples in smp.items():
-        if name in ("stagecache_startup_ok", "stagecache_cross_stage_errors"):
+        if not any(name == f or name.startswith(f + "_") for f in stage_families):
             continue
-        assert {s.labels["stage"] for s in samples} == {"0", "1", "2", "3"}, name
+        assert {s.labels["pp_rank"] for s in samples} == {"0", "1", "2", "3"}, name
+        assert {s.labels["model_name"] for s in samples} == {"tiny-v4"}, name
+        assert {s.labels["tp_rank"] for s in samples} == {"0"}, name
+    assert not any("stage" in s.labels for samples in smp.values() for s in samples)
 
 
-def test_counters_end_in_total_and_units_are_base_units():
+def test_every_label_has_one_documented_meaning_and_closed_values():
+    smp = full_scrape()
+    for name, samples in smp.items():
+        for s in samples:
+            for label, value in s.labels.items():
+                if label == "le":
+                    continue
+                assert label in LABELS, (name, label)
+                if label in LABEL_VALUES:
+                    assert value in LABEL_VALUES[label], (name, label, value)
+    # the "miss" tier is gone: a tier is where memory lives, a miss is no tier
+    assert all(s.labels.get("tier") != "miss" for samples in smp.values() for s in samples)
+    # direction means a host<->device copy wherever it appears
+    directions = {s.labels["direction"] for samples in smp.values() for s in samples if "direction" in s.labels}
+    assert directions == {"d2h", "h2d"}
+
+
+def test_the_registry_matches_the_family_table():
+    text = generate_openmetrics(make_registry(StaticSource(report(), {s: live(s) for s in range(4)})))
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_parse
+
+    got = {f.name: f for f in om_parse(text.decode())}
+    for scope, fam in all_families():
+        base = fam.name.removesuffix("_total") if fam.kind == "counter" else fam.name
+        base = base.removesuffix("_info") if fam.kind == "info" else base
+        metric = got[base]
+        assert metric.type == fam.kind, fam.name
+        labels = {k for s in metric.samples for k in s.labels} - {"le"}
+        assert labels == set(label_names(scope, fam)), fam.name
+
+
+def test_counters_for_everything_cumulative_gauges_for_states():
     text = scrape(StaticSource(report(), {0: live(0)}))
     types = {f.name: f.type for f in text_string_to_metric_families(text)}
     for name in METRIC_NAMES:
         if name.endswith("_total"):
             assert types[name[: -len("_total")]] == "counter", name
-    assert types["stagecache_transfer_seconds"] == "histogram"
+    assert types["stagecache_transfer_duration_seconds"] == "histogram"
+    cumulative = ("prefix_lookup_tokens", "prefix_hit_tokens", "transfer_bytes", "requests",
+                  "evicted_pages", "bubble_seconds", "busy_seconds")
+    for part in cumulative:
+        assert any(part in n and n.endswith("_total") for n in METRIC_NAMES), part
+    # no since-start ratio or mean bandwidth gauge: those are rate() in recording rules
+    assert not any("hit_ratio" in n or "bandwidth" in n for n in METRIC_NAMES)
     assert not any("millis" in n or "_ms" in n or "kib" in n.lower() for n in METRIC_NAMES)
 
 
 def test_startup_values_come_from_the_report():
     smp = by_name(scrape(StaticSource(report(["global-swa"]))))
     for st in "0123":
-        assert one(smp, "stagecache_stage_local_layers", stage=st) == 3
-        assert one(smp, "stagecache_stage_buffers", stage=st, pool="swa") == 12
-        assert one(smp, "stagecache_stage_expected_buffers", stage=st, pool="swa") == 3
-        assert one(smp, "stagecache_stage_mapping_ok", stage=st) == 0
-        assert one(smp, "stagecache_stage_mapping_errors", stage=st) == 1
-    assert one(smp, "stagecache_startup_ok") == 0
+        assert one(smp, "stagecache_stage_local_layers", pp_rank=st) == 3
+        assert one(smp, "stagecache_stage_buffers", pp_rank=st, pool="swa") == 12
+        assert one(smp, "stagecache_stage_expected_buffers", pp_rank=st, pool="swa") == 3
+        assert one(smp, "stagecache_stage_mapping_ok", pp_rank=st) == 0
+        assert one(smp, "stagecache_stage_mapping_errors", pp_rank=st) == 1
+    assert one(smp, "stagecache_startup_ok", model_name="tiny-v4") == 0
     ok = by_name(scrape(StaticSource(report())))
     assert one(ok, "stagecache_startup_ok") == 1
-    assert one(ok, "stagecache_stage_mapping_ok", stage="1") == 1
-    assert one(ok, "stagecache_stage_buffers", stage="1", pool="c128") == 2
+    assert one(ok, "stagecache_stage_mapping_ok", pp_rank="1") == 1
+    assert one(ok, "stagecache_stage_buffers", pp_rank="1", pool="c128") == 2
+
+
+def test_build_and_model_info():
+    from stagecache import runtime
+
+    smp = by_name(scrape(StaticSource(report())))
+    (build,) = smp["stagecache_build_info"]
+    assert build.labels == {"version": runtime.__version__} and build.value == 1
+    (model,) = smp["stagecache_model_info"]
+    assert model.labels == {"model_name": "tiny-v4", "pp_size": "4", "tp_size": "1", "page_size": "256",
+                            "num_layers": "12"}
+
+
+def test_pool_names_come_from_the_data_not_a_fixed_list():
+    rep = report()
+    for s in rep["stages"]:  # a pool kind this package has never heard of
+        s["buffers"]["c4_indexer_state"] = s["expected_buffers"]["c4_indexer_state"] = 2
+    d = live(0)
+    d["pool_bytes"]["c4_indexer_state"] = {"device": 5, "host": 6}
+    smp = by_name(scrape(StaticSource(rep, {0: d})))
+    assert one(smp, "stagecache_stage_buffers", pp_rank="2", pool="c4_indexer_state") == 2
+    assert one(smp, "stagecache_pool_bytes", pp_rank="0", pool="c4_indexer_state", tier="host") == 6
+
+
+def test_shared_page_space_is_counted_once():
+    smp = full_scrape()
+    used = [s for s in smp["stagecache_page_space_used_pages"] if s.labels["pp_rank"] == "0"]
+    assert {(s.labels["space"], s.labels["tier"], s.value) for s in used} == {
+        ("device", "device", 10), ("host", "host", 30)}  # one series per space, not per pool
+    assert one(smp, "stagecache_page_space_capacity_pages", pp_rank="0", space="device") == 64
+    assert one(smp, "stagecache_page_space_usage_ratio", pp_rank="0", space="host") == 30 / 128
+    pools = {(s.labels["pool"], s.labels["space"]) for s in smp["stagecache_pool_page_space_info"]
+             if s.labels["pp_rank"] == "0"}
+    assert pools == {(p, "device") for p in POOLS} | {("swa", "host"), ("c4", "host")}
 
 
 def test_no_report_yet_means_no_startup_samples_but_live_numbers_still_export():
     smp = by_name(scrape(StaticSource(None, {2: live(2)})))
     assert "stagecache_startup_ok" not in smp and "stagecache_stage_local_layers" not in smp
-    assert one(smp, "stagecache_cache_tokens_total", stage="2", tier="host") == 300
+    assert "stagecache_model_info" not in smp and "stagecache_build_info" in smp
+    assert one(smp, "stagecache_prefix_hit_tokens_total", pp_rank="2", tier="host") == 300
 
 
 def test_live_values_per_stage_and_label():
     smp = by_name(scrape(StaticSource(report(), {0: live(0), 1: live(1, scale=2)})))
-    assert one(smp, "stagecache_cache_tokens_total", stage="1", tier="miss") == 1400
-    assert one(smp, "stagecache_transfer_bytes_total", stage="0", direction="h2d") == 2048
-    assert one(smp, "stagecache_transfer_bandwidth_bytes_per_second", stage="1", direction="d2h") == 4096e3
-    assert one(smp, "stagecache_pool_pages", stage="0", pool="swa", state="free") == 54
-    assert one(smp, "stagecache_pool_bytes", stage="0", pool="swa", tier="host") == 2 << 20
-    assert one(smp, "stagecache_host_hit_ratio", stage="0") == 0.15
-    assert one(smp, "stagecache_evictions_total", stage="0", tier="device") == 7
-    assert one(smp, "stagecache_stage_bubble_seconds_total", stage="1") == 0.5
+    assert one(smp, "stagecache_prefix_lookup_tokens_total", pp_rank="1") == 4000
+    assert one(smp, "stagecache_prefix_hit_tokens_total", pp_rank="1", tier="device") == 2000
+    assert one(smp, "stagecache_transfer_bytes_total", pp_rank="0", direction="h2d") == 2048
+    assert one(smp, "stagecache_pool_bytes", pp_rank="0", pool="swa", tier="host") == 2 << 20
+    assert one(smp, "stagecache_evicted_pages_total", pp_rank="0", tier="device") == 7
+    assert one(smp, "stagecache_hicache_pages_total", pp_rank="0", operation="backup_skip") == 3
+    assert one(smp, "stagecache_stage_bubble_seconds_total", pp_rank="1") == 0.5
+    assert one(smp, "stagecache_micro_batches_total", pp_rank="1") == 10
+    assert one(smp, "stagecache_activation_sent_bytes_total", pp_rank="0") == 300
+    assert one(smp, "stagecache_activation_received_bytes_total", pp_rank="1") == 100
+    assert one(smp, "stagecache_stage_planned_requests", pp_rank="0") == 64
+    phases = {s.labels["stagecache_stage_phase"]: s.value for s in smp["stagecache_stage_phase"]
+              if s.labels["pp_rank"] == "0"}
+    assert phases["serving"] == 1 and sum(phases.values()) == 1
     # without reported buckets the histogram still has the count (+Inf) and the sum
-    assert one(smp, "stagecache_transfer_seconds_count", stage="0", direction="d2h") == 3
-    assert one(smp, "stagecache_transfer_seconds_bucket", stage="0", direction="d2h", le="+Inf") == 3
-    assert one(smp, "stagecache_transfer_seconds_sum", stage="0", direction="d2h") == 0.002
+    h = "stagecache_transfer_duration_seconds"
+    assert one(smp, h + "_count", pp_rank="0", direction="d2h") == 3
+    assert one(smp, h + "_bucket", pp_rank="0", direction="d2h", le="+Inf") == 3
+    assert one(smp, h + "_sum", pp_rank="0", direction="d2h") == 0.002
 
 
 def test_histogram_buckets_come_from_transfer_stats():
@@ -128,12 +224,13 @@ def test_histogram_buckets_come_from_transfer_stats():
     d["transfer_seconds_buckets"] = {"le": snap["buckets_s"], "d2h": snap["d2h"]["bucket_counts"],
                                      "h2d": snap["h2d"]["bucket_counts"]}
     smp = by_name(scrape(StaticSource(report(), {0: d})))
-    assert one(smp, "stagecache_transfer_seconds_bucket", stage="0", direction="d2h", le="0.0001") == 1
-    assert one(smp, "stagecache_transfer_seconds_bucket", stage="0", direction="d2h", le="0.0005") == 3
-    assert one(smp, "stagecache_transfer_seconds_bucket", stage="0", direction="d2h", le="0.025") == 4
-    assert one(smp, "stagecache_transfer_seconds_bucket", stage="0", direction="d2h", le="2.5") == 4
-    assert one(smp, "stagecache_transfer_seconds_bucket", stage="0", direction="d2h", le="+Inf") == 5
-    assert one(smp, "stagecache_transfer_seconds_count", stage="0", direction="d2h") == 5
+    h = "stagecache_transfer_duration_seconds_bucket"
+    assert one(smp, h, pp_rank="0", direction="d2h", le="0.0001") == 1
+    assert one(smp, h, pp_rank="0", direction="d2h", le="0.0005") == 3
+    assert one(smp, h, pp_rank="0", direction="d2h", le="0.025") == 4
+    assert one(smp, h, pp_rank="0", direction="d2h", le="2.5") == 4
+    assert one(smp, h, pp_rank="0", direction="d2h", le="+Inf") == 5
+    assert one(smp, "stagecache_transfer_duration_seconds_count", pp_rank="0", direction="d2h") == 5
 
 
 def test_the_source_is_read_on_every_scrape():
@@ -153,7 +250,11 @@ def test_the_source_is_read_on_every_scrape():
     registry = make_registry(Growing())
     first = by_name(generate_latest(registry).decode())
     second = by_name(generate_latest(registry).decode())
-    assert one(second, "stagecache_requests_total", stage="0") > one(first, "stagecache_requests_total", stage="0")
+    assert one(second, "stagecache_requests_total", pp_rank="0") > one(first, "stagecache_requests_total", pp_rank="0")
+
+
+def test_stage_labels_are_sglangs():
+    assert STAGE_LABELS == ("model_name", "pp_rank", "tp_rank")
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")

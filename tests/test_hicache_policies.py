@@ -284,7 +284,7 @@ def test_snapshot_has_the_live_dict_keys():
     want = blank_live(2, POOLS)
     for key in ("cache_tokens", "host_hit_ratio", "evictions", "requests", "transfer_bytes",
                 "transfer_seconds", "transfer_count", "bandwidth_bytes_per_second",
-                "pool_pages", "pool_bytes"):
+                "pool_bytes"):
         assert type(snap[key]) is type(want[key]), key
         if isinstance(want[key], dict):
             assert set(snap[key]) <= set(want[key]) and snap[key], key

@@ -56,6 +56,9 @@ def test_alert_rules_have_the_required_alerts() -> None:
     groups = yaml.safe_load((DOCKER / "alerts.yml").read_text())["groups"]
     alerts = {r["alert"]: r for g in groups for r in g["rules"] if "alert" in r}
     assert "stagecache_stage_mapping_ok == 0" in alerts["StagecacheMappingError"]["expr"]
+    assert set(alerts) == {"StagecacheMappingError", "StagecacheBufferCountMismatch",
+                           "StagecacheStageFailed", "StagecacheHostHitRatioCollapse",
+                           "StagecacheTransferBandwidthLow"}
     assert "avg_over_time" in alerts["StagecacheHostHitRatioCollapse"]["expr"]
     assert "[30m]" in alerts["StagecacheHostHitRatioCollapse"]["expr"]
     assert "ceiling" in alerts["StagecacheTransferBandwidthLow"]["expr"]
@@ -70,10 +73,28 @@ def test_alert_unit_tests_pass() -> None:
     assert "SUCCESS" in res.stdout
 
 
+def test_every_alert_has_a_firing_and_a_silent_case() -> None:
+    groups = yaml.safe_load((DOCKER / "alerts.yml").read_text())["groups"]
+    alerts = {r["alert"] for g in groups for r in g["rules"] if "alert" in r}
+    cases = [c for t in yaml.safe_load((DOCKER / "alerts.test.yml").read_text())["tests"]
+             for c in t.get("alert_rule_test", [])]
+    for name in alerts:
+        mine = [c for c in cases if c["alertname"] == name]
+        assert any(c["exp_alerts"] for c in mine), f"{name}: no case where it fires"
+        silent = any(not c["exp_alerts"] for c in mine) or any(
+            len(c["exp_alerts"]) < 2 for c in mine)  # fires for one stage, not the healthy one
+        assert silent, f"{name}: no case where it must stay silent"
+
+
 @pytest.mark.parametrize(
     ("original", "mutant", "alert"),
     [
         ("stagecache_stage_mapping_ok == 0", "stagecache_stage_mapping_ok == 2", "StagecacheMappingError"),
+        ('stagecache_stage_phase="failed"} == 1', 'stagecache_stage_phase="done"} == 1',
+         "StagecacheStageFailed"),
+        ("stagecache_stage_buffers != stagecache_stage_expected_buffers",
+         "stagecache_stage_buffers > 2 * stagecache_stage_expected_buffers + 100",
+         "StagecacheBufferCountMismatch"),
         ("< 0.5 * avg_over_time", "< 0.01 * avg_over_time", "StagecacheHostHitRatioCollapse"),
         ("vector(55e9)", "vector(15e9)", "StagecacheTransferBandwidthLow"),
     ],

@@ -226,7 +226,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 def by_stage(result: list[dict[str, Any]]) -> dict[str, float]:
-    return {r["metric"]["stage"]: float(r["value"][1]) for r in result}
+    return {r["metric"]["pp_rank"]: float(r["value"][1]) for r in result}
 
 
 def test_the_docker_job_scrapes_both_targets(stack: Stack) -> None:
@@ -248,10 +248,33 @@ def test_local_layers_of_every_stage(stack: Stack) -> None:
 
 
 def test_host_hit_ratio_of_every_stage(stack: Stack) -> None:
-    result = stack.query(f'stagecache_host_hit_ratio{{job="{JOB}",instance="{stack.serve}"}}')
-    ratios = by_stage(result)
-    assert set(ratios) == {str(k) for k in range(PP)}
-    assert all(0.0 <= v <= 1.0 for v in ratios.values()), ratios
+    """From the counters, per stage: host hits / lookups is a real fraction; the recording rule
+    has one series per stage (NaN when nothing was looked up in its window, as rate() gives)."""
+    sel = f'job="{JOB}",instance="{stack.serve}"'
+    result = stack.wait_query(
+        "looked-up tokens with host hits on every stage",
+        f'sum by (pp_rank) (stagecache_prefix_hit_tokens_total{{{sel},tier="host"}})'
+        f' / sum by (pp_rank) (stagecache_prefix_lookup_tokens_total{{{sel}}})',
+        lambda r: len(r) == PP and all(0 < float(x["value"][1]) < 1 for x in r))
+    assert set(by_stage(result)) == {str(k) for k in range(PP)}
+    rule = stack.wait_query("the 5-minute host hit ratio rule", f"stagecache:prefix_host_hit_ratio:rate5m{{{sel}}}",
+                            lambda r: len(r) == PP)
+    assert all(v != v or 0.0 <= v <= 1.0 for v in by_stage(rule).values())  # NaN or a fraction
+
+
+def test_info_metrics_and_model_name(stack: Stack) -> None:
+    (model,) = stack.query(f'stagecache_model_info{{instance="{stack.serve}"}}')
+    assert model["metric"]["model_name"] == "tiny-v4" and model["metric"]["pp_size"] == str(PP)
+    assert stack.query(f'stagecache_build_info{{instance="{stack.serve}"}}')[0]["metric"]["version"]
+    names = {r["metric"]["model_name"] for r in stack.query(
+        f'stagecache_requests_total{{instance="{stack.serve}"}}')}
+    assert names == {"tiny-v4"}
+
+
+def test_page_spaces_are_counted_once(stack: Stack) -> None:
+    """Per stage: one device and one host page space, whatever pools share them."""
+    result = stack.query(f'count by (pp_rank) (stagecache_page_space_capacity_pages{{instance="{stack.serve}"}})')
+    assert by_stage(result) == {str(k): 2.0 for k in range(PP)}
 
 
 def test_serve_stages_pass_validation(stack: Stack) -> None:
@@ -265,17 +288,17 @@ def test_serve_tokens_flow_into_prometheus(stack: Stack) -> None:
     """The trace really runs: looked-up tokens by tier grow while Prometheus watches."""
     result = stack.wait_query(
         "looked-up tokens on every stage",
-        f'sum by (stage) (stagecache_cache_tokens_total{{instance="{stack.serve}"}})',
+        f'sum by (pp_rank) (stagecache_prefix_lookup_tokens_total{{instance="{stack.serve}"}})',
         lambda r: len(r) == PP and all(float(x["value"][1]) > 0 for x in r))
-    assert {r["metric"]["stage"] for r in result} == {str(k) for k in range(PP)}
+    assert {r["metric"]["pp_rank"] for r in result} == {str(k) for k in range(PP)}
 
 
 def test_every_dashboard_query_evaluates_to_data(stack: Stack) -> None:
     from test_docker_configs_static import dashboard, dashboard_exprs
 
-    values = stack.api("label/stage/values", **{"match[]": "stagecache_stage_local_layers"})
-    assert set(values) >= {str(k) for k in range(PP)}, values  # what the `stage` variable lists
-    pending = {where: expr.replace("$__rate_interval", "30s").replace("$stage", ".*")
+    values = stack.api("label/pp_rank/values", **{"match[]": "stagecache_stage_local_layers"})
+    assert set(values) >= {str(k) for k in range(PP)}, values  # what the `pp_rank` variable lists
+    pending = {where: expr.replace("$__rate_interval", "30s").replace("$pp_rank", ".*")
                for where, expr in dashboard_exprs(dashboard()).items()
                if not where.startswith("variable")}
     # rate() needs two scrapes and recording rules one evaluation: one bounded wait for all.
@@ -314,12 +337,12 @@ def test_mapping_alerts_fire_for_the_faulty_stack_only(stack: Stack) -> None:
                        lambda: (lambda f: f if len(f) == PP else None)(firing("StagecacheMappingError")),
                        stack.procs)
     assert {a["instance"] for a in mapping} == {stack.faulty}
-    assert {a["stage"] for a in mapping} == {str(k) for k in range(PP)}
+    assert {a["pp_rank"] for a in mapping} == {str(k) for k in range(PP)}
     assert {a["severity"] for a in mapping} == {"critical"}
     buffers = wait_for("StagecacheBufferCountMismatch", lambda: firing("StagecacheBufferCountMismatch"),
                        stack.procs)
     assert {(a["instance"], a["pool"]) for a in buffers} == {(stack.faulty, "swa")}
-    assert {a["stage"] for a in buffers} == {str(k) for k in range(PP)}
+    assert {a["pp_rank"] for a in buffers} == {str(k) for k in range(PP)}
 
 
 def test_serve_exposition_passes_promtool_lint(stack: Stack) -> None:

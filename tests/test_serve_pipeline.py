@@ -47,6 +47,29 @@ def test_clock_rebooks_arrival_idle():
     assert c.bubble_seconds == pytest.approx(0.65)
 
 
+def test_clock_timeline_is_a_bounded_ring_of_spans():
+    import time
+
+    from stagecache.runtime.serve.live import TIMELINE_EVENTS
+
+    c = PipelineClock()
+    before = time.time()
+    c.micro_batch = 7
+    c.busy(0.5)
+    c.waited(1.0, "recv_wait")
+    c.rebook_as_idle(waited=1.0, idle=0.25)  # the wait's first 0.25 s become idle
+    ev = c.timeline()
+    assert [(e.kind, e.seconds, e.micro_batch) for e in ev] == [
+        ("compute", 0.5, 7), ("idle", 0.25, 7), ("recv_wait", 0.75, 7)]
+    assert ev[2].start == pytest.approx(ev[1].start + 0.25)
+    assert before - 2 < ev[0].start <= time.time()  # wall-clock starts, comparable across stages
+    for i in range(TIMELINE_EVENTS + 5):
+        c.micro_batch = i
+        c.busy(0.001)
+    ev = c.timeline()
+    assert len(ev) == TIMELINE_EVENTS and ev[-1].micro_batch == TIMELINE_EVENTS + 4
+
+
 def _stage(rank: int, world: int, port: int, diverge: bool, q) -> None:
     import torch
     import torch.distributed as dist
@@ -69,7 +92,8 @@ def _stage(rank: int, world: int, port: int, diverge: bool, q) -> None:
         for mb in split_micro_batches(range(12), 2):
             pipe.step(mb, work)
         pipe.drain()
-        q.put((rank, "ok", seen, pipe.clock.micro_batches, pipe.clock.activation_bytes_sent))
+        kinds = {e.kind: e.micro_batch for e in pipe.clock.timeline()}  # last micro-batch per kind
+        q.put((rank, "ok", seen, pipe.clock.micro_batches, (pipe.clock.activation_bytes_sent, kinds)))
     except PipelineError as exc:
         q.put((rank, "error", str(exc), 0, 0))
     dist.destroy_process_group() if not diverge else None
@@ -103,7 +127,11 @@ def test_activations_flow_through_every_stage_in_order(free_port):
     # stage k sees micro-batch i's activation after k increments: i + k
     for rank, (_, seen, _, _) in res.items():
         assert seen == [float(i + rank) for i in range(6)]
-    assert res[0][3] > 0 and res[2][3] == 0  # the last stage sends only credits, not activations
+    assert res[0][3][0] > 0 and res[2][3][0] == 0  # the last stage sends only credits, not activations
+    # every stage's timeline shows its own work; downstream stages waited for activations
+    assert all(res[r][3][1]["compute"] == 5 for r in res)
+    assert "recv_wait" in res[1][3][1] and "recv_wait" in res[2][3][1]
+    assert "recv_wait" not in res[0][3][1]
 
 
 def test_diverged_cache_decisions_are_reported_with_both_stages(free_port):

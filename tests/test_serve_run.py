@@ -109,6 +109,7 @@ def test_serve_pp4_metrics_match_the_run(tmp_path, free_port):
         base = f"http://127.0.0.1:{free_port}"
         assert httpx.get(f"{base}/startupz", timeout=10).status_code == 200
         text = httpx.get(f"{base}/metrics", timeout=10).text
+        live = httpx.get(f"{base}/api/metrics/summary", timeout=10).json()
         pids = stage_pids(run_dir)
     finally:
         code = stop(proc)
@@ -118,38 +119,44 @@ def test_serve_pp4_metrics_match_the_run(tmp_path, free_port):
     for name in METRIC_NAMES:
         assert any(n == name or n.startswith(name + "_") for n in names), f"{name} missing from /metrics"
     for st in ("0", "1", "2", "3"):
-        assert value(smp, "stagecache_stage_local_layers", stage=st) == 3
-        assert value(smp, "stagecache_stage_mapping_ok", stage=st) == 1
-        assert value(smp, "stagecache_stage_mapping_errors", stage=st) == 0
-        assert value(smp, "stagecache_stage_buffers", stage=st, pool="swa") == 3
+        assert value(smp, "stagecache_stage_local_layers", pp_rank=st) == 3
+        assert value(smp, "stagecache_stage_mapping_ok", pp_rank=st) == 1
+        assert value(smp, "stagecache_stage_mapping_errors", pp_rank=st) == 0
+        assert value(smp, "stagecache_stage_buffers", pp_rank=st, pool="swa") == 3
         for pool in ("swa", "c4", "c128", "c4_state", "c128_state", "indexer"):
-            assert value(smp, "stagecache_stage_buffers", stage=st, pool=pool) == value(
-                smp, "stagecache_stage_expected_buffers", stage=st, pool=pool)
-        assert value(smp, "stagecache_requests_total", stage=st) == 40
-        for tier in ("device", "host", "miss"):
-            assert value(smp, "stagecache_cache_tokens_total", stage=st, tier=tier) > 0, tier
-        assert 0 < value(smp, "stagecache_host_hit_ratio", stage=st) < 1
+            assert value(smp, "stagecache_stage_buffers", pp_rank=st, pool=pool) == value(
+                smp, "stagecache_stage_expected_buffers", pp_rank=st, pool=pool)
+        assert value(smp, "stagecache_requests_total", pp_rank=st, model_name="tiny-v4") == 40
+        lookups = value(smp, "stagecache_prefix_lookup_tokens_total", pp_rank=st)
+        hits = [value(smp, "stagecache_prefix_hit_tokens_total", pp_rank=st, tier=t) for t in ("device", "host")]
+        assert all(h > 0 for h in hits) and sum(hits) < lookups  # device hits, host hits and misses
         for d in ("d2h", "h2d"):
-            assert value(smp, "stagecache_transfer_bytes_total", stage=st, direction=d) > 0
-            assert value(smp, "stagecache_transfer_seconds_count", stage=st, direction=d) > 0
-            assert value(smp, "stagecache_transfer_bandwidth_bytes_per_second", stage=st, direction=d) > 0
-        assert value(smp, "stagecache_pool_pages", stage=st, pool="swa", state="used") + value(
-            smp, "stagecache_pool_pages", stage=st, pool="swa", state="free") == 24
-        assert value(smp, "stagecache_pool_bytes", stage=st, pool="swa", tier="host") == 2 * value(
-            smp, "stagecache_pool_bytes", stage=st, pool="swa", tier="device")
-        assert value(smp, "stagecache_stage_busy_seconds_total", stage=st) > 0
+            assert value(smp, "stagecache_transfer_bytes_total", pp_rank=st, direction=d) > 0
+            assert value(smp, "stagecache_transfer_duration_seconds_count", pp_rank=st, direction=d) > 0
+            assert value(smp, "stagecache_transfer_duration_seconds_sum", pp_rank=st, direction=d) > 0
+        assert value(smp, "stagecache_page_space_capacity_pages", pp_rank=st, space="device") == 24
+        assert value(smp, "stagecache_page_space_used_pages", pp_rank=st, space="device") <= 24
+        assert value(smp, "stagecache_pool_bytes", pp_rank=st, pool="swa", tier="host") == 2 * value(
+            smp, "stagecache_pool_bytes", pp_rank=st, pool="swa", tier="device")
+        assert value(smp, "stagecache_stage_busy_seconds_total", pp_rank=st) > 0
+        assert value(smp, "stagecache_stage_phase", pp_rank=st, stagecache_stage_phase="done") == 1
         if st != "0":  # activations flow 0 -> 1 -> 2 -> 3
-            assert value(smp, "stagecache_activation_bytes_total", stage=st, direction="received") > 0
-    assert value(smp, "stagecache_activation_bytes_total", stage="0", direction="sent") == value(
-        smp, "stagecache_activation_bytes_total", stage="1", direction="received")
-    assert value(smp, "stagecache_activation_bytes_total", stage="3", direction="sent") == 0
+            assert value(smp, "stagecache_activation_received_bytes_total", pp_rank=st) > 0
+    assert value(smp, "stagecache_activation_sent_bytes_total", pp_rank="0") == value(
+        smp, "stagecache_activation_received_bytes_total", pp_rank="1")
+    assert value(smp, "stagecache_activation_sent_bytes_total", pp_rank="3") == 0
     # every stage took the same cache decisions on the same stream
-    toks = {tuple(value(smp, "stagecache_cache_tokens_total", stage=st, tier=t) for t in ("device", "host", "miss"))
+    toks = {tuple(value(smp, "stagecache_prefix_hit_tokens_total", pp_rank=st, tier=t) for t in ("device", "host"))
             for st in ("0", "1", "2", "3")}
     assert len(toks) == 1
     # stage 0 and 3 differ in layers, so in bytes moved per page: the numbers are per stage, not copies
-    assert value(smp, "stagecache_transfer_bytes_total", stage="0", direction="d2h") != value(
-        smp, "stagecache_transfer_bytes_total", stage="3", direction="d2h")
+    assert value(smp, "stagecache_transfer_bytes_total", pp_rank="0", direction="d2h") != value(
+        smp, "stagecache_transfer_bytes_total", pp_rank="3", direction="d2h")
+    # the dashboard's view of the same run: done, not live, and each stage's pipeline timeline
+    assert live["run"]["phase"] == "done" and live["run"]["live"] is False
+    kinds = {st["stage"]: {e["kind"] for e in st["timeline"]} for st in live["stages"]}
+    assert all("compute" in k for k in kinds.values()), kinds
+    assert all("recv_wait" in kinds[k] for k in (1, 2, 3)) and "recv_wait" not in kinds[0], kinds
     summary = json.loads(out.read_text()[out.read_text().index("{\n"):])
     assert summary["phase"] == "done" and summary["exit_code"] == 0
     assert [s["requests"] for s in summary["stages"]] == [40] * 4
@@ -187,8 +194,8 @@ def test_serve_global_swa_refuses_and_startupz_shows_errors(tmp_path, free_port)
         assert f"[stage {s}] pool=swa expected=3 got=12" in text
     assert "SWA KV pool must be PP-stage-local" in text
     assert code == 1, text  # refused to serve
-    assert value(metrics, "stagecache_stage_mapping_ok", stage="2") == 0
-    assert value(metrics, "stagecache_stage_buffers", stage="2", pool="swa") == 12
+    assert value(metrics, "stagecache_stage_mapping_ok", pp_rank="2") == 0
+    assert value(metrics, "stagecache_stage_buffers", pp_rank="2", pool="swa") == 12
     assert value(metrics, "stagecache_startup_ok") == 0
     # no request was served by any stage
     assert all(s.value == 0 for s in metrics.get("stagecache_requests_total", []))

@@ -1,14 +1,17 @@
 // stagecache dashboard: draw the server-built Plotly figures, then poll the live summary.
-// Figures come from the server as JSON (dashboard/figures.py); this script only appends
-// points (Plotly.extendTraces) and updates bars (Plotly.restyle): no page reload.
+// Figures come from the server as Plotly JSON (dashboard/figures.py, live_figures.py); this
+// script only appends each poll's windowed rates (Plotly.extendTraces), restyles the bars and
+// the timeline, and keeps the run badge and progress bar true: no page reload, no figure logic.
 (function () {
   "use strict";
   var body = document.body;
-  var pollMs = Number(body.dataset.pollMs) || 2000;
+  var pollMs = Math.min(1000, Number(body.dataset.pollMs) || 1000);
+  var windowS = Number(body.dataset.windowS) || 10;
   var pageStatus = body.dataset.status;
-  var MAX_POINTS = 900; // ~30 min of history at 2 s
+  var MAX_POINTS = 600; // 10 min of history at 1 s
+  var RATE_CHARTS = ["chart-hit-rate", "chart-transfer", "chart-bubble"];
   var plotConfig = { displaylogo: false, displayModeBar: false, responsive: true };
-  var state = { polls: 0, failures: 0, live: body.dataset.live === "true", lastSummary: null };
+  var state = { polls: 0, failures: 0, phase: body.dataset.phase, lastSummary: null, cleared: false };
   window.stagecacheDashboard = state; // read by the browser test and handy in devtools
 
   function readJson(id) {
@@ -25,37 +28,82 @@
     Plotly.newPlot("chart-" + key, liveFigures[key].data, liveFigures[key].layout, plotConfig);
   });
 
-  function extendSeries(id, byStage, t, value) {
+  function chart(id) {
     var gd = document.getElementById(id);
-    if (!gd || !gd.data) return;
+    return gd && gd.data ? gd : null;
+  }
+
+  function extendRates(id, byStage, t) {
+    var gd = chart(id);
+    if (!gd) return;
     var idx = [], xs = [], ys = [];
     gd.data.forEach(function (trace, i) {
-      var s = trace.meta && byStage[trace.meta.stage];
-      if (!s) return;
-      idx.push(i); xs.push([t]); ys.push([value(s, trace.meta.key)]);
+      var r = trace.meta && byStage[trace.meta.stage];
+      if (!r) return;
+      idx.push(i); xs.push([t]); ys.push([r[trace.meta.key]]);
     });
     if (idx.length) Plotly.extendTraces(gd, { x: xs, y: ys }, idx, MAX_POINTS);
   }
 
   function updateBars(id, byStage) {
-    var gd = document.getElementById(id);
-    if (!gd || !gd.data) return;
+    var gd = chart(id);
+    if (!gd) return;
     var ys = gd.data.map(function (trace) {
       return (trace.customdata || []).map(function (stage) {
-        var s = byStage[stage];
-        return s ? s.cache_tokens[trace.meta.key] : 0;
+        var r = byStage[stage];
+        return r ? r[trace.meta.key] : null;
       });
     });
     Plotly.restyle(gd, { y: ys }, gd.data.map(function (_, i) { return i; }));
   }
 
-  function goLive() {
-    state.live = true;
+  function updateTimeline(stages) {
+    var gd = chart("chart-timeline");
+    if (!gd) return;
+    var data = gd.data.map(function (trace) {
+      var base = [], len = [], rows = [], mbs = [];
+      stages.forEach(function (s) {
+        (s.timeline || []).forEach(function (e) {
+          if (e.kind !== trace.meta.kind) return;
+          base.push(e.start * 1000); len.push(e.seconds * 1000);
+          rows.push("stage " + s.stage); mbs.push(e.micro_batch);
+        });
+      });
+      return Object.assign({}, trace, { base: base, x: len, y: rows, customdata: mbs });
+    });
+    // Plotly.react, not restyle: restyling `base` makes plotly re-guess the axis type (linear)
+    gd.layout.xaxis.type = "date";
+    Plotly.react(gd, data, gd.layout, plotConfig);
+  }
+
+  function updateRun(run) {
+    state.phase = run.phase;
+    var badge = document.getElementById("live-state");
+    if (badge) {
+      badge.textContent = run.live ? "live · " + run.phase
+        : run.phase === "preflight" ? "preflight view" : run.phase;
+      badge.className = "badge " + (run.live ? "live" : run.phase);
+      badge.dataset.phase = run.phase;
+    }
+    var box = document.getElementById("run-progress-box");
+    if (box) {
+      box.hidden = run.progress === null;
+      document.getElementById("run-progress").value = run.progress || 0;
+      document.getElementById("run-progress-text").textContent =
+        Math.round((run.progress || 0) * 100) + "%";
+    }
+    var detail = document.getElementById("run-detail");
+    if (detail) {
+      detail.textContent = run.detail;
+      detail.className = "muted" + (run.phase === "failed" ? " error-text" : "");
+    }
+  }
+
+  function clearEmptyState() {
+    state.cleared = true;
     Object.keys(liveFigures).forEach(function (key) {
       Plotly.relayout("chart-" + key, { annotations: [], "xaxis.showticklabels": true });
     });
-    var badge = document.getElementById("live-state");
-    if (badge) { badge.textContent = "live"; badge.className = "badge live"; }
   }
 
   function update(summary) {
@@ -64,16 +112,14 @@
       window.location.reload(); // the report arrived: render table and maps once
       return;
     }
-    if (!summary.live) return;
-    if (!state.live) goLive();
+    updateRun(summary.run);
+    if (!summary.has_live_numbers) return;
+    if (!state.cleared) clearEmptyState();
     var byStage = {};
-    summary.stages.forEach(function (s) { byStage[s.stage] = s; });
-    var t = summary.time * 1000;
-    extendSeries("chart-hit-ratio", byStage, t, function (s) { return s.host_hit_ratio; });
-    extendSeries("chart-bandwidth", byStage, t, function (s, key) {
-      return s.bandwidth_bytes_per_second[key] / 1e9;
-    });
+    summary.rates.forEach(function (r) { byStage[r.stage] = r; });
+    RATE_CHARTS.forEach(function (id) { extendRates(id, byStage, summary.time * 1000); });
     updateBars("chart-tokens", byStage);
+    updateTimeline(summary.stages);
   }
 
   function setPollState(text, bad) {
@@ -82,7 +128,8 @@
   }
 
   function poll() {
-    fetch("api/metrics/summary", { cache: "no-store" })
+    var started = Date.now(); // the next poll starts pollMs after this one started, not after it ended
+    fetch("api/metrics/summary?window=" + windowS, { cache: "no-store" })
       .then(function (r) {
         if (!r.ok) return r.json().then(function (b) { throw new Error(r.status + ": " + b.detail); });
         return r.json();
@@ -96,7 +143,9 @@
         state.failures += 1;
         setPollState("live numbers unavailable: " + err.message, true);
       })
-      .finally(function () { window.setTimeout(poll, pollMs); });
+      .finally(function () {
+        window.setTimeout(poll, Math.max(0, pollMs - (Date.now() - started)));
+      });
   }
   window.setTimeout(poll, pollMs);
 })();

@@ -5,7 +5,9 @@
 
 tests/test_docker_configs_static.py runs --check, so the JSON and this file never drift.
 Panels are plain dicts in Grafana's dashboard JSON model (schemaVersion 39); every query
-uses the provisioned datasource uid and the `stage` variable.
+uses the provisioned datasource uid and the `pp_rank` variable (sglang's label for the
+stage). The exporter exposes counters and states only; every ratio below is a rate()
+of counters, or a recording rule of docker/alerts.yml.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from pathlib import Path
 OUT = Path(__file__).resolve().parent / "dashboards" / "stagecache.json"
 
 DS = {"type": "prometheus", "uid": "stagecache-prometheus"}
-S = '{stage=~"$stage"}'
+S = '{pp_rank=~"$pp_rank"}'
+HOST = '{tier="host",pp_rank=~"$pp_rank"}'
 _id = [0]
 
 
@@ -65,12 +68,20 @@ STAT_OPTS = {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values":
 RED_GREEN = {"mode": "absolute", "steps": [{"color": "red", "value": None}, {"color": "green", "value": 1}]}
 GREEN_RED = {"mode": "absolute", "steps": [{"color": "green", "value": None}, {"color": "red", "value": 1}]}
 
+RI = "[$__rate_interval]"
+
+
+def rate(metric, by="pp_rank", sel=S):
+    """sum by (...) of rate() of a counter, over Grafana's rate interval."""
+    return f"sum by ({by}) (rate({metric}{sel}{RI}))"
+
+
 panels = [row("Startup validation: does every stage's pool match its local layers?", 0)]
 panels.append(panel(
     "stat", "Mapping status per stage",
     "stagecache_stage_mapping_ok: 1 when the stage passed startup validation (pools sized by the "
     "stage's local layers, global->local ids consistent), 0 when it did not.",
-    (0, 1, 9, 5), [tgt(f"min by (stage) (stagecache_stage_mapping_ok{S})", "stage {{stage}}")],
+    (0, 1, 9, 5), [tgt(f"min by (pp_rank) (stagecache_stage_mapping_ok{S})", "stage {{pp_rank}}")],
     extra_defaults={"color": {"mode": "thresholds"}, "thresholds": RED_GREEN,
                     "mappings": [{"type": "value", "options": {
                         "0": {"text": "MAPPING ERROR", "color": "red", "index": 0},
@@ -85,7 +96,7 @@ panels.append(panel(
     "bargauge", "Local layers per stage",
     "stagecache_stage_local_layers: how many layers each PP stage owns. Every per-layer pool "
     "(SWA at least) must hold exactly this many buffers.",
-    (14, 1, 10, 5), [tgt(f"stagecache_stage_local_layers{S}", "stage {{stage}}")],
+    (14, 1, 10, 5), [tgt(f"stagecache_stage_local_layers{S}", "stage {{pp_rank}}")],
     extra_defaults={"min": 0, "decimals": 0},
     options={"orientation": "horizontal", "displayMode": "basic", "showUnfilled": True,
              "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}}))
@@ -99,13 +110,14 @@ panels.append(panel(
      tgt(f"stagecache_stage_buffers{S} - stagecache_stage_expected_buffers{S}", "", "C",
          instant=True, fmt="table")],
     extra_defaults={"custom": {"align": "auto", "cellOptions": {"type": "auto"}}},
-    options={"showHeader": True, "sortBy": [{"displayName": "stage", "desc": False}]},
+    options={"showHeader": True, "sortBy": [{"displayName": "pp_rank", "desc": False}]},
     transformations=[
         {"id": "merge", "options": {}},
         {"id": "organize", "options": {
             "excludeByName": {"Time": True, "job": True, "instance": True, "deployment": True,
-                              "__name__": True},
-            "indexByName": {"stage": 0, "pool": 1, "Value #A": 2, "Value #B": 3, "Value #C": 4},
+                              "__name__": True, "tp_rank": True},
+            "indexByName": {"model_name": 0, "pp_rank": 1, "pool": 2, "Value #A": 3, "Value #B": 4,
+                            "Value #C": 5},
             "renameByName": {"Value #A": "buffers", "Value #B": "expected", "Value #C": "diff"}}},
     ]))
 panels[-1]["fieldConfig"]["overrides"] = [{
@@ -119,64 +131,94 @@ panels.append(panel(
     "The original bug: the SWA pool sized by the model's global layer count. Each stage's SWA "
     "buffer line must lie on its local-layers line.",
     (14, 6, 10, 10),
-    [tgt('stagecache_stage_buffers{pool="swa",stage=~"$stage"}', "stage {{stage}} swa buffers", "A"),
-     tgt(f"stagecache_stage_local_layers{S}", "stage {{stage}} local layers", "B")],
+    [tgt('stagecache_stage_buffers{pool="swa",pp_rank=~"$pp_rank"}', "stage {{pp_rank}} swa buffers", "A"),
+     tgt(f"stagecache_stage_local_layers{S}", "stage {{pp_rank}} local layers", "B")],
     unit="short", custom={**TS_CUSTOM, "fillOpacity": 0}, options=TS_OPTS))
 
-panels.append(row("KV cache: where looked-up tokens were found", 16))
+panels.append(row("Run: model, phase and progress", 16))
+panels.append(panel(
+    "table", "Model and build",
+    "stagecache_model_info (model, pp size, tp size, page size, layers) and stagecache_build_info "
+    "(version): info metrics, value 1, the information is in the labels.",
+    (0, 17, 12, 5),
+    [tgt("stagecache_model_info", "", "A", instant=True, fmt="table"),
+     tgt("stagecache_build_info", "", "B", instant=True, fmt="table")],
+    options={"showHeader": True},
+    transformations=[{"id": "merge", "options": {}}, {"id": "organize", "options": {
+        "excludeByName": {"Time": True, "__name__": True, "Value #A": True, "Value #B": True,
+                          "job": True, "deployment": True}}}]))
+panels.append(panel(
+    "stat", "Stage phase",
+    "stagecache_stage_phase: the phase each stage reports (starting, serving, done, refused, "
+    "failed).",
+    (12, 17, 6, 5),
+    [tgt(f"max by (pp_rank, stagecache_stage_phase) (stagecache_stage_phase{S}) == 1",
+         "stage {{pp_rank}}: {{stagecache_stage_phase}}")],
+    options={**STAT_OPTS, "colorMode": "none", "textMode": "name"}))
+panels.append(panel(
+    "bargauge", "Progress per stage",
+    "stagecache_requests_total / stagecache_stage_planned_requests: share of the trace served.",
+    (18, 17, 6, 5),
+    [tgt(f"max by (pp_rank) (stagecache_requests_total{S}) / "
+         f"max by (pp_rank) (stagecache_stage_planned_requests{S} > 0)", "stage {{pp_rank}}")],
+    unit="percentunit", extra_defaults={"min": 0, "max": 1},
+    options={"orientation": "horizontal", "displayMode": "basic", "showUnfilled": True,
+             "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}}))
+
+panels.append(row("KV cache: where looked-up tokens were found", 22))
 panels.append(panel(
     "timeseries", "Host hit rate per stage",
-    "Share of looked-up tokens found in the host (HiCache) tier: stagecache_host_hit_ratio "
-    "(cumulative since start) and the 5-minute window the collapse alert uses.",
-    (0, 17, 12, 9),
-    [tgt(f"stagecache_host_hit_ratio{S}", "stage {{stage}} since start", "A"),
-     tgt(f"stagecache:host_hit_ratio:rate5m{S}", "stage {{stage}} last 5m", "B")],
+    "Share of looked-up tokens found in the host (HiCache) tier, from the token counters: over "
+    "Grafana's rate interval, and the 5-minute recording rule the collapse alert uses.",
+    (0, 23, 12, 9),
+    [tgt(f'{rate("stagecache_prefix_hit_tokens_total", sel=HOST)} / '
+         f'{rate("stagecache_prefix_lookup_tokens_total")}', "stage {{pp_rank}}", "A"),
+     tgt(f"stagecache:prefix_host_hit_ratio:rate5m{S}", "stage {{pp_rank}} last 5m", "B")],
     unit="percentunit", extra_defaults={"min": 0, "max": 1}, custom=TS_CUSTOM, options=TS_OPTS))
 panels.append(panel(
-    "timeseries", "Cache tokens by tier (tokens/s)",
-    "rate of stagecache_cache_tokens_total by tier: device hit, host hit, miss.",
-    (12, 17, 12, 9),
-    [tgt(f"sum by (stage, tier) (rate(stagecache_cache_tokens_total{S}[$__rate_interval]))",
-         "stage {{stage}} {{tier}}")],
+    "timeseries", "Prefix tokens/s by tier",
+    "Looked-up tokens per second found on the device, in the host tier, and missed "
+    "(lookups - hits).",
+    (12, 23, 12, 9),
+    [tgt(rate("stagecache_prefix_hit_tokens_total", "pp_rank, tier"), "stage {{pp_rank}} {{tier}}", "A"),
+     tgt(f'{rate("stagecache_prefix_lookup_tokens_total")} - {rate("stagecache_prefix_hit_tokens_total")}',
+         "stage {{pp_rank}} miss", "B")],
     unit="short", custom={**TS_CUSTOM, "stacking": {"mode": "normal", "group": "A"}},
     options=TS_OPTS))
 
-panels.append(row("Transfers: host <-> device page copies", 26))
+panels.append(row("Transfers: host <-> device page copies", 32))
 panels.append(panel(
-    "timeseries", "Transfer bandwidth by direction",
-    "d2h = backup to host, h2d = load from host. Mean since start (exported gauge), last minute "
-    "(recording rule) and the bench ceiling from docker/alerts.yml.",
-    (0, 27, 12, 9),
-    [tgt(f"stagecache_transfer_bandwidth_bytes_per_second{S}",
-         "stage {{stage}} {{direction}} mean", "A"),
-     tgt(f"stagecache:transfer_bandwidth_bytes_per_second:rate1m{S}",
-         "stage {{stage}} {{direction}} 1m", "B"),
-     tgt("stagecache:transfer_bandwidth_ceiling_bytes_per_second", "bench ceiling", "C")],
+    "timeseries", "Copy bandwidth by direction",
+    "d2h = backup to host, h2d = load from host: bytes / seconds spent copying over the last "
+    "minute (recording rule), and the bench ceiling from docker/alerts.yml.",
+    (0, 33, 12, 9),
+    [tgt(f"stagecache:transfer_bandwidth_bytes_per_second:rate1m{S}",
+         "stage {{pp_rank}} {{direction}}", "A"),
+     tgt("stagecache:transfer_bandwidth_ceiling_bytes_per_second", "bench ceiling", "B")],
     unit="Bps", custom=TS_CUSTOM, options=TS_OPTS))
 panels.append(panel(
     "timeseries", "Bytes moved by direction",
     "rate of stagecache_transfer_bytes_total: how much the host tier is actually used.",
-    (12, 27, 12, 9),
-    [tgt(f"sum by (direction) (rate(stagecache_transfer_bytes_total{S}[$__rate_interval]))",
-         "{{direction}}")],
+    (12, 33, 12, 9),
+    [tgt(rate("stagecache_transfer_bytes_total", "pp_rank, direction"),
+         "stage {{pp_rank}} {{direction}}")],
     unit="Bps", custom=TS_CUSTOM, options=TS_OPTS))
 panels.append(panel(
     "timeseries", "Transfer duration p50 / p99",
-    "From the stagecache_transfer_seconds histogram, per direction.",
-    (0, 36, 12, 9),
-    [tgt("histogram_quantile(0.5, sum by (le, direction) "
-         f"(rate(stagecache_transfer_seconds_bucket{S}[$__rate_interval])))", "{{direction}} p50", "A"),
-     tgt("histogram_quantile(0.99, sum by (le, direction) "
-         f"(rate(stagecache_transfer_seconds_bucket{S}[$__rate_interval])))", "{{direction}} p99", "B"),
-     tgt(f"sum by (direction) (rate(stagecache_transfer_seconds_sum{S}[$__rate_interval])) / "
-         f"sum by (direction) (rate(stagecache_transfer_seconds_count{S}[$__rate_interval]))",
-         "{{direction}} mean", "C")],
+    "From the stagecache_transfer_duration_seconds histogram, per direction.",
+    (0, 42, 12, 9),
+    [tgt("histogram_quantile(0.5, " + rate("stagecache_transfer_duration_seconds_bucket",
+                                            "le, direction") + ")", "{{direction}} p50", "A"),
+     tgt("histogram_quantile(0.99, " + rate("stagecache_transfer_duration_seconds_bucket",
+                                             "le, direction") + ")", "{{direction}} p99", "B"),
+     tgt(f'{rate("stagecache_transfer_duration_seconds_sum", "direction")} / '
+         f'{rate("stagecache_transfer_duration_seconds_count", "direction")}', "{{direction}} mean", "C")],
     unit="s", custom=TS_CUSTOM, options=TS_OPTS))
 panels.append(panel(
     "table", "Firing stagecache alerts",
     "Prometheus' ALERTS series for the rules in docker/alerts.yml (the full list is on "
     "Prometheus' /alerts page).",
-    (12, 36, 12, 9),
+    (12, 42, 12, 9),
     [tgt('ALERTS{alertstate="firing", alertname=~"Stagecache.*"}', "", "A", instant=True,
          fmt="table")],
     options={"showHeader": True},
@@ -184,20 +226,22 @@ panels.append(panel(
         "excludeByName": {"Time": True, "__name__": True, "Value": True, "job": True,
                           "deployment": True, "alertstate": True}}}]))
 
-panels.append(row("Pools: pages and bytes per stage", 45))
+panels.append(row("Page spaces and pools", 51))
 panels.append(panel(
-    "timeseries", "Pool pages used / free",
-    "stagecache_pool_pages by stage, pool and state.",
-    (0, 46, 12, 9),
-    [tgt(f"sum by (stage, pool, state) (stagecache_pool_pages{S})",
-         "stage {{stage}} {{pool}} {{state}}")],
+    "timeseries", "Pages used / capacity per page space",
+    "A page id names one token page in every pool of its space, so pages are counted per space "
+    "(stagecache_page_space_*_pages), never per pool: sums over stages are exact.",
+    (0, 52, 12, 9),
+    [tgt(f"sum by (pp_rank, space) (stagecache_page_space_used_pages{S})",
+         "stage {{pp_rank}} {{space}} used", "A"),
+     tgt(f"sum by (pp_rank, space) (stagecache_page_space_capacity_pages{S})",
+         "stage {{pp_rank}} {{space}} capacity", "B")],
     unit="short", custom=TS_CUSTOM, options=TS_OPTS))
 panels.append(panel(
-    "bargauge", "Pool page usage",
-    "used / (used + free) pages, per stage and pool.",
-    (12, 46, 12, 9),
-    [tgt(f'sum by (stage, pool) (stagecache_pool_pages{{state="used",stage=~"$stage"}}) / '
-         f"sum by (stage, pool) (stagecache_pool_pages{S})", "stage {{stage}} {{pool}}")],
+    "bargauge", "Page space usage",
+    "stagecache_page_space_usage_ratio: used / capacity pages, per stage and space.",
+    (12, 52, 12, 9),
+    [tgt(f"stagecache_page_space_usage_ratio{S}", "stage {{pp_rank}} {{space}}")],
     unit="percentunit", extra_defaults={"min": 0, "max": 1, "color": {"mode": "thresholds"},
                                         "thresholds": {"mode": "absolute", "steps": [
                                             {"color": "green", "value": None},
@@ -207,41 +251,36 @@ panels.append(panel(
              "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}}))
 panels.append(panel(
     "timeseries", "Pool bytes by tier",
-    "stagecache_pool_bytes: bytes each stage holds on the device and in the host tier.",
-    (0, 55, 24, 8),
-    [tgt(f"sum by (stage, tier) (stagecache_pool_bytes{S})", "stage {{stage}} {{tier}}")],
+    "stagecache_pool_bytes: bytes each stage's pools hold on the device and in the host tier.",
+    (0, 61, 24, 8),
+    [tgt(f"sum by (pp_rank, tier) (stagecache_pool_bytes{S})", "stage {{pp_rank}} {{tier}}")],
     unit="bytes", custom={**TS_CUSTOM, "stacking": {"mode": "normal", "group": "A"}},
     options=TS_OPTS))
 
-panels.append(row("Pipeline: traffic, bubbles and evictions per stage", 63))
+panels.append(row("Pipeline: traffic, bubbles and evictions per stage", 69))
 panels.append(panel(
     "timeseries", "Requests / s per stage",
     "rate of stagecache_requests_total: requests each PP stage processed.",
-    (0, 64, 8, 8),
-    [tgt(f"sum by (stage) (rate(stagecache_requests_total{S}[$__rate_interval]))", "stage {{stage}}")],
+    (0, 70, 8, 8), [tgt(rate("stagecache_requests_total"), "stage {{pp_rank}}")],
     unit="reqps", custom=TS_CUSTOM, options=TS_OPTS))
 panels.append(panel(
     "timeseries", "Pipeline bubble fraction per stage",
-    "Idle share of each stage: bubble / (busy + bubble) seconds over the window. The ideal "
-    "1F1B bubble for pp stages and m micro-batches is (pp-1)/(m+pp-1).",
-    (8, 64, 8, 8),
-    [tgt(f"sum by (stage) (rate(stagecache_stage_bubble_seconds_total{S}[$__rate_interval])) / "
-         f"(sum by (stage) (rate(stagecache_stage_busy_seconds_total{S}[$__rate_interval])) + "
-         f"sum by (stage) (rate(stagecache_stage_bubble_seconds_total{S}[$__rate_interval])))",
-         "stage {{stage}}")],
+    "Share of each stage's pipeline time spent waiting on a peer: bubble / (busy + bubble) "
+    "seconds over the last minute (recording rule). The ideal GPipe bubble for pp stages and m "
+    "micro-batches is (pp-1)/(m+pp-1).",
+    (8, 70, 8, 8), [tgt(f"stagecache:pipeline_bubble_ratio:rate1m{S}", "stage {{pp_rank}}")],
     unit="percentunit", extra_defaults={"min": 0, "max": 1}, custom=TS_CUSTOM, options=TS_OPTS))
 panels.append(panel(
-    "timeseries", "Evictions / s by tier",
-    "rate of stagecache_evictions_total: pages pushed out of the device and host tiers.",
-    (16, 64, 8, 8),
-    [tgt(f"sum by (stage, tier) (rate(stagecache_evictions_total{S}[$__rate_interval]))",
-         "stage {{stage}} {{tier}}")],
+    "timeseries", "Evicted pages / s by tier",
+    "rate of stagecache_evicted_pages_total: pages pushed out of the device and host tiers.",
+    (16, 70, 8, 8),
+    [tgt(rate("stagecache_evicted_pages_total", "pp_rank, tier"), "stage {{pp_rank}} {{tier}}")],
     unit="short", custom=TS_CUSTOM, options=TS_OPTS))
 
 dash = {
     "uid": "stagecache", "title": "stagecache: PP stage-local KV cache",
     "description": "Per-stage mapping status, host hit rate, transfers and pools of stagecache serve "
-                   "(one /metrics endpoint, all stages via the `stage` label).",
+                   "(one /metrics endpoint, all stages via the `pp_rank` label).",
     "tags": ["stagecache", "kv-cache", "pipeline-parallel"],
     "schemaVersion": 39, "version": 1, "editable": True, "graphTooltip": 1,
     "time": {"from": "now-15m", "to": "now"}, "refresh": "5s", "timezone": "browser",
@@ -250,9 +289,9 @@ dash = {
                               "enable": True, "hide": True, "iconColor": "rgba(0, 211, 255, 1)",
                               "name": "Annotations & Alerts", "type": "dashboard"}]},
     "templating": {"list": [{
-        "name": "stage", "label": "stage", "type": "query", "datasource": DS,
-        "definition": "label_values(stagecache_stage_local_layers, stage)",
-        "query": {"query": "label_values(stagecache_stage_local_layers, stage)",
+        "name": "pp_rank", "label": "pp_rank (stage)", "type": "query", "datasource": DS,
+        "definition": "label_values(stagecache_stage_local_layers, pp_rank)",
+        "query": {"query": "label_values(stagecache_stage_local_layers, pp_rank)",
                   "refId": "StandardVariableQuery", "qryType": 1},
         "refresh": 2, "sort": 3, "multi": True, "includeAll": True, "allValue": ".*",
         "current": {"selected": True, "text": ["All"], "value": ["$__all"]}, "options": [],

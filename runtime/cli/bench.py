@@ -19,7 +19,8 @@ from .common import add_layout_args, positive_int
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmarks (JSON output, ratios vs a same-run baseline)")
+    p = sub.add_parser("bench", help="measure startup checks, page transfers or a HiCache replay (JSON on stdout, "
+                       "each figure with its ratio to a baseline measured in the same run)")
     bench_sub = p.add_subparsers(dest="bench", required=True, parser_class=type(p))
     _register_check(bench_sub)
     _register_transfer(bench_sub)
@@ -27,36 +28,38 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _register_check(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("check", help="time the startup check for pp 1..N")
-    p.add_argument("--model", default=None, help="preset or config.json (default: synthetic 61-layer)")
-    p.add_argument("--layers", type=int, default=61, help="layers of the synthetic model")
-    p.add_argument("--max-pp", type=int, default=8)
-    p.add_argument("--repeat", type=int, default=50)
-    p.add_argument("--fault", action="append", default=[])
-    p.add_argument("--json", action="store_true", help="(always JSON; kept for symmetry)")
+    p = sub.add_parser("check", help="time the startup validation for pp sizes 1..N")
+    p.add_argument("--model", default=None, help="preset name or path to a config.json (default: a synthetic model of --layers layers)")
+    p.add_argument("--layers", type=int, default=61, help="layers of the synthetic model (default %(default)s)")
+    p.add_argument("--max-pp", type=int, default=8, help="largest pp size to time (default %(default)s)")
+    p.add_argument("--repeat", type=int, default=50, help="timed runs per pp size (default %(default)s)")
+    p.add_argument("--fault", action="append", default=[], metavar="NAME[@STAGE]",
+                   help="time the check on stages built the way a known bug did (repeatable)")
+    p.add_argument("--json", action="store_true", help="accepted for symmetry: the output is always JSON")
     p.set_defaults(func=lambda a: print(json.dumps(
         bench_check.run_bench(a.model, a.layers, a.max_pp, a.repeat, a.fault), indent=2)) or 0)
 
 
 def _register_transfer(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("transfer", help="device<->host page transfers vs contiguous copy and per-page loop")
-    p.add_argument("--model", default="deepseek-v4-flash", help="preset or config.json (row sizes)")
+    p = sub.add_parser("transfer", help="time device<->host page copies against one contiguous copy and a per-page loop")
+    p.add_argument("--model", default="deepseek-v4-flash", help="preset name or config.json whose page sizes are copied (default %(default)s)")
     p.add_argument("--pages", type=positive_int, default=None,
                    help="pages per transfer (default: enough for --mib per pool kind)")
-    p.add_argument("--mib", type=float, default=256.0, help="bytes per transfer when --pages is not given")
-    p.add_argument("--layers", type=positive_int, default=11, help="layer buffers per transfer (flash pp4: 11)")
-    p.add_argument("--page-size", type=positive_int, default=256, help="tokens per page")
-    p.add_argument("--pool", action="append", choices=POOLS, help="pool kind(s) to measure (default all)")
-    p.add_argument("--layout", action="append", choices=["layer_first", "page_first"])
-    p.add_argument("--pattern", action="append", choices=["run", "scattered"], help="host page pattern")
+    p.add_argument("--mib", type=float, default=256.0, help="MiB per transfer when --pages is not given (default %(default)s)")
+    p.add_argument("--layers", type=positive_int, default=11, help="layers copied per transfer (default %(default)s, a deepseek-v4-flash stage at pp 4)")
+    p.add_argument("--page-size", type=positive_int, default=256, help="tokens per page (default %(default)s)")
+    p.add_argument("--pool", action="append", choices=POOLS, help="pool kind to measure (repeatable; default: all)")
+    p.add_argument("--layout", action="append", choices=["layer_first", "page_first"],
+                   help="host pool memory layout (repeatable; default: both)")
+    p.add_argument("--pattern", action="append", choices=["run", "scattered"], help="host pages contiguous (run) or spread out (scattered) (repeatable; default: both)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    p.add_argument("--repeat", type=positive_int, default=5)
+    p.add_argument("--repeat", type=positive_int, default=5, help="timed runs per case (default %(default)s)")
     p.add_argument("--loop-copies", type=positive_int, default=4000,
-                   help="per-page loop baseline: copies actually timed")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sweep", action="store_true", help="also try several direct-kernel block sizes")
-    p.add_argument("--out", default=None, help="also write the JSON here")
-    p.add_argument("--json", action="store_true", help="(always JSON; kept for symmetry)")
+                   help="page copies timed for the per-page loop baseline (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the scattered page pattern (default 0)")
+    p.add_argument("--sweep", action="store_true", help="also time several block sizes of the direct copy kernel")
+    p.add_argument("--out", default=None, help="also write the JSON result to this file")
+    p.add_argument("--json", action="store_true", help="accepted for symmetry: the output is always JSON")
     p.set_defaults(func=_run_transfer)
 
 
@@ -71,7 +74,7 @@ def _run_transfer(args: argparse.Namespace) -> int:
 
 
 def _register_hicache(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("hicache", help="replay a chat trace: HiCache vs device only vs infinite cache")
+    p = sub.add_parser("hicache", help="replay a chat trace: prefix-cache hits with HiCache vs device only vs an infinite cache")
     add_layout_args(p, default_model="tiny-v4")
     p.add_argument("--trace", default=None, metavar="FILE",
                    help="JSONL trace (docs/hicache.md); default: a generated multi-turn chat trace")
@@ -81,8 +84,8 @@ def _register_hicache(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--requests", type=positive_int, default=None,
                    help=f"requests to generate (default {bench_hicache.DEFAULT_REQUESTS}) or to take from --trace")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--think-time", type=float, default=30.0, help="mean seconds between a session's turns")
-    p.add_argument("--session-gap", type=float, default=1.5, help="mean seconds between session starts")
+    p.add_argument("--think-time", type=float, default=30.0, help="mean seconds between a session's turns (default %(default)s)")
+    p.add_argument("--session-gap", type=float, default=1.5, help="mean seconds between session starts (default %(default)s)")
     p.add_argument("--device-pages", type=positive_int, default=bench_hicache.DEFAULT_DEVICE_PAGES,
                    help=f"device token pages per stage (default {bench_hicache.DEFAULT_DEVICE_PAGES})")
     p.add_argument("--hicache-ratio", type=float, default=bench_hicache.DEFAULT_HICACHE_RATIO,
@@ -91,16 +94,16 @@ def _register_hicache(sub: argparse._SubParsersAction) -> None:
                    choices=("write_back", "write_through", "write_through_selective"),
                    default="write_through", help="when device pages are copied to host (sglang's flag)")
     p.add_argument("--hicache-layout", choices=("layer_first", "page_first"), default="layer_first")
-    p.add_argument("--concurrency", type=positive_int, default=4, help="requests in flight (locked) at once")
+    p.add_argument("--concurrency", type=positive_int, default=4, help="requests in flight at once, their pages locked (default %(default)s)")
     p.add_argument("--stage", type=int, action="append", default=None,
                    help="replay only this stage (repeatable; default all stages)")
-    p.add_argument("--device", default="cpu", help="torch device of the device pools (cpu, cuda)")
+    p.add_argument("--device", default="cpu", help="torch device of the device pools: cpu or cuda (default %(default)s)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: small copies are fastest single-threaded)")
     p.add_argument("--verify", action="store_true", help="check every reused page byte for byte")
     p.add_argument("--check-every", type=int, default=0, metavar="N",
                    help="check tree invariants and page accounting every N requests")
-    p.add_argument("--json", action="store_true", help="print the full JSON result")
+    p.add_argument("--json", action="store_true", help="print the full JSON result instead of the table")
     p.set_defaults(func=_run_hicache)
 
 

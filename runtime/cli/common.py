@@ -31,15 +31,17 @@ def add_layout_args(p: argparse.ArgumentParser, default_model: str | None = None
         help=f"preset ({', '.join(PRESETS)}) or path to a Hugging Face config.json",
     )
     p.add_argument("--pp-size", type=positive_int, default=1 if default_model is None else 4,
-                   help="pipeline-parallel stages")
+                   help="number of pipeline-parallel stages (default %(default)s)")
     p.add_argument("--tp-size", type=positive_int, default=1,
-                   help="tensor-parallel ranks per stage (KV is replicated across TP)")
+                   help="tensor-parallel ranks per stage; KV is replicated across them (default %(default)s)")
     p.add_argument("--pp-partition", default=None,
-                   help="explicit layers per stage, e.g. 11,11,11,10 (sglang's SGLANG_PP_LAYER_PARTITION)")
+                   help="layers of each stage, e.g. 11,11,11,10, as sglang's SGLANG_PP_LAYER_PARTITION "
+                   "(default: split evenly)")
     p.add_argument("--page-size", type=positive_int, default=DEFAULT_PAGE_SIZE,
                    help=f"tokens per page (default {DEFAULT_PAGE_SIZE})")
     p.add_argument("--fault", action="append", default=[], metavar="NAME[@STAGE]",
-                   help="build the stages the way a known bug did: " + ", ".join(FAULTS))
+                   help="build the stages the way a known bug did, on every stage or only @STAGE "
+                   "(repeatable): " + ", ".join(FAULTS))
 
 
 def layout_from_args(args: argparse.Namespace) -> LayoutArgs:

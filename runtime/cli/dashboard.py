@@ -21,21 +21,23 @@ from .common import add_layout_args, layout_from_args, positive_int
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "dashboard",
-        help="serve the layer-map dashboard of a check run (preflight view)",
-        description="Serve the dashboard of a `check` run (--from-check, same flags as check) "
-        "or of a saved `stagecache check --json` output (--from-json). Exit 2: bad input.",
+        help="open the dashboard on a planned layout, without starting any stage",
+        description="Serve the web dashboard (stage table, layer maps, /metrics, /docs) for a "
+        "layout planned like `stagecache check` (--from-check, same flags) or for a saved "
+        "`stagecache check --json` report (--from-json). No stage runs, so there are no live "
+        "numbers: `stagecache serve` shows those. Exit 0 on Ctrl-C; 2: bad input.",
     )
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--from-check", action="store_true",
-                      help="plan the stages like `stagecache check` (needs --model)")
+                      help="plan the stages from --model and the layout flags, exactly like `stagecache check`")
     what.add_argument("--from-json", metavar="FILE", type=Path,
-                      help="a saved `stagecache check --json` report")
+                      help="show a report saved with `stagecache check --json > FILE`")
     # A default model makes --model optional for argparse (it is refused with --from-json);
     # the defaults are then reset so --from-check behaves exactly like `check`.
     add_layout_args(p, default_model="deepseek-v4-flash")
     p.set_defaults(model=None, pp_size=1)
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=positive_int, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s: this machine only)")
+    p.add_argument("--port", type=positive_int, default=8000, help="TCP port to listen on (default %(default)s)")
     p.set_defaults(func=run)
 
 

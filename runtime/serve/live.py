@@ -51,9 +51,31 @@ class DirectionCounts(_Model):
     h2d: int = 0
 
 
-class PageUsage(_Model):
+class PageSpace(_Model):
+    """One page-id space: a page id names one token page in *every* pool listed.
+
+    The pools of a stage share their page ids (``memory/pools.py``), so a page
+    count belongs to the space, never to a pool: summing per-pool counts would
+    count the same pages once per pool kind.
+    """
+
+    tier: str = Field("device", description="where the pages live: device or host")
     used: int = 0
-    free: int = 0
+    total: int = 0
+    pools: list[str] = Field(default_factory=list, description="pool kinds drawing on this space")
+
+
+#: How many recent pipeline events a stage keeps (``StageLive.timeline``).
+TIMELINE_EVENTS = 240
+
+
+class TimelineEvent(_Model):
+    """One span of a stage's pipeline time: its own work, or a wait (a bubble) and on what."""
+
+    kind: str = Field(description="compute, recv_wait, credit_wait, send_wait or idle")
+    start: float = Field(description="unix time the span began")
+    seconds: float
+    micro_batch: int | None = None
 
 
 class PoolBytes(_Model):
@@ -87,6 +109,8 @@ class StageLive(_Model):
     """Everything one PP stage reports while it runs (``stage-<k>.json``)."""
 
     stage: int
+    model_name: str = ""
+    tp_rank: int = Field(0, description="tensor-parallel rank whose numbers these are (KV is replicated)")
     time: float = Field(0.0, description="unix time of this report")
     pid: int | None = None
     phase: str = Field("starting", description="starting, serving, refused, done or failed")
@@ -100,16 +124,18 @@ class StageLive(_Model):
     total_steps: int = 0
     total_requests: int = 0
     cache_tokens: TierTokens = Field(default_factory=TierTokens)
-    host_hit_ratio: float = Field(0.0, description="host-hit tokens / looked-up tokens")
+    host_hit_ratio: float = Field(0.0, description="derived, since start: host-hit / looked-up "
+                                  "tokens (exporters and charts use rates of the counters)")
     evictions: TierPages = Field(default_factory=TierPages)
     transfer_bytes: DirectionCounts = Field(default_factory=DirectionCounts)
     transfer_seconds: Directions = Field(default_factory=Directions)
     transfer_count: DirectionCounts = Field(default_factory=DirectionCounts)
-    bandwidth_bytes_per_second: Directions = Field(default_factory=Directions)
+    bandwidth_bytes_per_second: Directions = Field(
+        default_factory=Directions, description="derived, since start: transfer bytes / seconds "
+        "(exporters and charts use rates of the counters)")
     transfer_seconds_buckets: DurationBuckets = Field(default_factory=DurationBuckets)
-    pool_pages: dict[str, PageUsage] = Field(default_factory=dict)
+    page_spaces: dict[str, PageSpace] = Field(default_factory=dict)
     pool_bytes: dict[str, PoolBytes] = Field(default_factory=dict)
-    host_pages: PageUsage = Field(default_factory=PageUsage)
     cache_pages: CachePages = Field(default_factory=CachePages)
     kv_verified_pages: int = 0
     computed_rows: int = 0
@@ -118,6 +144,8 @@ class StageLive(_Model):
     idle_seconds: float = Field(0.0, description="seconds waiting for requests to arrive")
     activation_bytes_sent: int = 0
     activation_bytes_received: int = 0
+    timeline: list[TimelineEvent] = Field(
+        default_factory=list, description=f"the last {TIMELINE_EVENTS} pipeline spans, oldest first")
 
     @property
     def bubble_fraction(self) -> float:

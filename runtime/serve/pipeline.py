@@ -15,6 +15,10 @@ Time is split in two, measured with ``perf_counter`` around real calls:
   this stage experienced it, not a formula; ``ideal_bubble_fraction`` gives the
   textbook figure to compare with.
 
+Every span is also kept in a bounded ring of recent events (``timeline()``:
+kind, wall-clock start, seconds, micro-batch), so the dashboard can draw each
+stage's timeline and show *where* the pipeline waits.
+
 Each activation is preceded by a 4-integer header ``[index, rows, digest,
 idle_us]``: the receiver checks the index (ordering), takes the shape from
 ``rows``, and compares ``digest`` -- a hash of the prefix-cache decisions the
@@ -31,11 +35,13 @@ from __future__ import annotations
 
 import time
 import zlib
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import StageCacheError
+from .live import TIMELINE_EVENTS, TimelineEvent
 
 HEADER_LEN = 4
 
@@ -95,7 +101,7 @@ def decision_digest(decisions: Sequence[tuple[int, ...]]) -> int:
 
 @dataclass
 class PipelineClock:
-    """Busy vs waiting time of one stage, accumulated over the run."""
+    """Busy vs waiting time of one stage, accumulated over the run, plus its recent spans."""
 
     stage_seconds: float = 0.0
     bubble_seconds: float = 0.0
@@ -103,26 +109,49 @@ class PipelineClock:
     micro_batches: int = 0
     activation_bytes_sent: int = 0
     activation_bytes_received: int = 0
+    micro_batch: int | None = None  # the one in progress, for the events
     _t0: float = field(default_factory=time.perf_counter, repr=False)
+    _wall: float = field(default_factory=lambda: time.time() - time.perf_counter(), repr=False)
+    _events: deque = field(default_factory=lambda: deque(maxlen=TIMELINE_EVENTS), repr=False)
 
     @property
     def wall_seconds(self) -> float:
         return time.perf_counter() - self._t0
 
-    def busy(self, seconds: float) -> None:
-        self.stage_seconds += seconds
+    def _event(self, kind: str, t0: float, seconds: float) -> None:
+        """Keep one span (``t0`` on the ``perf_counter`` clock) in the ring of recent events."""
+        self._events.append((kind, self._wall + t0, seconds, self.micro_batch))
 
-    def waited(self, seconds: float) -> None:
+    def busy(self, seconds: float, t0: float | None = None) -> None:
+        self.stage_seconds += seconds
+        self._event("compute", time.perf_counter() - seconds if t0 is None else t0, seconds)
+
+    def waited(self, seconds: float, kind: str = "recv_wait", t0: float | None = None) -> None:
         self.bubble_seconds += seconds
+        self._event(kind, time.perf_counter() - seconds if t0 is None else t0, seconds)
 
     def idled(self, seconds: float) -> None:
         self.idle_seconds += seconds
+        if seconds > 0:
+            self._event("idle", time.perf_counter() - seconds, seconds)
 
     def rebook_as_idle(self, waited: float, idle: float) -> None:
-        """Move the part of a wait that was upstream arrival idle from bubble to idle."""
+        """Move the part of a wait that was upstream arrival idle from bubble to idle.
+
+        The last event (that wait) is split: its first ``moved`` seconds become ``idle``.
+        """
         moved = max(0.0, min(waited, idle))
         self.bubble_seconds -= moved
         self.idle_seconds += moved
+        if moved > 0 and self._events:
+            kind, start, seconds, mb = self._events.pop()
+            self._events.append(("idle", start, moved, mb))
+            if seconds > moved:
+                self._events.append((kind, start + moved, seconds - moved, mb))
+
+    def timeline(self) -> list[TimelineEvent]:
+        """The recent spans, oldest first, as ``StageLive.timeline`` entries."""
+        return [TimelineEvent(kind=k, start=s, seconds=d, micro_batch=mb) for k, s, d, mb in self._events]
 
 
 #: ``work(micro_batch, activation or None) -> (activation, digest)``: the stage's own part.
@@ -153,39 +182,39 @@ class StagePipe:
         return self.rank == self.pp_size - 1
 
     # -- timed primitives ---------------------------------------------------------------------
-    def _wait(self, fn: Callable[[], Any]) -> Any:
+    def _wait(self, fn: Callable[[], Any], kind: str) -> Any:
         t0 = time.perf_counter()
         try:
             return fn()
         finally:
-            self.clock.waited(time.perf_counter() - t0)
+            self.clock.waited(time.perf_counter() - t0, kind, t0)
 
     def _isend(self, tensor: Any, dst: int) -> None:
         self._pending.append(self.dist.isend(tensor, dst))
         # Bound the number of outstanding sends: waiting on the oldest is back-pressure (bubble).
         while len(self._pending) > 2 * self.window:
             work = self._pending.pop(0)
-            self._wait(work.wait)
+            self._wait(work.wait, "send_wait")
 
     def drain(self) -> None:
         """Wait for every outstanding send and (stage 0) every credit still owed."""
         while self._pending:
             work = self._pending.pop(0)
-            self._wait(work.wait)
+            self._wait(work.wait, "send_wait")
         if self.first and not self.last:
             while self._in_flight > 0:
                 self._recv_credit()
 
     def _recv_credit(self) -> None:
         credit = self.torch.zeros(1, dtype=self.torch.int64, device=self.device)
-        self._wait(lambda: self.dist.recv(credit, self.pp_size - 1))
+        self._wait(lambda: self.dist.recv(credit, self.pp_size - 1), "credit_wait")
         self._in_flight -= 1
 
     def _recv_activation(self, mb: MicroBatch) -> tuple[Any, int, float]:
         torch = self.torch
         header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=self.device)
         t0 = time.perf_counter()
-        self._wait(lambda: self.dist.recv(header, self.rank - 1))
+        self._wait(lambda: self.dist.recv(header, self.rank - 1), "recv_wait")
         waited = time.perf_counter() - t0
         index, rows, digest, idle_us = (int(v) for v in header.tolist())
         self.clock.rebook_as_idle(waited, idle_us / 1e6)
@@ -195,7 +224,7 @@ class StagePipe:
                 f"got {index}"
             )
         act = torch.empty((rows, self.hidden), dtype=torch.float32, device=self.device)
-        self._wait(lambda: self.dist.recv(act, self.rank - 1))
+        self._wait(lambda: self.dist.recv(act, self.rank - 1), "recv_wait")
         self.clock.activation_bytes_received += act.numel() * act.element_size() + header.numel() * 8
         return act, digest, idle_us / 1e6
 
@@ -217,6 +246,7 @@ class StagePipe:
         act_in = None
         upstream_digest = None
         idle = arrival_idle
+        self.clock.micro_batch = mb.index
         if self.first:
             self.clock.idled(arrival_idle)
             if not self.last and self._in_flight >= self.window:
@@ -225,7 +255,7 @@ class StagePipe:
             act_in, upstream_digest, idle = self._recv_activation(mb)
         t0 = time.perf_counter()
         act_out, digest = work(mb, act_in)
-        self.clock.busy(time.perf_counter() - t0)
+        self.clock.busy(time.perf_counter() - t0, t0)
         if upstream_digest is not None and upstream_digest != digest:
             raise PipelineError(
                 f"stage {self.rank}: prefix-cache decisions for micro-batch {mb.index} differ from "

@@ -206,7 +206,7 @@ class StageCache:
     # -- live numbers -----------------------------------------------------------------------------
     def live_fields(self) -> dict[str, Any]:
         """The cache, pool and transfer fields of this stage's ``StageLive``."""
-        from .live import PageUsage, PoolBytes
+        from .live import PageSpace, PoolBytes
 
         dev_bytes, host_bytes = self.pools.pool_bytes(), self.host.pool_bytes()
         kinds = [p for p in dev_bytes if self.pools.buffers.get(p)]  # pools the stage really has
@@ -216,10 +216,12 @@ class StageCache:
         }
         if self.cache is None:
             return fields
-        alloc = self.cache.dev_alloc
-        fields["pool_pages"] = {p: PageUsage(used=alloc.num_used, free=alloc.num_free) for p in kinds}
-        fields["host_pages"] = PageUsage(used=self.host.allocator.num_used,
-                                         free=self.host.allocator.num_free)
+        dev, host = self.cache.dev_alloc, self.host.allocator
+        fields["page_spaces"] = {  # one page-id space per tier, shared by the pools listed
+            "device": PageSpace(tier="device", used=dev.num_used, total=dev.num_pages, pools=kinds),
+            "host": PageSpace(tier="host", used=host.num_used, total=host.num_pages,
+                              pools=[p for p in kinds if host_bytes.get(p)]),
+        }
         fields.update(cache_live_fields(self.stats))
         fields.update(transfer_live_fields(self.transfer_stats))
         fields["kv_verified_pages"] = self.verified_pages

@@ -278,9 +278,10 @@ class StageWorker:
             fields.update(stage_seconds=clock.stage_seconds, bubble_seconds=clock.bubble_seconds,
                           idle_seconds=clock.idle_seconds,
                           activation_bytes_sent=clock.activation_bytes_sent,
-                          activation_bytes_received=clock.activation_bytes_received)
+                          activation_bytes_received=clock.activation_bytes_received,
+                          timeline=clock.timeline())
         return StageLive(
-            stage=self.rank, time=time.time(), pid=self.pid, phase=self.phase, error=self.error,
+            stage=self.rank, model_name=self.cfg.opts.model_name, time=time.time(), pid=self.pid, phase=self.phase, error=self.error,
             started_at=self.t_start, start_layer=self.stage_map.start, end_layer=self.stage_map.end,
             local_layers=self.stage_map.local_layers, steps=self.steps_done,
             requests=self.requests_done, total_steps=self.total_micro_batches,

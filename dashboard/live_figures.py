@@ -1,0 +1,165 @@
+"""The live charts: windowed rates per stage over time, and each stage's pipeline timeline.
+
+Built server-side with plotly and shipped as Plotly's own JSON; the page's
+script then appends each poll's rates (``Plotly.extendTraces``) and redraws the
+timeline bars (``Plotly.restyle``).  Every trace's ``meta`` names the stage and
+the ``StageRates`` field (or timeline kind) it plots, so the script never
+guesses from trace order.  Each stage keeps one colour, marker and dash in
+every chart (``stage_style``): when stages take the same cache decisions their
+hit-rate lines lie on top of each other, and the markers still tell them apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import plotly.graph_objects as go
+from plotly.colors import qualitative
+
+from .models import StageLive
+from .rates import StageRates
+
+NO_LIVE_TEXT = "no live data (preflight view)"
+SYMBOLS = ("circle", "square", "diamond", "triangle-up", "x", "star", "hexagon", "cross")
+DASHES = ("solid", "dash", "dot", "dashdot")
+MARKERS_SHOWN = 30  # plotly thins the markers of long series to this many
+
+#: Timeline span kinds (``StageLive.timeline``): legend text and colour.  Waits are bubbles.
+TIMELINE_KINDS: dict[str, tuple[str, str]] = {
+    "compute": ("own work", "#2ca02c"),
+    "recv_wait": ("waiting for the activation (bubble)", "#d62728"),
+    "credit_wait": ("waiting for a credit (bubble)", "#ff7f0e"),
+    "send_wait": ("send back-pressure (bubble)", "#9467bd"),
+    "idle": ("waiting for requests (idle)", "#c7c7c7"),
+}
+
+
+def stage_colour(stage: int) -> str:
+    return qualitative.D3[stage % len(qualitative.D3)]
+
+
+def stage_style(stage: int, dash: str | None = None) -> dict[str, Any]:
+    """One stage's look in every chart: colour, marker symbol and line dash of its own."""
+    colour = stage_colour(stage)
+    return dict(line=dict(color=colour, width=2, dash=dash or DASHES[stage % len(DASHES)]),
+                marker=dict(color=colour, symbol=SYMBOLS[stage % len(SYMBOLS)], size=7,
+                            maxdisplayed=MARKERS_SHOWN))
+
+
+def _layout(fig: go.Figure, title: str, ytitle: str, live: bool, **yaxis: Any) -> None:
+    fig.update_layout(
+        title=dict(text=title, font=dict(size=14)), height=300,
+        margin=dict(l=60, r=10, t=40, b=40), legend=dict(orientation="h", y=-0.2),
+        yaxis=dict(title=ytitle, rangemode="tozero", **yaxis), xaxis=dict(type="date"),
+    )
+    if not live:  # the empty state: a note instead of an axis of made-up dates (the script clears it)
+        fig.update_xaxes(showticklabels=False)
+        fig.add_annotation(text=NO_LIVE_TEXT, showarrow=False, xref="paper", yref="paper",
+                           x=0.5, y=0.5, font=dict(size=16, color="#777"))
+
+
+def _points(series: Sequence[StageRates], key: str, scale: float = 1.0) -> tuple[list, list]:
+    xs = [r.time * 1000 for r in series]
+    ys = [None if getattr(r, key) is None else getattr(r, key) * scale for r in series]
+    return xs, ys
+
+
+def rate_lines(stage_ids: Sequence[int], history: Mapping[int, Sequence[StageRates]],
+               keys: Sequence[tuple[str, str, str | None]], live: bool) -> go.Figure:
+    """One line per (stage, key): ``keys`` are (``StageRates`` field, legend suffix, dash)."""
+    fig = go.Figure()
+    for s in stage_ids:
+        for key, suffix, dash in keys:
+            xs, ys = _points(history.get(s, ()), key)
+            fig.add_trace(go.Scatter(
+                x=xs, y=ys, mode="lines+markers", name=f"stage {s}{suffix}",
+                meta={"stage": s, "key": key}, connectgaps=False, **stage_style(s, dash)))
+    return fig
+
+
+def hit_rate_figure(stage_ids: Sequence[int], history: Mapping[int, Sequence[StageRates]],
+                    window_s: float, live: bool) -> go.Figure:
+    fig = rate_lines(stage_ids, history, [("host_hit_rate", "", None)], live)
+    _layout(fig, f"host hit rate per stage (last {window_s:g} s)", "host hits / lookups", live,
+            range=[0, 1.05], tickformat=".0%")
+    return fig
+
+
+def transfer_figure(stage_ids: Sequence[int], history: Mapping[int, Sequence[StageRates]],
+                    window_s: float, live: bool) -> go.Figure:
+    keys = [("d2h_bytes_per_s", " d2h", "solid"), ("h2d_bytes_per_s", " h2d", "dot")]
+    fig = rate_lines(stage_ids, history, keys, live)
+    _layout(fig, f"host<->device bytes/s (last {window_s:g} s; d2h solid, h2d dotted)", "bytes/s",
+            live, tickformat="~s")
+    return fig
+
+
+def bubble_figure(stage_ids: Sequence[int], history: Mapping[int, Sequence[StageRates]],
+                  window_s: float, live: bool) -> go.Figure:
+    fig = rate_lines(stage_ids, history, [("bubble_fraction", "", None)], live)
+    _layout(fig, f"pipeline bubble per stage (last {window_s:g} s)", "bubble / (busy + bubble)",
+            live, range=[0, 1.05], tickformat=".0%")
+    return fig
+
+
+TOKEN_BARS = (("device_hit_tokens_per_s", "device hits", "#1f77b4"),
+              ("host_hit_tokens_per_s", "host hits", "#2ca02c"),
+              ("miss_tokens_per_s", "misses", "#ff7f0e"))
+
+
+def tokens_figure(stage_ids: Sequence[int], rates: Sequence[StageRates], window_s: float,
+                  live: bool) -> go.Figure:
+    """Looked-up tokens/s per stage by where they were found (the script restyles the bars)."""
+    by_stage = {r.stage: r for r in rates}
+    fig = go.Figure()
+    for key, name, colour in TOKEN_BARS:
+        ys = [getattr(by_stage[s], key) if s in by_stage else None for s in stage_ids]
+        fig.add_trace(go.Bar(x=[f"stage {s}" for s in stage_ids], y=ys, name=name,
+                             customdata=list(stage_ids), marker_color=colour, meta={"key": key}))
+    _layout(fig, f"prefix-cache tokens/s by tier (last {window_s:g} s)", "tokens/s", live)
+    fig.update_layout(barmode="stack", xaxis=dict(type="category"))
+    return fig
+
+
+def timeline_data(stages: Sequence[StageLive], kind: str) -> dict[str, list]:
+    """Bars of one span kind over every stage: start (``base``, ms), length (``x``, ms), row."""
+    base, length, rows, mbs = [], [], [], []
+    for s in stages:
+        for e in s.timeline:
+            if e.kind == kind:
+                base.append(e.start * 1000)
+                length.append(e.seconds * 1000)
+                rows.append(f"stage {s.stage}")
+                mbs.append(e.micro_batch)
+    return {"base": base, "x": length, "y": rows, "customdata": mbs}
+
+
+def timeline_figure(stage_ids: Sequence[int], stages: Sequence[StageLive], live: bool) -> go.Figure:
+    """Each stage's recent pipeline spans on one time axis: gaps in green are the bubbles."""
+    fig = go.Figure()
+    for kind, (name, colour) in TIMELINE_KINDS.items():
+        fig.add_trace(go.Bar(
+            orientation="h", name=name, marker_color=colour, meta={"kind": kind},
+            hovertemplate="%{y} · micro-batch %{customdata}<br>%{x:.1f} ms<extra>" + name + "</extra>",
+            **timeline_data(stages, kind)))
+    rows = [f"stage {s}" for s in stage_ids]
+    _layout(fig, "pipeline timeline: each stage's recent work and waits (bubbles)", "", live)
+    fig.update_layout(barmode="overlay", height=120 + 40 * max(1, len(rows)),
+                      yaxis=dict(type="category", categoryorder="array", categoryarray=rows,
+                                 autorange="reversed", title=None, rangemode=None))
+    return fig
+
+
+def live_figures(stage_ids: Sequence[int], stages: Sequence[StageLive],
+                 rates: Sequence[StageRates], history: Mapping[int, Sequence[StageRates]],
+                 window_s: float) -> dict[str, go.Figure]:
+    """Every live chart of the page, by the id suffix of its ``<div>``."""
+    live = bool(stages)
+    return {
+        "hit-rate": hit_rate_figure(stage_ids, history, window_s, live),
+        "tokens": tokens_figure(stage_ids, rates, window_s, live),
+        "transfer": transfer_figure(stage_ids, history, window_s, live),
+        "bubble": bubble_figure(stage_ids, history, window_s, live),
+        "timeline": timeline_figure(stage_ids, stages, live),
+    }

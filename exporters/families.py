@@ -1,0 +1,247 @@
+"""Every Prometheus family stagecache exposes, as one declarative table.
+
+A family is a name, a type, a help text, its label names and a function that
+turns one input into samples.  The collector (``metrics.py``) walks the tables;
+the metrics reference in docs/metrics.md is generated from them
+(``reference.py``).  Adding a family is adding one ``Family`` to a table:
+nothing else needs to know.
+
+Three inputs, three tables:
+
+* ``RUN_FAMILIES``: the startup report as a whole (one series per run);
+* ``STARTUP_FAMILIES``: one stage entry of the startup report;
+* ``LIVE_FAMILIES``: one stage's ``StageLive`` (counters and states).
+
+Per-stage families carry ``STAGE_LABELS`` first (sglang's own label names), so
+stagecache series join sglang's ``on (model_name, pp_rank, tp_rank)``.
+Counters count since the stage started; any ratio or bandwidth is left to
+``rate()`` in recording rules (docker/alerts.yml).  Gauges hold states only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from stagecache.runtime.serve.live import StageLive
+
+#: Labels of every per-stage family, in this order (sglang's vocabulary).
+STAGE_LABELS: tuple[str, ...] = ("model_name", "pp_rank", "tp_rank")
+
+TIERS = ("device", "host")
+DIRECTIONS = ("d2h", "h2d")
+#: ``StageLive.cache_pages`` field -> ``operation`` label value.
+HICACHE_OPERATIONS = {"backup": "backup", "load": "load", "dropped": "drop",
+                      "backup_skipped": "backup_skip"}
+#: Phases a stage reports (``StageLive.phase``); a phase not listed here is still exported.
+PHASES = ("starting", "serving", "refused", "done", "failed")
+
+#: Label name -> its one meaning (and its values where they are a closed set).
+LABELS: dict[str, str] = {
+    "model_name": "served model: the preset name or the config's model name (sglang's label)",
+    "pp_rank": "pipeline-parallel rank, i.e. the stage, 0-based (sglang's label)",
+    "tp_rank": "tensor-parallel rank whose numbers these are; stagecache reports rank 0 "
+               "(KV is replicated across TP) (sglang's label)",
+    "pool": "KV pool kind, named by the stage's own inventory (swa, c4, c128, ...)",
+    "tier": "memory tier: `device` or `host` (where pages or bytes live, where a prefix hit was found)",
+    "direction": "host<->device copy direction: `d2h` (backup to host) or `h2d` (load from host)",
+    "space": "page-id space: pages shared by every pool drawing on it (`device`, `host`)",
+    "operation": "HiCache page operation: `backup`, `load`, `drop`, `backup_skip`",
+    "version": "stagecache package version",
+    "pp_size": "pipeline-parallel size (stages)",
+    "tp_size": "tensor-parallel size",
+    "page_size": "tokens per KV page",
+    "num_layers": "model layers over all stages",
+    "stagecache_stage_phase": "a stage phase (state set): " + ", ".join(PHASES),
+}
+
+#: Closed value sets, checked by the tests for every exposed sample.
+LABEL_VALUES: dict[str, tuple[str, ...]] = {
+    "tier": TIERS, "direction": DIRECTIONS, "operation": tuple(HICACHE_OPERATIONS.values()),
+}
+
+Samples = Iterable[tuple[tuple[Any, ...], Any]]
+
+
+@dataclass(frozen=True)
+class Family:
+    """One metric family: exposed ``name`` (counters end in ``_total``, info in ``_info``).
+
+    ``labels`` are the family's own label names (after ``STAGE_LABELS`` for
+    per-stage tables); ``samples(input)`` yields ``(label values, value)``:
+    a number, ``(buckets, sum)`` for a histogram, ``{state: bool}`` for a
+    state set, and 1 for an info family (its labels are the information).
+    """
+
+    name: str
+    kind: str
+    help: str
+    labels: tuple[str, ...] = ()
+    samples: Callable[[Any], Samples] = field(default=lambda _: (), compare=False, repr=False)
+
+
+def one(fn: Callable[[Any], Any]) -> Callable[[Any], Samples]:
+    """A family with one series per input (no labels of its own)."""
+    return lambda x: [((), fn(x))]
+
+
+def per(values: Iterable[str], fn: Callable[[Any, str], Any]) -> Callable[[Any], Samples]:
+    """One series per label value."""
+    values = tuple(values)
+    return lambda x: [((v,), fn(x, v)) for v in values]
+
+
+def _n(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) else 0.0
+
+
+def _sub(d: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    value = d.get(key)
+    return value if isinstance(value, Mapping) else {}
+
+
+# -- the startup report ------------------------------------------------------------------------
+
+
+def _model_info(r: Mapping[str, Any]) -> Samples:
+    keys = ("model", "pp_size", "tp_size", "page_size", "num_layers")
+    return [(tuple(str(r.get(k, "")) for k in keys), 1)]
+
+
+RUN_FAMILIES: tuple[Family, ...] = (
+    Family("stagecache_model_info", "info", "The run's model and parallel layout (value 1)",
+           ("model_name", "pp_size", "tp_size", "page_size", "num_layers"), _model_info),
+    Family("stagecache_startup_ok", "gauge",
+           "1 if every stage's pools and layer map validated at startup, 0 if not (absent while "
+           "starting)", ("model_name",), lambda r: [((r.get("model", ""),), 1 if r.get("ok") else 0)]),
+    Family("stagecache_cross_stage_errors", "gauge",
+           "Cross-stage validation errors at startup (partition gaps/overlaps)", ("model_name",),
+           lambda r: [((r.get("model", ""),), len(r.get("errors") or []))]),
+)
+
+
+def _pools(s: Mapping[str, Any]) -> list[str]:
+    """Pool names as the stage's report has them (data, never a hard-coded list)."""
+    return sorted(set(_sub(s, "buffers")) | set(_sub(s, "expected_buffers")))
+
+
+STARTUP_FAMILIES: tuple[Family, ...] = (
+    Family("stagecache_stage_local_layers", "gauge", "Layers this PP stage owns",
+           samples=one(lambda s: _n(s.get("local_layers")))),
+    Family("stagecache_stage_buffers", "gauge",
+           "Buffers the stage's pool really holds (None slots included)", ("pool",),
+           lambda s: [((p,), _n(_sub(s, "buffers").get(p))) for p in _pools(s)]),
+    Family("stagecache_stage_expected_buffers", "gauge",
+           "Buffers the stage's pool must hold: its local layers of that pool's kind", ("pool",),
+           lambda s: [((p,), _n(_sub(s, "expected_buffers").get(p))) for p in _pools(s)]),
+    Family("stagecache_stage_mapping_ok", "gauge", "1 if the stage validated at startup, else 0",
+           samples=one(lambda s: 1 if s.get("ok") and not s.get("errors") else 0)),
+    Family("stagecache_stage_mapping_errors", "gauge", "Validation errors of the stage at startup",
+           samples=one(lambda s: len(s.get("errors") or []))),
+)
+
+
+# -- a stage's live numbers ---------------------------------------------------------------------
+
+
+def _phase(s: StageLive) -> Samples:
+    states = {p: s.phase == p for p in PHASES}
+    states.setdefault(s.phase, True)
+    return [((), states)]
+
+
+def _histogram(s: StageLive, direction: str) -> tuple[list[tuple[str, float]], float]:
+    """Cumulative ``(le, count)`` buckets of one direction; only +Inf when none were reported."""
+    hist = s.transfer_seconds_buckets
+    counts = getattr(hist, direction)
+    total = getattr(s.transfer_count, direction)
+    buckets: list[tuple[str, float]] = []
+    if counts and len(counts) == len(hist.le) + 1:
+        buckets = [(repr(float(b)), c) for b, c in zip(hist.le, counts[:-1], strict=True)]
+        total = counts[-1]
+    buckets.append(("+Inf", total))
+    return buckets, getattr(s.transfer_seconds, direction)
+
+
+def _spaces(fn: Callable[[Any], float]) -> Callable[[StageLive], Samples]:
+    return lambda s: [((name, sp.tier), fn(sp)) for name, sp in sorted(s.page_spaces.items())]
+
+
+LIVE_FAMILIES: tuple[Family, ...] = (
+    # states
+    Family("stagecache_stage_phase", "stateset",
+           "The stage's phase: 1 for the phase it is in, 0 for the others", samples=_phase),
+    Family("stagecache_stage_planned_requests", "gauge",
+           "Requests the stage will serve in this run (the trace length); 0 until known",
+           samples=one(lambda s: s.total_requests)),
+    Family("stagecache_page_space_used_pages", "gauge",
+           "Pages in use in a page-id space (each space counted once, whatever pools share it)",
+           ("space", "tier"), _spaces(lambda sp: sp.used)),
+    Family("stagecache_page_space_capacity_pages", "gauge", "Pages a page-id space holds",
+           ("space", "tier"), _spaces(lambda sp: sp.total)),
+    Family("stagecache_page_space_usage_ratio", "gauge", "Used / capacity pages of a page-id space",
+           ("space", "tier"), _spaces(lambda sp: sp.used / sp.total if sp.total else 0.0)),
+    Family("stagecache_pool_page_space_info", "info",
+           "Which page-id space a pool kind draws its pages from (value 1)", ("pool", "space"),
+           lambda s: [((p, name), 1) for name, sp in sorted(s.page_spaces.items()) for p in sp.pools]),
+    Family("stagecache_pool_bytes", "gauge", "Bytes a pool kind occupies on the stage, by tier",
+           ("pool", "tier"),
+           lambda s: [((p, t), getattr(b, t)) for p, b in sorted(s.pool_bytes.items()) for t in TIERS]),
+    # counters
+    Family("stagecache_requests_total", "counter", "Requests the stage has finished",
+           samples=one(lambda s: s.requests)),
+    Family("stagecache_micro_batches_total", "counter", "Micro-batches the stage has finished",
+           samples=one(lambda s: s.steps)),
+    Family("stagecache_prefix_lookup_tokens_total", "counter",
+           "Prompt tokens looked up in the prefix cache", samples=one(lambda s: s.cache_tokens.looked_up)),
+    Family("stagecache_prefix_hit_tokens_total", "counter",
+           "Looked-up tokens the prefix cache found, by the tier they were found in", ("tier",),
+           per(TIERS, lambda s, t: getattr(s.cache_tokens, t))),
+    Family("stagecache_evicted_pages_total", "counter",
+           "Pages evicted from a tier (device: to host or dropped; host: dropped)", ("tier",),
+           per(TIERS, lambda s, t: getattr(s.evictions, t))),
+    Family("stagecache_hicache_pages_total", "counter", "Pages HiCache backed up, loaded, dropped or "
+           "did not back up (already on host)", ("operation",),
+           lambda s: [((op,), getattr(s.cache_pages, f)) for f, op in HICACHE_OPERATIONS.items()]),
+    Family("stagecache_transfer_bytes_total", "counter", "Bytes copied between device and host pools",
+           ("direction",), per(DIRECTIONS, lambda s, d: getattr(s.transfer_bytes, d))),
+    Family("stagecache_transfer_duration_seconds", "histogram",
+           "Duration of one device<->host page transfer (_sum: seconds spent copying)", ("direction",),
+           per(DIRECTIONS, _histogram)),
+    Family("stagecache_kv_verified_pages_total", "counter",
+           "Host-loaded pages whose KV bytes were verified", samples=one(lambda s: s.kv_verified_pages)),
+    Family("stagecache_computed_tokens_total", "counter",
+           "Tokens the stage computed (activation rows through its layers)",
+           samples=one(lambda s: s.computed_rows)),
+    Family("stagecache_stage_busy_seconds_total", "counter",
+           "Seconds the stage spent on its own work (cache, KV writes, transfers, layer compute)",
+           samples=one(lambda s: s.stage_seconds)),
+    Family("stagecache_stage_bubble_seconds_total", "counter",
+           "Seconds the stage waited on a peer (activation, credit, send drain): the pipeline bubble",
+           samples=one(lambda s: s.bubble_seconds)),
+    Family("stagecache_stage_idle_seconds_total", "counter",
+           "Seconds the stage waited for requests to arrive, not counted as bubble",
+           samples=one(lambda s: s.idle_seconds)),
+    Family("stagecache_activation_sent_bytes_total", "counter",
+           "Activation bytes (with headers) sent to the next stage",
+           samples=one(lambda s: s.activation_bytes_sent)),
+    Family("stagecache_activation_received_bytes_total", "counter",
+           "Activation bytes (with headers) received from the previous stage",
+           samples=one(lambda s: s.activation_bytes_received)),
+)
+
+#: Not produced from a report or a stage: the package itself.
+BUILD_INFO = Family("stagecache_build_info", "info", "stagecache's version (value 1)", ("version",))
+
+
+def all_families() -> tuple[tuple[str, Family], ...]:
+    """``(scope, family)`` in exposition order; scope is build, run, startup or live."""
+    return (("build", BUILD_INFO), *(("run", f) for f in RUN_FAMILIES),
+            *(("startup", f) for f in STARTUP_FAMILIES), *(("live", f) for f in LIVE_FAMILIES))
+
+
+def label_names(scope: str, fam: Family) -> tuple[str, ...]:
+    """Every label of the family's series, as exposed (state sets add one named after the family)."""
+    base = STAGE_LABELS + fam.labels if scope in ("startup", "live") else fam.labels
+    return base + ((fam.name,) if fam.kind == "stateset" else ())

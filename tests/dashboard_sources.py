@@ -1,0 +1,95 @@
+"""Snapshot sources that play what a real run looks like, for the dashboard's browser tests."""
+
+from __future__ import annotations
+
+import time
+
+from live_helpers import blank_live
+from stagecache.runtime.model.layer_map import POOLS, build_layout
+from stagecache.runtime.model.spec import load_spec
+from stagecache.runtime.validation.faults import parse_faults
+from stagecache.runtime.validation.report import preflight
+
+MODEL, PP = "deepseek-v4-flash", 4
+
+
+def expected_report(faults: list[str]) -> dict:
+    layout = build_layout(load_spec(MODEL), PP)
+    return preflight(layout, 256, parse_faults(faults, PP)).to_dict()
+
+
+RATIO = (0.2, 0.35, 0.5, 0.65)  # each stage's own host-hit share (stages that truly differ)
+TOTAL = 64
+
+
+class ScriptedRun:
+    """A SnapshotSource playing one run; the test moves ``phase`` on.
+
+    Counters grow with wall time while running (1000 lookups/s per stage, a
+    per-stage host-hit share), so windowed rates are known exactly; every stage
+    but the first waits for its activation before each micro-batch (bubbles).
+    """
+
+    def __init__(self) -> None:
+        self.phase = "starting"
+        self._report = expected_report([])
+        self._t0 = 0.0
+        self._elapsed = 0.0
+
+    def run(self):
+        parent = {"starting": "starting", "validating": "starting", "running": "serving",
+                  "done": "done", "failed": "failed"}[self.phase]
+        return {"phase": parent, "failure": "stage 2 (pid 4242) exited with code 1: boom"
+                if self.phase == "failed" else None}
+
+    def startup(self):
+        return None if self.phase in ("starting", "validating") else self._report
+
+    def _clock(self) -> float:
+        if self.phase == "running":
+            self._t0 = self._t0 or time.time()
+            self._elapsed = time.time() - self._t0
+        return self._elapsed
+
+    def stages(self):
+        if self.phase == "starting":
+            return {}
+        e = self._clock()
+        return {s: self._stage(s, e) for s in range(PP)}
+
+    def _stage(self, s: int, e: float) -> dict:
+        d = blank_live(s, POOLS)
+        if self.phase == "validating":
+            return d
+        lookups = int(1000 * e)
+        d.update(time=time.time(), model_name=MODEL, requests=min(TOTAL, int(4 * e)), total_requests=TOTAL,
+                 phase={"running": "serving", "failed": "failed" if s == 2 else "serving"}.get(self.phase, "done"),
+                 error="boom" if self.phase == "failed" and s == 2 else None,
+                 stage_seconds=0.06 * e, bubble_seconds=0.02 * s * e)
+        d["cache_tokens"] = {"device": 0, "host": int(RATIO[s] * lookups), "miss": lookups - int(RATIO[s] * lookups)}
+        d["transfer_bytes"] = {"d2h": int(1e6 * (s + 1) * e), "h2d": int(5e5 * e)}
+        d["timeline"] = [ev for i in range(max(0, int(10 * e) - 20), int(10 * e))
+                         for ev in self._events(s, i)]
+        return d
+
+    def _events(self, s: int, i: int) -> list[dict]:
+        start = self._t0 + 0.1 * i + 0.02 * s
+        ev = [{"kind": "compute", "start": start, "seconds": 0.06, "micro_batch": i}]
+        if s:
+            ev.insert(0, {"kind": "recv_wait", "start": start - 0.02 * s, "seconds": 0.02 * s,
+                          "micro_batch": i})
+        return ev
+
+
+class LateReportSource:
+    """No report until ``ready`` is set: what ``serve`` looks like while its stages start."""
+
+    def __init__(self) -> None:
+        self.ready = False
+        self._report = expected_report(["global-swa"])
+
+    def startup(self):
+        return self._report if self.ready else None
+
+    def stages(self):
+        return {}
