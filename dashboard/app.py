@@ -23,6 +23,7 @@ from fastapi.templating import Jinja2Templates
 from pydantic import ValidationError
 from stagecache.exporters.snapshot import SnapshotSource
 from stagecache.runtime.model.layer_map import POOL_LABELS, POOLS
+from stagecache.runtime.serve.liveness import Liveness, assess, liveness_of, run_of
 
 from . import figures
 from .models import (
@@ -103,6 +104,48 @@ def _live_numbers(stages: Mapping[int, Any]) -> list[StageLive]:
     return out
 
 
+def _source_state(source: SnapshotSource) -> tuple[Any, ...] | None:
+    """What a scrape depends on: the source's objects (compared by identity) and the liveness
+    verdict (which moves with the clock); None when the source cannot be compared."""
+    try:
+        startup, stages, run = source.startup(), source.stages(), run_of(source)
+        verdict = assess(run, startup, stages, time.time())
+    except Exception:  # noqa: BLE001 - a broken source is reported by the collector itself
+        return None
+    ups = tuple((h.stage, h.up) for h in verdict.stages)
+    return (startup, run, tuple(stages.items()), ups, verdict.failed_stage)
+
+
+def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    """Same source state: identical objects (``is``), equal verdicts."""
+    (s1, r1, st1, up1, f1), (s2, r2, st2, up2, f2) = a, b
+    return (s1 is s2 and r1 is r2 and up1 == up2 and f1 == f2 and len(st1) == len(st2)
+            and all(k1 == k2 and v1 is v2 for (k1, v1), (k2, v2) in zip(st1, st2, strict=True)))
+
+
+class _PerReport:
+    """Values derived from one report object, kept until the source hands out another one.
+
+    Sources return the same report object while it is unchanged (``RunDirSource``
+    until startup.json is rewritten, ``StaticSource`` always), so parsing it and
+    drawing its layer maps happens once, not on every request.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owners: dict[Any, Any] = {}  # key -> the object its value was derived from
+        self._values: dict[Any, Any] = {}
+
+    def get(self, owner: Any, key: Any, compute: Any) -> Any:
+        # computed under the lock: concurrent first requests wait for one computation instead of
+        # each drawing the same figure (the work holds the GIL either way)
+        with self._lock:
+            if self._owners.get(key) is not owner:
+                self._values[key] = compute()
+                self._owners[key] = owner
+            return self._values[key]
+
+
 class _MetricsRegistry:
     """``make_registry(source)`` from the exporters, imported and built on first scrape.
 
@@ -114,6 +157,7 @@ class _MetricsRegistry:
         self._source = source
         self._lock = threading.Lock()
         self._registry: Any = None
+        self._rendered: tuple[tuple[Any, ...], bytes] | None = None
         self.exported = False
 
     def get(self) -> Any:
@@ -132,9 +176,33 @@ class _MetricsRegistry:
                     self.exported = True
             return self._registry
 
+    def render(self) -> bytes:
+        """The exposition text, rendered again only when what it shows can have changed.
+
+        Formatting a few hundred samples costs milliseconds; while the source hands
+        out the same objects (``RunDirSource`` does until a file changes) and every
+        stage keeps its up/down verdict, the last text is still exact.
+        """
+        from prometheus_client import generate_latest
+
+        key = _source_state(self._source)
+        with self._lock:
+            if key is not None and self._rendered is not None and _same(self._rendered[0], key):
+                return self._rendered[1]
+        body = generate_latest(self.get())
+        with self._lock:
+            self._rendered = (key, body) if key is not None else None
+        return body
+
 
 def create_app(source: SnapshotSource, *, title: str = "stagecache") -> FastAPI:
-    """The dashboard over ``source``; mount it or run it with ``serve_dashboard``."""
+    """The dashboard over ``source``; mount it or run it with ``serve_dashboard``.
+
+    The JSON routes and the probes are ``async``: each is well under a millisecond
+    of work on already-parsed data, so answering on the event loop beats a hop to
+    the thread pool (and 16 threads contending for the GIL) under concurrent load.
+    Only the HTML page, which draws figures, runs in the pool.
+    """
     from stagecache import runtime
 
     app = FastAPI(
@@ -151,19 +219,21 @@ def create_app(source: SnapshotSource, *, title: str = "stagecache") -> FastAPI:
     app.state.metrics = metrics
 
     @app.exception_handler(NotReady)
-    def _not_ready(request: Request, exc: NotReady) -> JSONResponse:
+    async def _not_ready(request: Request, exc: NotReady) -> JSONResponse:
         return JSONResponse(_error_body("starting", STARTING_DETAIL), status_code=503)
 
     @app.exception_handler(SourceShapeError)
-    def _bad_source(request: Request, exc: SourceShapeError) -> JSONResponse:
+    async def _bad_source(request: Request, exc: SourceShapeError) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=502)
+
+    derived = _PerReport()
 
     def optional_report() -> StartupReportModel | None:
         raw = source.startup()
         if raw is None:
             return None
         try:
-            return parse_report(raw)
+            return derived.get(raw, "report", lambda: parse_report(raw))
         except ReportShapeError as exc:
             raise SourceShapeError(f"startup report from the source: {exc}") from None
 
@@ -179,6 +249,10 @@ def create_app(source: SnapshotSource, *, title: str = "stagecache") -> FastAPI:
         return "ok" if rep.ok else "failed"
 
     def layer_map(rep: StartupReportModel, stage: int) -> LayerMapResponse | None:
+        """Built once per report and stage (a Plotly figure costs ~10 ms; the report is fixed)."""
+        return derived.get(rep, ("layer-map", stage), lambda: build_layer_map(rep, stage))
+
+    def build_layer_map(rep: StartupReportModel, stage: int) -> LayerMapResponse | None:
         s = find_stage(rep, stage)
         if s is None:
             return None
@@ -196,6 +270,8 @@ def create_app(source: SnapshotSource, *, title: str = "stagecache") -> FastAPI:
         live = _live_numbers(source.stages())
         stage_ids = [s.stage for s in rep.stages] if rep else [s.stage for s in live]
         now_ms = time.time() * 1000
+        verdict = liveness_of(source, time.time())
+        failed_at = verdict.failed_at
         context = {
             "title": title,
             "status": status_of(rep),
@@ -213,6 +289,9 @@ def create_app(source: SnapshotSource, *, title: str = "stagecache") -> FastAPI:
             "poll_ms": POLL_MS,
             "n_bad_stages": sum(1 for s in rep.stages if not s.ok) if rep else 0,
             "n_errors": (sum(len(s.errors) for s in rep.stages) + len(rep.errors)) if rep else 0,
+            "liveness": verdict,
+            "failed_at_text": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(failed_at))
+            if failed_at else "?",
         }
         return templates.TemplateResponse(request, "index.html", context)
 
@@ -224,19 +303,19 @@ def create_app(source: SnapshotSource, *, title: str = "stagecache") -> FastAPI:
     # -- JSON API ------------------------------------------------------------------------------
     @app.get("/api/startup", response_model=StartupReportModel, responses={**NOT_READY, **BAD_SOURCE},
              summary="the startup report (StartupReport.to_dict())")
-    def api_startup() -> StartupReportModel:
+    async def api_startup() -> StartupReportModel:
         return report()
 
     @app.get("/api/stages", response_model=StagesResponse, responses={**NOT_READY, **BAD_SOURCE},
              summary="one row per PP stage: layer range, buffers per pool vs expected, errors")
-    def api_stages() -> StagesResponse:
+    async def api_stages() -> StagesResponse:
         return stages_response(report())
 
     @app.get("/api/stages/{stage}/layer-map", response_model=LayerMapResponse,
              responses={404: {"model": ErrorMessage, "description": "no such stage"},
                         **NOT_READY, **BAD_SOURCE},
              summary="a stage's layer map: cells per (pool, global layer) and the Plotly figure")
-    def api_layer_map(stage: int):
+    async def api_layer_map(stage: int):
         rep = report()
         out = layer_map(rep, stage)
         if out is None:
@@ -248,22 +327,34 @@ def create_app(source: SnapshotSource, *, title: str = "stagecache") -> FastAPI:
 
     @app.get("/api/metrics/summary", response_model=MetricsSummary, responses=BAD_SOURCE,
              summary="every stage's live numbers now (empty list in a preflight view)")
-    def api_summary() -> MetricsSummary:
+    async def api_summary() -> MetricsSummary:
         rep = optional_report()
         live = _live_numbers(source.stages())
-        return MetricsSummary(status=status_of(rep), live=bool(live), time=time.time(), stages=live)
+        now = time.time()
+        return MetricsSummary(status=status_of(rep), live=bool(live), time=now, stages=live,
+                              liveness=liveness_of(source, now))
 
-    # -- probes ----------------------------------------------------------------------------------
-    @app.get("/healthz", response_model=Health, summary="liveness: the process answers")
-    def healthz() -> Health:
+    # -- probes (Kubernetes semantics: liveness, readiness, startup) ---------------------------------
+    @app.get("/healthz", response_model=Health, summary="liveness: this server process answers")
+    async def healthz() -> Health:
+        # async and I/O-free: answered on the event loop, never queued behind a thread pool
         return Health(status="ok")
+
+    @app.get("/readyz", response_model=Liveness,
+             responses={503: {"model": Liveness, "description": "not ready: the reasons and stages"}},
+             summary="readiness: every stage up (process alive, maps valid, fresh heartbeat)")
+    async def readyz():
+        verdict = liveness_of(source, time.time())
+        if verdict.ready:
+            return verdict
+        return JSONResponse(verdict.model_dump(mode="json"), status_code=503)
 
     @app.get("/startupz", response_model=StartupzOk,
              responses={503: {"model": StartupzFailed | Starting,
                               "description": "validation failed (errors listed) or still starting"},
                         **BAD_SOURCE},
              summary="startup probe: 200 when every stage validated, else 503")
-    def startupz():
+    async def startupz():
         rep = report()
         stages = [StageOk(stage=s.stage, ok=s.ok) for s in rep.stages]
         if rep.ok:
@@ -274,9 +365,9 @@ def create_app(source: SnapshotSource, *, title: str = "stagecache") -> FastAPI:
 
     @app.get("/metrics", response_class=Response, summary="Prometheus text exposition",
              responses={200: {"content": {"text/plain": {}}, "description": "metrics"}})
-    def prometheus_metrics() -> Response:
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+    async def prometheus_metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
 
-        return Response(generate_latest(metrics.get()), media_type=CONTENT_TYPE_LATEST)
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app

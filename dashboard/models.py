@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from stagecache.runtime.serve.live import StageLive
+from stagecache.runtime.serve.liveness import Liveness
 
 # -- the startup report (runtime/report.py) ---------------------------------------------
 
@@ -131,6 +132,8 @@ class MetricsSummary(BaseModel):
     live: bool = Field(description="false in a preflight view: no stage reports live numbers")
     time: float = Field(description="server time of this summary (unix s)")
     stages: list[StageLive]
+    liveness: Liveness | None = Field(
+        None, description="readiness verdict: stages up/down, the run's failure and its time")
 
 
 # -- probes and errors ------------------------------------------------------------------------

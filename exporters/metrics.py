@@ -15,6 +15,7 @@ exposition (counters with ``_total``, the histogram by its base name).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -27,6 +28,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 from stagecache.runtime.model.layer_map import POOLS
+from stagecache.runtime.serve.liveness import Liveness, assess, run_of
 
 from .snapshot import SnapshotSource, StageLive
 
@@ -66,6 +68,12 @@ FAMILIES: tuple[tuple[str, str, str], ...] = (
      "Seconds the stage waited for requests to arrive (paced traffic), not counted as bubble"),
     ("stagecache_activation_bytes_total", "counter",
      "Activation bytes (with headers) the stage sent to / received from its pipeline neighbours"),
+    ("stagecache_stage_up", "gauge",
+     "1 if the stage process is alive and its heartbeat is newer than the heartbeat timeout, else 0"),
+    ("stagecache_stage_last_heartbeat_timestamp_seconds", "gauge",
+     "Unix time of the stage's last heartbeat (0: never)"),
+    ("stagecache_stage_failed", "gauge",
+     "1 for the stage the run's failure names (its error: /readyz, the dashboard), else 0"),
 )
 
 METRIC_NAMES: tuple[str, ...] = tuple(name for name, _kind, _help in FAMILIES)
@@ -115,7 +123,20 @@ class StageCollector(Collector):
             self._startup(fams, report)
         for stage in sorted(live):
             self._live(fams, str(stage), live[stage])
+        if live:
+            self._liveness(fams, assess(run_of(self.source), report, live, time.time()))
         yield from fams.values()
+
+    @staticmethod
+    def _liveness(fams: dict[str, Metric], verdict: Liveness) -> None:
+        """Up, last heartbeat and failed per stage: the same verdict as ``/readyz``."""
+        for h in verdict.stages:
+            st = str(h.stage)
+            fams["stagecache_stage_up"].add_metric([st], 1.0 if h.up else 0.0)
+            fams["stagecache_stage_last_heartbeat_timestamp_seconds"].add_metric(
+                [st], h.heartbeat_at or 0.0)
+            fams["stagecache_stage_failed"].add_metric(
+                [st], 1.0 if verdict.failed_stage == h.stage else 0.0)
 
     @staticmethod
     def _startup(fams: dict[str, Metric], report: Mapping[str, Any]) -> None:

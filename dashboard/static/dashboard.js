@@ -64,6 +64,11 @@
       window.location.reload(); // the report arrived: render table and maps once
       return;
     }
+    var lv = summary.liveness;
+    if (lv && lv.failure && !document.getElementById("run-failure")) {
+      window.location.reload(); // a stage failed: render the failure banner (it stays until exit)
+      return;
+    }
     if (!summary.live) return;
     if (!state.live) goLive();
     var byStage = {};
@@ -97,6 +102,10 @@
         setPollState("live numbers unavailable: " + err.message, true);
       })
       .finally(function () { window.setTimeout(poll, pollMs); });
+  }
+  var failedAt = document.querySelector("#run-failure time.failed-at");
+  if (failedAt && failedAt.dataset.unix) {
+    failedAt.textContent = new Date(parseFloat(failedAt.dataset.unix) * 1000).toLocaleString();
   }
   window.setTimeout(poll, pollMs);
 })();
