@@ -13,23 +13,23 @@ import json
 import os
 import shutil
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-from stagecache.dashboard.server import DashboardThread, bind_dashboard_socket
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
-from ..serve.liveness import DEFAULT_HEARTBEAT_TIMEOUT_S, HEARTBEAT_INTERVAL_S
 from ..serve.options import (
     CPU_HIDDEN_CAP,
     DEFAULT_DEVICE_PAGES,
+    DEFAULT_HEARTBEAT_TIMEOUT_S,
     DEFAULT_HIDDEN,
     DEFAULT_MICRO_BATCH,
     DEFAULT_MODEL,
     DEFAULT_RATE,
     DEFAULT_REQUESTS,
+    HEARTBEAT_INTERVAL_S,
     MAX_HIDDEN,
     MAX_REQUESTS,
     WRITE_POLICIES,
@@ -40,7 +40,6 @@ from ..serve.options import (
 )
 from ..serve.rendezvous import DEFAULT_DIST_HOST, exposure_warning, resolve_dist_host
 from ..serve.run_root import RunDirLock, check_run_dir_flag, new_temp_run_dir, prepare_user_run_dir
-from ..serve.supervisor import Supervisor, summarize
 from .common import (
     add_layout_args,
     float_range,
@@ -54,7 +53,12 @@ from .common import (
     positive_int,
     seconds,
 )
-from .serve_console import Console, Progress, print_summary
+
+if TYPE_CHECKING:  # the dashboard (FastAPI) and the supervisor load only when serve runs
+    from stagecache.dashboard.server import DashboardThread
+
+    from ..serve.supervisor import Supervisor
+    from .serve_console import Console
 
 
 class _Stop(Exception):
@@ -279,6 +283,8 @@ def _prepare_run_dir(opts: ServeOptions, console: Console) -> tuple[str, bool, R
 
 
 def _start_dashboard(r: _Run) -> None:
+    from stagecache.dashboard.server import DashboardThread, bind_dashboard_socket
+
     opts = r.opts
     sock = bind_dashboard_socket(opts.host, opts.port)
     r.dash = DashboardThread(r.sup.source, sock, title=f"stagecache {opts.model_name} pp={opts.pp_size}")
@@ -294,6 +300,8 @@ def _start_dashboard(r: _Run) -> None:
 def _interrupted(r: _Run, stop: _Stop) -> int:
     from rich.markup import escape
 
+    from ..serve.supervisor import summarize
+
     refused = r.sup.phase == "refused"  # validation already failed: that stays the outcome
     r.sup.phase = "refused" if refused else "interrupted"
     r.sup.failure = f"interrupted by {stop}"
@@ -307,6 +315,9 @@ def _interrupted(r: _Run, stop: _Stop) -> int:
 def _finished(r: _Run, phase: str) -> int:
     """Print the outcome, then hold the dashboard up if asked to; the exit code of the run."""
     from rich.markup import escape
+
+    from ..serve.supervisor import summarize
+    from .serve_console import print_summary
 
     r.summary = summarize(r.opts, r.sup, time.perf_counter() - r.t0)
     code = r.summary["exit_code"]
@@ -339,9 +350,10 @@ def _close(r: _Run, old_handlers: dict[int, Any]) -> None:
 
 def serve(opts: ServeOptions) -> int:
     """Run ``stagecache serve``; returns the process exit code."""
+    from ..serve.supervisor import Supervisor
+    from .serve_console import Console, Progress
+
     console = Console(opts.json)
-    for warning in exposure_warnings(opts):
-        console.print(warning, style="bold red", markup=False)
     run_dir, own, lock = _prepare_run_dir(opts, console)
     sup = Supervisor(opts, run_dir, log=lambda text: console.print(text, markup=False))
     r = _Run(opts, console, run_dir, own, lock, sup)
@@ -349,6 +361,8 @@ def serve(opts: ServeOptions) -> int:
     try:
         if opts.dashboard:
             _start_dashboard(r)
+        for warning in exposure_warnings(opts):  # once the addresses are known to work
+            print(warning, file=sys.stderr, flush=True)
         console.print(f"run dir: {run_dir}", markup=False)
         try:
             sup.start()

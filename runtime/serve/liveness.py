@@ -22,9 +22,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from .live import RunInfo, StageLive
+from .options import DEFAULT_HEARTBEAT_TIMEOUT_S, HEARTBEAT_INTERVAL_S
 
-HEARTBEAT_INTERVAL_S = 1.0
-DEFAULT_HEARTBEAT_TIMEOUT_S = 5.0
+__all__ = ["DEFAULT_HEARTBEAT_TIMEOUT_S", "HEARTBEAT_INTERVAL_S", "Liveness", "StageHealth",
+           "assess", "liveness_of", "run_of"]
 
 
 class StageHealth(BaseModel):

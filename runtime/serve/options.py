@@ -23,6 +23,9 @@ CPU_HIDDEN_CAP = 512
 #: Upper bounds of flags whose size is otherwise only limited by memory (each stage holds the trace).
 MAX_REQUESTS = 100_000
 MAX_HIDDEN = 65_536
+#: A stage beats this often; one whose last beat is older than the timeout is down (liveness.py).
+HEARTBEAT_INTERVAL_S = 1.0
+DEFAULT_HEARTBEAT_TIMEOUT_S = 5.0
 WRITE_POLICIES = ("write_through", "write_back", "write_through_selective")
 
 
