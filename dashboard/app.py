@@ -23,22 +23,20 @@ from fastapi.templating import Jinja2Templates
 from pydantic import ValidationError
 from stagecache.exporters.snapshot import SnapshotSource
 from stagecache.runtime.model.layer_map import POOL_LABELS, POOLS
-from stagecache.runtime.serve.liveness import Liveness, assess, liveness_of, run_of
+from stagecache.runtime.serve.liveness import liveness_of
 
 from . import figures
+from .caching import PerReport, same_state, source_state
 from .models import (
     ErrorMessage,
-    Health,
     LayerMapResponse,
     MetricsSummary,
     StageLive,
-    StageOk,
     StagesResponse,
     Starting,
     StartupReportModel,
-    StartupzFailed,
-    StartupzOk,
 )
+from .probes import add_probes
 from .view import (
     ReportShapeError,
     find_stage,
@@ -104,48 +102,6 @@ def _live_numbers(stages: Mapping[int, Any]) -> list[StageLive]:
     return out
 
 
-def _source_state(source: SnapshotSource) -> tuple[Any, ...] | None:
-    """What a scrape depends on: the source's objects (compared by identity) and the liveness
-    verdict (which moves with the clock); None when the source cannot be compared."""
-    try:
-        startup, stages, run = source.startup(), source.stages(), run_of(source)
-        verdict = assess(run, startup, stages, time.time())
-    except Exception:  # noqa: BLE001 - a broken source is reported by the collector itself
-        return None
-    ups = tuple((h.stage, h.up) for h in verdict.stages)
-    return (startup, run, tuple(stages.items()), ups, verdict.failed_stage)
-
-
-def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
-    """Same source state: identical objects (``is``), equal verdicts."""
-    (s1, r1, st1, up1, f1), (s2, r2, st2, up2, f2) = a, b
-    return (s1 is s2 and r1 is r2 and up1 == up2 and f1 == f2 and len(st1) == len(st2)
-            and all(k1 == k2 and v1 is v2 for (k1, v1), (k2, v2) in zip(st1, st2, strict=True)))
-
-
-class _PerReport:
-    """Values derived from one report object, kept until the source hands out another one.
-
-    Sources return the same report object while it is unchanged (``RunDirSource``
-    until startup.json is rewritten, ``StaticSource`` always), so parsing it and
-    drawing its layer maps happens once, not on every request.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._owners: dict[Any, Any] = {}  # key -> the object its value was derived from
-        self._values: dict[Any, Any] = {}
-
-    def get(self, owner: Any, key: Any, compute: Any) -> Any:
-        # computed under the lock: concurrent first requests wait for one computation instead of
-        # each drawing the same figure (the work holds the GIL either way)
-        with self._lock:
-            if self._owners.get(key) is not owner:
-                self._values[key] = compute()
-                self._owners[key] = owner
-            return self._values[key]
-
-
 class _MetricsRegistry:
     """``make_registry(source)`` from the exporters, imported and built on first scrape.
 
@@ -185,9 +141,9 @@ class _MetricsRegistry:
         """
         from prometheus_client import generate_latest
 
-        key = _source_state(self._source)
+        key = source_state(self._source)
         with self._lock:
-            if key is not None and self._rendered is not None and _same(self._rendered[0], key):
+            if key is not None and self._rendered is not None and same_state(self._rendered[0], key):
                 return self._rendered[1]
         body = generate_latest(self.get())
         with self._lock:
@@ -226,7 +182,7 @@ def create_app(source: SnapshotSource, *, title: str = "stagecache") -> FastAPI:
     async def _bad_source(request: Request, exc: SourceShapeError) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=502)
 
-    derived = _PerReport()
+    derived = PerReport()
 
     def optional_report() -> StartupReportModel | None:
         raw = source.startup()
@@ -334,34 +290,7 @@ def create_app(source: SnapshotSource, *, title: str = "stagecache") -> FastAPI:
         return MetricsSummary(status=status_of(rep), live=bool(live), time=now, stages=live,
                               liveness=liveness_of(source, now))
 
-    # -- probes (Kubernetes semantics: liveness, readiness, startup) ---------------------------------
-    @app.get("/healthz", response_model=Health, summary="liveness: this server process answers")
-    async def healthz() -> Health:
-        # async and I/O-free: answered on the event loop, never queued behind a thread pool
-        return Health(status="ok")
-
-    @app.get("/readyz", response_model=Liveness,
-             responses={503: {"model": Liveness, "description": "not ready: the reasons and stages"}},
-             summary="readiness: every stage up (process alive, maps valid, fresh heartbeat)")
-    async def readyz():
-        verdict = liveness_of(source, time.time())
-        if verdict.ready:
-            return verdict
-        return JSONResponse(verdict.model_dump(mode="json"), status_code=503)
-
-    @app.get("/startupz", response_model=StartupzOk,
-             responses={503: {"model": StartupzFailed | Starting,
-                              "description": "validation failed (errors listed) or still starting"},
-                        **BAD_SOURCE},
-             summary="startup probe: 200 when every stage validated, else 503")
-    async def startupz():
-        rep = report()
-        stages = [StageOk(stage=s.stage, ok=s.ok) for s in rep.stages]
-        if rep.ok:
-            return StartupzOk(status="ok", stages=stages)
-        errors = [e for s in rep.stages for e in s.errors] + rep.errors
-        body = StartupzFailed(status="failed", stages=stages, errors=errors)
-        return JSONResponse(body.model_dump(mode="json"), status_code=503)
+    add_probes(app, source, report, BAD_SOURCE)
 
     @app.get("/metrics", response_class=Response, summary="Prometheus text exposition",
              responses={200: {"content": {"text/plain": {}}, "description": "metrics"}})

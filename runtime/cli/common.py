@@ -42,10 +42,14 @@ def int_range(low: int, high: int = INT_MAX) -> Callable[[str], int]:
     return parse
 
 
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(x)
+
+
 def float_range(low: float, high: float = math.inf, *, low_open: bool = False) -> Callable[[str], float]:
     """argparse type: a finite number in ``[low, high]`` (``(low, high]`` when ``low_open``)."""
     op = ">" if low_open else ">="
-    accepted = f"a finite number {op} {low:g}" + (f" and <= {high:g}" if high != math.inf else "")
+    accepted = f"a finite number {op} {_num(low)}" + (f" and <= {_num(high)}" if high != math.inf else "")
 
     def parse(text: str) -> float:
         try:
