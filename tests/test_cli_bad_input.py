@@ -114,6 +114,7 @@ CASES = [
     ("hicache-check-neg", ["bench", "hicache", "--check-every", "-2"], "argument --check-every: expected an integer >= 0"),
     ("hicache-ratio-nan", ["bench", "hicache", "--hicache-ratio", "nan"], "argument --hicache-ratio: " + FLOAT_BAD),
     ("http-clients-zero", ["bench", "http", "--clients", "0"], "argument --clients: expected a positive integer"),
+    ("http-out-nowhere", ["bench", "http", "--out", "{dir}/none/out.json"], "--out '{dir}/none/out.json': cannot write there"),
     ("http-requests-neg", ["bench", "http", "--requests", "-5"], "argument --requests: expected a positive integer"),
     # -- dashboard and check ---------------------------------------------------------------------------
     ("dash-json-missing", ["dashboard", "--from-json", "{dir}/none.json"], "--from-json {dir}/none.json: cannot read"),

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+from pathlib import Path
 
+from ..errors import ConfigError
 from .common import int_range, positive_int
 
 
@@ -31,9 +34,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _check_out(path: str | None) -> None:
+    if path is None:
+        return
+    parent = Path(path).resolve().parent
+    if Path(path).is_dir() or not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise ConfigError(f"--out {path!r}: cannot write there; expected a file path in a writable "
+                          "directory")
+
+
 def run(args: argparse.Namespace) -> int:
     from ..bench.http_load import HttpBenchOptions, run_bench
 
+    _check_out(args.out)
     res = run_bench(HttpBenchOptions(
         url=args.url, clients=args.clients, requests=args.requests, idle_requests=args.idle_requests,
         while_serving=args.while_serving, baseline=not args.no_baseline,
