@@ -152,12 +152,14 @@ def test_a_killed_serve_leaves_a_run_dir_that_the_next_start_removes(tmp_path):
     try:
         wait_for(lambda: "startup ok" in out.read_text(), 90, "startup", proc, out)
         [stale] = list(root.iterdir())
+        pids = wait_for(lambda: len(p := stage_pids(stale)) == 4 and p, 30, "stage pids", proc, out)
         os.kill(proc.pid, signal.SIGKILL)  # no cleanup can run
         proc.wait(10)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert stale.is_dir(), "the killed run's dir should still be there"
+    wait_for(lambda: not [p for p in pids if alive(p)], 30, "the orphaned stages to exit")
     r = subprocess.run([sys.executable, "-m", "stagecache.runtime", "serve", *SMALL, "--requests", "4",
                         "--no-dashboard", "--exit-after-run"], capture_output=True, text=True,
                        timeout=120, env={**os.environ, **env})
