@@ -77,6 +77,8 @@ def test_without_a_serving_parent_the_report_time_counts_as_a_beat():
     stages = {0: StageLive(stage=0, time=NOW - 1), 1: StageLive(stage=1, time=NOW - 60)}
     v = assess(None, REPORT, stages, NOW)
     assert v.phase == "unknown" and [h.up for h in v.stages] == [True, False]
+    as_dicts = {0: {"stage": 0, "time": NOW - 1}, 1: {"stage": 1, "bogus": 1}}  # dict sources
+    assert [h.up for h in assess(None, REPORT, as_dicts, NOW).stages] == [True, False]
 
 
 def test_heartbeat_thread_beats_while_the_main_thread_waits(tmp_path):

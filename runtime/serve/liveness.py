@@ -61,6 +61,17 @@ class Liveness(BaseModel):
     time: float
 
 
+def as_live(value: Any) -> StageLive | None:
+    """A source's stage entry as a ``StageLive`` (third-party sources may hand out dicts);
+    an entry that does not validate counts as no report."""
+    if value is None or isinstance(value, StageLive):
+        return value
+    try:
+        return StageLive.model_validate(value)
+    except ValueError:
+        return None
+
+
 def last_beat(live: StageLive) -> float | None:
     """The newest sign of life: the heartbeat, or a report (sources without a heartbeat thread)."""
     times = [t for t in (live.heartbeat_at, live.time) if t]
@@ -95,7 +106,7 @@ def _startup_ok(startup: Mapping[str, Any] | None) -> bool | None:
 
 
 def assess(run: RunInfo | None, startup: Mapping[str, Any] | None,
-           stages: Mapping[int, StageLive], now: float,
+           stages: Mapping[int, Any], now: float,
            heartbeat_timeout: float | None = None) -> Liveness:
     """The verdict for ``/readyz`` and ``stagecache_stage_up`` (pure: same inputs, same answer).
 
@@ -107,7 +118,7 @@ def assess(run: RunInfo | None, startup: Mapping[str, Any] | None,
     health = []
     for k in ids:
         code = run.exit_codes.get(k) if run else None
-        health.append(stage_health(k, stages.get(k), code, now, timeout))
+        health.append(stage_health(k, as_live(stages.get(k)), code, now, timeout))
     ok = _startup_ok(startup)
     reasons = []
     if run is not None and run.phase != "serving":
