@@ -77,6 +77,8 @@ def _ipv6_interfaces() -> dict[str, str]:
 def interface_for(address: str) -> str | None:
     """The network interface that carries ``address`` (an IP literal), or None."""
     ip = ipaddress.ip_address(address)
+    if ip.is_loopback:  # 127.0.0.0/8 is all on the loopback interface, which carries 127.0.0.1
+        ip = ipaddress.ip_address("::1" if ip.version == 6 else "127.0.0.1")
     if ip.version == 6:
         return _ipv6_interfaces().get(str(ip))
     for _index, name in socket.if_nameindex():
