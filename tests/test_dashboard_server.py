@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import select
 import socket
-import subprocess
-import sys
 import time
 
+import pytest
 from stagecache.dashboard.server import DashboardThread, bind_dashboard_socket
 from stagecache.exporters.snapshot import StaticSource
 from stagecache.runtime.serve.rendezvous import exposure_warning, is_loopback
@@ -71,13 +70,33 @@ def test_loopback_is_told_apart_from_every_other_bind_address():
         assert warning and warning.startswith("WARNING: --host") and "no authentication" in warning
 
 
-def test_dashboard_command_warns_loudly_for_a_non_loopback_host():
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "stagecache.runtime", "dashboard", "--from-check", "--model", "tiny-v4",
-         "--host", "0.0.0.0", "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def test_serve_warns_for_every_listener_that_is_not_loopback():
+    """Checked on the options (tests bind loopback only); serve prints each on stderr."""
+    from stagecache.runtime.cli.main import build_parser
+    from stagecache.runtime.cli.serve import exposure_warnings, options_from_args
+
+    def warnings(*argv: str) -> list[str]:
+        return exposure_warnings(options_from_args(build_parser().parse_args(
+            ["serve", "--requests", "8", *argv])))
+
+    assert warnings() == []
+    assert warnings("--host", "localhost", "--dist-host", "::1") == []
+    [host] = warnings("--host", "0.0.0.0")
+    assert host.startswith("WARNING: --host 0.0.0.0 is not a loopback address")
+    assert warnings("--host", "0.0.0.0", "--no-dashboard") == []  # nothing listens there then
+    own = _own_address()
+    if own is None:
+        pytest.skip("this machine has no non-loopback address to try --dist-host with")
+    [dist] = warnings("--dist-host", own)
+    assert dist.startswith(f"WARNING: --dist-host {own} is not a loopback address") and "TCPStore" in dist
+
+
+def _own_address() -> str | None:
+    """A non-loopback address of this machine (the one a UDP socket would send from), if any."""
     try:
-        line = proc.stderr.readline()
-    finally:
-        proc.terminate()
-        proc.wait(20)
-    assert line.startswith("WARNING: --host 0.0.0.0 is not a loopback address"), line
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: connect only picks the source address
+            addr = s.getsockname()[0]
+    except OSError:
+        return None
+    return None if is_loopback(addr) else addr

@@ -99,14 +99,14 @@ def run(args: argparse.Namespace) -> int:
 
     from ..serve.rendezvous import bind_listener, exposure_warning
 
-    warning = exposure_warning("--host", args.host, "the dashboard, its JSON API and /metrics")
-    if warning:
-        print(warning, file=sys.stderr, flush=True)
     try:
         sock = bind_listener(args.host, args.port, backlog=BACKLOG)
     except OSError as exc:
         raise ConfigError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}; "
                           "expected a free --port (0 = any) on an address of this machine") from None
+    warning = exposure_warning("--host", args.host, "the dashboard, its JSON API and /metrics")
+    if warning:  # once the bind worked, so a bad address stays a one-line exit 2
+        print(warning, file=sys.stderr, flush=True)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     status = "all stages valid" if report["ok"] else "MAPPING ERRORS"
