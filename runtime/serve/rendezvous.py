@@ -100,8 +100,9 @@ def resolve_dist_host(host: str) -> tuple[str, str]:
     address = infos[0][4][0]
     if ipaddress.ip_address(address).is_unspecified:
         raise ConfigError(f"--dist-host {host!r} is the wildcard address; {accepted}")
-    try:
-        bind_listener(address, 0).close()
+    try:  # bind, never listen: this only checks the address belongs to this machine
+        with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as probe:
+            probe.bind((address, 0))
     except OSError as exc:
         raise ConfigError(f"--dist-host {host!r}: cannot bind {address}: "
                           f"{exc.strerror or exc}; {accepted}") from None
