@@ -12,6 +12,7 @@ package ships, served from this app: they work without any network.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -25,20 +26,19 @@ from prometheus_client.exposition import choose_encoder
 from stagecache.exporters.metrics import make_registry
 from stagecache.exporters.snapshot import SnapshotSource
 from stagecache.runtime.model.layer_map import POOL_LABELS
+from stagecache.runtime.serve.liveness import liveness_of
 
 from . import figures, live_figures
+from .caching import same_state, source_state
 from .models import (
     ErrorMessage,
-    Health,
     LayerMapResponse,
     MetricsSummary,
-    StageOk,
     StagesResponse,
     Starting,
     StartupReportModel,
-    StartupzFailed,
-    StartupzOk,
 )
+from .probes import add_probes
 from .rates import DEFAULT_WINDOW_S, MAX_WINDOW_S
 from .reader import STARTING_DETAIL, NotReady, Reader, SourceShapeError, status_of
 from .view import find_stage, layer_map_cells, pool_statuses, stage_pools, stages_response
@@ -66,7 +66,12 @@ def _error_body(status: str, detail: str) -> dict[str, str]:
     return {"status": status, "detail": detail}
 
 
-def layer_map(rep: StartupReportModel, stage: int) -> LayerMapResponse | None:
+def layer_map(reader: Reader, rep: StartupReportModel, stage: int) -> LayerMapResponse | None:
+    """Drawn once per report and stage (a Plotly figure costs ~10 ms; a report never changes)."""
+    return reader.derived.get(rep, ("layer-map", stage), lambda: build_layer_map(rep, stage))
+
+
+def build_layer_map(rep: StartupReportModel, stage: int) -> LayerMapResponse | None:
     s = find_stage(rep, stage)
     if s is None:
         return None
@@ -87,6 +92,7 @@ def page_context(reader: Reader, title: str, window_s: float) -> dict[str, Any]:
     figs = live_figures.live_figures(stage_ids, live, history.rates(window_s),
                                      history.series(window_s), window_s)
     pools = stage_pools(rep.stages[0]) if rep and rep.stages else []
+    liveness = liveness_of(reader.source, time.time())
     return {
         "title": title,
         "status": status_of(rep),
@@ -94,13 +100,16 @@ def page_context(reader: Reader, title: str, window_s: float) -> dict[str, Any]:
         "report": rep,
         "stages": stages_response(rep) if rep else None,
         "pools": [(p, POOL_LABELS.get(p, p)) for p in pools],
-        "layer_maps": [layer_map(rep, s.stage) for s in rep.stages] if rep else [],
+        "layer_maps": [layer_map(reader, rep, s.stage) for s in rep.stages] if rep else [],
         "has_live_numbers": bool(live),
         "live_figures": {key: figures.to_json_dict(fig) for key, fig in figs.items()},
         "poll_ms": POLL_MS,
         "window_s": window_s,
         "n_bad_stages": sum(1 for s in rep.stages if not s.ok) if rep else 0,
         "n_errors": (sum(len(s.errors) for s in rep.stages) + len(rep.errors)) if rep else 0,
+        "liveness": liveness,
+        "failed_at_text": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(liveness.failed_at))
+        if liveness.failed_at else "?",
     }
 
 
@@ -120,21 +129,21 @@ def add_page_routes(app: FastAPI, reader: Reader, title: str) -> None:
 def add_api_routes(app: FastAPI, reader: Reader) -> None:
     @app.get("/api/startup", response_model=StartupReportModel, responses={**NOT_READY, **BAD_SOURCE},
              summary="the startup report (StartupReport.to_dict())")
-    def api_startup() -> StartupReportModel:
+    async def api_startup() -> StartupReportModel:
         return reader.report()
 
     @app.get("/api/stages", response_model=StagesResponse, responses={**NOT_READY, **BAD_SOURCE},
              summary="one row per PP stage: layer range, buffers per pool vs expected, errors")
-    def api_stages() -> StagesResponse:
+    async def api_stages() -> StagesResponse:
         return stages_response(reader.report())
 
     @app.get("/api/stages/{stage}/layer-map", response_model=LayerMapResponse,
              responses={404: {"model": ErrorMessage, "description": "no such stage"},
                         **NOT_READY, **BAD_SOURCE},
              summary="a stage's layer map: cells per (pool, global layer) and the Plotly figure")
-    def api_layer_map(stage: int):
+    async def api_layer_map(stage: int):
         rep = reader.report()
-        out = layer_map(rep, stage)
+        out = layer_map(reader, rep, stage)
         if out is None:
             ids = ", ".join(str(s.stage) for s in rep.stages)
             return JSONResponse(
@@ -145,20 +154,36 @@ def add_api_routes(app: FastAPI, reader: Reader) -> None:
     @app.get("/api/metrics/summary", response_model=MetricsSummary, responses=BAD_SOURCE,
              summary="the run's phase and progress, each stage's counters now and their rates "
                      "over the last `window` seconds (no stages in a preflight view)")
-    def api_summary(window: Window = DEFAULT_WINDOW_S) -> MetricsSummary:
+    async def api_summary(window: Window = DEFAULT_WINDOW_S) -> MetricsSummary:
         return reader.summary(window)
 
 
 def add_metrics_route(app: FastAPI, source: SnapshotSource) -> None:
-    """/metrics: prometheus-client's registry and encoder (text or OpenMetrics, by Accept)."""
+    """/metrics: prometheus-client's registry and encoder (text or OpenMetrics, by Accept).
+
+    The text is rendered again only when what it shows can have changed: while the
+    source hands out the same objects (``RunDirSource`` does until a file changes)
+    and every stage keeps its up/down verdict, the last rendering is still exact.
+    """
     registry = make_registry(source)
+    rendered: dict[str, tuple[Any, bytes]] = {}
+
+    def render(encoder: Any, content_type: str) -> bytes:
+        key = source_state(source)
+        last = rendered.get(content_type)
+        if key is not None and last is not None and same_state(last[0], key):
+            return last[1]
+        body = encoder(registry)
+        if key is not None:
+            rendered[content_type] = (key, body)
+        return body
 
     @app.get("/metrics", response_class=Response, summary="Prometheus exposition",
              responses={200: {"content": {"text/plain": {}, "application/openmetrics-text": {}},
                               "description": "metrics"}})
-    def prometheus_metrics(request: Request) -> Response:
+    async def prometheus_metrics(request: Request) -> Response:
         encoder, content_type = choose_encoder(request.headers.get("accept", ""))
-        return Response(encoder(registry), media_type=content_type)
+        return Response(render(encoder, content_type), media_type=content_type)
 
 
 #: /docs and /redoc may load from this server only.  ReDoc's bundle still asks for its
@@ -197,37 +222,17 @@ def create_app(source: SnapshotSource, *, title: str = "stagecache") -> FastAPI:
     reader = Reader(source)
     app.state.source = source
     app.state.reader = reader
-    report = reader.report
-
     @app.exception_handler(NotReady)
-    def _not_ready(request: Request, exc: NotReady) -> JSONResponse:
+    async def _not_ready(request: Request, exc: NotReady) -> JSONResponse:
         return JSONResponse(_error_body("starting", STARTING_DETAIL), status_code=503)
 
     @app.exception_handler(SourceShapeError)
-    def _bad_source(request: Request, exc: SourceShapeError) -> JSONResponse:
+    async def _bad_source(request: Request, exc: SourceShapeError) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=502)
 
     add_page_routes(app, reader, title)
     add_api_routes(app, reader)
 
-    # -- probes ----------------------------------------------------------------------------------
-    @app.get("/healthz", response_model=Health, summary="liveness: the process answers")
-    def healthz() -> Health:
-        return Health(status="ok")
-
-    @app.get("/startupz", response_model=StartupzOk,
-             responses={503: {"model": StartupzFailed | Starting,
-                              "description": "validation failed (errors listed) or still starting"},
-                        **BAD_SOURCE},
-             summary="startup probe: 200 when every stage validated, else 503")
-    def startupz():
-        rep = report()
-        stages = [StageOk(stage=s.stage, ok=s.ok) for s in rep.stages]
-        if rep.ok:
-            return StartupzOk(status="ok", stages=stages)
-        errors = [e for s in rep.stages for e in s.errors] + rep.errors
-        body = StartupzFailed(status="failed", stages=stages, errors=errors)
-        return JSONResponse(body.model_dump(mode="json"), status_code=503)
-
+    add_probes(app, source, reader.report, BAD_SOURCE)
     add_metrics_route(app, source)
     return app

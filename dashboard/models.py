@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from stagecache.runtime.serve.live import StageLive
+from stagecache.runtime.serve.liveness import Liveness
 
 from .rates import StageRates
 
@@ -152,6 +153,8 @@ class MetricsSummary(BaseModel):
     window_s: float = Field(description="the rate window asked for (seconds)")
     rates: list[StageRates] = Field(description="each stage's counters as rates over the window")
     stages: list[StageLive]
+    liveness: Liveness | None = Field(
+        None, description="readiness verdict: stages up/down, the run's failure and its time")
 
 
 # -- probes and errors ------------------------------------------------------------------------

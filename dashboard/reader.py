@@ -14,7 +14,9 @@ from typing import Any
 
 from pydantic import ValidationError
 from stagecache.exporters.snapshot import SnapshotSource
+from stagecache.runtime.serve.liveness import liveness_of, run_of
 
+from .caching import PerReport
 from .models import MetricsSummary, RunState, StageLive, StartupReportModel
 from .rates import DEFAULT_WINDOW_S, History
 from .view import ReportShapeError, parse_report, run_state
@@ -67,13 +69,16 @@ class Reader:
     def __init__(self, source: SnapshotSource, history: History | None = None):
         self.source = source
         self.history = history or History()
+        #: values derived from one report object (the parse, the layer maps), kept while the
+        #: source hands out that same object
+        self.derived = PerReport()
 
     def optional_report(self) -> StartupReportModel | None:
         raw = self.source.startup()
         if raw is None:
             return None
         try:
-            return parse_report(raw)
+            return self.derived.get(raw, "report", lambda: parse_report(raw))
         except ReportShapeError as exc:
             raise SourceShapeError(f"startup report from the source: {exc}") from None
 
@@ -91,9 +96,8 @@ class Reader:
 
     def run(self) -> Mapping[str, Any] | None:
         """The serving parent's record (``RunDirSource.run()``) where the source has one."""
-        run = getattr(self.source, "run", None)
-        data = run() if callable(run) else None
-        return data if isinstance(data, Mapping) else None
+        info = run_of(self.source)
+        return info.model_dump() if info is not None else None
 
     def run_state(self, rep: StartupReportModel | None, live: list[StageLive]) -> RunState:
         return run_state(rep, live, self.run())
@@ -101,8 +105,10 @@ class Reader:
     def summary(self, window_s: float = DEFAULT_WINDOW_S) -> MetricsSummary:
         rep = self.optional_report()
         live = self.stages()
+        now = time.time()
         return MetricsSummary(
-            status=status_of(rep), has_live_numbers=bool(live), time=time.time(),
+            status=status_of(rep), has_live_numbers=bool(live), time=now,
             run=self.run_state(rep, live), window_s=window_s,
             rates=self.history.rates(window_s), stages=live,
+            liveness=liveness_of(self.source, now),
         )

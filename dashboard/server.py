@@ -1,7 +1,11 @@
 """Serving the dashboard: a uvicorn server on a pre-bound socket, in a thread of its own.
 
 Binding happens before anything else starts, so "port in use" is a clean exit 2
-for ``serve`` instead of a dashboard that silently never comes up.
+for ``serve`` instead of a dashboard that silently never comes up.  The socket
+is created with protocol ``IPPROTO_TCP``: asyncio sets ``TCP_NODELAY`` only on
+connections accepted from such a socket, and without it every keep-alive
+response waits out Nagle's algorithm against the client's delayed ACK (~40 ms).
+Idle keep-alive connections are closed after ``KEEP_ALIVE_S``.
 """
 
 from __future__ import annotations
@@ -16,36 +20,36 @@ from typing import Any
 
 from stagecache.exporters.snapshot import SnapshotSource
 from stagecache.runtime.errors import ConfigError
+from stagecache.runtime.serve.rendezvous import bind_listener
 
 from .app import create_app
+
+#: Seconds an idle keep-alive connection stays open (uvicorn's ``timeout_keep_alive``).
+KEEP_ALIVE_S = 5.0
+#: Pending connections the kernel queues before the server accepts them.
+BACKLOG = 1024
 
 
 def bind_dashboard_socket(host: str, port: int) -> socket.socket:
     """Bind the dashboard port *before* starting stages, so "port in use" is a clean exit 2."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, port))
+        return bind_listener(host, port, backlog=BACKLOG)
     except OSError as exc:
-        sock.close()
         raise ConfigError(
-            f"cannot bind the dashboard to {host}:{port}: {exc.strerror or exc}; "
-            "pass --port N (0 = any free port) or --no-dashboard"
+            f"cannot bind the dashboard to {host}:{port}: {exc.strerror or exc}; expected a free "
+            "--port N (0 = any free port) on an address of this machine, or --no-dashboard"
         ) from None
-    sock.listen(128)
-    sock.set_inheritable(False)
-    return sock
 
 
 class DashboardThread:
     """The dashboard app (with /metrics) on a pre-bound socket, in a daemon thread of the parent."""
 
-    def __init__(self, source: Any, sock: socket.socket, title: str):
+    def __init__(self, source: Any, sock: socket.socket, title: str,
+                 keep_alive_s: float = KEEP_ALIVE_S):
         host, port = sock.getsockname()[:2]
         self.sock = sock
-        self.url = f"http://{host}:{port}/"
-        self.server = make_server(source, host, port, title=title)
+        self.url = f"http://{f'[{host}]' if ':' in host else host}:{port}/"
+        self.server = make_server(source, host, port, title=title, keep_alive_s=keep_alive_s)
         self.thread = threading.Thread(target=self._run, name="dashboard", daemon=True)
         self.error: BaseException | None = None
 
@@ -70,13 +74,14 @@ class DashboardThread:
 
 def make_server(
     source: SnapshotSource, host: str = "127.0.0.1", port: int = 8000, *,
-    title: str = "stagecache", log_level: str = "warning",
+    title: str = "stagecache", log_level: str = "warning", keep_alive_s: float = KEEP_ALIVE_S,
 ) -> Any:
     """A ``uvicorn.Server`` for the dashboard; ``.run()`` it (any thread), set ``.should_exit`` to stop."""
     import uvicorn
 
     config = uvicorn.Config(create_app(source, title=title), host=host, port=port,
-                            log_level=log_level, access_log=False)
+                            log_level=log_level, access_log=False, timeout_keep_alive=keep_alive_s,
+                            backlog=BACKLOG)
     return uvicorn.Server(config)
 
 

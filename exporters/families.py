@@ -231,17 +231,31 @@ LIVE_FAMILIES: tuple[Family, ...] = (
            samples=one(lambda s: s.activation_bytes_received)),
 )
 
+#: One stage's liveness, ``(StageHealth, Liveness)`` of ``serve.liveness``: /readyz's verdict.
+LIVENESS_FAMILIES: tuple[Family, ...] = (
+    Family("stagecache_stage_up", "gauge",
+           "1 if the stage process is alive and its heartbeat is newer than the heartbeat timeout, "
+           "else 0", samples=one(lambda hv: 1 if hv[0].up else 0)),
+    Family("stagecache_stage_last_heartbeat_timestamp_seconds", "gauge",
+           "Unix time of the stage's last heartbeat (0: never)",
+           samples=one(lambda hv: hv[0].heartbeat_at or 0.0)),
+    Family("stagecache_stage_failed", "gauge",
+           "1 for the stage the run's failure names (its error: /readyz, the dashboard), else 0",
+           samples=one(lambda hv: 1 if hv[1].failed_stage == hv[0].stage else 0)),
+)
+
 #: Not produced from a report or a stage: the package itself.
 BUILD_INFO = Family("stagecache_build_info", "info", "stagecache's version (value 1)", ("version",))
 
 
 def all_families() -> tuple[tuple[str, Family], ...]:
-    """``(scope, family)`` in exposition order; scope is build, run, startup or live."""
+    """``(scope, family)`` in exposition order; scope is build, run, startup, live or liveness."""
     return (("build", BUILD_INFO), *(("run", f) for f in RUN_FAMILIES),
-            *(("startup", f) for f in STARTUP_FAMILIES), *(("live", f) for f in LIVE_FAMILIES))
+            *(("startup", f) for f in STARTUP_FAMILIES), *(("live", f) for f in LIVE_FAMILIES),
+            *(("liveness", f) for f in LIVENESS_FAMILIES))
 
 
 def label_names(scope: str, fam: Family) -> tuple[str, ...]:
     """Every label of the family's series, as exposed (state sets add one named after the family)."""
-    base = STAGE_LABELS + fam.labels if scope in ("startup", "live") else fam.labels
+    base = STAGE_LABELS + fam.labels if scope in ("startup", "live", "liveness") else fam.labels
     return base + ((fam.name,) if fam.kind == "stateset" else ())

@@ -12,6 +12,7 @@ the one parent process exposes them.  Exposition, content negotiation
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -25,6 +26,7 @@ from prometheus_client.core import (
     StateSetMetricFamily,
 )
 from prometheus_client.registry import Collector
+from stagecache.runtime.serve.liveness import Liveness, liveness_of
 
 from .families import STAGE_LABELS, Family, all_families, label_names
 from .snapshot import SnapshotSource, StageLive
@@ -47,7 +49,7 @@ def new_family(scope: str, fam: Family) -> Metric:
     if fam.kind == "stateset":
         labels.pop()  # prometheus-client adds the state label itself
     if fam.kind == "info":
-        scope_labels = STAGE_LABELS if scope in ("startup", "live") else ()
+        scope_labels = STAGE_LABELS if scope in ("startup", "live", "liveness") else ()
         labels = list(scope_labels)
     return _KINDS[fam.kind](exposed_name(fam), fam.help, labels=labels)
 
@@ -85,9 +87,11 @@ class StageCollector(Collector):
         report = self.source.startup()
         live = self.source.stages()
         model = str(report.get("model", "")) if report is not None else ""
+        # the same verdict as /readyz, computed once per scrape
+        verdict = liveness_of(self.source, time.time()) if live else None
         metrics = {fam.name: new_family(scope, fam) for scope, fam in all_families()}
         for scope, fam in all_families():
-            for prefix, item in self._inputs(scope, report, live, model):
+            for prefix, item in self._inputs(scope, report, live, model, verdict):
                 for values, value in fam.samples(item):
                     add_sample(metrics[fam.name], scope, fam, prefix, values, value)
         metrics["stagecache_build_info"].add_metric([], {"version": _version()})
@@ -95,7 +99,7 @@ class StageCollector(Collector):
 
     @staticmethod
     def _inputs(scope: str, report: Mapping[str, Any] | None, live: Mapping[int, StageLive],
-                model: str) -> list[tuple[tuple[str, ...], Any]]:
+                model: str, verdict: Liveness | None) -> list[tuple[tuple[str, ...], Any]]:
         """``(stage label values, input)`` for each series group of a scope."""
         if scope == "run":
             return [((), report)] if report is not None else []
@@ -105,7 +109,14 @@ class StageCollector(Collector):
         if scope == "live":
             return [((s.model_name or model, str(k), str(s.tp_rank)), s)
                     for k, s in sorted(live.items())]
+        if scope == "liveness" and verdict is not None:
+            return [((_model_of(live.get(h.stage), model), str(h.stage), "0"), (h, verdict))
+                    for h in verdict.stages]
         return []
+
+
+def _model_of(stage: StageLive | None, model: str) -> str:
+    return (stage.model_name if stage is not None else "") or model
 
 
 def make_registry(source: SnapshotSource) -> CollectorRegistry:

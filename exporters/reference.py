@@ -22,7 +22,7 @@ from .metrics import StageCollector, exposed_name
 BEGIN = "<!-- BEGIN GENERATED: python -m stagecache.exporters.reference -->"
 END = "<!-- END GENERATED -->"
 DOC = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
-SCOPES = {"build": "package", "run": "run (startup report)", "startup": "stage (startup report)",
+SCOPES = {"build": "package", "run": "run (startup report)", "startup": "stage (startup report)", "liveness": "stage (liveness verdict, as /readyz)",
           "live": "stage (live numbers)"}
 
 

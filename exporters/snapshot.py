@@ -46,5 +46,9 @@ class StaticSource:
     def stages(self) -> dict[int, StageLive]:
         return dict(self._stages)
 
+    def run(self) -> None:
+        """No serving parent behind a static view (liveness comes from the stages alone)."""
+        return None
+
 
 __all__ = ["RunDirSource", "SnapshotSource", "StageLive", "StaticSource"]

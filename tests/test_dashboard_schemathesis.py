@@ -1,6 +1,7 @@
 """Property-based API tests from the dashboard's own OpenAPI spec (schemathesis).
 
-Three sources: a valid run (no 5xx at all), a failed validation and a run
+Three sources: a valid run (no 5xx at all, but /readyz: a static view has no
+stage process alive, so it is documented 503 there), a failed validation and a run
 still starting (503 is the documented answer of /startupz and the report
 endpoints there, so those two only forbid 500s).  Every response must match
 its documented status code, content type and schema.  Bounded: at most 50
@@ -50,6 +51,9 @@ def _no_500(response) -> None:
 @ok_schema.parametrize()
 @BOUNDED
 def test_valid_run_never_5xx_and_matches_its_spec(case):
+    if case.path == "/readyz":  # 503 is its documented answer: a static view runs no stage process
+        _no_500(case.call_and_validate(excluded_checks=[not_a_server_error]))
+        return
     case.call_and_validate()
 
 

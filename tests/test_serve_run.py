@@ -14,76 +14,12 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from serve_helpers import SMALL, alive, read_json, run_phase, stage_pids, start, stop, wait_for
 from stagecache.exporters.metrics import METRIC_NAMES
-
-SMALL = ["--model", "tiny-v4", "--pp-size", "4", "--rate", "0", "--requests", "40",
-         "--device-pages", "24", "--micro-batch", "2"]
-
-
-def start(args: list[str], out: Path) -> subprocess.Popen:
-    f = open(out, "w")  # noqa: SIM115 - closed by the OS when the child exits; read via the path
-    return subprocess.Popen([sys.executable, "-m", "stagecache.runtime", "serve", *args],
-                            stdout=f, stderr=subprocess.STDOUT, text=True)
-
-
-def wait_for(pred, timeout: float, what: str, proc: subprocess.Popen | None = None, out: Path | None = None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        if proc is not None and proc.poll() is not None:
-            text = out.read_text() if out else ""
-            pytest.fail(f"serve exited with {proc.returncode} while waiting for {what}:\n{text}")
-        time.sleep(0.2)
-    text = out.read_text() if out else ""
-    pytest.fail(f"timed out after {timeout} s waiting for {what}:\n{text}")
-
-
-def read_json(path: Path):
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-
-
-def run_phase(run_dir: Path) -> str | None:
-    data = read_json(run_dir / "run.json")
-    return data.get("phase") if data else None
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie is dead for our purpose
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def stage_pids(run_dir: Path) -> list[int]:
-    data = read_json(run_dir / "run.json") or {}
-    return [int(p) for p in data.get("pids", {}).values() if p]
-
-
-def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 20) -> int:
-    if proc.poll() is None:
-        proc.send_signal(sig)
-    try:
-        return proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        pytest.fail(f"serve did not exit within {timeout} s of {signal.Signals(sig).name}")
 
 
 def samples(text: str) -> dict[str, list]:

@@ -112,6 +112,11 @@
       window.location.reload(); // the report arrived: render table and maps once
       return;
     }
+    var lv = summary.liveness;
+    if (lv && lv.failure && !document.getElementById("run-failure")) {
+      window.location.reload(); // a stage failed: render the failure banner (it stays until exit)
+      return;
+    }
     updateRun(summary.run);
     if (!summary.has_live_numbers) return;
     if (!state.cleared) clearEmptyState();
@@ -146,6 +151,10 @@
       .finally(function () {
         window.setTimeout(poll, Math.max(0, pollMs - (Date.now() - started)));
       });
+  }
+  var failedAt = document.querySelector("#run-failure time.failed-at");
+  if (failedAt && failedAt.dataset.unix) {
+    failedAt.textContent = new Date(parseFloat(failedAt.dataset.unix) * 1000).toLocaleString();
   }
   window.setTimeout(poll, pollMs);
 })();

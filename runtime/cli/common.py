@@ -1,8 +1,17 @@
-"""Flags shared by every command that needs a model layout, parsed and validated once."""
+"""Flags shared by every command: argparse value types and the model-layout flags.
+
+Every numeric flag of every command goes through one of the types here, so NaN,
+infinity, negatives and out-of-range values are refused the same way
+everywhere: argparse prints one line naming the flag, the value and what is
+accepted (``argument --rate: expected a finite number >= 0, got 'nan'``) and
+exits 2, before any work starts.
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
+from collections.abc import Callable
 
 from ..errors import ConfigError
 from ..model.spec import PRESETS
@@ -10,17 +19,72 @@ from ..validation.faults import FAULTS
 from ..validation.inputs import LayoutArgs, resolve_layout
 
 DEFAULT_PAGE_SIZE = 256
+#: Largest value an integer flag takes unless it says otherwise (fits int64 everywhere).
+INT_MAX = 2**63 - 1
 
 
-def positive_int(text: str) -> int:
-    """argparse type: a clear one-line message instead of a traceback."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def int_range(low: int, high: int = INT_MAX) -> Callable[[str], int]:
+    """argparse type: an integer in ``[low, high]``."""
+    accepted = "a positive integer" if low == 1 else f"an integer >= {low}"
+    if high != INT_MAX:
+        accepted += f" <= {high}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {accepted}, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected {accepted}, got {value}")
+        return value
+
+    parse.__name__ = f"int[{low},{high}]"
+    return parse
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(x)
+
+
+def float_range(low: float, high: float = math.inf, *, low_open: bool = False) -> Callable[[str], float]:
+    """argparse type: a finite number in ``[low, high]`` (``(low, high]`` when ``low_open``)."""
+    op = ">" if low_open else ">="
+    accepted = f"a finite number {op} {_num(low)}" + (f" and <= {_num(high)}" if high != math.inf else "")
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {accepted}, got {text!r}") from None
+        in_range = (value > low if low_open else value >= low) and value <= high
+        if not math.isfinite(value) or not in_range:
+            raise argparse.ArgumentTypeError(f"expected {accepted}, got {text!r}")
+        return value
+
+    parse.__name__ = f"float[{low},{high}]"
+    return parse
+
+
+positive_int = int_range(1)
+nonneg_int = int_range(0)
+positive_float = float_range(0.0, low_open=True)
+nonneg_float = float_range(0.0)
+port_number = int_range(0, 65535)
+#: Seconds for timeouts and holds: finite, at most a day (timedelta and sleeps stay sane).
+seconds = float_range(0.0, 86400.0, low_open=True)
+nonneg_seconds = float_range(0.0, 86400.0)
+
+
+def fault_spec(text: str) -> str:
+    """argparse type for ``--fault NAME[@STAGE]``: a known name; after '@', a stage number."""
+    name, at, stage = text.partition("@")
+    if name not in FAULTS:
+        raise argparse.ArgumentTypeError(
+            f"unknown --fault {name!r}; known faults: {', '.join(FAULTS)} (as NAME or NAME@STAGE)")
+    if at and not stage.isdigit():
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected a stage number (integer >= 0) after '@', got {stage!r}")
+    return text
 
 
 def add_layout_args(p: argparse.ArgumentParser, default_model: str | None = None) -> None:
@@ -30,16 +94,16 @@ def add_layout_args(p: argparse.ArgumentParser, default_model: str | None = None
         default=default_model,
         help=f"preset ({', '.join(PRESETS)}) or path to a Hugging Face config.json",
     )
-    p.add_argument("--pp-size", type=positive_int, default=1 if default_model is None else 4,
+    p.add_argument("--pp-size", type=int_range(1, 4096), default=1 if default_model is None else 4,
                    help="number of pipeline-parallel stages (default %(default)s)")
-    p.add_argument("--tp-size", type=positive_int, default=1,
+    p.add_argument("--tp-size", type=int_range(1, 4096), default=1,
                    help="tensor-parallel ranks per stage; KV is replicated across them (default %(default)s)")
     p.add_argument("--pp-partition", default=None,
                    help="layers of each stage, e.g. 11,11,11,10, as sglang's SGLANG_PP_LAYER_PARTITION "
                    "(default: split evenly)")
-    p.add_argument("--page-size", type=positive_int, default=DEFAULT_PAGE_SIZE,
+    p.add_argument("--page-size", type=int_range(1, 2**20), default=DEFAULT_PAGE_SIZE,
                    help=f"tokens per page (default {DEFAULT_PAGE_SIZE})")
-    p.add_argument("--fault", action="append", default=[], metavar="NAME[@STAGE]",
+    p.add_argument("--fault", action="append", default=[], metavar="NAME[@STAGE]", type=fault_spec,
                    help="build the stages the way a known bug did, on every stage or only @STAGE "
                    "(repeatable): " + ", ".join(FAULTS))
 
@@ -50,4 +114,8 @@ def layout_from_args(args: argparse.Namespace) -> LayoutArgs:
                           args.page_size, args.fault)
 
 
-__all__ = ["ConfigError", "LayoutArgs", "add_layout_args", "layout_from_args", "positive_int"]
+__all__ = [
+    "ConfigError", "LayoutArgs", "add_layout_args", "fault_spec", "float_range", "int_range",
+    "layout_from_args", "nonneg_float", "nonneg_int", "nonneg_seconds", "port_number",
+    "positive_float", "positive_int", "seconds",
+]

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
+import sys
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from .common import add_layout_args, layout_from_args, positive_int
+from .common import add_layout_args, layout_from_args, port_number
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -36,9 +36,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     # the defaults are then reset so --from-check behaves exactly like `check`.
     add_layout_args(p, default_model="deepseek-v4-flash")
     p.set_defaults(model=None, pp_size=1)
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s: this machine only)")
-    p.add_argument("--port", type=positive_int, default=8000, help="TCP port to listen on (default %(default)s)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default %(default)s: this machine only; any other "
+                   "address is warned about)")
+    p.add_argument("--port", type=port_number, default=8000,
+                   help="TCP port to listen on (default %(default)s; 0 = any free port, the URL is printed)")
     p.set_defaults(func=run)
+
+
+#: A ``stagecache check --json`` report of a 61-layer model at pp 8 is ~100 KB.
+MAX_REPORT_BYTES = 16 << 20
 
 
 def load_json_report(path: Path) -> dict[str, Any]:
@@ -46,13 +53,24 @@ def load_json_report(path: Path) -> dict[str, Any]:
     from stagecache.dashboard.view import ReportShapeError, parse_report
 
     try:
-        text = path.read_text()
+        with open(path, "rb") as f:
+            data = f.read(MAX_REPORT_BYTES + 1)
     except OSError as exc:
-        raise ConfigError(f"--from-json {path}: cannot read: {exc.strerror or exc}") from None
+        raise ConfigError(f"--from-json {path}: cannot read: {exc.strerror or exc}; expected a "
+                          "`stagecache check --json` report file") from None
+    if len(data) > MAX_REPORT_BYTES:
+        raise ConfigError(f"--from-json {path}: larger than {MAX_REPORT_BYTES} bytes; expected a "
+                          "`stagecache check --json` report")
     try:
-        raw = json.loads(text)
+        raw = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"--from-json {path}: not UTF-8 text (byte {exc.start}); expected "
+                          "`stagecache check --json` output") from None
     except json.JSONDecodeError as exc:
         raise ConfigError(f"--from-json {path}: not JSON (line {exc.lineno}: {exc.msg})") from None
+    except RecursionError:
+        raise ConfigError(f"--from-json {path}: JSON nested too deeply; expected "
+                          "`stagecache check --json` output") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"--from-json {path}: expected a JSON object, got {type(raw).__name__}")
     try:
@@ -62,18 +80,7 @@ def load_json_report(path: Path) -> dict[str, Any]:
     return raw
 
 
-def _check_port(host: str, port: int) -> None:
-    """Fail with one line before uvicorn would log a traceback-ish bind error."""
-    try:
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((host, port))
-    except OSError as exc:
-        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-
-
 def run(args: argparse.Namespace) -> int:
-    from stagecache.dashboard.server import serve_dashboard
     from stagecache.exporters.snapshot import StaticSource
 
     from ..validation.report import preflight
@@ -91,11 +98,26 @@ def run(args: argparse.Namespace) -> int:
         report = preflight(la.layout, la.page_size, la.faults).to_dict()
         what = f"{report['model']} pp={report['pp_size']}" + (
             f" faults={','.join(report['faults'])}" if report["faults"] else "")
-    _check_port(args.host, args.port)
-    host = f"[{args.host}]" if ":" in args.host else args.host
+    from stagecache.dashboard.server import BACKLOG, make_server
+
+    from ..serve.rendezvous import bind_listener, exposure_warning
+
+    try:
+        sock = bind_listener(args.host, args.port, backlog=BACKLOG)
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}; "
+                          "expected a free --port (0 = any) on an address of this machine") from None
+    warning = exposure_warning("--host", args.host, "the dashboard, its JSON API and /metrics")
+    if warning:  # once the bind worked, so a bad address stays a one-line exit 2
+        print(warning, file=sys.stderr, flush=True)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
     status = "all stages valid" if report["ok"] else "MAPPING ERRORS"
-    print(f"stagecache dashboard: http://{host}:{args.port}/  (preflight view of {what}: {status}; "
+    print(f"stagecache dashboard: http://{shown}:{port}/  (preflight view of {what}: {status}; "
           "Ctrl-C to stop)", flush=True)
-    serve_dashboard(StaticSource(report), host=args.host, port=args.port,
-                    title=f"stagecache · {report['model']}")
+    server = make_server(StaticSource(report), host, port, title=f"stagecache · {report['model']}")
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
     return 0

@@ -1,16 +1,30 @@
 """``stagecache`` command line: one subcommand per module, registered here.
 
-Exit codes everywhere: 0 ok, 1 mapping errors (or a failed run), 2 bad input
-(one line on stderr, never a traceback).
+Exit codes, the same for every command (docs/serve.md lists them with examples):
+
+* 0 ok; 1 mapping errors found, or a ``serve`` run failed (a stage died);
+* 2 bad input: one line on stderr naming the flag or file, the value and what
+  is accepted, never a traceback;
+* 3 internal error (a bug): one line naming the error and the log file that
+  holds the traceback;
+* 130 / 143 interrupted (SIGINT / SIGTERM); 141 the reader of stdout went away
+  (``stagecache pools --json | head``), quietly, like any Unix tool.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from ..errors import ConfigError, StageMappingInvalid
+
+EXIT_OK = 0
+EXIT_MAPPING = 1
+EXIT_BAD_INPUT = 2
+EXIT_INTERNAL = 3
+EXIT_BROKEN_PIPE = 141
 
 #: Subcommand modules; each has ``register(subparsers)`` and keeps heavy imports inside ``run``.
 COMMAND_MODULES = (
@@ -24,7 +38,7 @@ COMMAND_MODULES = (
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, exit 2 (argparse prints usage + error)
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,19 +62,55 @@ def _version() -> str:
     return f"stagecache {__version__}"
 
 
+def _quiet_stdout() -> None:
+    """stdout's reader is gone: point stdout at /dev/null so the exit flush cannot fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
+def _internal_error(command: str, exc: BaseException) -> int:
+    """One line naming the error and the traceback's log file (``$STAGECACHE_DEBUG``: print it)."""
+    from ..crash_log import write_crash_log
+
+    log = write_crash_log(command, exc)
+    where = f"traceback in {log}" if log else "the traceback could not be written"
+    text = str(exc).splitlines()[0][:300] if str(exc) else ""
+    print(f"stagecache {command}: internal error: {type(exc).__name__}"
+          f"{': ' + text if text else ''} ({where}; set STAGECACHE_DEBUG=1 to print it)",
+          file=sys.stderr)
+    if os.environ.get("STAGECACHE_DEBUG"):
+        import traceback
+
+        traceback.print_exception(type(exc), exc, exc.__traceback__)
+    return EXIT_INTERNAL
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help / --version (0), a bad flag (2, one line from _Parser.error)
+        return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
+    try:
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a reader that went away shows here, not in the exit-time flush
+        return code
     except ConfigError as exc:
         print(f"stagecache {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     except StageMappingInvalid as exc:
         print(f"stagecache {args.command}: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_MAPPING
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        _quiet_stdout()
+        return EXIT_BROKEN_PIPE
+    except Exception as exc:  # noqa: BLE001 - the boundary: a bug, reported in one line + a log
+        return _internal_error(args.command, exc)
 
 
 if __name__ == "__main__":

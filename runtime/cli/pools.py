@@ -12,20 +12,10 @@ import json
 from typing import Any
 
 from ..errors import ConfigError
-from .common import add_layout_args, layout_from_args, positive_int
+from .common import add_layout_args, float_range, layout_from_args, positive_float, positive_int
 
 DEFAULT_MAX_TOTAL_TOKENS = 262_144
 GIB = 1 << 30
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
-    return value
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -38,12 +28,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     size = p.add_mutually_exclusive_group()
     size.add_argument("--max-total-tokens", type=positive_int, default=None,
                       help=f"tokens every stage's pools hold (default {DEFAULT_MAX_TOTAL_TOKENS})")
-    size.add_argument("--mem-budget-gb", type=_positive_float, default=None,
+    size.add_argument("--mem-budget-gb", type=float_range(0.0, 1 << 20, low_open=True), default=None,
                       help="device memory per stage for KV pools, GiB; pages = budget // bytes per token page")
     host = p.add_mutually_exclusive_group()
-    host.add_argument("--hicache-ratio", type=_positive_float, default=None,
+    host.add_argument("--hicache-ratio", type=positive_float, default=None,
                       help="host pages = device pages x ratio (default 2.0, like sglang)")
-    host.add_argument("--hicache-size-gb", type=_positive_float, default=None,
+    host.add_argument("--hicache-size-gb", type=float_range(0.0, 1 << 20, low_open=True), default=None,
                       help="host mirror size per stage, GiB (overrides the ratio)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)

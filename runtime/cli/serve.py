@@ -13,33 +13,52 @@ import json
 import os
 import shutil
 import signal
-import tempfile
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-from stagecache.dashboard.server import DashboardThread, bind_dashboard_socket
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
-from ..serve import run_dir as rd
 from ..serve.options import (
     CPU_HIDDEN_CAP,
     DEFAULT_DEVICE_PAGES,
+    DEFAULT_HEARTBEAT_TIMEOUT_S,
     DEFAULT_HIDDEN,
     DEFAULT_MICRO_BATCH,
     DEFAULT_MODEL,
     DEFAULT_RATE,
     DEFAULT_REQUESTS,
+    HEARTBEAT_INTERVAL_S,
+    MAX_HIDDEN,
+    MAX_REQUESTS,
     WRITE_POLICIES,
     ServeOptions,
     check_host_memory,
     model_hidden_size,
     resolve_device,
 )
-from ..serve.supervisor import Supervisor, summarize
-from .common import add_layout_args, layout_from_args, positive_int
-from .serve_console import Console, Progress, print_summary
+from ..serve.rendezvous import DEFAULT_DIST_HOST, exposure_warning, resolve_dist_host
+from ..serve.run_root import RunDirLock, check_run_dir_flag, new_temp_run_dir, prepare_user_run_dir
+from .common import (
+    add_layout_args,
+    float_range,
+    int_range,
+    layout_from_args,
+    nonneg_float,
+    nonneg_int,
+    nonneg_seconds,
+    port_number,
+    positive_float,
+    positive_int,
+    seconds,
+)
+
+if TYPE_CHECKING:  # the dashboard (FastAPI) and the supervisor load only when serve runs
+    from stagecache.dashboard.server import DashboardThread
+
+    from ..serve.supervisor import Supervisor
+    from .serve_console import Console
 
 
 class _Stop(Exception):
@@ -69,36 +88,6 @@ def _install_signal_handlers() -> dict[int, Any]:
 
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
-    return value
-
-
-def _nonneg_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
-    return value
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a TCP port number, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be 0..65535 (0 = any free port), got {value}")
-    return value
-
-
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
@@ -107,8 +96,8 @@ def register(sub: argparse._SubParsersAction) -> None:
             "Start one process per PP stage (torch.distributed: gloo on CPU, nccl with one GPU per "
             "stage), validate every stage's real pools at startup, replay a request trace through the "
             "pipeline and serve the dashboard + /metrics. Exit 0: trace served; 1: startup validation "
-            "failed (with --exit-on-error or --exit-after-run) or a stage died; 2: bad input; "
-            "130/143: interrupted."
+            "failed or a stage died; 2: bad input; 3: internal error (the traceback's log file is "
+            "named); 130/143: interrupted. docs/serve.md lists every code."
         ),
     )
     add_layout_args(p, default_model=DEFAULT_MODEL)
@@ -117,7 +106,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                       help=f"device token pages per stage (default {DEFAULT_DEVICE_PAGES})")
     size.add_argument("--max-total-tokens", type=positive_int, default=None,
                       help="device capacity in tokens per stage (rounded up to whole pages)")
-    p.add_argument("--hicache-ratio", type=_positive_float, default=2.0,
+    p.add_argument("--hicache-ratio", type=positive_float, default=2.0,
                    help="host pages per device page (default 2.0, as sglang)")
     p.add_argument("--hicache-write-policy", choices=WRITE_POLICIES, default="write_through",
                    help="when device pages are backed up to host (default write_through)")
@@ -125,44 +114,66 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="host pool memory layout (default layer_first)")
     p.add_argument("--trace", default=None, metavar="FILE",
                    help="JSONL request trace (default: a generated multi-turn chat trace)")
-    p.add_argument("--requests", type=positive_int, default=None,
+    p.add_argument("--requests", type=int_range(1, MAX_REQUESTS), default=None,
                    help=f"requests to generate, or to take from --trace (default {DEFAULT_REQUESTS} "
                    "generated; all of --trace)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the generated trace (default 0)")
-    p.add_argument("--micro-batch", type=positive_int, default=DEFAULT_MICRO_BATCH,
+    p.add_argument("--seed", type=nonneg_int, default=0, help="seed of the generated trace (default 0)")
+    p.add_argument("--micro-batch", type=int_range(1, MAX_REQUESTS), default=DEFAULT_MICRO_BATCH,
                    help=f"requests per pipeline micro-batch (default {DEFAULT_MICRO_BATCH})")
-    p.add_argument("--in-flight", type=positive_int, default=None,
+    p.add_argument("--in-flight", type=int_range(1, 1024), default=None,
                    help="micro-batches inside the pipeline at once (default: pp-size)")
-    p.add_argument("--rate", type=_nonneg_float, default=DEFAULT_RATE,
+    p.add_argument("--rate", type=nonneg_float, default=DEFAULT_RATE,
                    help=f"request arrivals per second at stage 0 (default {DEFAULT_RATE:g}, so the "
                    "dashboard can be watched live; 0 = as fast as possible)")
-    p.add_argument("--hidden-size", type=positive_int, default=None,
+    p.add_argument("--hidden-size", type=int_range(1, MAX_HIDDEN), default=None,
                    help="activation width sent between stages (default: the model's hidden_size, "
                    "at most 512 on CPU)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto (default): one GPU per stage with nccl if there are >= pp-size GPUs, "
                    "else CPU with gloo")
-    p.add_argument("--host", default="127.0.0.1", help="dashboard bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=_port, default=8000,
+    p.add_argument("--host", default="127.0.0.1",
+                   help="dashboard bind address (default 127.0.0.1; any other address is warned about: "
+                   "the dashboard has no authentication)")
+    p.add_argument("--port", type=port_number, default=8000,
                    help="dashboard port (default 8000; 0 = any free port)")
     p.add_argument("--no-dashboard", action="store_true", help="do not start the dashboard / metrics server")
+    p.add_argument("--dist-host", default=DEFAULT_DIST_HOST, metavar="ADDR",
+                   help="address the stages' rendezvous (TCPStore) and gloo/nccl data plane bind "
+                   f"(default {DEFAULT_DIST_HOST}; any other address is warned about)")
     p.add_argument("--run-dir", default=None,
                    help="directory for the stages' snapshot files (default: a temporary one, removed at exit)")
+    p.add_argument("--heartbeat-timeout", type=float_range(2 * HEARTBEAT_INTERVAL_S, 3600.0),
+                   default=DEFAULT_HEARTBEAT_TIMEOUT_S, metavar="S",
+                   help="a stage whose last heartbeat is older is not ready (/readyz 503, "
+                   f"stagecache_stage_up 0); default {DEFAULT_HEARTBEAT_TIMEOUT_S:g} s")
     p.add_argument("--exit-on-error", action="store_true",
-                   help="exit 1 as soon as startup validation fails (default: keep the dashboard up)")
+                   help="exit 1 as soon as startup validation fails or a stage fails (default: keep "
+                   "the dashboard and /metrics up, showing the failure, until Ctrl-C)")
     hold = p.add_mutually_exclusive_group()
-    hold.add_argument("--hold-seconds", type=_nonneg_float, default=None,
+    hold.add_argument("--hold-seconds", type=nonneg_seconds, default=None,
                       help="after the run, keep serving the dashboard this long, then exit "
                       "(default: until Ctrl-C)")
     hold.add_argument("--exit-after-run", action="store_true",
                       help="exit as soon as the trace is served (no dashboard hold)")
-    p.add_argument("--startup-timeout", type=_positive_float, default=120.0,
+    p.add_argument("--startup-timeout", type=seconds, default=120.0,
                    help="seconds for every stage to start and report (default 120)")
-    p.add_argument("--dist-timeout", type=_positive_float, default=60.0,
+    p.add_argument("--dist-timeout", type=seconds, default=60.0,
                    help="torch.distributed timeout for init, collectives and p2p (default 60 s)")
     p.add_argument("--json", action="store_true",
                    help="print a machine-readable final summary on stdout (progress goes to stderr)")
     p.set_defaults(func=run)
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    """File and directory flags: exit 2 naming the flag before anything is read or started."""
+    if args.trace is not None:
+        trace = Path(args.trace)
+        if trace.is_dir():
+            raise ConfigError(f"--trace {args.trace!r} is a directory; expected a JSONL trace file")
+        if not trace.is_file():
+            raise ConfigError(f"--trace {args.trace!r}: no such file; expected a JSONL trace file")
+    if args.run_dir is not None:
+        check_run_dir_flag(args.run_dir)
 
 
 def options_from_args(args: argparse.Namespace) -> ServeOptions:
@@ -170,14 +181,14 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
     from ..memory.sizing import check_layout_page_size, pages_for_tokens
     from ..serve.stage_cache import build_trace, check_trace_fits
 
+    _check_paths(args)
     la = layout_from_args(args)  # spec, partition, page size, faults: ConfigError on bad input
     check_layout_page_size(la.spec, la.page_size)
     if args.max_total_tokens is not None:
         device_pages = pages_for_tokens(args.max_total_tokens, la.page_size)
     else:
         device_pages = args.device_pages or DEFAULT_DEVICE_PAGES
-    if args.trace is not None and not Path(args.trace).is_file():
-        raise ConfigError(f"--trace {args.trace!r}: no such file")
+    dist_host, dist_interface = resolve_dist_host(args.dist_host)
     requests = args.requests or (0 if args.trace else DEFAULT_REQUESTS)
     trace = build_trace(args.trace, requests, args.seed)  # TraceError (exit 2) lists bad lines
     check_trace_fits(trace, la.page_size, device_pages, args.micro_batch)
@@ -195,47 +206,37 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
     if not args.hidden_size and device == "cpu":
         hidden = min(hidden, CPU_HIDDEN_CAP)  # a 4096-wide stand-in compute would dominate on CPU
     return ServeOptions(
-        model=args.model,
-        model_name=la.spec.name,
-        pp_size=args.pp_size,
-        tp_size=args.tp_size,
-        pp_partition=partition,
-        page_size=la.page_size,
-        faults=tuple(args.fault),
-        device_pages=device_pages,
-        hicache_ratio=args.hicache_ratio,
-        hicache_write_policy=args.hicache_write_policy,
-        hicache_layout=args.hicache_layout,
-        trace=args.trace,
-        requests=len(trace),
-        seed=args.seed,
-        micro_batch=args.micro_batch,
-        in_flight=args.in_flight,
-        rate=args.rate,
-        hidden_size=hidden,
-        device=device,
-        host=args.host,
-        port=args.port,
-        dashboard=not args.no_dashboard,
-        run_dir=args.run_dir,
+        model=args.model, model_name=la.spec.name, pp_size=args.pp_size, tp_size=args.tp_size,
+        pp_partition=partition, page_size=la.page_size, faults=tuple(args.fault),
+        device_pages=device_pages, hicache_ratio=args.hicache_ratio,
+        hicache_write_policy=args.hicache_write_policy, hicache_layout=args.hicache_layout,
+        trace=args.trace, requests=len(trace), seed=args.seed, micro_batch=args.micro_batch,
+        in_flight=args.in_flight, rate=args.rate, hidden_size=hidden, device=device,
+        host=args.host, port=args.port, dashboard=not args.no_dashboard, run_dir=args.run_dir,
         exit_on_error=args.exit_on_error,
         hold_seconds=0.0 if args.exit_after_run else args.hold_seconds,
-        exit_after_run=args.exit_after_run,
-        startup_timeout=args.startup_timeout,
-        dist_timeout=args.dist_timeout,
-        json=args.json,
+        exit_after_run=args.exit_after_run, startup_timeout=args.startup_timeout,
+        dist_timeout=args.dist_timeout, json=args.json, dist_host=dist_host,
+        dist_interface=dist_interface, heartbeat_timeout=args.heartbeat_timeout,
     )
 
 
+def exposure_warnings(opts: ServeOptions) -> list[str]:
+    """Loud warnings for every listener that is not loopback-only."""
+    out = [exposure_warning("--dist-host", opts.dist_host,
+                            "the stages' rendezvous (torch TCPStore) and gloo/nccl data plane")]
+    if opts.dashboard:
+        out.append(exposure_warning("--host", opts.host, "the dashboard, its JSON API and /metrics"))
+    return [w for w in out if w]
 
 
 def _hold(console: Console, opts: ServeOptions, dash: DashboardThread | None, phase: str) -> None:
     """Keep the dashboard up after the run: ``--hold-seconds`` or until Ctrl-C/SIGTERM."""
     if dash is None or opts.exit_after_run or opts.hold_seconds == 0:
         return
-    if phase == "refused" and opts.exit_on_error:
+    if phase in ("refused", "failed") and opts.exit_on_error:
         return
-    what = "the errors" if phase == "refused" else "the final numbers"
+    what = {"refused": "the errors", "failed": "the failure"}.get(phase, "the final numbers")
     if opts.hold_seconds is None:
         console.print(f"dashboard still serving {what} at {dash.url} -- Ctrl-C to exit")
         while True:
@@ -243,8 +244,6 @@ def _hold(console: Console, opts: ServeOptions, dash: DashboardThread | None, ph
     else:
         console.print(f"dashboard serving {what} at {dash.url} for {opts.hold_seconds:g} s")
         time.sleep(opts.hold_seconds)
-
-
 
 
 def run(args: argparse.Namespace) -> int:
@@ -259,6 +258,7 @@ class _Run:
     console: Console
     run_dir: str
     own_run_dir: bool
+    lock: RunDirLock
     sup: Supervisor
     t0: float = field(default_factory=time.perf_counter)
     dash: DashboardThread | None = None
@@ -266,17 +266,25 @@ class _Run:
     code: int = 1
 
 
-def _prepare_run_dir(opts: ServeOptions) -> tuple[str, bool]:
-    """A temporary run dir (removed at exit), or the user's, emptied of a previous run's files."""
+def _prepare_run_dir(opts: ServeOptions, console: Console) -> tuple[str, bool, RunDirLock]:
+    """A fresh locked temporary run dir (stale ones of killed runs removed first), or the user's."""
     if opts.run_dir is None:
-        return tempfile.mkdtemp(prefix="stagecache-serve-"), True
-    os.makedirs(opts.run_dir, exist_ok=True)
-    for stale in [*Path(opts.run_dir).glob("stage-*.json"), Path(opts.run_dir) / rd.STARTUP_FILE]:
-        stale.unlink(missing_ok=True)
-    return opts.run_dir, False
+        path, lock, removed = new_temp_run_dir()
+        if removed:
+            console.print(f"removed {len(removed)} run dir(s) left by killed runs: "
+                          + ", ".join(str(r) for r in removed), markup=False)
+        return str(path), True, lock
+    try:
+        os.makedirs(opts.run_dir, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--run-dir {opts.run_dir!r}: cannot create: {exc.strerror or exc}; "
+                          "expected a writable directory") from None
+    return opts.run_dir, False, prepare_user_run_dir(Path(opts.run_dir))
 
 
 def _start_dashboard(r: _Run) -> None:
+    from stagecache.dashboard.server import DashboardThread, bind_dashboard_socket
+
     opts = r.opts
     sock = bind_dashboard_socket(opts.host, opts.port)
     r.dash = DashboardThread(r.sup.source, sock, title=f"stagecache {opts.model_name} pp={opts.pp_size}")
@@ -285,12 +293,14 @@ def _start_dashboard(r: _Run) -> None:
     if not r.dash.server.started:
         raise ConfigError(f"the dashboard did not start on {r.dash.url}: "
                           f"{r.dash.error or 'no answer within 10 s'}")
-    r.console.print(f"dashboard: {r.dash.url}  (metrics: {r.dash.url}metrics, "
-                    f"startup probe: {r.dash.url}startupz)")
+    r.console.print(f"dashboard: {r.dash.url}  (metrics: {r.dash.url}metrics, probes: "
+                    f"{r.dash.url}healthz, {r.dash.url}readyz, {r.dash.url}startupz)")
 
 
 def _interrupted(r: _Run, stop: _Stop) -> int:
     from rich.markup import escape
+
+    from ..serve.supervisor import summarize
 
     refused = r.sup.phase == "refused"  # validation already failed: that stays the outcome
     r.sup.phase = "refused" if refused else "interrupted"
@@ -306,14 +316,15 @@ def _finished(r: _Run, phase: str) -> int:
     """Print the outcome, then hold the dashboard up if asked to; the exit code of the run."""
     from rich.markup import escape
 
+    from ..serve.supervisor import summarize
+    from .serve_console import print_summary
+
     r.summary = summarize(r.opts, r.sup, time.perf_counter() - r.t0)
     code = r.summary["exit_code"]
     if phase == "failed":
         r.console.print(f"[red]run stopped: {escape(r.sup.failure or '')}[/red]")
     print_summary(r.console, r.summary)
-    if phase == "failed":
-        return code
-    if phase == "refused" and r.opts.exit_on_error:
+    if phase in ("refused", "failed") and r.opts.exit_on_error:
         r.console.print("[red]exiting: --exit-on-error[/red]")
         return code
     try:
@@ -332,20 +343,26 @@ def _close(r: _Run, old_handlers: dict[int, Any]) -> None:
     if r.opts.json and r.summary is not None:
         r.summary["exit_code"] = r.code
         print(json.dumps(r.summary, indent=2, default=str), flush=True)
+    r.lock.release()
     if r.own_run_dir:
         shutil.rmtree(r.run_dir, ignore_errors=True)
 
 
 def serve(opts: ServeOptions) -> int:
     """Run ``stagecache serve``; returns the process exit code."""
+    from ..serve.supervisor import Supervisor
+    from .serve_console import Console, Progress
+
     console = Console(opts.json)
-    run_dir, own = _prepare_run_dir(opts)
+    run_dir, own, lock = _prepare_run_dir(opts, console)
     sup = Supervisor(opts, run_dir, log=lambda text: console.print(text, markup=False))
-    r = _Run(opts, console, run_dir, own, sup)
+    r = _Run(opts, console, run_dir, own, lock, sup)
     old_handlers = _install_signal_handlers()
     try:
         if opts.dashboard:
             _start_dashboard(r)
+        for warning in exposure_warnings(opts):  # once the addresses are known to work
+            print(warning, file=sys.stderr, flush=True)
         console.print(f"run dir: {run_dir}", markup=False)
         try:
             sup.start()

@@ -7,10 +7,11 @@ carries only the JSON summary.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..serve.live import StageLive
-from ..serve.options import ServeOptions
+if TYPE_CHECKING:
+    from ..serve.live import StageLive
+    from ..serve.options import ServeOptions
 
 
 class Console:
@@ -58,6 +59,8 @@ class Progress:
             self.task = self.bar.add_task("trace", total=None, info="")
 
     def update(self, stages: dict[int, StageLive]) -> None:
+        from ..serve.live import StageLive
+
         if self.task is None or not stages:
             return
         last = stages.get(self.opts.pp_size - 1) or StageLive(stage=self.opts.pp_size - 1)

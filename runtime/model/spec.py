@@ -9,6 +9,7 @@ the spec: unknown ratios, wrong list lengths and non-positive sizes are
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -139,11 +140,48 @@ def spec_from_config(cfg: dict[str, Any], name: str = "custom") -> ModelSpec:
     )
 
 
-def load_spec(model: str) -> ModelSpec:
-    """A preset name (``deepseek-v4-flash``, ``tiny-v4``) or a path to a config.json."""
+#: A DeepSeek-V4 config.json is a few KB; a file past these limits is not a model config.
+MAX_CONFIG_BYTES = 1 << 20
+MAX_CONFIG_DEPTH = 32
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_BRACKETS = re.compile(r"[\[\]{}]")
+
+
+def json_depth(text: str) -> int:
+    """Deepest nesting of arrays/objects in JSON ``text`` (strings skipped), without parsing it."""
+    depth = deepest = 0
+    for m in _BRACKETS.finditer(_JSON_STRING.sub("", text)):
+        depth += 1 if m.group() in "[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def read_config_text(path: Path) -> str:
+    """A config file's text, read at most ``MAX_CONFIG_BYTES + 1`` bytes (never the whole of a
+    huge file or an endless stream), strict UTF-8; every failure is a one-line ``ConfigError``."""
+    where = f"model config {str(path)!r}"
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"cannot read {where}: {exc.strerror or exc}; expected a readable "
+                          "config.json") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{where} is larger than {MAX_CONFIG_BYTES} bytes; expected a "
+                          "Hugging Face config.json (a few KB)")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{where} is not UTF-8 text (byte {exc.start}: {exc.reason}); "
+                          "expected a JSON config.json") from None
+
+
+def load_config(model: str) -> tuple[dict[str, Any], str]:
+    """The parsed config of a preset name or a config.json path (file or its directory), and its
+    name; size, depth, encoding and JSON errors are ``ConfigError`` naming the file."""
     if model in PRESETS:
         text = resources.files("stagecache.runtime.model").joinpath("presets", PRESETS[model]).read_text()
-        return spec_from_config(json.loads(text), name=model)
+        return json.loads(text), model
     path = Path(model)
     if not path.suffix == ".json" and not path.exists():
         raise ConfigError(
@@ -151,17 +189,24 @@ def load_spec(model: str) -> ModelSpec:
         )
     if path.is_dir():
         path = path / "config.json"
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read model config {str(path)!r}: {exc.strerror or exc}") from None
+    text = read_config_text(path)
+    depth = json_depth(text)
+    if depth > MAX_CONFIG_DEPTH:
+        raise ConfigError(f"model config {str(path)!r} nests {depth} levels deep; expected at most "
+                          f"{MAX_CONFIG_DEPTH} (a Hugging Face config.json)")
     try:
         cfg = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(
             f"model config {str(path)!r} is not valid JSON: {exc.msg} at line {exc.lineno}"
         ) from None
-    return spec_from_config(cfg, name=str(path))
+    return cfg, str(path)
+
+
+def load_spec(model: str) -> ModelSpec:
+    """A preset name (``deepseek-v4-flash``, ``tiny-v4``) or a path to a config.json."""
+    cfg, name = load_config(model)
+    return spec_from_config(cfg, name=name)
 
 
 def check_page_size(spec: ModelSpec, page_size: int) -> int:

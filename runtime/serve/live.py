@@ -112,6 +112,8 @@ class StageLive(_Model):
     model_name: str = ""
     tp_rank: int = Field(0, description="tensor-parallel rank whose numbers these are (KV is replicated)")
     time: float = Field(0.0, description="unix time of this report")
+    heartbeat_at: float | None = Field(
+        None, description="unix time of the stage process's last heartbeat (None: never beat)")
     pid: int | None = None
     phase: str = Field("starting", description="starting, serving, refused, done or failed")
     error: str | None = Field(None, description="the stage's own last error, if it failed")
@@ -151,3 +153,28 @@ class StageLive(_Model):
     def bubble_fraction(self) -> float:
         busy = self.stage_seconds + self.bubble_seconds
         return self.bubble_seconds / busy if busy > 0 else 0.0
+
+
+class RunInfo(_Model):
+    """The serving parent's view of the run (``run.json``): phase, processes, the failure.
+
+    Written by the supervisor, read by the dashboard, the probes and the exporter
+    (through ``RunDirSource.run()``), so "which stage failed, why, and when" is one
+    typed record that survives the failed stage and stays until the parent exits.
+    """
+
+    phase: str = Field("starting",
+                       description="starting, serving, done, refused, failed or interrupted")
+    failure: str | None = Field(None, description="why the run stopped, naming the stage")
+    failed_stage: int | None = Field(None, description="the stage the failure names, if one")
+    failed_at: float | None = Field(None, description="unix time the failure was detected")
+    pp_size: int = 0
+    model: str = ""
+    device: str = ""
+    url: str | None = None
+    parent_pid: int | None = None
+    pids: dict[int, int | None] = Field(default_factory=dict)
+    exit_codes: dict[int, int | None] = Field(default_factory=dict)
+    heartbeat_timeout_s: float = Field(5.0, description="a stage with an older heartbeat is down")
+    started_at: float = 0.0
+    time: float = Field(0.0, description="unix time the parent last wrote this file")

@@ -7,12 +7,8 @@ field is copied from one to the other, so a new option needs one field here.
 
 from __future__ import annotations
 
-import json
 import os
-import socket
 from dataclasses import dataclass
-from importlib import resources
-from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
@@ -24,6 +20,12 @@ DEFAULT_RATE = 20.0
 DEFAULT_MICRO_BATCH = 4
 DEFAULT_HIDDEN = 256
 CPU_HIDDEN_CAP = 512
+#: Upper bounds of flags whose size is otherwise only limited by memory (each stage holds the trace).
+MAX_REQUESTS = 100_000
+MAX_HIDDEN = 65_536
+#: A stage beats this often; one whose last beat is older than the timeout is down (liveness.py).
+HEARTBEAT_INTERVAL_S = 1.0
+DEFAULT_HEARTBEAT_TIMEOUT_S = 5.0
 WRITE_POLICIES = ("write_through", "write_back", "write_through_selective")
 
 
@@ -60,6 +62,9 @@ class ServeOptions:
     dist_timeout: float
     json: bool
     model_name: str = ""
+    dist_host: str = "127.0.0.1"  # resolved IP literal the rendezvous and data plane bind
+    dist_interface: str = "lo"  # the interface carrying dist_host (gloo/nccl SOCKET_IFNAME)
+    heartbeat_timeout: float = 5.0  # a stage with an older heartbeat is not ready / not up
 
 
 @dataclass(frozen=True)
@@ -69,7 +74,6 @@ class StageConfig:
     rank: int
     opts: ServeOptions
     run_dir: str
-    master_port: int
     parent_pid: int = 0
 
     @property
@@ -88,18 +92,13 @@ class StageConfig:
 
 def model_hidden_size(model: str) -> int | None:
     """``hidden_size`` of a preset or config.json (the spec does not keep it: the KV cache needs none)."""
-    from ..model.spec import PRESETS
+    from ..model.spec import load_config
 
     try:
-        if model in PRESETS:
-            text = resources.files("stagecache.runtime.model").joinpath("presets", PRESETS[model]).read_text()
-        else:
-            path = Path(model)
-            text = (path / "config.json" if path.is_dir() else path).read_text()
-        value = json.loads(text).get("hidden_size")
-    except (OSError, ValueError, AttributeError):
+        value = load_config(model)[0].get("hidden_size")
+    except (ConfigError, AttributeError):
         return None
-    return value if isinstance(value, int) and value > 0 else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _may_have_gpu() -> bool:
@@ -154,9 +153,3 @@ def check_host_memory(la: Any, device_pages: int, hicache_ratio: float, device: 
             f"({device_pages} device pages, {host_pages} host pages per stage), only "
             f"{_fmt_bytes(avail)} available; lower --device-pages/--max-total-tokens or --hicache-ratio"
         )
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

@@ -14,14 +14,18 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .live import StageLive
+from .live import RunInfo, StageLive
+from .liveness import Liveness, assess
 
 STARTUP_FILE = "startup.json"
 RUN_FILE = "run.json"
 SNAPSHOT_FILE = "snapshot.json"
+RENDEZVOUS_FILE = "rendezvous.json"
 
 
 def stage_file(run_dir: str | os.PathLike[str], stage: int) -> Path:
@@ -52,60 +56,118 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
 def read_json(path: str | os.PathLike[str]) -> Any | None:
     """The parsed file, or None when it does not exist (yet)."""
     try:
-        with open(path) as f:
-            return json.load(f)
+        with open(path, "rb") as f:
+            return json.loads(f.read())
     except FileNotFoundError:
         return None
-    except json.JSONDecodeError:
+    except ValueError:
         # Only a non-atomic writer could cause this; treat it as "not there yet".
         return None
 
 
 def read_stage_files(run_dir: str | os.PathLike[str]) -> dict[int, StageLive]:
-    """Every ``stage-<k>.json`` in the directory, parsed, by stage id.
+    """Every ``stage-<k>.json`` in the directory, parsed, by stage id (no caching).
 
     A file that does not parse as a ``StageLive`` is skipped like a missing one:
     only a non-atomic writer (or a stranger's file) can produce it.
     """
-    out: dict[int, StageLive] = {}
-    for p in Path(run_dir).glob("stage-*.json"):
+    return ParsedFiles().stages(run_dir)
+
+
+def _stage_id(name: str) -> int | None:
+    if not (name.startswith("stage-") and name.endswith(".json")):
+        return None
+    text = name[len("stage-"):-len(".json")]
+    return int(text) if text.isdigit() else None
+
+
+class ParsedFiles:
+    """Parsed run-dir files, parsed again only when a file changed (inode, mtime, size).
+
+    The writers replace files whole (``os.replace``), so a changed file always has
+    a new signature; between changes every reader (each scrape, each API call, the
+    supervisor) gets the already-parsed model for the cost of one ``stat``.
+    """
+
+    def __init__(self) -> None:
+        self._cache: dict[str, tuple[tuple[int, int, int], Any]] = {}
+
+    def get(self, path: str, parse: Callable[[bytes], Any]) -> Any | None:
         try:
-            stage = int(p.stem.split("-", 1)[1])
-            live = StageLive.model_validate_json(p.read_bytes())
-        except (ValueError, OSError):  # pydantic's ValidationError is a ValueError
-            continue
-        out[stage] = live.model_copy(update={"stage": stage})
-    return dict(sorted(out.items()))
+            st = os.stat(path)
+        except OSError:
+            self._cache.pop(path, None)
+            return None
+        sig = (st.st_ino, st.st_mtime_ns, st.st_size)
+        hit = self._cache.get(path)
+        if hit is not None and hit[0] == sig:
+            return hit[1]
+        try:
+            with open(path, "rb") as f:
+                value = parse(f.read())
+        except (OSError, ValueError):  # pydantic's ValidationError is a ValueError
+            value = None
+        self._cache[path] = (sig, value)
+        return value
+
+    def stages(self, run_dir: str | os.PathLike[str]) -> dict[int, StageLive]:
+        out: dict[int, StageLive] = {}
+        try:
+            entries = list(os.scandir(run_dir))
+        except OSError:
+            return out
+        for entry in entries:
+            stage = _stage_id(entry.name)
+            if stage is None:
+                continue
+            live = self.get(entry.path, lambda b, k=stage: _parse_stage(b, k))
+            if live is not None:
+                out[stage] = live
+        return dict(sorted(out.items()))
+
+
+def _parse_stage(data: bytes, stage: int) -> StageLive:
+    live = StageLive.model_validate_json(data)
+    return live if live.stage == stage else live.model_copy(update={"stage": stage})
+
+
+def _parse_dict(data: bytes) -> dict[str, Any] | None:
+    value = json.loads(data)
+    return value if isinstance(value, dict) else None
 
 
 class RunDirSource:
-    """What the stage processes last reported, read afresh from the run directory on every call.
+    """What the stage processes last reported, read from the run directory on every call.
 
     The dashboard and ``/metrics`` (both in the parent process) read this, so they
     always show the stages' latest numbers, and a stage that died still shows the
-    last numbers it reported.  A scrape costs a few small JSON files.
+    last numbers it reported.  Unchanged files are not parsed again (``ParsedFiles``).
     """
 
     def __init__(self, run_dir: str | os.PathLike[str]):
         self.run_dir = Path(run_dir)
+        self._files = ParsedFiles()
 
     def startup(self) -> dict[str, Any] | None:
         """The startup report rank 0 wrote, or None while stages are still starting."""
-        data = read_json(self.run_dir / STARTUP_FILE)
-        return data if isinstance(data, dict) else None
+        return self._files.get(str(self.run_dir / STARTUP_FILE), _parse_dict)
 
     def stages(self) -> dict[int, StageLive]:
-        return read_stage_files(self.run_dir)
+        return self._files.stages(self.run_dir)
 
-    def run(self) -> dict[str, Any] | None:
-        """The parent's view: phase (starting/serving/done/refused/failed), pids, failure message."""
-        data = read_json(self.run_dir / RUN_FILE)
-        return data if isinstance(data, dict) else None
+    def run(self) -> RunInfo | None:
+        """The parent's view: phase, pids, exit codes, the failure (None before it wrote one)."""
+        return self._files.get(str(self.run_dir / RUN_FILE), RunInfo.model_validate_json)
+
+    def liveness(self, now: float | None = None) -> Liveness:
+        """The readiness verdict over what the directory holds now (``liveness.assess``)."""
+        return assess(self.run(), self.startup(), self.stages(), time.time() if now is None else now)
 
     def snapshot(self) -> dict[str, Any]:
         """One JSON document with everything: ``{"run", "startup", "stages"}`` (``snapshot.json``)."""
+        run = self.run()
         return {
-            "run": self.run(),
+            "run": run.model_dump(mode="json") if run is not None else None,
             "startup": self.startup(),
             "stages": {str(k): v.model_dump(mode="json") for k, v in self.stages().items()},
         }

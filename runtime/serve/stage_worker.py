@@ -29,7 +29,9 @@ import time
 import traceback
 from typing import Any
 
+from ..crash_log import write_crash_log
 from . import run_dir as rd
+from .heartbeat import Heartbeat, StageFile
 from .options import StageConfig
 
 EXIT_OK = 0
@@ -86,7 +88,8 @@ def stage_main(cfg: StageConfig) -> None:
         _note_failure(cfg, worker, f"lost a peer: {exc}", code)
     except Exception as exc:  # report the failure in one line + the stage file, not a bare traceback
         code = EXIT_FAILED
-        detail = f"{type(exc).__name__}: {exc}"
+        log = write_crash_log(f"stage-{cfg.rank}", exc)
+        detail = f"{type(exc).__name__}: {exc}" + (f" (traceback: {log})" if log else "")
         _note_failure(cfg, worker, detail, code)
         print(f"stage {cfg.rank}: error: {detail}", file=sys.stderr, flush=True)
         if os.environ.get("STAGECACHE_DEBUG"):
@@ -104,9 +107,11 @@ def _note_failure(cfg: StageConfig, worker: StageWorker | None, message: str, co
         if worker is not None:
             worker.publish(phase="failed", error=message, force=True)
         else:
-            rd.write_json_atomic(rd.stage_file(cfg.run_dir, cfg.rank),
-                                 {"stage": cfg.rank, "pid": os.getpid(), "phase": "failed",
-                                  "error": message, "exit_code": code})
+            from .live import StageLive
+
+            live = StageLive(stage=cfg.rank, time=time.time(), pid=os.getpid(), phase="failed",
+                             error=message)
+            rd.write_text_atomic(rd.stage_file(cfg.run_dir, cfg.rank), live.model_dump_json())
     except OSError:
         pass
 
@@ -139,6 +144,8 @@ class StageWorker:
         self.t_start = time.time()
         self._last_publish = 0.0
         self.dist_ready = False
+        self.stage_file = StageFile(rd.stage_file(cfg.run_dir, cfg.rank))
+        self.heartbeat: Heartbeat | None = None
         self.layout = build_layout(load_spec(cfg.opts.model), cfg.opts.pp_size, cfg.opts.tp_size, cfg.opts.pp_partition)
         self.faults = parse_faults(cfg.opts.faults, cfg.opts.pp_size)
         self.faulty_layout = apply_layout_faults(self.layout, self.faults)
@@ -151,6 +158,7 @@ class StageWorker:
         self.total_micro_batches = 0
         self.total_requests = 0
         self.publish(force=True)
+        self.heartbeat = Heartbeat(self.stage_file).start()
 
     # -- lifecycle --------------------------------------------------------------------------------
     def run(self) -> None:
@@ -178,6 +186,8 @@ class StageWorker:
         self._call(lambda: dist.barrier())
 
     def close(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         if self.dist_ready:
             try:
                 import torch.distributed as dist
@@ -197,16 +207,22 @@ class StageWorker:
             raise
 
     def _init_dist(self) -> None:
+        """Rendezvous and data plane on ``--dist-host`` only (``rendezvous``: loopback by default)."""
         import torch
         import torch.distributed as dist
+
+        from .rendezvous import data_plane_env, make_store
 
         cfg = self.cfg
         if cfg.opts.device == "cuda":
             torch.cuda.set_device(self.rank)
+        os.environ.update(data_plane_env(cfg.opts.dist_interface))
         timeout = datetime.timedelta(seconds=cfg.opts.dist_timeout)
+        store = self._call(lambda: make_store(
+            self.rank, cfg.opts.pp_size, cfg.opts.dist_host, cfg.run_dir, cfg.opts.dist_timeout,
+            alive=lambda: _parent_alive(cfg.parent_pid)))
         self._call(lambda: dist.init_process_group(
-            cfg.backend, init_method=f"tcp://127.0.0.1:{cfg.master_port}",
-            rank=self.rank, world_size=cfg.opts.pp_size, timeout=timeout,
+            cfg.backend, store=store, rank=self.rank, world_size=cfg.opts.pp_size, timeout=timeout,
         ))
         self.dist_ready = True
 
@@ -298,4 +314,4 @@ class StageWorker:
         if not force and now - self._last_publish < PUBLISH_INTERVAL_S:
             return
         self._last_publish = now
-        rd.write_text_atomic(rd.stage_file(self.cfg.run_dir, self.rank), self.live().model_dump_json())
+        self.stage_file.publish(self.live())

@@ -28,8 +28,9 @@ from typing import Any, Protocol
 
 from ..errors import ConfigError
 from . import run_dir as rd
-from .live import StageLive
-from .options import ServeOptions, StageConfig, free_port
+from .live import RunInfo, StageLive
+from .liveness import assess
+from .options import ServeOptions, StageConfig
 from .run_dir import RunDirSource
 
 SUPERVISE_INTERVAL_S = 0.2
@@ -79,27 +80,35 @@ class Supervisor:
         self.procs: list[StageProc] = []
         self.phase = "starting"
         self.failure: str | None = None
+        self.failed_stage: int | None = None
+        self.failed_at: float | None = None
+        self.stale: set[int] = set()  # stages whose heartbeat the supervisor saw go stale
         self.started_at = time.time()
         self.url: str | None = None
         self.exit_codes: dict[int, int | None] = {}
 
     # -- run.json / snapshot.json ------------------------------------------------------------------
+    def run_info(self) -> RunInfo:
+        return RunInfo(
+            phase=self.phase, failure=self.failure, failed_stage=self.failed_stage,
+            failed_at=self.failed_at, pp_size=self.opts.pp_size, model=self.opts.model_name,
+            device=self.opts.device, url=self.url, parent_pid=os.getpid(),
+            pids={p.rank: p.pid for p in self.procs},
+            exit_codes={p.rank: p.exitcode for p in self.procs},
+            heartbeat_timeout_s=self.opts.heartbeat_timeout, started_at=self.started_at,
+            time=time.time(),
+        )
+
     def write_run_file(self) -> None:
-        data = {
-            "phase": self.phase,
-            "failure": self.failure,
-            "pp_size": self.opts.pp_size,
-            "model": self.opts.model_name,
-            "device": self.opts.device,
-            "url": self.url,
-            "parent_pid": os.getpid(),
-            "pids": {str(p.rank): p.pid for p in self.procs},
-            "exit_codes": {str(p.rank): p.exitcode for p in self.procs},
-            "started_at": self.started_at,
-            "time": time.time(),
-        }
-        rd.write_json_atomic(Path(self.run_dir) / rd.RUN_FILE, data)
+        rd.write_text_atomic(Path(self.run_dir) / rd.RUN_FILE, self.run_info().model_dump_json())
         rd.write_json_atomic(Path(self.run_dir) / rd.SNAPSHOT_FILE, self.source.snapshot())
+
+    def fail(self, why: str, stage: int | None) -> None:
+        """Record the failure once: what, which stage, when (kept in run.json until exit)."""
+        self.phase = "failed"
+        self.failure = why
+        self.failed_stage = stage
+        self.failed_at = time.time()
 
     # -- processes ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -116,9 +125,8 @@ class Supervisor:
         ctx = mp.get_context(method)
         if method == "forkserver":
             ctx.set_forkserver_preload(list(STAGE_PRELOAD))
-        master_port = free_port()
         for rank in range(self.opts.pp_size):
-            cfg = StageConfig(rank, self.opts, self.run_dir, master_port, os.getpid())
+            cfg = StageConfig(rank, self.opts, self.run_dir, os.getpid())
             proc = ctx.Process(target=stage_main, args=(cfg,), name=f"stagecache-stage-{rank}", daemon=False)
             proc.start()
             self.procs.append(StageProc(rank, proc))
@@ -145,8 +153,8 @@ class Supervisor:
         for p in self.procs:
             self.exit_codes[p.rank] = p.exitcode
 
-    def _dead_stage(self, first_seen: dict[int, float]) -> str | None:
-        """Why the run must stop, naming the stage that failed rather than the peers that noticed.
+    def _dead_stage(self, first_seen: dict[int, float]) -> tuple[str, int | None] | None:
+        """Why the run must stop and which stage, naming the stage that failed, not the peers.
 
         A stage that exits on its own (code 1, or a signal) is the cause.  Stages that
         exit with ``EXIT_PEER_LOST`` only noticed; after a short grace, if some stage is
@@ -167,7 +175,8 @@ class Supervisor:
             return None
         real = [p for p in failed if p.exitcode != EXIT_PEER_LOST]
         if real:
-            return self.failure_message(min(real, key=lambda p: (first_seen[p.rank], p.rank)))
+            first = min(real, key=lambda p: (first_seen[p.rank], p.rank))
+            return self.failure_message(first), first.rank
         if now - min(first_seen[p.rank] for p in failed) < PEER_LOST_GRACE_S and not all(
             p.exitcode is not None for p in self.procs
         ):
@@ -177,8 +186,9 @@ class Supervisor:
             gave_up = ", ".join(str(p.rank) for p in failed)
             names = " and ".join(f"stage {p.rank} (pid {p.pid})" for p in stuck)
             return (f"{names} stopped responding: stage(s) {gave_up} lost contact with it "
-                    f"(torch.distributed timeout {self.opts.dist_timeout:g} s)")
-        return self.failure_message(min(failed, key=lambda p: (first_seen[p.rank], p.rank)))
+                    f"(torch.distributed timeout {self.opts.dist_timeout:g} s)"), stuck[0].rank
+        first = min(failed, key=lambda p: (first_seen[p.rank], p.rank))
+        return self.failure_message(first), first.rank
 
     def failure_message(self, p: StageProc) -> str:
         code = p.exitcode
@@ -190,49 +200,69 @@ class Supervisor:
             msg += f": {own}"
         return msg
 
+    def _watch_heartbeats(self, stages: dict[int, StageLive]) -> None:
+        """Say when a live stage stops beating (SIGSTOP, wedged) and when it beats again.
+
+        Readiness and ``stagecache_stage_up`` already follow from the same verdict;
+        this puts the transition on the console while the run goes on (its peers
+        time out after ``--dist-timeout`` and the run then fails naming it).
+        """
+        if self.phase not in ("starting", "serving"):
+            return
+        verdict = assess(self.run_info(), None, stages, time.time())
+        for h in verdict.stages:
+            stale = h.exit_code is None and h.reason is not None and h.reason.startswith("no heartbeat")
+            if stale and h.stage not in self.stale:
+                self.stale.add(h.stage)
+                self.log(f"stage {h.stage} (pid {h.pid}): {h.reason}; not ready (stopped or stuck?)")
+            elif not stale and h.stage in self.stale and h.up:
+                self.stale.discard(h.stage)
+                self.log(f"stage {h.stage} (pid {h.pid}): heartbeat again")
+
+    def _step(self, first_seen: dict[int, float], deadline: float,
+              progress: Observer) -> bool:
+        """One supervisor tick; True when the run is over (done, refused or failed)."""
+        report = self.source.startup()
+        if self.phase == "starting" and report is not None:
+            self.phase = "serving" if report.get("ok") else "refused"
+            self.write_run_file()
+            progress.startup(report)
+        stages = self.source.stages()
+        progress.update(stages)
+        self._watch_heartbeats(stages)
+        dead = self._dead_stage(first_seen)
+        if dead is not None:
+            self.fail(*dead)
+            return True
+        if all(p.exitcode is not None for p in self.procs):
+            if self.phase == "starting":
+                self.fail("every stage exited before startup validation was reported", None)
+            elif self.phase == "serving":
+                self.phase = "done"
+            return True
+        if self.phase == "starting" and time.monotonic() > deadline:
+            waiting = [str(k) for k in range(self.opts.pp_size)
+                       if k not in stages or stages[k].phase == "starting"]
+            self.fail(f"startup did not complete within {self.opts.startup_timeout:g} s "
+                      f"(stages still starting: {', '.join(waiting) or 'none'})", None)
+            return True
+        return False
+
     # -- the supervisor loop ----------------------------------------------------------------------
     def supervise(self, progress: Observer) -> str:
         """Run until the trace is served ('done'), startup refused ('refused') or a stage failed."""
         first_seen: dict[int, float] = {}
-        startup_deadline = time.monotonic() + self.opts.startup_timeout
+        deadline = time.monotonic() + self.opts.startup_timeout
         last_write = 0.0
-        while True:
-            report = self.source.startup()
-            if self.phase == "starting" and report is not None:
-                self.phase = "serving" if report.get("ok") else "refused"
-                self.write_run_file()
-                progress.startup(report)
-            stages = self.source.stages()
-            progress.update(stages)
-            why = self._dead_stage(first_seen)
-            if why is not None:
-                self.phase = "failed"
-                self.failure = why
-                break
-            if all(p.exitcode is not None for p in self.procs):
-                if self.phase == "starting":
-                    self.phase = "failed"
-                    self.failure = "every stage exited before startup validation was reported"
-                elif self.phase == "serving":
-                    self.phase = "done"
-                break
-            if self.phase == "starting" and time.monotonic() > startup_deadline:
-                waiting = [str(k) for k in range(self.opts.pp_size)
-                           if k not in stages or stages[k].phase == "starting"]
-                self.phase = "failed"
-                self.failure = (f"startup did not complete within {self.opts.startup_timeout:g} s "
-                                f"(stages still starting: {', '.join(waiting) or 'none'})")
-                break
+        while not self._step(first_seen, deadline, progress):
             if time.monotonic() - last_write > 0.5:
                 self.write_run_file()
                 last_write = time.monotonic()
             time.sleep(SUPERVISE_INTERVAL_S)
-        if self.phase in ("failed",):
-            self.stop()
-        else:
+        if self.phase != "failed":
             for p in self.procs:
                 p.process.join(5.0)
-            self.stop()
+        self.stop()
         progress.update(self.source.stages())
         self.write_run_file()
         return self.phase

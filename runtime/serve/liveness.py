@@ -1,0 +1,159 @@
+"""Is each stage up, and is the run ready?  One pure verdict for the probes and the exporter.
+
+Kubernetes separates three questions, and so does ``serve``:
+
+* liveness (``/healthz``): does the serving process answer?  Answering is the proof.
+* startup (``/startupz``): did startup validation pass?  The startup report says.
+* readiness (``/readyz``): can the pipeline take work *now*?  Every stage process
+  alive, its layer map valid, and a heartbeat newer than the heartbeat timeout.
+
+A stage process beats from a thread of its own (``stage_worker.Heartbeat``), so a
+stage that waits in a collective still beats, while a stage that is stopped
+(SIGSTOP), killed or wedged stops beating.  The verdict is computed from what the
+run directory holds and the clock -- nothing here is stored -- so ``/readyz``,
+``stagecache_stage_up`` and the supervisor can never disagree about a stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .live import RunInfo, StageLive
+from .options import DEFAULT_HEARTBEAT_TIMEOUT_S, HEARTBEAT_INTERVAL_S
+
+__all__ = ["DEFAULT_HEARTBEAT_TIMEOUT_S", "HEARTBEAT_INTERVAL_S", "Liveness", "StageHealth",
+           "assess", "liveness_of", "run_of"]
+
+
+class StageHealth(BaseModel):
+    """One stage's liveness: up or not, and the reason when not."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    stage: int
+    up: bool
+    pid: int | None = None
+    phase: str = "unknown"
+    exit_code: int | None = None
+    heartbeat_at: float | None = Field(None, description="unix time of the last heartbeat")
+    heartbeat_age_s: float | None = None
+    error: str | None = Field(None, description="the stage's own last error")
+    reason: str | None = Field(None, description="why the stage is not up")
+
+
+class Liveness(BaseModel):
+    """The run's readiness, with the stages and the reasons (the ``/readyz`` body)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ready: bool
+    phase: str = Field(description="the run's phase, 'unknown' without a serving parent")
+    startup_ok: bool | None = Field(description="startup validation (None: not reported yet)")
+    heartbeat_timeout_s: float
+    failure: str | None = None
+    failed_stage: int | None = None
+    failed_at: float | None = None
+    stages: list[StageHealth]
+    reasons: list[str] = Field(description="why the run is not ready (empty when ready)")
+    time: float
+
+
+def as_live(value: Any) -> StageLive | None:
+    """A source's stage entry as a ``StageLive`` (third-party sources may hand out dicts);
+    an entry that does not validate counts as no report."""
+    if value is None or isinstance(value, StageLive):
+        return value
+    try:
+        return StageLive.model_validate(value)
+    except ValueError:
+        return None
+
+
+def last_beat(live: StageLive) -> float | None:
+    """The newest sign of life: the heartbeat, or a report (sources without a heartbeat thread)."""
+    times = [t for t in (live.heartbeat_at, live.time) if t]
+    return max(times) if times else None
+
+
+def stage_health(stage: int, live: StageLive | None, exit_code: int | None, now: float,
+                 timeout: float) -> StageHealth:
+    """One stage's verdict: exited, failed, never beat, stale heartbeat, or up."""
+    beat = last_beat(live) if live is not None else None
+    age = max(0.0, now - beat) if beat is not None else None
+    base = {"stage": stage, "pid": live.pid if live else None,
+            "phase": live.phase if live else "unknown", "exit_code": exit_code,
+            "heartbeat_at": beat, "heartbeat_age_s": age, "error": live.error if live else None}
+    if exit_code is not None:
+        return StageHealth(**base, up=False, reason=f"process exited with code {exit_code}")
+    if live is None:
+        return StageHealth(**base, up=False, reason="has not reported yet")
+    if live.phase in ("failed", "done", "refused"):
+        why = f"failed: {live.error}" if live.phase == "failed" else f"phase {live.phase}"
+        return StageHealth(**base, up=False, reason=why)
+    if age is None:
+        return StageHealth(**base, up=False, reason="no heartbeat yet")
+    if age > timeout:
+        return StageHealth(**base, up=False,
+                           reason=f"no heartbeat for {age:.1f} s (limit {timeout:g} s)")
+    return StageHealth(**base, up=True)
+
+
+def _startup_ok(startup: Mapping[str, Any] | None) -> bool | None:
+    return None if startup is None else bool(startup.get("ok"))
+
+
+def assess(run: RunInfo | None, startup: Mapping[str, Any] | None,
+           stages: Mapping[int, Any], now: float,
+           heartbeat_timeout: float | None = None) -> Liveness:
+    """The verdict for ``/readyz`` and ``stagecache_stage_up`` (pure: same inputs, same answer).
+
+    Without ``run`` (a source with no serving parent: a preflight view, an sglang
+    process) only the stages' own reports and heartbeats count.
+    """
+    timeout = heartbeat_timeout or (run.heartbeat_timeout_s if run else DEFAULT_HEARTBEAT_TIMEOUT_S)
+    ids = sorted(set(range(run.pp_size)) | set(stages)) if run and run.pp_size else sorted(stages)
+    health = []
+    for k in ids:
+        code = run.exit_codes.get(k) if run else None
+        health.append(stage_health(k, as_live(stages.get(k)), code, now, timeout))
+    ok = _startup_ok(startup)
+    reasons = []
+    if run is not None and run.phase != "serving":
+        reasons.append(f"run is {run.phase}" + (f": {run.failure}" if run.failure else ""))
+    if ok is None:
+        reasons.append("startup validation has not been reported yet")
+    elif not ok:
+        reasons.append("startup validation failed (see /startupz)")
+    if not health:
+        reasons.append("no stage reports live numbers")
+    reasons += [f"stage {h.stage}: {h.reason}" for h in health if not h.up]
+    return Liveness(
+        ready=not reasons, phase=run.phase if run else "unknown", startup_ok=ok,
+        heartbeat_timeout_s=timeout, failure=run.failure if run else None,
+        failed_stage=run.failed_stage if run else None, failed_at=run.failed_at if run else None,
+        stages=health, reasons=reasons, time=now,
+    )
+
+
+def run_of(source: Any) -> RunInfo | None:
+    """The serving parent's ``RunInfo`` when the source has one (``RunDirSource``), else None.
+
+    A third-party source may hand out the record as a plain mapping; it is validated
+    here, and one that does not validate counts as no record.
+    """
+    run = getattr(source, "run", None)
+    value = run() if callable(run) else None
+    if value is None or isinstance(value, RunInfo):
+        return value
+    try:
+        return RunInfo.model_validate(value)
+    except ValueError:
+        return None
+
+
+def liveness_of(source: Any, now: float) -> Liveness:
+    """``assess`` over a snapshot source (any object with ``startup()`` and ``stages()``)."""
+    return assess(run_of(source), source.startup(), source.stages(), now)

@@ -1,0 +1,143 @@
+"""Where run directories live, who owns one, and how a killed run's directory goes away.
+
+A ``serve`` process holds an exclusive ``flock`` on ``<run dir>/.lock`` for as
+long as it lives.  The kernel drops the lock when the process dies, however it
+dies (SIGKILL included), so "the lock can be taken" is an exact test for "the
+owner is gone" -- no pid that could have been reused, no timestamp guess.
+
+Temporary run directories are made under one known parent per user
+(``$TMPDIR/stagecache-serve-<uid>``); every ``serve`` start first removes the
+ones whose owner is gone, so a run killed with SIGKILL leaves nothing behind
+past the next start.  A ``--run-dir`` of the user's is never removed, only
+locked (two runs cannot share one) and emptied of the previous run's files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ConfigError
+
+LOCK_FILE = ".lock"
+#: Files of a previous run that a reused ``--run-dir`` is emptied of.
+RUN_FILES = ("startup.json", "run.json", "snapshot.json", "rendezvous.json")
+#: A directory without a lock file is young only while its creator is about to lock it.
+UNLOCKED_GRACE_S = 60.0
+
+
+def run_root() -> Path:
+    """The per-user parent of temporary run directories (created 0700)."""
+    root = Path(tempfile.gettempdir()) / f"stagecache-serve-{os.getuid()}"
+    root.mkdir(mode=0o700, exist_ok=True)
+    return root
+
+
+@dataclass
+class RunDirLock:
+    """The held lock of one run directory; ``release`` (or process exit) drops it."""
+
+    path: Path
+    fd: int | None
+
+    def release(self) -> None:
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = None
+
+
+def _try_lock(lock_path: Path) -> int | None:
+    """An fd holding the exclusive lock, or None when a live process holds it."""
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def claim(run_dir: Path, flag: str = "--run-dir") -> RunDirLock:
+    """Lock ``run_dir`` for this process; a directory another live run holds is exit 2."""
+    lock_path = run_dir / LOCK_FILE
+    try:
+        fd = _try_lock(lock_path)
+    except OSError as exc:
+        raise ConfigError(f"{flag} {str(run_dir)!r}: cannot create {LOCK_FILE}: "
+                          f"{exc.strerror or exc}; expected a writable directory") from None
+    if fd is None:
+        owner = lock_path.read_text().strip() or "?"
+        raise ConfigError(f"{flag} {str(run_dir)!r} is in use by another serve process "
+                          f"(pid {owner}); expected a directory no running serve uses")
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return RunDirLock(run_dir, fd)
+
+
+def sweep_stale(root: Path) -> list[Path]:
+    """Remove the run directories under ``root`` whose owner is gone; returns what was removed."""
+    removed = []
+    for entry in root.iterdir():
+        if not entry.is_dir() or entry.is_symlink():
+            continue
+        lock_path = entry / LOCK_FILE
+        if not lock_path.exists():
+            with contextlib.suppress(OSError):
+                if time.time() - entry.stat().st_mtime > UNLOCKED_GRACE_S:
+                    shutil.rmtree(entry, ignore_errors=True)
+                    removed.append(entry)
+            continue
+        try:
+            fd = _try_lock(lock_path)
+        except OSError:
+            continue
+        if fd is None:
+            continue  # its serve process is alive
+        try:
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+        finally:
+            os.close(fd)
+    return removed
+
+
+def new_temp_run_dir() -> tuple[Path, RunDirLock, list[Path]]:
+    """Sweep stale directories, then make and lock a fresh one: (dir, lock, removed)."""
+    root = run_root()
+    removed = sweep_stale(root)
+    path = Path(tempfile.mkdtemp(prefix="run-", dir=root))
+    return path, claim(path, flag="run dir"), removed
+
+
+def prepare_user_run_dir(run_dir: Path) -> RunDirLock:
+    """Lock a ``--run-dir`` and remove the previous run's files from it."""
+    lock = claim(run_dir)
+    for stale in [*run_dir.glob("stage-*.json"), *(run_dir / name for name in RUN_FILES)]:
+        with contextlib.suppress(FileNotFoundError):
+            stale.unlink()
+    return lock
+
+
+def check_run_dir_flag(value: str) -> Path:
+    """``--run-dir``: an existing directory, or a path whose parent is one (exit 2 otherwise)."""
+    path = Path(value)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"--run-dir {value!r} is not a directory; expected a directory "
+                          "(created if missing) for the run's files")
+    if not path.exists():
+        parent = path.parent if str(path.parent) else Path(".")
+        if not parent.is_dir():
+            raise ConfigError(f"--run-dir {value!r}: parent {str(parent)!r} is not a directory; "
+                              "expected a path inside an existing directory")
+    probe = path if path.exists() else path.parent
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"--run-dir {value!r}: {str(probe)!r} is not writable; expected a "
+                          "writable directory")
+    return path

@@ -1,0 +1,102 @@
+"""The dashboard's HTTP server as ``serve`` runs it: TCP_NODELAY on accepted connections, idle
+keep-alive connections closed, a loud warning for a non-loopback ``--host``.
+
+Latency itself is measured by ``stagecache bench http`` (docs/serve.md), not here.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import time
+
+import pytest
+from stagecache.dashboard.server import DashboardThread, bind_dashboard_socket
+from stagecache.exporters.snapshot import StaticSource
+from stagecache.runtime.serve.rendezvous import exposure_warning, is_loopback
+
+
+def _serving(keep_alive_s: float = 5.0) -> DashboardThread:
+    dash = DashboardThread(StaticSource(None), bind_dashboard_socket("127.0.0.1", 0), "t",
+                           keep_alive_s=keep_alive_s)
+    dash.start()
+    assert dash.server.started
+    return dash
+
+
+def _request(s: socket.socket) -> bytes:
+    s.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+    data = b""
+    while b"\r\n\r\n" not in data or not data.endswith(b'"ok"}'):
+        chunk = s.recv(4096)
+        assert chunk, "server closed the connection before answering"
+        data += chunk
+    return data
+
+
+def test_every_accepted_connection_has_tcp_nodelay():
+    dash = _serving()
+    try:
+        assert dash.sock.proto == socket.IPPROTO_TCP
+        with socket.create_connection(("127.0.0.1", dash.sock.getsockname()[1])) as s:
+            assert _request(s).startswith(b"HTTP/1.1 200")
+            conns = list(dash.server.server_state.connections)
+            assert len(conns) == 1
+            server_side = conns[0].transport.get_extra_info("socket")
+            assert server_side.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+    finally:
+        dash.stop()
+
+
+def test_an_idle_keep_alive_connection_is_closed_by_the_server():
+    dash = _serving(keep_alive_s=0.5)
+    try:
+        with socket.create_connection(("127.0.0.1", dash.sock.getsockname()[1])) as s:
+            _request(s)
+            _request(s)  # still open right after a response: keep-alive works
+            t0 = time.monotonic()
+            ready, _, _ = select.select([s], [], [], 10)
+            assert ready and s.recv(1) == b"", "idle connection not closed within 10 s"
+            assert time.monotonic() - t0 >= 0.4  # closed for idleness, not right away
+    finally:
+        dash.stop()
+
+
+def test_loopback_is_told_apart_from_every_other_bind_address():
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+        assert is_loopback(host) and exposure_warning("--host", host, "x") is None, host
+    for host in ("0.0.0.0", "", "::", "192.0.2.1"):
+        warning = exposure_warning("--host", host, "the dashboard")
+        assert warning and warning.startswith("WARNING: --host") and "no authentication" in warning
+
+
+def test_serve_warns_for_every_listener_that_is_not_loopback():
+    """Checked on the options (tests bind loopback only); serve prints each on stderr."""
+    from stagecache.runtime.cli.main import build_parser
+    from stagecache.runtime.cli.serve import exposure_warnings, options_from_args
+
+    def warnings(*argv: str) -> list[str]:
+        return exposure_warnings(options_from_args(build_parser().parse_args(
+            ["serve", "--requests", "8", *argv])))
+
+    assert warnings() == []
+    assert warnings("--host", "localhost", "--dist-host", "::1") == []
+    [host] = warnings("--host", "0.0.0.0")
+    assert host.startswith("WARNING: --host 0.0.0.0 is not a loopback address")
+    assert warnings("--host", "0.0.0.0", "--no-dashboard") == []  # nothing listens there then
+    own = _own_address()
+    if own is None:
+        pytest.skip("this machine has no non-loopback address to try --dist-host with")
+    [dist] = warnings("--dist-host", own)
+    assert dist.startswith(f"WARNING: --dist-host {own} is not a loopback address") and "TCPStore" in dist
+
+
+def _own_address() -> str | None:
+    """A non-loopback address of this machine (the one a UDP socket would send from), if any."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: connect only picks the source address
+            addr = s.getsockname()[0]
+    except OSError:
+        return None
+    return None if is_loopback(addr) else addr
