@@ -23,7 +23,7 @@ from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 from pydantic import ValidationError
 from stagecache.exporters.snapshot import SnapshotSource
-from stagecache.runtime.model.layer_map import POOL_LABELS, POOLS
+from stagecache.runtime.model.pool_kinds import KINDS, POOLS
 
 from . import figures
 from .models import (
@@ -193,7 +193,7 @@ def create_app(source: SnapshotSource, *, title: str = "stagecache") -> FastAPI:
             "status": status_of(rep),
             "report": rep,
             "stages": stages_response(rep) if rep else None,
-            "pools": [(p, POOL_LABELS[p]) for p in POOLS],
+            "pools": [(p, KINDS[p].label) for p in POOLS],
             "layer_maps": [layer_map(rep, s.stage) for s in rep.stages] if rep else [],
             "live": bool(live),
             "live_figures": {

@@ -26,7 +26,7 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
-from stagecache.runtime.model.layer_map import POOLS
+from stagecache.runtime.model.pool_kinds import POOLS
 
 from .snapshot import SnapshotSource
 

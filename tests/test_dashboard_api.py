@@ -20,7 +20,8 @@ import pytest
 from stagecache.dashboard.app import dashboard_in_thread
 from stagecache.exporters.snapshot import StaticSource, empty_stage_numbers
 from stagecache.runtime.cli.main import main
-from stagecache.runtime.model.layer_map import POOLS, build_layout
+from stagecache.runtime.model.layer_map import build_layout
+from stagecache.runtime.model.pool_kinds import POOLS
 from stagecache.runtime.model.spec import load_spec
 from stagecache.runtime.validation.faults import parse_faults
 from stagecache.runtime.validation.report import preflight

@@ -23,7 +23,8 @@ from pathlib import Path
 import httpx
 import pytest
 from stagecache.exporters.snapshot import empty_stage_numbers
-from stagecache.runtime.model.layer_map import POOLS, build_layout
+from stagecache.runtime.model.layer_map import build_layout
+from stagecache.runtime.model.pool_kinds import POOLS
 from stagecache.runtime.model.spec import load_spec
 from stagecache.runtime.validation.faults import parse_faults
 from stagecache.runtime.validation.report import preflight

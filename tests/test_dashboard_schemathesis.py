@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 from stagecache.dashboard.app import create_app
 from stagecache.exporters.snapshot import StaticSource, empty_stage_numbers
-from stagecache.runtime.model.layer_map import POOLS, build_layout
+from stagecache.runtime.model.layer_map import build_layout
+from stagecache.runtime.model.pool_kinds import POOLS
 from stagecache.runtime.model.spec import load_spec
 from stagecache.runtime.validation.faults import parse_faults
 from stagecache.runtime.validation.report import preflight

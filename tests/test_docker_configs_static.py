@@ -56,7 +56,8 @@ def exported_sample_names() -> set[str]:
     """Sample names of a real registry over a tiny-v4 pp=4 report with live numbers."""
     from stagecache.exporters.metrics import make_registry
     from stagecache.exporters.snapshot import StaticSource, empty_stage_numbers
-    from stagecache.runtime.model.layer_map import POOLS, build_layout
+    from stagecache.runtime.model.layer_map import build_layout
+    from stagecache.runtime.model.pool_kinds import POOLS
     from stagecache.runtime.model.spec import load_spec
     from stagecache.runtime.validation.report import preflight
 

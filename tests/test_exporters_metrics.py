@@ -10,7 +10,8 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from stagecache.exporters.metrics import METRIC_NAMES, make_registry
 from stagecache.exporters.snapshot import StaticSource, empty_stage_numbers
-from stagecache.runtime.model.layer_map import POOLS, build_layout
+from stagecache.runtime.model.layer_map import build_layout
+from stagecache.runtime.model.pool_kinds import POOLS
 from stagecache.runtime.model.spec import load_spec
 from stagecache.runtime.transfer.stats import TransferStats
 from stagecache.runtime.validation.faults import parse_faults

@@ -14,7 +14,7 @@ import sys
 from ..bench import check as bench_check
 from ..bench import hicache as bench_hicache
 from ..bench import transfer as bench_transfer
-from ..model.layer_map import POOLS
+from ..model.pool_kinds import HOST_CACHED
 from .common import add_layout_args, positive_int
 
 
@@ -46,7 +46,8 @@ def _register_transfer(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mib", type=float, default=256.0, help="bytes per transfer when --pages is not given")
     p.add_argument("--layers", type=positive_int, default=11, help="layer buffers per transfer (flash pp4: 11)")
     p.add_argument("--page-size", type=positive_int, default=256, help="tokens per page")
-    p.add_argument("--pool", action="append", choices=POOLS, help="pool kind(s) to measure (default all)")
+    p.add_argument("--pool", action="append", choices=HOST_CACHED,
+                   help="pool kind(s) to measure (default: every host-cached kind)")
     p.add_argument("--layout", action="append", choices=["layer_first", "page_first"])
     p.add_argument("--pattern", action="append", choices=["run", "scattered"], help="host page pattern")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")

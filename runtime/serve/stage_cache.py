@@ -127,8 +127,9 @@ class StageCache:
         self.stage_map = worker.stage_map
         self.device = torch.device(cfg.torch_device)
         # allow_invalid: a faulty build must still report its real inventory to rank 0.
+        # swa_ratio=1.0: the cache keeps one page-id space (SWA pages == full pages).
         self.pools = StagePools(worker.spec, self.stage_map, cfg.page_size, cfg.device_pages,
-                                self.device, worker.faults, cfg.pp_size, allow_invalid=True)
+                                self.device, worker.faults, cfg.pp_size, allow_invalid=True, swa_ratio=1.0)
         self.valid = not self.pools.errors()
         self.host = HostPools(self.pools, hicache_ratio=cfg.hicache_ratio, layout=cfg.hicache_layout,
                               allow_invalid=True)

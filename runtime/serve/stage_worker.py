@@ -305,7 +305,7 @@ class StageWorker:
     def numbers(self) -> dict[str, Any]:
         from stagecache.exporters.snapshot import empty_stage_numbers
 
-        from ..model.layer_map import POOLS
+        from ..model.pool_kinds import POOLS
 
         d = empty_stage_numbers(self.rank, POOLS)
         if self.cache is not None:
