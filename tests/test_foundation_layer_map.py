@@ -7,8 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from stagecache.runtime.errors import LayerNotOwnedError
 from stagecache.runtime.model.layer_map import build_layout
-from stagecache.runtime.model.pool_kinds import POOLS
 from stagecache.runtime.model.partition import StageSlice
+from stagecache.runtime.model.pool_kinds import POOLS
 from stagecache.runtime.model.spec import load_spec, spec_from_config
 from stagecache.runtime.validation.checks import PoolInventory, validate_stage, validate_tiling
 from stagecache.runtime.validation.faults import parse_faults, planned_inventory

@@ -84,9 +84,10 @@ def model_num_layers(kvcaches: Sequence[Any], pp_size: int, num_layers: int | No
         sglang_ranges = {_pp_range(n, r, pp_size) for r in range(pp_size)}
         if ranges <= sglang_ranges:
             return n
+    shown = ", ".join(f"[{a}, {b})" for a, b in sorted(ranges))
     raise ConfigError(
-        f"sglang pools with layers {sorted(ranges)} match no rank of get_pp_indices for "
-        f"pp_size={pp_size} with {n_ratios - 1} or {n_ratios} layers; pass num_layers=..."
+        f"pool with layers {shown} matches no rank of get_pp_indices for pp_size={pp_size} "
+        f"(with {n_ratios - 1} or {n_ratios} model layers); pass num_layers=... or pp_rank=..."
     )
 
 
