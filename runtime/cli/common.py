@@ -23,6 +23,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    """argparse type for a number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
+    return value
+
+
 def add_layout_args(p: argparse.ArgumentParser, default_model: str | None = None) -> None:
     p.add_argument(
         "--model",
@@ -48,4 +59,4 @@ def layout_from_args(args: argparse.Namespace) -> LayoutArgs:
                           args.page_size, args.fault)
 
 
-__all__ = ["ConfigError", "LayoutArgs", "add_layout_args", "layout_from_args", "positive_int"]
+__all__ = ["ConfigError", "LayoutArgs", "add_layout_args", "layout_from_args", "positive_float", "positive_int"]

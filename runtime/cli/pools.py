@@ -13,19 +13,9 @@ from typing import Any
 
 from ..memory.accounting import DEFAULT_MAX_TOTAL_TOKENS
 from ..memory.sizing import DSV4_MAX_RUNNING_REQUESTS, DSV4_PAGE_SIZE
-from .common import add_layout_args, positive_int
+from .common import add_layout_args, positive_float, positive_int
 
 GIB = 1 << 30
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
-    return value
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -38,18 +28,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     size = p.add_mutually_exclusive_group()
     size.add_argument("--max-total-tokens", type=positive_int, default=None,
                       help=f"full-attention tokens per stage (default {DEFAULT_MAX_TOTAL_TOKENS})")
-    size.add_argument("--mem-budget-gb", type=_positive_float, default=None,
+    size.add_argument("--mem-budget-gb", type=positive_float, default=None,
                       help="KV memory per stage, GiB; full tokens as sglang's configurator fits them "
                            "(the smallest stage's, as PP ranks agree on one)")
-    p.add_argument("--swa-full-tokens-ratio", type=_positive_float, default=None,
+    p.add_argument("--swa-full-tokens-ratio", type=positive_float, default=None,
                    help="SWA tokens / full tokens (default 0.1, sglang's for DeepSeek-V4)")
     p.add_argument("--max-running-requests", type=positive_int, default=DSV4_MAX_RUNNING_REQUESTS,
                    help=f"request slots of the per-request pools (default {DSV4_MAX_RUNNING_REQUESTS}, "
                         "sglang's for DeepSeek-V4)")
     host = p.add_mutually_exclusive_group()
-    host.add_argument("--hicache-ratio", type=_positive_float, default=None,
+    host.add_argument("--hicache-ratio", type=positive_float, default=None,
                       help="host pages = device pages x ratio, per budget (default 2.0, like sglang)")
-    host.add_argument("--hicache-size-gb", type=_positive_float, default=None,
+    host.add_argument("--hicache-size-gb", type=positive_float, default=None,
                       help="refused for DeepSeek-V4, as sglang refuses --hicache-size")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
@@ -94,14 +84,12 @@ def human(n: int) -> str:
 
 
 def _title(report: dict[str, Any]) -> str:
-    sz = report["sizing"]
-    tokens = (f"max_total_tokens={sz['max_total_tokens']}" if "max_total_tokens" in sz
-              else f"mem_budget={human(sz['mem_budget_bytes'])}")
-    s0 = report["stages"][0]
+    sz, s0 = report["sizing"], report["stages"][0]
+    budget = f", budget {human(sz['mem_budget_bytes'])}/stage" if "mem_budget_bytes" in sz else ""
     return (f"{report['model']}: {report['num_layers']} layers, pp={report['pp_size']}, "
-            f"page={report['page_size']} tokens, {tokens} (full {s0['full_tokens']}, "
-            f"swa {s0['swa_tokens']} = ratio {sz['swa_full_tokens_ratio']}, {s0['request_slots']} "
-            f"request slots), hicache_ratio={sz['hicache_ratio']}"
+            f"page={report['page_size']}{budget}: full {s0['full_tokens']:,} tokens, swa {s0['swa_tokens']:,} "
+            f"(ratio {sz['swa_full_tokens_ratio']}), {s0['request_slots']} request slots, "
+            f"hicache_ratio={sz['hicache_ratio']}"
             + (f", faults={','.join(report['faults'])}" if report["faults"] else ""))
 
 
@@ -111,7 +99,7 @@ def print_accounting(report: dict[str, Any]) -> None:
 
     from ..model.pool_kinds import KINDS
 
-    console = Console(width=150)
+    console = Console(width=160)
     table = Table(title=_title(report))
     for col, just in (("stage", "right"), ("layers", "left"), ("pool", "left"), ("buffers", "right"),
                       ("sized by", "left"), ("B/page", "right"), ("device pages", "right"),
@@ -122,7 +110,7 @@ def print_accounting(report: dict[str, Any]) -> None:
         for r in s["pools"]:
             if not r["buffers"]:
                 continue
-            unit = "B/slot" if r["budget"] == "request" else ""
+            unit = " /slot" if r["budget"] == "request" else ""
             table.add_row(
                 str(s["stage"]) if first else "", f"[{s['start_layer']}, {s['end_layer']})" if first else "",
                 KINDS[r["pool"]].label, str(r["buffers"]), r["budget"], f"{r['page_bytes']:,}{unit}",

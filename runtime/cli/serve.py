@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import add_layout_args, positive_int
+from .common import add_layout_args, positive_float, positive_int
 
 DEFAULT_MODEL = "tiny-v4"
 DEFAULT_REQUESTS = 240
@@ -16,16 +16,6 @@ DEFAULT_DEVICE_PAGES = 64
 DEFAULT_RATE = 20.0
 DEFAULT_MICRO_BATCH = 4
 WRITE_POLICIES = ("write_through", "write_back", "write_through_selective")
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
-    return value
 
 
 def _nonneg_float(text: str) -> float:
@@ -66,7 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                       help=f"device token pages per stage (default {DEFAULT_DEVICE_PAGES})")
     size.add_argument("--max-total-tokens", type=positive_int, default=None,
                       help="device capacity in tokens per stage (rounded up to whole pages)")
-    p.add_argument("--hicache-ratio", type=_positive_float, default=2.0,
+    p.add_argument("--hicache-ratio", type=positive_float, default=2.0,
                    help="host pages per device page (default 2.0, as sglang)")
     p.add_argument("--hicache-write-policy", choices=WRITE_POLICIES, default="write_through",
                    help="when device pages are backed up to host (default write_through)")
@@ -105,9 +95,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                       "(default: until Ctrl-C)")
     hold.add_argument("--exit-after-run", action="store_true",
                       help="exit as soon as the trace is served (no dashboard hold)")
-    p.add_argument("--startup-timeout", type=_positive_float, default=120.0,
+    p.add_argument("--startup-timeout", type=positive_float, default=120.0,
                    help="seconds for every stage to start and report (default 120)")
-    p.add_argument("--dist-timeout", type=_positive_float, default=60.0,
+    p.add_argument("--dist-timeout", type=positive_float, default=60.0,
                    help="torch.distributed timeout for init, collectives and p2p (default 60 s)")
     p.add_argument("--json", action="store_true",
                    help="print a machine-readable final summary on stdout (progress goes to stderr)")

@@ -25,17 +25,16 @@ zero-copy kernels can reach them.
 
 from __future__ import annotations
 
-from ..errors import ConfigError, LayerNotOwnedError, MappingError, StageMappingInvalid
+from ..errors import ConfigError, LayerNotOwnedError, StageMappingInvalid
 from ..model.pool_kinds import HOST_CACHED, KINDS, POOLS
-from ..validation.checks import PoolInventory, validate_stage
 from .allocator import PageAllocator
-from .pools import StagePools, _fmt_bytes, host_available_bytes
+from .pools import StagePools, _fmt_bytes, _StageBuffers, host_available_bytes
 from .sizing import host_pages_for
 
 LAYOUTS = ("layer_first", "page_first")
 
 
-class HostPools:
+class HostPools(_StageBuffers):
     """Host mirror of one stage's device pools."""
 
     def __init__(
@@ -140,16 +139,6 @@ class HostPools:
                 f"does not hold ({len(bufs)} buffers)"
             )
         return bufs[index]
-
-    def get_swa_raw_buffer(self, global_layer_id: int):
-        return self.get_raw_buffer("swa", global_layer_id)
-
-    def inventory(self) -> PoolInventory:
-        return PoolInventory.from_buffers(self.stage_map.stage, self.buffers)
-
-    def errors(self) -> list[MappingError]:
-        return [e for e in validate_stage(self.stage_map, self.inventory())
-                if e.pool in self.kinds or e.pool not in POOLS]
 
     def __repr__(self) -> str:
         return (f"HostPools(stage={self.stage_map.stage}, pages={self.num_pages}, layout={self.layout}, "

@@ -81,7 +81,30 @@ def stage_plan(stage_map: StageLayerMap, ratios: Sequence[int], faults: Sequence
     return {pool: (True,) * n for pool, n in stage_map.expected_buffers().items()}
 
 
-class StagePools:
+class _StageBuffers:
+    """What device pools and their host mirror share: lookups and validation of ``buffers``."""
+
+    stage_map: StageLayerMap
+    buffers: dict[str, list[Any]]
+    kinds: tuple[str, ...]
+
+    def get_swa_raw_buffer(self, global_layer_id: int):
+        """SWA buffer of a global layer: the call the PP+HiCache bug got wrong."""
+        return self.get_raw_buffer("swa", global_layer_id)
+
+    def get_raw_buffer(self, pool: str, global_layer_id: int):  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def inventory(self) -> PoolInventory:
+        return PoolInventory.from_buffers(self.stage_map.stage, self.buffers)
+
+    def errors(self) -> list[MappingError]:
+        """Mapping errors of the real buffers (for a partial build: of the kinds it holds)."""
+        return [e for e in validate_stage(self.stage_map, self.inventory())
+                if e.pool in self.kinds or e.pool not in POOLS]
+
+
+class StagePools(_StageBuffers):
     """Device pools of one PP stage: ``buffers[pool][i]`` is buffer ``i`` of that pool."""
 
     def __init__(
@@ -179,19 +202,6 @@ class StagePools:
                 f"{index} for global layer {global_layer_id} is None"
             )
         return buf
-
-    def get_swa_raw_buffer(self, global_layer_id: int):
-        """SWA buffer of a global layer: the call the PP+HiCache bug got wrong."""
-        return self.get_raw_buffer("swa", global_layer_id)
-
-    # -- validation on the real tensors -------------------------------------------------------
-    def inventory(self) -> PoolInventory:
-        return PoolInventory.from_buffers(self.stage_map.stage, self.buffers)
-
-    def errors(self) -> list[MappingError]:
-        """Mapping errors of the real buffers (for a partial build: of the kinds it holds)."""
-        return [e for e in validate_stage(self.stage_map, self.inventory())
-                if e.pool in self.kinds or e.pool not in POOLS]
 
     def __repr__(self) -> str:
         counts = {p: len(b) for p, b in self.buffers.items()}
