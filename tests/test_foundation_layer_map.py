@@ -59,7 +59,7 @@ def test_global_swa_fault_reports_every_stage_with_counts():
     errs = report.all_errors
     assert [(e.stage, e.pool, e.expected, e.got) for e in errs] == [
         (0, "swa", 10, 43), (1, "swa", 11, 43), (2, "swa", 11, 43), (3, "swa", 11, 43)]
-    assert errs[1].message == "SWA KV pool must be PP-stage-local: got 43 buffers for 11 local layers"
+    assert errs[1].message == "DeepSeek V4 SWA KV pool must be PP-stage-local: got 43 buffers for 11 local layers"
 
 
 def test_global_sized_swa_is_harmless_without_pp():

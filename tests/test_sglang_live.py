@@ -205,10 +205,10 @@ def test_global_swa_same_errors_as_check_and_as_sglang():
     assert not report.ok
     assert _stage_errors(report, 2) == _stage_errors(want, 2)
     assert _stage_errors(report, 2) == [
-        "SWA KV pool must be PP-stage-local: got 43 buffers for 11 local layers"
+        "DeepSeek V4 SWA KV pool must be PP-stage-local: got 43 buffers for 11 local layers"
     ]
     # sglang's own HiCache build rejects the same pool with the same words
-    with pytest.raises(ValueError, match="SWA KV pool must be PP-stage-local: got 43 buffers for 11"):
+    with pytest.raises(ValueError, match="DeepSeek V4 SWA KV pool must be PP-stage-local: got 43 buffers for 11"):
         hpa.build_deepseek_v4_hicache_stack(
             params=_Params(), kvcache=pool, load_cache_event=None, storage_backend=None)
 
@@ -330,7 +330,7 @@ def test_install_serves_the_stage_dashboard(free_port):
         startup = httpx.get(f"{att.dashboard_url}/api/startup", timeout=10).json()
         assert startup["ok"] is False
         assert startup["stages"][0]["errors"][0]["message"].startswith(
-            "SWA KV pool must be PP-stage-local: got 43 buffers for 11")
+            "DeepSeek V4 SWA KV pool must be PP-stage-local: got 43 buffers for 11")
         metrics = httpx.get(f"{att.dashboard_url}/metrics", timeout=10).text
         assert "stagecache_startup_ok 0.0" in metrics
     finally:

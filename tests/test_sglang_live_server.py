@@ -96,7 +96,7 @@ def test_seed_fault_on_a_real_server_pool_is_refused_with_the_exact_message(flas
             hpa.build_deepseek_v4_hicache_stack(params=cache_params(build_stage(sa, mc, 2, 4)), kvcache=kv,
                                                 load_cache_event=None, storage_backend=None)
     assert [e.message for e in report.all_errors] == [
-        "SWA KV pool must be PP-stage-local: got 43 buffers for 11 local layers"]
+        "DeepSeek V4 SWA KV pool must be PP-stage-local: got 43 buffers for 11 local layers"]
 
 
 # -- docs/sglang.md: every Python example runs against a real pool --------------------------------

@@ -43,7 +43,7 @@ class PoolInventory:
 
 def _count_message(pool: str, got: int, expected: int) -> str:
     if pool == "swa":
-        return f"SWA KV pool must be PP-stage-local: got {got} buffers for {expected} local layers"
+        return f"DeepSeek V4 SWA KV pool must be PP-stage-local: got {got} buffers for {expected} local layers"
     ratio = KINDS[pool].owner_ratio
     return (
         f"{KINDS[pool].label} pool must hold one buffer per local ratio-{ratio} layer: "
