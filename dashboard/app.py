@@ -25,7 +25,7 @@ from fastapi_offline import FastAPIOffline
 from prometheus_client.exposition import choose_encoder
 from stagecache.exporters.metrics import make_registry
 from stagecache.exporters.snapshot import SnapshotSource
-from stagecache.runtime.model.layer_map import POOL_LABELS
+from stagecache.runtime.model.pool_kinds import KINDS
 from stagecache.runtime.serve.liveness import liveness_of
 
 from . import figures, live_figures
@@ -99,7 +99,7 @@ def page_context(reader: Reader, title: str, window_s: float) -> dict[str, Any]:
         "run": reader.run_state(rep, live),
         "report": rep,
         "stages": stages_response(rep) if rep else None,
-        "pools": [(p, POOL_LABELS.get(p, p)) for p in pools],
+        "pools": [(p, KINDS[p].label if p in KINDS else p) for p in pools],
         "layer_maps": [layer_map(reader, rep, s.stage) for s in rep.stages] if rep else [],
         "has_live_numbers": bool(live),
         "live_figures": {key: figures.to_json_dict(fig) for key, fig in figs.items()},

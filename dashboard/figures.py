@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import plotly.graph_objects as go
-from stagecache.runtime.model.layer_map import POOL_LABELS
+from stagecache.runtime.model.pool_kinds import KINDS
 
 from .models import LayerMapCell, PoolStatus, StageReportModel
 
@@ -56,7 +56,7 @@ def _cell_grid(xs: list[int], names: list[str], cells: Sequence[LayerMapCell]
         idx = "?" if c.index is None else str(c.index)
         text[r][x] = idx + (" ✗" if c.error else "")
         hover[r][x] = (
-            f"{POOL_LABELS.get(c.pool, c.pool)}<br>global layer {c.global_id} / local {c.local}"
+            f"{KINDS[c.pool].label}<br>global layer {c.global_id} / local {c.local}"
             f"<br>compress ratio {c.compress_ratio}<br>buffer index {idx}"
             + (f"<br><b>{c.error}</b>" if c.error else "")
         )

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pydantic import ValidationError
-from stagecache.runtime.model.layer_map import POOL_LABELS, POOL_RATIO, POOLS
+from stagecache.runtime.model.pool_kinds import KINDS, POOLS
 
 from .models import (
     LayerEntryModel,
@@ -57,7 +57,7 @@ def pool_statuses(stage: StageReportModel) -> list[PoolStatus]:
         msgs = [e.message for e in stage.errors if e.pool == pool]
         out.append(PoolStatus(
             pool=pool,
-            label=POOL_LABELS.get(pool, pool),
+            label=KINDS[pool].label,
             buffers=stage.buffers.get(pool, 0),
             expected=stage.expected_buffers.get(pool, 0),
             ok=not msgs,
@@ -95,12 +95,10 @@ def stages_response(report: StartupReportModel) -> StagesResponse:
 
 def cell_index(pool: str, entry: LayerEntryModel) -> tuple[bool, int | None]:
     """(does this layer need a buffer in ``pool``, which index it uses there)."""
-    ratio = POOL_RATIO.get(pool)
-    if ratio is None:
-        return True, entry.local
-    if entry.compress_ratio != ratio:
+    k = KINDS[pool]
+    if not k.owns(entry.compress_ratio):
         return False, None
-    return True, entry.c4_state_id if pool == "c4_state" else entry.compress_layer_id
+    return True, k.index_of(entry)
 
 
 def layer_map_cells(stage: StageReportModel) -> list[LayerMapCell]:
@@ -115,7 +113,7 @@ def layer_map_cells(stage: StageReportModel) -> list[LayerMapCell]:
                 continue
             error = None
             if index is None:
-                error = f"no {POOL_LABELS.get(pool, pool)} index"
+                error = f"no {KINDS[pool].label} index"
             elif not 0 <= index < size:
                 error = f"index {index} out of range for {size} buffers"
             elif index in owner:

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from stagecache.runtime.errors import LayerNotOwnedError
 from stagecache.runtime.memory.host_pools import HostPools
 from stagecache.runtime.memory.pools import StagePools
-from stagecache.runtime.model.layer_map import POOLS, build_layout
+from stagecache.runtime.model.layer_map import build_layout
+from stagecache.runtime.model.pool_kinds import HOST_CACHED
 from stagecache.runtime.model.spec import load_spec
 from stagecache.runtime.transfer.controller import TransferController, TransferError
 from stagecache.runtime.transfer.stats import TransferStats
@@ -49,14 +50,14 @@ def test_round_trip_bit_identical_every_pool(layout, pages):
     dp, hp, c, stats = make(layout)
     before = snapshot(dp)
     c.backup(src, host).synchronize()
-    for pool in POOLS:  # host holds exactly the device bytes
+    for pool in HOST_CACHED:  # host holds exactly the device bytes
         for i, b in enumerate(hp.buffers[pool]):
             assert torch.equal(b[host], before[pool][i][src]), (pool, i)
     for bufs in dp.buffers.values():  # wipe the device, then load back elsewhere
         for b in bufs:
             b.zero_()
     c.load(host, dst).synchronize()
-    for pool in POOLS:
+    for pool in HOST_CACHED:
         assert dp.buffers[pool], pool
         for i, b in enumerate(dp.buffers[pool]):
             assert torch.equal(b[dst], before[pool][i][src]), (pool, i)
@@ -75,12 +76,12 @@ def test_layer_subset_moves_only_those_layers(layout):
     c128_layer = STAGE.pool_layers("c128")[0].global_id
     r = c.backup([0, 1], [5, 6], layers=[c4_layer, c128_layer])
     assert r.layers == (c4_layer, c128_layer)
-    for pool in POOLS:
+    for pool in HOST_CACHED:
         chosen = {STAGE.pool_map(pool).get(STAGE.local_id(g)) for g in (c4_layer, c128_layer)} - {None}
         for i, b in enumerate(hp.buffers[pool]):
             want = dp.buffers[pool][i][[0, 1]] if i in chosen else torch.zeros_like(b[[5, 6]])
             assert torch.equal(b[[5, 6]], want), (pool, i)
-    expected = 2 * sum(dp.page_bytes(p) for p in POOLS
+    expected = 2 * sum(dp.page_bytes(p) for p in HOST_CACHED
                        for g in (c4_layer, c128_layer) if STAGE.pool_map(p).get(STAGE.local_id(g)) is not None)
     assert r.nbytes == expected == stats.snapshot()["d2h"]["bytes"]
 
@@ -93,7 +94,7 @@ def test_load_layer_by_layer_matches_load():
     assert r.layers == tuple(range(STAGE.start, STAGE.end))
     for layer in r.layers:
         r.wait(layer)  # no-op on CPU, but must accept every layer of the transfer
-    for pool in POOLS:
+    for pool in HOST_CACHED:
         for i, b in enumerate(dp.buffers[pool]):
             assert torch.equal(b[[9, 10, 11]], before[pool][i][[3, 4, 5]])
     with pytest.raises(TransferError, match="not part of this transfer"):

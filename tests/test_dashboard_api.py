@@ -16,7 +16,8 @@ import pytest
 from live_helpers import blank_live
 from stagecache.dashboard.server import dashboard_in_thread
 from stagecache.exporters.snapshot import StaticSource
-from stagecache.runtime.model.layer_map import POOLS, build_layout
+from stagecache.runtime.model.layer_map import build_layout
+from stagecache.runtime.model.pool_kinds import POOLS
 from stagecache.runtime.model.spec import load_spec
 from stagecache.runtime.validation.faults import parse_faults
 from stagecache.runtime.validation.report import preflight
@@ -112,7 +113,7 @@ def test_startupz_503_lists_every_error_with_expected_and_got(servers):
     assert [e["pool"] for e in body["errors"]] == ["swa"] * PP
     assert body["errors"][0] == {
         "stage": 0, "pool": "swa", "expected": 3, "got": 12,
-        "message": "SWA KV pool must be PP-stage-local: got 12 buffers for 3 local layers",
+        "message": "DeepSeek V4 SWA KV pool must be PP-stage-local: got 12 buffers for 3 local layers",
     }
     assert all(not s["ok"] for s in body["stages"])
 
@@ -159,7 +160,7 @@ def test_api_stages_flags_the_wrong_pool_with_the_exact_message(servers):
         bad = [p for p in row["pools"] if not p["ok"]]
         assert [p["pool"] for p in bad] == ["swa"]
         assert bad[0]["buffers"] == 12 and bad[0]["expected"] == 3
-        msg = f"SWA KV pool must be PP-stage-local: got 12 buffers for {row['local_layers']} local layers"
+        msg = f"DeepSeek V4 SWA KV pool must be PP-stage-local: got 12 buffers for {row['local_layers']} local layers"
         assert row["status"] == msg and bad[0]["errors"] == [msg]
 
 
@@ -284,7 +285,7 @@ def test_index_has_table_maps_and_error_text(servers):
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert page.text.count('class="layer-map"') == PP
     assert page.text.count('class="stage-row error"') == PP
-    assert "SWA KV pool must be PP-stage-local: got 12 buffers for 3 local layers" in page.text
+    assert "DeepSeek V4 SWA KV pool must be PP-stage-local: got 12 buffers for 3 local layers" in page.text
     assert "no live data (preflight view)" in page.text
     ok = servers["ok"].get("/").text
     assert ok.count('class="stage-row ok"') == PP and "stage-row error" not in ok

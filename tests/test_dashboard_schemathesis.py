@@ -16,7 +16,8 @@ from live_helpers import blank_live
 from schemathesis.checks import not_a_server_error
 from stagecache.dashboard.app import create_app
 from stagecache.exporters.snapshot import StaticSource
-from stagecache.runtime.model.layer_map import POOLS, build_layout
+from stagecache.runtime.model.layer_map import build_layout
+from stagecache.runtime.model.pool_kinds import POOLS
 from stagecache.runtime.model.spec import load_spec
 from stagecache.runtime.validation.faults import parse_faults
 from stagecache.runtime.validation.report import preflight

@@ -17,7 +17,8 @@ from stagecache.dashboard.view import (
     run_state,
     stages_response,
 )
-from stagecache.runtime.model.layer_map import POOLS, build_layout
+from stagecache.runtime.model.layer_map import build_layout
+from stagecache.runtime.model.pool_kinds import POOLS
 from stagecache.runtime.model.spec import load_spec
 from stagecache.runtime.validation.faults import parse_faults
 from stagecache.runtime.validation.report import preflight
@@ -79,7 +80,7 @@ def test_stage_table_status_joins_exact_messages():
     for row, s in zip(rows, raw["stages"], strict=True):
         assert row.status == "; ".join(e["message"] for e in s["errors"])
         c4_wrong = s["buffers"]["c4"] != s["expected_buffers"]["c4"]
-        want = {"swa"} | ({"c4", "c4_state", "indexer"} if c4_wrong else set())
+        want = {"swa"} | ({"c4", "c4_state", "indexer", "c4_indexer_state"} if c4_wrong else set())
         assert {p.pool for p in row.pools if not p.ok} == want
 
 

@@ -57,7 +57,8 @@ def exported_sample_names() -> set[str]:
     from live_helpers import blank_live
     from stagecache.exporters.metrics import make_registry
     from stagecache.exporters.snapshot import StaticSource
-    from stagecache.runtime.model.layer_map import POOLS, build_layout
+    from stagecache.runtime.model.layer_map import build_layout
+    from stagecache.runtime.model.pool_kinds import POOLS
     from stagecache.runtime.model.spec import load_spec
     from stagecache.runtime.validation.report import preflight
 

@@ -19,7 +19,8 @@ from stagecache.exporters.families import (
 )
 from stagecache.exporters.metrics import METRIC_NAMES, make_registry
 from stagecache.exporters.snapshot import StageLive, StaticSource
-from stagecache.runtime.model.layer_map import POOLS, build_layout
+from stagecache.runtime.model.layer_map import build_layout
+from stagecache.runtime.model.pool_kinds import POOLS
 from stagecache.runtime.model.spec import load_spec
 from stagecache.runtime.transfer.stats import TransferStats
 from stagecache.runtime.validation.faults import parse_faults

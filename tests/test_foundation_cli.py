@@ -38,10 +38,10 @@ def test_json_shape():
     assert doc["ok"] is False and doc["num_layers"] == 43 and doc["pp_size"] == 4
     s = doc["stages"][2]
     assert {"stage", "start_layer", "end_layer", "local_layers", "layers", "buffers", "errors"} <= s.keys()
-    assert set(s["buffers"]) == {"swa", "c4", "c128", "c4_state", "c128_state", "indexer"}
+    assert set(s["buffers"]) == {"swa", "c4", "c128", "c4_state", "c128_state", "indexer", "c4_indexer_state"}
     assert s["buffers"]["swa"] == 43 and s["local_layers"] == 11
     assert s["errors"] == [{"stage": 2, "pool": "swa", "expected": 11, "got": 43,
-                            "message": "SWA KV pool must be PP-stage-local: got 43 buffers for 11 local layers"}]
+                            "message": "DeepSeek V4 SWA KV pool must be PP-stage-local: got 43 buffers for 11 local layers"}]
     layer = s["layers"][0]
     assert layer == {"local": 0, "global": 21, "compress_ratio": 128, "compress_layer_id": 0, "c4_state_id": None}
     assert all(not st["errors"] for i, st in enumerate(doc["stages"]) if i != 2)

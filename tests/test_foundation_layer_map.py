@@ -6,8 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from stagecache.runtime.errors import LayerNotOwnedError
-from stagecache.runtime.model.layer_map import POOLS, build_layout
+from stagecache.runtime.model.layer_map import build_layout
 from stagecache.runtime.model.partition import StageSlice
+from stagecache.runtime.model.pool_kinds import POOLS
 from stagecache.runtime.model.spec import load_spec, spec_from_config
 from stagecache.runtime.validation.checks import PoolInventory, validate_stage, validate_tiling
 from stagecache.runtime.validation.faults import parse_faults, planned_inventory
@@ -26,7 +27,9 @@ def test_flash_stage1_maps_count_inside_the_stage():
     assert s1.c128_map == {1: 0, 3: 1, 5: 2, 7: 3, 9: 4}
     assert s1.c4_state_map == s1.c4_map
     assert s1.swa_map == {i: i for i in range(11)}
-    assert s1.expected_buffers() == {"swa": 11, "c4": 6, "c128": 5, "c4_state": 6, "c128_state": 5, "indexer": 6}
+    assert s1.expected_buffers() == {"swa": 11, "c4": 6, "c128": 5, "c4_state": 6, "c128_state": 5, "indexer": 6,
+                                     "c4_indexer_state": 6}
+    assert s1.pool_map("c4_indexer_state") == s1.c4_state_map  # the assembler's c4_state mapping
 
 
 def test_ratio0_layers_have_null_ids():
@@ -56,7 +59,7 @@ def test_global_swa_fault_reports_every_stage_with_counts():
     errs = report.all_errors
     assert [(e.stage, e.pool, e.expected, e.got) for e in errs] == [
         (0, "swa", 10, 43), (1, "swa", 11, 43), (2, "swa", 11, 43), (3, "swa", 11, 43)]
-    assert errs[1].message == "SWA KV pool must be PP-stage-local: got 43 buffers for 11 local layers"
+    assert errs[1].message == "DeepSeek V4 SWA KV pool must be PP-stage-local: got 43 buffers for 11 local layers"
 
 
 def test_global_sized_swa_is_harmless_without_pp():
@@ -82,7 +85,8 @@ def test_missing_pool_entirely():
 def test_global_c4_and_global_compress_ids():
     layout = build_layout(FLASH, 4)
     r = preflight(layout, 256, parse_faults(["global-c4"], 4))
-    assert {(e.pool, e.got) for e in r.all_errors if e.stage == 0} == {("c4", 21), ("c4_state", 21), ("indexer", 21)}
+    assert {(e.pool, e.got) for e in r.all_errors if e.stage == 0} == {
+        ("c4", 21), ("c4_state", 21), ("indexer", 21), ("c4_indexer_state", 21)}
     r = preflight(layout, 256, parse_faults(["global-compress-ids"], 4))
     assert r.stages[0].ok  # stage 0's ids are the same either way
     bad = [e for e in r.all_errors if e.stage == 3]
@@ -141,7 +145,8 @@ def test_property_every_pool_count_equals_its_layer_count(ratios, data):
         local = [spec.compress_ratios[g] for g in range(s.start, s.end)]
         assert s.expected_buffers() == {
             "swa": len(local), "c4": local.count(4), "c128": local.count(128),
-            "c4_state": local.count(4), "c128_state": local.count(128), "indexer": local.count(4)}
+            "c4_state": local.count(4), "c128_state": local.count(128), "indexer": local.count(4),
+            "c4_indexer_state": local.count(4)}
         for pool in POOLS:  # every id in range and unique: a bijection onto the pool's buffers
             ids = sorted(s.pool_map(pool).values())
             assert ids == list(range(s.expected_buffers()[pool]))

@@ -7,7 +7,8 @@ import pytest
 import torch
 from stagecache.runtime.cache.kv_writer import KvWriter, page_hashes
 from stagecache.runtime.memory.pools import StagePools
-from stagecache.runtime.model.layer_map import POOLS, build_layout
+from stagecache.runtime.model.layer_map import build_layout
+from stagecache.runtime.model.pool_kinds import HOST_CACHED
 from stagecache.runtime.model.spec import load_spec, spec_from_config
 
 
@@ -33,15 +34,15 @@ def test_same_prefix_same_bytes_in_other_pages_and_verify_is_clean():
     h = w.hashes(np.arange(3 * 128))
     w.write(h, [0, 1, 2])
     w.write(h[:2], [5, 6])
-    for pool in POOLS:
+    for pool in HOST_CACHED:
         for buf in pools.buffers[pool]:
             assert torch.equal(buf[0], buf[5]) and torch.equal(buf[1], buf[6])
             assert not torch.equal(buf[0], buf[1])
     assert w.verify(h, [0, 1, 2]) == [] and w.verify(h[:2], [5, 6]) == []
     # swapped pages, wrong prefix: every buffer of every pool reports it
     bad = w.verify(h[:2], [1, 0])
-    assert len(bad) == 2 * sum(len(b) for b in pools.buffers.values())
-    assert {m.pool for m in bad} == set(POOLS)
+    assert len(bad) == 2 * sum(len(pools.buffers[p]) for p in HOST_CACHED)
+    assert {m.pool for m in bad} == set(HOST_CACHED)
     assert all(m.wrong_bytes > 0.9 * pools.page_bytes(m.pool) for m in bad)
 
 
@@ -50,10 +51,10 @@ def test_layers_and_pools_get_different_bytes():
     w = KvWriter(pools)
     w.write(w.hashes(np.arange(128)), [3])
     seen = set()
-    for pool in POOLS:
+    for pool in HOST_CACHED:
         for buf in pools.buffers[pool]:
             seen.add(bytes(buf[3, :64].numpy()))
-    assert len(seen) == sum(len(b) for b in pools.buffers.values())
+    assert len(seen) == sum(len(pools.buffers[p]) for p in HOST_CACHED)
 
 
 def test_single_byte_corruption_is_located():
@@ -73,12 +74,12 @@ def test_unaligned_page_bytes_use_the_byte_path():
            "head_dim": 64, "qk_rope_head_dim": 16, "index_head_dim": 30}
     spec = spec_from_config(cfg, "odd")
     pools = StagePools(spec, build_layout(spec, 1).stages[0], 4, 6)
-    assert pools.page_bytes("indexer") % 8  # 1 row of 34 bytes
+    assert pools.page_bytes("indexer") == 30  # 1 row of 30 FP8 dims (no scale block below 128 dims)
     w = KvWriter(pools)
     h = w.hashes(np.arange(12))
     w.write(h, [0, 1, 2])
     assert w.verify(h, [0, 1, 2]) == []
-    pools.get_raw_buffer("indexer", 2)[1, 33] ^= 0x80
+    pools.get_raw_buffer("indexer", 2)[1, 29] ^= 0x80
     assert [(m.pool, m.global_layer, m.page_id) for m in w.verify(h, [0, 1, 2])] == [("indexer", 2, 1)]
 
 

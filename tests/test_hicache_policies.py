@@ -11,7 +11,8 @@ from stagecache.runtime.cache.traces import Request
 from stagecache.runtime.errors import ConfigError
 from stagecache.runtime.memory.host_pools import HostPools
 from stagecache.runtime.memory.pools import StagePools
-from stagecache.runtime.model.layer_map import POOLS, build_layout
+from stagecache.runtime.model.layer_map import build_layout
+from stagecache.runtime.model.pool_kinds import HOST_CACHED, POOLS
 from stagecache.runtime.model.spec import load_spec
 from stagecache.runtime.transfer.controller import TransferController
 from stagecache.runtime.transfer.stats import TransferStats
@@ -110,7 +111,7 @@ def test_lru_eviction_order_device_to_host():
 
 def test_host_hit_reloads_exact_bytes_of_every_pool_and_layer():
     cache, w = make(device_pages=3)
-    assert {p.pool for p in w.plans} == set(POOLS)
+    assert {p.pool for p in w.plans} == set(HOST_CACHED)
     prefix = page(1, 2)
     run(cache, w, req(prefix, out=1))
     run(cache, w, req(page(2, 2), out=1))  # evicts the 2-page prefix to host
@@ -166,14 +167,14 @@ def test_verify_names_pool_layer_and_page_of_a_corrupted_host_copy():
     run(cache, w, req(page(3), out=1))  # prefix page -> host
     node = cache.tree.match(prefix + [0]).nodes[0]
     host_page = node.host[0]
-    gid = cache.pools.stage_map.pool_layers("c128_state")[0].global_id
-    cache.host_pools.get_raw_buffer("c128_state", gid)[host_page, 3] ^= 0xFF
+    gid = cache.pools.stage_map.pool_layers("c128")[0].global_id
+    cache.host_pools.get_raw_buffer("c128", gid)[host_page, 3] ^= 0xFF
     h = cache.begin(req(prefix + [1, 2]))
     bad = w.verify(h.prefix_hashes, h.prefix_pages)
     cache.finish(h)
     assert [(m.pool, m.global_layer, m.page_index, m.wrong_bytes) for m in bad] == [
-        ("c128_state", gid, 0, 1)]
-    assert "stage 2" in str(bad[0]) and "c128_state" in str(bad[0])
+        ("c128", gid, 0, 1)]
+    assert "stage 2" in str(bad[0]) and "c128" in str(bad[0])
 
 
 def test_locked_pages_are_never_evicted_and_out_of_pages_is_clear():

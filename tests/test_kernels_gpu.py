@@ -8,7 +8,8 @@ import pytest
 import torch
 from stagecache.runtime.memory.host_pools import HostPools
 from stagecache.runtime.memory.pools import StagePools
-from stagecache.runtime.model.layer_map import POOLS, build_layout
+from stagecache.runtime.model.layer_map import build_layout
+from stagecache.runtime.model.pool_kinds import HOST_CACHED
 from stagecache.runtime.model.spec import load_spec
 from stagecache.runtime.transfer.controller import TransferController
 from stagecache.runtime.transfer.stats import TransferStats
@@ -47,14 +48,14 @@ def test_gpu_round_trip_bit_identical(layout, mode, use_triton, model):
         r = c.backup(src, host)
         r.synchronize()
         assert r.seconds is not None and r.seconds > 0
-        for pool in POOLS:
+        for pool in HOST_CACHED:
             for i, b in enumerate(hp.buffers[pool]):
                 assert torch.equal(b[host], before[pool][i][src].cpu()), (pool, i, r.path)
         for bufs in dp.buffers.values():
             for b in bufs:
                 b.zero_()
         c.load(host, dst, blocking=True)
-        for pool in POOLS:
+        for pool in HOST_CACHED:
             for i, b in enumerate(dp.buffers[pool]):
                 assert torch.equal(b[dst], before[pool][i][src]), (pool, i, r.path)
     snap = stats.snapshot()
@@ -80,7 +81,7 @@ def test_gpu_layer_by_layer_wait_on_current_stream():
     for g, s in zip(r.layers, sums, strict=True):
         want = before["swa"][stage.pool_index("swa", g)][:8].sum(dtype=torch.int64)
         assert int(s) == int(want)
-    for pool in POOLS:
+    for pool in HOST_CACHED:
         for i, b in enumerate(dp.buffers[pool]):
             assert torch.equal(b[:8], before[pool][i][:8])
 
@@ -113,7 +114,7 @@ def test_gpu_pageable_host_goes_through_dma():
     c = TransferController(dp, hp)
     r = c.backup([1, 5, 2], [0, 1, 2], blocking=True)
     assert r.path == "torch-staged"
-    for pool in POOLS:
+    for pool in HOST_CACHED:
         for i, b in enumerate(hp.buffers[pool]):
             assert torch.equal(b[[0, 1, 2]], dp.buffers[pool][i][[1, 5, 2]].cpu())
 
@@ -137,14 +138,14 @@ def test_gpu_staged_ring_reuse_bit_identical(layout, monkeypatch):
         r = c.backup(src, host)
     r.synchronize()
     assert r.path == "triton-staged"
-    for pool in POOLS:
+    for pool in HOST_CACHED:
         for i, b in enumerate(hp.buffers[pool]):
             assert torch.equal(b[host], before[pool][i][src].cpu()), (pool, i)
     for bufs in dp.buffers.values():
         for b in bufs:
             b.zero_()
     c.load(host, dst, blocking=True)
-    for pool in POOLS:
+    for pool in HOST_CACHED:
         for i, b in enumerate(dp.buffers[pool]):
             assert torch.equal(b[dst], before[pool][i][src]), (pool, i)
 

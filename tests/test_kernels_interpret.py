@@ -21,7 +21,8 @@ SCRIPT = textwrap.dedent(r'''
     from stagecache.runtime.transfer import kernels
     from stagecache.runtime.transfer.controller import TransferController
     from stagecache.runtime.memory.host_pools import HostPools
-    from stagecache.runtime.model.layer_map import POOLS, build_layout
+    from stagecache.runtime.model.layer_map import build_layout
+    from stagecache.runtime.model.pool_kinds import HOST_CACHED, kind_table
     from stagecache.runtime.memory.pools import StagePools
     from stagecache.runtime.model.spec import load_spec
 
@@ -68,14 +69,14 @@ SCRIPT = textwrap.dedent(r'''
             dst = rng.sample(range(6), n)
             r = c.backup(src, host).synchronize()
             assert r.path == f"triton-{mode}", r.path
-            for pool in POOLS:
+            for pool in HOST_CACHED:
                 for i, b in enumerate(hp.buffers[pool]):
                     assert torch.equal(b[host], before[pool][i][src]), (layout, mode, pool, i)
             for bufs in dp.buffers.values():
                 for b in bufs:
                     b.zero_()
             c.load(host, dst).synchronize()
-            for pool in POOLS:
+            for pool in HOST_CACHED:
                 for i, b in enumerate(dp.buffers[pool]):
                     assert torch.equal(b[dst], before[pool][i][src]), (layout, mode, pool, i)
             # a layer subset through the same kernels
@@ -91,7 +92,7 @@ SCRIPT = textwrap.dedent(r'''
 
     # 3. auto picks staged for long host runs and direct for scattered pages (thresholds scaled
     #    down to tiny pages), and its staged choice round-trips bit-identically too
-    ctl.AUTO_STAGED_MIN_BYTES, ctl.AUTO_STAGED_MIN_DMA_BYTES = 1, 2 * 128 * 584
+    ctl.AUTO_STAGED_MIN_BYTES, ctl.AUTO_STAGED_MIN_DMA_BYTES = 1, 2 * kind_table(spec, 128).page_bytes("swa")
     dp = StagePools(spec, stage, 128, 6)
     hp = HostPools(dp, num_pages=9)
     for bufs in dp.buffers.values():
@@ -100,7 +101,7 @@ SCRIPT = textwrap.dedent(r'''
     c = TransferController(dp, hp, use_triton=True, mode="auto")
     r = c.backup([5, 0, 3], [2, 3, 4]).synchronize()
     assert r.path in ("triton-staged", "triton-mixed"), r.path
-    for pool in POOLS:
+    for pool in HOST_CACHED:
         for i, b in enumerate(hp.buffers[pool]):
             assert torch.equal(b[[2, 3, 4]], dp.buffers[pool][i][[5, 0, 3]]), (pool, i)
     assert c.backup([5, 0, 3], [0, 4, 8]).synchronize().path == "triton-direct"

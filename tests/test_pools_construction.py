@@ -80,7 +80,8 @@ def test_host_sizes_and_layouts():
     p = StagePools(TINY, S1, 128, 4)
     assert HostPools(p).num_pages == 8  # sglang's default ratio 2.0
     assert HostPools(p, hicache_ratio=1.5).num_pages == 6
-    assert HostPools(p, hicache_size_bytes=p.token_page_bytes() * 3 + 1).num_pages == 3
+    with pytest.raises(ConfigError, match="does not support a host size in bytes"):  # as sglang refuses it
+        HostPools(p, hicache_size_bytes=p.token_page_bytes() * 3 + 1)
     assert HostPools(p, num_pages=5).num_pages == 5
     pf = HostPools(p, num_pages=5, layout="page_first")
     t = pf.pool_tensors["swa"]

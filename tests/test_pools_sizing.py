@@ -1,4 +1,4 @@
-"""Byte accounting: geometry of every pool kind, and real pools equal the accounting."""
+"""Pool sizing: the pool-kind table's bytes, sglang's budgets, real pools and ``stagecache pools``."""
 
 from __future__ import annotations
 
@@ -7,17 +7,20 @@ import json
 import pytest
 from stagecache.runtime.cli.main import main
 from stagecache.runtime.errors import ConfigError
+from stagecache.runtime.memory.host_pools import HostPools
 from stagecache.runtime.memory.pools import StagePools
 from stagecache.runtime.memory.sizing import (
-    PoolGeometry,
+    budget_bytes,
     host_pages_for,
-    pages_for_budget,
     pages_for_tokens,
-    pool_geometry,
-    stage_pool_bytes,
-    stage_token_page_bytes,
+    runtime_budget,
+    sglang_budget,
+    sglang_full_tokens_for_bytes,
+    stage_accounts,
+    token_page_bytes,
 )
-from stagecache.runtime.model.layer_map import POOLS, build_layout
+from stagecache.runtime.model.layer_map import build_layout
+from stagecache.runtime.model.pool_kinds import HOST_CACHED, KINDS, POOLS, kind_table
 from stagecache.runtime.model.spec import load_spec
 from stagecache.runtime.validation.faults import buffer_plan, parse_faults
 
@@ -25,67 +28,116 @@ FLASH = load_spec("deepseek-v4-flash")
 TINY = load_spec("tiny-v4")
 
 
-def test_flash_page_geometry_at_256_tokens():
-    got = {p: pool_geometry(FLASH, p, 256) for p in POOLS}
-    assert got["swa"] == PoolGeometry("swa", 256, 584) and got["swa"].page_bytes == 149_504
-    assert got["c4"] == PoolGeometry("c4", 64, 584)
-    assert got["c128"] == PoolGeometry("c128", 2, 584)
-    assert got["indexer"] == PoolGeometry("indexer", 64, FLASH.indexer_row_bytes)
-    assert got["c4_state"] == PoolGeometry("c4_state", 256, FLASH.compress_state_row_bytes(4))
-    assert got["c128_state"] == PoolGeometry("c128_state", 256, FLASH.compress_state_row_bytes(128))
+def test_flash_table_at_256_tokens_is_sglangs_bytes():
+    t = kind_table(FLASH, 256)
+    got = {p: (t[p].rows_per_page, t[p].row_bytes, t[p].page_bytes) for p in POOLS}
+    assert got == {
+        "swa": (256, 584, 149_760),  # 256 x 584 = 149,504 padded to a multiple of 576
+        "c4": (64, 584, 37_440),
+        "c128": (2, 584, 1_728),
+        "c4_state": (8, 8_192, 65_536),  # a ring of 8 fp32 (kv, score) rows with overlap
+        "c128_state": (128, 4_096, 524_288),  # per request slot
+        "indexer": (64, 132, 8_448),
+        "c4_indexer_state": (8, 2_048, 16_384),
+    }
+    for p in ("swa", "c4", "c128"):
+        raw = t[p].rows_per_page * t[p].row_bytes
+        assert t[p].page_bytes % 576 == 0 and raw <= t[p].page_bytes < raw + 576
+    assert [p for p in POOLS if not KINDS[p].host_cached] == ["c128_state"]
+    assert {p: KINDS[p].budget for p in POOLS} == {
+        "swa": "swa", "c4": "full", "c128": "full", "c4_state": "swa", "c128_state": "request",
+        "indexer": "full", "c4_indexer_state": "swa"}
 
 
-def test_stage_bytes_follow_local_layer_counts():
-    layout = build_layout(FLASH, 4)
-    s1 = layout.stages[1]
-    b = stage_pool_bytes(FLASH, s1, 256, 10)
-    assert b["swa"] == s1.local_layers * 149_504 * 10
-    assert b["c128"] == len(s1.pool_layers("c128")) * 1168 * 10
-    assert stage_token_page_bytes(FLASH, s1, 256) * 10 == sum(b.values())
+def test_flash_pp4_stage1_costs_what_sglang_allocates_per_page():
+    s1 = build_layout(FLASH, 4).stages[1]
+    counts = s1.expected_buffers()
+    assert counts == {"swa": 11, "c4": 6, "c128": 5, "c4_state": 6, "c128_state": 5, "indexer": 6,
+                      "c4_indexer_state": 6}
+    assert token_page_bytes(kind_table(FLASH, 256), counts) == 2_422_848  # was 5.11 MB
+
+
+def test_sglang_budget_follows_its_configurator():
+    b = sglang_budget(256, 262_144, FLASH.sliding_window)
+    assert (b.full_pages, b.swa_pages, b.request_slots) == (1024, 102, 257)  # 26,214 -> 26,112 tokens
+    assert sglang_budget(256, 262_144 + 100, 128, swa_ratio=1.0).swa_tokens == 262_144
+    assert sglang_budget(256, 1024, 128, 1.0, max_running_requests=1000).request_slots == 513  # 1024 // 2 + 1
+    with pytest.raises(ConfigError, match=r"SWA pool \(0 tokens\) cannot hold even one request"):
+        sglang_budget(256, 2048, 128)
+    with pytest.raises(ConfigError, match="swa-full-tokens-ratio must be in"):
+        sglang_budget(256, 262_144, 128, swa_ratio=1.5)
+    with pytest.raises(ConfigError, match="less than one page"):
+        sglang_budget(256, 100, 128)
+
+
+def test_stage_accounts_size_each_kind_by_its_budget():
+    table = kind_table(FLASH, 256)
+    s1 = build_layout(FLASH, 4).stages[1]
+    rows = {r.pool: r for r in stage_accounts(table, s1, sglang_budget(256, 262_144, 128), 1.5)}
+    assert (rows["swa"].device_pages, rows["swa"].tensor_rows, rows["swa"].host_pages) == (102, 103, 153)
+    assert (rows["c4"].device_pages, rows["c4"].tensor_rows, rows["c4"].host_pages) == (1024, 1028, 1536)
+    assert rows["c128"].tensor_rows == 1024 + 128  # sglang reserves one 256-token page = 128 C128 pages
+    assert rows["c4_state"].tensor_rows == 828 and rows["c4_state"].tensor_row_bytes == 8192  # 102 x 8 + 9 -> x4
+    assert rows["c128_state"].tensor_rows == 259 * 128 and rows["c128_state"].host_pages == 0
+    assert rows["c128_state"].device_bytes == 5 * 259 * 524_288 and rows["c128_state"].host_bytes == 0
+    assert rows["swa"].device_bytes == 11 * 103 * 149_760
+    assert rows["c4_indexer_state"].host_bytes == 6 * 153 * 16_384
 
 
 @pytest.mark.parametrize("pp", [1, 2, 3, 4])
-def test_real_pools_equal_accounting_for_tiny(pp):
-    layout = build_layout(TINY, pp)
-    for m in layout.stages:
-        pools = StagePools(TINY, m, 128, 3)
-        assert pools.pool_bytes() == stage_pool_bytes(TINY, m, 128, 3)
+def test_real_pools_allocate_their_budget_pages(pp):
+    table = kind_table(TINY, 128)
+    for m in build_layout(TINY, pp).stages:
+        pools = StagePools(TINY, m, 128, 4, swa_ratio=0.5, request_slots=3)
+        budget = runtime_budget(128, 4, 0.5, 3)
+        assert pools.pool_bytes() == {p: m.expected_buffers()[p] * budget.units(KINDS[p]) * table.page_bytes(p)
+                                      for p in POOLS}
+        assert sum(pools.pool_bytes().values()) == budget_bytes(table, m.expected_buffers(), budget)
         for pool, bufs in pools.buffers.items():
-            for t in bufs:
-                assert t.shape == (3, pools.page_bytes(pool)) and str(t.dtype) == "torch.uint8"
+            units = {"full": 4, "swa": 2, "request": 3}[KINDS[pool].budget]
+            assert all(t.shape == (units, table.page_bytes(pool)) and str(t.dtype) == "torch.uint8" for t in bufs)
+        host = HostPools(pools, hicache_ratio=1.5)
+        assert {p: host.kind_pages[p] for p in host.kinds} == {
+            p: int(1.5 * {"full": 4, "swa": 2}[KINDS[p].budget]) for p in HOST_CACHED}
+        assert host.buffers["c128_state"] == [] and host.pool_bytes()["c128_state"] == 0
 
 
 def test_faulty_pools_priced_by_their_plan():
-    layout = build_layout(TINY, 2)
+    m = build_layout(TINY, 2).stages[1]
     faults = parse_faults(["global-swa"], 2)
-    m = layout.stages[1]
     pools = StagePools(TINY, m, 128, 2, faults=faults, pp_size=2, allow_invalid=True)
     counts = {p: len(s) for p, s in buffer_plan(m, TINY.compress_ratios, faults, 2).items()}
     assert counts["swa"] == TINY.num_layers
-    assert pools.pool_bytes() == stage_pool_bytes(TINY, m, 128, 2, counts)
-    assert pools.pool_bytes()["swa"] == 2 * stage_pool_bytes(TINY, m, 128, 2)["swa"]
+    assert sum(pools.pool_bytes().values()) == budget_bytes(pools.table, counts, runtime_budget(128, 2, 1.0))
+    assert pools.pool_bytes()["swa"] == 2 * StagePools(TINY, m, 128, 2).pool_bytes()["swa"]
 
 
-def test_page_counts_from_tokens_and_budget():
-    assert pages_for_tokens(1000, 256) == 4
-    assert pages_for_tokens(1024, 256) == 4
+def test_full_tokens_for_a_byte_budget():
+    table = kind_table(FLASH, 256)
     m = build_layout(FLASH, 4).stages[0]
-    per_page = stage_token_page_bytes(FLASH, m, 256)
-    assert pages_for_budget(FLASH, m, 256, per_page * 7 + 5) == 7
+    full = sglang_full_tokens_for_bytes(table, m, 20 << 30)
+    assert full % 256 == 0 and full > 0
+    def priced(tokens: int) -> int:  # sglang prices the budget pages and the request slots, not its reserve
+        rows = stage_accounts(table, m, sglang_budget(256, tokens, 128))
+        return sum(r.buffers * r.device_pages * r.page_bytes if r.budget != "request" else r.device_bytes
+                   for r in rows)
+
+    assert priced(full) <= 20 << 30 < priced(full + 10 * 256)
+    assert sglang_full_tokens_for_bytes(table, m, 40 << 30) > 2 * full - 256 * 4
     with pytest.raises(ConfigError, match="stage 0: memory budget"):
-        pages_for_budget(FLASH, m, 256, per_page - 1)
-    with pytest.raises(ConfigError, match="max-total-tokens"):
-        pages_for_tokens(0, 256)
+        sglang_full_tokens_for_bytes(table, m, 1 << 20)
 
 
-def test_host_pages_ratio_and_size():
+def test_host_pages_by_ratio_only():
     assert host_pages_for(100) == 200
     assert host_pages_for(100, hicache_ratio=0.5) == 50
-    assert host_pages_for(100, hicache_ratio=3, hicache_size_bytes=1000, token_page_bytes=100) == 10
     with pytest.raises(ConfigError, match="hicache-ratio"):
         host_pages_for(100, hicache_ratio=0)
-    with pytest.raises(ConfigError, match="smaller than one host page"):
-        host_pages_for(100, hicache_size_bytes=10, token_page_bytes=100)
+    with pytest.raises(ConfigError, match="does not support a host size in bytes"):
+        host_pages_for(100, hicache_size_bytes=1 << 30)
+    assert pages_for_tokens(1000, 256) == 4 and pages_for_tokens(1024, 256) == 4
+    with pytest.raises(ConfigError, match="max-total-tokens"):
+        pages_for_tokens(0, 256)
 
 
 @pytest.mark.parametrize("size", [0, -256, 100, 200])
@@ -94,25 +146,53 @@ def test_bad_page_sizes(size):
         StagePools(FLASH, build_layout(FLASH, 4).stages[0], size, 4)
 
 
-def test_cli_pools_json_matches_real_tiny_pools(capsys):
-    assert main(["pools", "--model", "tiny-v4", "--pp-size", "2", "--page-size", "128",
-                 "--max-total-tokens", "300", "--hicache-ratio", "1.5", "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
-    layout = build_layout(TINY, 2)
-    assert report["totals"]["device_bytes"] == sum(
-        sum(StagePools(TINY, m, 128, 3).pool_bytes().values()) for m in layout.stages)
-    s0 = report["stages"][0]
-    assert (s0["device_pages"], s0["host_pages"]) == (3, 4)
-    assert s0["host_bytes"] == s0["token_page_bytes"] * 4
+def _pools_json(capsys, *argv: str) -> dict:
+    assert main(["pools", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_cli_pools_json_for_flash_pp4(capsys):
+    report = _pools_json(capsys, "--model", "deepseek-v4-flash", "--pp-size", "4")
+    s1 = report["stages"][1]
+    assert (s1["start_layer"], s1["end_layer"], s1["token_page_bytes"]) == (10, 21, 2_422_848)
+    assert (s1["device_pages"], s1["swa_device_pages"], s1["request_slots"]) == (1024, 102, 257)
+    pools = {r["pool"]: r for r in s1["pools"]}
+    assert pools["c4_indexer_state"]["buffers"] == 6 and pools["c128_state"]["host_cached"] is False
+    assert s1["device_bytes"] == sum(r["device_bytes"] for r in s1["pools"])
+    assert report["totals"]["device_bytes"] == sum(s["device_bytes"] for s in report["stages"])
+    assert report["notes"] == [] and report["page_size"] == 256
+
+
+def test_cli_pools_page_size_follows_sglang(capsys):
+    at_256 = _pools_json(capsys, "--model", "deepseek-v4-flash", "--pp-size", "2")
+    at_64 = _pools_json(capsys, "--model", "deepseek-v4-flash", "--pp-size", "2", "--page-size", "64")
+    assert at_64["stages"] == at_256["stages"] and at_64["requested_page_size"] == 64
+    assert at_64["notes"] == ["sglang 0.5.23 runs DeepSeek-V4 with page_size 256 (it overrides --page-size 64)"]
+
+
+def test_cli_pools_runtime_pools_hold_the_budget_pages(capsys):
+    report = _pools_json(capsys, "--model", "tiny-v4", "--pp-size", "2", "--max-total-tokens", "4096",
+                         "--swa-full-tokens-ratio", "0.5", "--max-running-requests", "2")
+    for s in report["stages"]:
+        m = build_layout(TINY, 2).stages[s["stage"]]
+        pools = StagePools(TINY, m, 256, s["device_pages"], swa_ratio=0.5, request_slots=s["request_slots"])
+        assert pools.pool_bytes() == {r["pool"]: r["buffers"] * r["device_pages"] * r["page_bytes"]
+                                      for r in s["pools"]}
 
 
 def test_cli_pools_table_for_flash_pp4(capsys):
     assert main(["pools", "--model", "deepseek-v4-flash", "--pp-size", "4"]) == 0
     out = capsys.readouterr().out
-    assert "149,504" in out and "stage total" in out and "[32, 43)" in out
+    assert "149,760" in out and "stage total" in out and "[32, 43)" in out and "2,422,848" in out
 
 
-def test_cli_pools_bad_budget_is_one_line_exit_2(capsys):
-    assert main(["pools", "--model", "deepseek-v4-flash", "--pp-size", "4", "--mem-budget-gb", "0.000001"]) == 2
+@pytest.mark.parametrize(("argv", "match"), [
+    (["--mem-budget-gb", "0.000001"], "memory budget"),
+    (["--hicache-size-gb", "64"], "does not support a host size in bytes"),
+    (["--swa-full-tokens-ratio", "2"], "--swa-full-tokens-ratio: expected a finite number > 0 and <= 1"),
+    (["--max-total-tokens", "2048"], "cannot hold even one request"),
+])
+def test_cli_pools_bad_input_is_one_line_exit_2(capsys, argv, match):
+    assert main(["pools", "--model", "deepseek-v4-flash", "--pp-size", "4", *argv]) == 2
     err = capsys.readouterr().err
-    assert "memory budget" in err and len(err.strip().splitlines()) == 1
+    assert match in err and len(err.strip().splitlines()) == 1

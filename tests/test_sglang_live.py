@@ -5,24 +5,19 @@ environment by tests/test_sglang_integration.py); skipped where sglang is not im
 
 How the real pool is built on a CPU machine: ``DeepSeekV4TokenToKVPool.__init__`` reads
 sglang's process-wide runtime context (``get_exec()``/``get_spec()``), which a server
-publishes from its ``ServerArgs``.  ``ServerArgs.__post_init__`` resolves the model config
-from a hub/path (no network here), so the fixture builds a default ``ServerArgs`` with that
-one step skipped and publishes it through sglang's own ``RuntimeContext.set_server_args``.
-Everything after that -- the pool constructor, its SWA/C4/C128/indexer/compress-state
-buffers (real CPU tensors), ``_init_compressed_layer_mapping``, the assembler's
-``_resolve_deepseek_v4_layer_mappings`` and the first checks of
-``build_deepseek_v4_hicache_stack`` -- is sglang's real code.  What cannot run on CPU:
-the rest of ``build_deepseek_v4_hicache_stack`` (host pools pinned in CUDA host memory and
-the ``HybridCacheController`` with its CUDA streams); see the skip below.
+publishes from its ``ServerArgs``.  The module fixture publishes a default, unresolved
+``ServerArgs`` through sglang's own ``RuntimeContext.set_server_args`` for the small pools
+built directly (``make_pool``); the real-server tests resolve a ``ServerArgs`` for the real
+flash config and let sglang's configurator build the pools (tests/sglang_real.py).  Pools
+carry the config's ``compress_ratios`` as sglang's ``ModelConfig`` does: 44 entries for
+flash's 43 layers (the MTP placeholder), 13 for tiny's 12.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import re
-from contextlib import contextmanager
 
 import pytest
 
@@ -36,6 +31,7 @@ from sglang.srt.distributed.utils import get_pp_indices  # noqa: E402
 from sglang.srt.managers.cache_controller import HiCacheAck  # noqa: E402
 from sglang.srt.mem_cache import deepseek_v4_memory_pool as dsv4  # noqa: E402
 from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as hpa  # noqa: E402
+from sglang_real import partition_env, raw_ratios  # noqa: E402
 from stagecache.exporters.metrics import make_registry  # noqa: E402
 from stagecache.exporters.snapshot import SnapshotSource  # noqa: E402
 from stagecache.runtime.errors import StageMappingInvalid  # noqa: E402
@@ -49,6 +45,9 @@ from stagecache.runtime.validation.report import preflight  # noqa: E402
 PAGE = 256
 FLASH = load_spec("deepseek-v4-flash")
 TINY = load_spec("tiny-v4")
+#: The configs' compress_ratios as sglang's pools carry them (MTP placeholder included).
+RATIOS = {FLASH.name: raw_ratios("deepseek-v4-flash"), TINY.name: raw_ratios("tiny-v4")}
+FLASH44 = RATIOS[FLASH.name]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -81,22 +80,6 @@ def make_pool(ratios, start: int, end: int) -> dsv4.DeepSeekV4TokenToKVPool:
         compression_ratios=list(ratios), sliding_window=128,
         start_layer=start, end_layer=end,
     )
-
-
-@contextmanager
-def partition_env(partition):
-    old = os.environ.get(integ.PARTITION_ENV)
-    if partition is None:
-        os.environ.pop(integ.PARTITION_ENV, None)
-    else:
-        os.environ[integ.PARTITION_ENV] = ",".join(map(str, partition))
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(integ.PARTITION_ENV, None)
-        else:
-            os.environ[integ.PARTITION_ENV] = old
 
 
 # -- partition: sglang's get_pp_indices == stagecache's partition_layers -----------------------
@@ -173,9 +156,13 @@ def test_layer_maps_match_real_pool_and_assembler(spec, pp, partition):
     with partition_env(partition):
         for stage_map in layout.stages:
             assert get_pp_indices(spec.num_layers, stage_map.stage, pp) == (stage_map.start, stage_map.end)
-            pools.append(_check_stage(spec.compress_ratios, stage_map))
+            pools.append(_check_stage(RATIOS[spec.name], stage_map))
         report = integ.inspect_pools(pools, pp_size=pp, model_name=spec.name)
+        for pool in pools:  # each rank on its own, as the start-up hook sees it
+            alone = integ.inspect_pool(pool, pp_size=pp)
+            assert alone.ok and alone.num_layers == spec.num_layers, [str(e) for e in alone.all_errors]
     assert report.ok, [str(e) for e in report.all_errors]
+    assert report.num_layers == spec.num_layers and report.cross_errors == ()  # no false gap
     # the same per-stage report `stagecache check` computes for this layout
     want = preflight(layout, PAGE).to_dict()
     assert report.to_dict()["stages"] == want["stages"]
@@ -186,10 +173,11 @@ def test_layer_maps_match_real_pool_and_assembler(spec, pp, partition):
 def test_random_models_match(ratios, data):
     pp = data.draw(st.integers(1, min(4, len(ratios))), label="pp")
     rank = data.draw(st.integers(0, pp - 1), label="rank")
+    mtp = data.draw(st.booleans(), label="MTP placeholder in the config")
     spec = dataclasses.replace(TINY, num_layers=len(ratios), compress_ratios=tuple(ratios))
     stage_map = build_layout(spec, pp).stages[rank]
-    pool = _check_stage(ratios, stage_map)
-    report = integ.inspect_pool(pool, pp_size=pp)
+    pool = _check_stage(ratios + [0] * mtp, stage_map)
+    report = integ.inspect_pool(pool, pp_size=pp, num_layers=len(ratios))
     assert report.ok, [str(e) for e in report.all_errors]
     assert report.stages[0].stage_map == stage_map
 
@@ -199,7 +187,7 @@ def _global_swa(pool):
     """What the original bug did: the SWA pool sized by the model's global layer count."""
     pool.swa_kv_pool = pool._make_kv_pool(
         size=PAGE, page_size=PAGE, dtype=torch.float8_e4m3fn,
-        layer_num=len(pool.compression_ratios), device="cpu",
+        layer_num=FLASH.num_layers, device="cpu",  # the model's global layer count on every stage
         enable_memory_saver=False, global_page_size=PAGE,
     )
     return pool
@@ -212,16 +200,16 @@ def _stage_errors(report, stage):
 def test_global_swa_same_errors_as_check_and_as_sglang():
     layout = build_layout(FLASH, 4)
     s = layout.stages[2]
-    pool = _global_swa(make_pool(FLASH.compress_ratios, s.start, s.end))
+    pool = _global_swa(make_pool(FLASH44, s.start, s.end))
     report = integ.inspect_pool(pool, pp_size=4)
     want = preflight(layout, PAGE, [Fault("global-swa")])
     assert not report.ok
     assert _stage_errors(report, 2) == _stage_errors(want, 2)
     assert _stage_errors(report, 2) == [
-        "SWA KV pool must be PP-stage-local: got 43 buffers for 11 local layers"
+        "DeepSeek V4 SWA KV pool must be PP-stage-local: got 43 buffers for 11 local layers"
     ]
     # sglang's own HiCache build rejects the same pool with the same words
-    with pytest.raises(ValueError, match="SWA KV pool must be PP-stage-local: got 43 buffers for 11"):
+    with pytest.raises(ValueError, match="DeepSeek V4 SWA KV pool must be PP-stage-local: got 43 buffers for 11"):
         hpa.build_deepseek_v4_hicache_stack(
             params=_Params(), kvcache=pool, load_cache_event=None, storage_backend=None)
 
@@ -229,7 +217,7 @@ def test_global_swa_same_errors_as_check_and_as_sglang():
 def test_missing_c4_state_same_error_as_check():
     layout = build_layout(FLASH, 4)
     s = layout.stages[1]
-    pool = make_pool(FLASH.compress_ratios, s.start, s.end)
+    pool = make_pool(FLASH44, s.start, s.end)
     last_c4 = s.pool_layers("c4_state")[-1].global_id
     pool.compress_state_pools[last_c4] = None
     report = integ.inspect_pool(pool, pp_size=4)
@@ -240,7 +228,7 @@ def test_missing_c4_state_same_error_as_check():
 
 def test_wrong_compress_id_and_pool_holes_are_reported():
     s = build_layout(TINY, 2).stages[1]
-    pool = make_pool(TINY.compress_ratios, s.start, s.end)
+    pool = make_pool(RATIOS[TINY.name], s.start, s.end)
     c128 = s.pool_layers("c128")
     first, second = c128[0].global_id, c128[1].global_id
     pool.layer_mapping[second] = pool.layer_mapping[first]  # two C128 layers share an id
@@ -264,7 +252,7 @@ def test_attach_validates_publishes_and_restores():
     original = hpa.build_deepseek_v4_hicache_stack
     layout = build_layout(FLASH, 4)
     s = layout.stages[3]
-    bad = _global_swa(make_pool(FLASH.compress_ratios, s.start, s.end))
+    bad = _global_swa(make_pool(FLASH44, s.start, s.end))
     with integ.attach(pp_size=4) as source:
         assert isinstance(source, SnapshotSource)
         assert hpa.build_deepseek_v4_hicache_stack is not original
@@ -282,7 +270,7 @@ def test_attach_validates_publishes_and_restores():
 
 def test_attach_non_strict_delegates_to_sglang():
     s = build_layout(FLASH, 2).stages[0]
-    bad = _global_swa(make_pool(FLASH.compress_ratios, s.start, s.end))
+    bad = _global_swa(make_pool(FLASH44, s.start, s.end))
     with integ.attach(pp_size=2, strict=False) as source:
         # the real sglang function runs and raises its own error
         with pytest.raises(ValueError, match="DeepSeek V4 SWA KV pool must be PP-stage-local"):
@@ -309,7 +297,7 @@ class _Controller:
 def test_transfers_reach_the_prometheus_exporter():
     source = integ.SglangSource()
     s = build_layout(TINY, 2).stages[1]
-    pool = make_pool(TINY.compress_ratios, s.start, s.end)
+    pool = make_pool(RATIOS[TINY.name], s.start, s.end)
     source.publish(integ.inspect_pool(pool, pp_size=2))
     ctl = _Controller()
     restore = integ.wrap_controller(ctl, source, stage=1)
@@ -338,7 +326,7 @@ def test_install_serves_the_stage_dashboard(free_port):
     import httpx
 
     s = build_layout(FLASH, 4).stages[2]
-    bad = _global_swa(make_pool(FLASH.compress_ratios, s.start, s.end))
+    bad = _global_swa(make_pool(FLASH44, s.start, s.end))
     att = integ.install(pp_size=4, dashboard_port=free_port - 2)  # served on port + pp_rank
     try:
         with pytest.raises(StageMappingInvalid):
@@ -348,7 +336,7 @@ def test_install_serves_the_stage_dashboard(free_port):
         startup = httpx.get(f"{att.dashboard_url}/api/startup", timeout=10).json()
         assert startup["ok"] is False
         assert startup["stages"][0]["errors"][0]["message"].startswith(
-            "SWA KV pool must be PP-stage-local: got 43 buffers for 11")
+            "DeepSeek V4 SWA KV pool must be PP-stage-local: got 43 buffers for 11")
         metrics = httpx.get(f"{att.dashboard_url}/metrics", timeout=10).text
         assert re.search(r"^stagecache_startup_ok\{[^}]*\} 0\.0$", metrics, re.M), metrics
     finally:
@@ -371,11 +359,11 @@ def test_sglang_plugin_entry_point(monkeypatch):
 
     assert get_parallel().pp_size == 1  # the published default ServerArgs: pp_size 1
     monkeypatch.setenv("STAGECACHE_SGLANG", "1")
-    monkeypatch.setattr(integ, "_PLUGIN", None)
+    monkeypatch.setattr(integ.hooks, "_PLUGIN", None)
     att = plugin()
     try:
         assert plugin() is att  # once per process
-        pool = make_pool(TINY.compress_ratios, 0, TINY.num_layers)
+        pool = make_pool(RATIOS[TINY.name], 0, TINY.num_layers)
         pool.compress_state_pools[TINY.ratio_layers(4)[-1]] = None
         with pytest.raises(StageMappingInvalid, match=r"\[stage 0\] c4_state: deepseek_v4_c4_state"):
             hpa.build_deepseek_v4_hicache_stack(
@@ -389,7 +377,7 @@ def test_sglang_plugin_entry_point(monkeypatch):
 def test_pool_of_another_partition_is_a_clear_config_error():
     from stagecache.runtime.errors import ConfigError
 
-    pool = make_pool(FLASH.compress_ratios, 0, 10)  # rank 0 of pp 4, no rank of pp 3
+    pool = make_pool(FLASH44, 0, 10)  # rank 0 of pp 4, no rank of pp 3
     with pytest.raises(ConfigError, match=r"layers \[0, 10\) matches no rank of get_pp_indices for pp_size=3"):
         integ.inspect_pool(pool, pp_size=3)
 

@@ -162,7 +162,7 @@ def _stage_run(la: Any, stage_map: Any, reqs: Sequence[Any], args: argparse.Name
     from ..memory.pools import StagePools
 
     pools = StagePools(la.spec, stage_map, la.page_size, args.device_pages, args.device,
-                       la.faults, la.layout.pp_size)
+                       la.faults, la.layout.pp_size, swa_ratio=1.0)  # one page-id space
     host_pools = controller = None
     if host:
         from ..memory.host_pools import HostPools

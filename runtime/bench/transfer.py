@@ -27,8 +27,8 @@ import statistics
 import time
 from typing import Any
 
-from ..memory.sizing import pool_geometry
-from ..model.layer_map import POOL_RATIO, POOLS, build_stage_map
+from ..model.layer_map import build_stage_map
+from ..model.pool_kinds import HOST_CACHED, KINDS, kind_table
 from ..model.spec import ModelSpec, load_spec, spec_from_config
 
 MIB = 1 << 20
@@ -36,7 +36,7 @@ MIB = 1 << 20
 
 def single_kind_spec(base: ModelSpec, pool: str, layers: int) -> ModelSpec:
     """A model of ``layers`` layers that all carry a buffer of ``pool`` (same row sizes as ``base``)."""
-    ratio = POOL_RATIO[pool] or 0
+    ratio = KINDS[pool].owner_ratio or 0
     cfg = {
         "num_hidden_layers": layers, "compress_ratios": [ratio] * layers,
         "sliding_window": base.sliding_window, "head_dim": base.head_dim,
@@ -122,14 +122,14 @@ def bench_kind(base: ModelSpec, pool: str, layers: int, page_size: int, pages: i
 
     spec = single_kind_spec(base, pool, layers)
     stage = build_stage_map(spec, 0, 0, layers)
-    pb = pool_geometry(spec, pool, page_size).page_bytes
+    pb = kind_table(spec, page_size).page_bytes(pool)
     n = pages or max(1, -(-target_bytes // (layers * pb)))
     total = n * layers * pb
     cuda = device.startswith("cuda")
     clock = _Clock(cuda)
     rng = random.Random(seed)
 
-    dp = StagePools(spec, stage, page_size, 2 * n, device=device, kinds=[pool])
+    dp = StagePools(spec, stage, page_size, 2 * n, device=device, kinds=[pool], swa_ratio=1.0)
     for b in dp.buffers[pool]:
         b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, device=device))
     order = rng.sample(range(2 * n), 2 * n)  # scattered, and the two halves are disjoint
@@ -274,7 +274,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 
         raise ConfigError("--device cuda: no CUDA device is available here")
     base = load_spec(args.model)
-    kinds = args.pool or list(POOLS)
+    kinds = args.pool or list(HOST_CACHED)
     modes = ["auto", "direct", "staged"] if device.startswith("cuda") else ["auto"]
     results = []
     for pool in kinds:

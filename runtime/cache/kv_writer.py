@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..model.layer_map import POOLS
+from ..model.pool_kinds import HOST_CACHED, POOLS
 
 _M64 = (1 << 64) - 1
 
@@ -109,7 +109,7 @@ class KvWriter:
         self.plans: list[_PoolPlan] = []
         for idx, pool in enumerate(POOLS):
             gids = [e.global_id for e in self.stage_map.pool_layers(pool)]
-            if not gids:
+            if not gids or pool not in HOST_CACHED:  # per-request state: not addressed by page
                 continue
             self.plans.append(_PoolPlan(pool, idx, gids, pools.page_bytes(pool), seed, self.device))
 

@@ -14,7 +14,7 @@ import sys
 from ..bench import check as bench_check
 from ..bench import hicache as bench_hicache
 from ..bench import transfer as bench_transfer
-from ..model.layer_map import POOLS
+from ..model.pool_kinds import HOST_CACHED
 from . import bench_http
 from .common import (
     add_layout_args,
@@ -58,7 +58,8 @@ def _register_transfer(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mib", type=positive_float, default=256.0, help="MiB per transfer when --pages is not given (default %(default)s)")
     p.add_argument("--layers", type=positive_int, default=11, help="layers copied per transfer (default %(default)s, a deepseek-v4-flash stage at pp 4)")
     p.add_argument("--page-size", type=positive_int, default=256, help="tokens per page (default %(default)s)")
-    p.add_argument("--pool", action="append", choices=POOLS, help="pool kind to measure (repeatable; default: all)")
+    p.add_argument("--pool", action="append", choices=HOST_CACHED,
+                   help="pool kind to measure (repeatable; default: every host-cached kind)")
     p.add_argument("--layout", action="append", choices=["layer_first", "page_first"],
                    help="host pool memory layout (repeatable; default: both)")
     p.add_argument("--pattern", action="append", choices=["run", "scattered"], help="host pages contiguous (run) or spread out (scattered) (repeatable; default: both)")

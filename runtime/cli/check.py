@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..model.layer_map import POOLS
+from ..model.pool_kinds import POOLS
 from ..validation.report import StartupReport, preflight
 from .common import add_layout_args, layout_from_args
 
@@ -35,7 +35,7 @@ def print_report(report: StartupReport) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=160)
+    console = Console(width=200)
     title = (
         f"{report.model}: {report.num_layers} layers, pp={report.pp_size} tp={report.tp_size}, "
         f"page={report.page_size}" + (f", faults={','.join(report.faults)}" if report.faults else "")

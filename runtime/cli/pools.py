@@ -1,8 +1,8 @@
-"""``stagecache pools``: per stage, per pool byte accounting of device pools and host mirror.
+"""``stagecache pools``: per stage and pool kind, what sglang 0.5.23 allocates on device and host.
 
-Computed with the same ``pool_sizing`` functions ``StagePools`` allocates
-with (a test checks the real tensors add up to these numbers), so what this
-prints is what a stage will take, before any GPU is touched.
+The numbers come from ``memory.accounting`` (pool-kind table + sglang's sizing
+rules); tests/test_sglang_live.py checks them field by field against sglang's
+own ``DeepSeekV4TokenToKVPool`` and HiCache assembler.
 """
 
 from __future__ import annotations
@@ -11,87 +11,57 @@ import argparse
 import json
 from typing import Any
 
-from ..errors import ConfigError
-from .common import add_layout_args, float_range, layout_from_args, positive_float, positive_int
+from ..memory.accounting import DEFAULT_MAX_TOTAL_TOKENS
+from ..memory.sizing import DSV4_MAX_RUNNING_REQUESTS, DSV4_PAGE_SIZE
+from .common import add_layout_args, float_range, int_range, positive_float, positive_int
 
-DEFAULT_MAX_TOTAL_TOKENS = 262_144
 GIB = 1 << 30
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "pools",
-        help="byte accounting of every stage's device pools and host (HiCache) mirror",
-        description="Per PP stage and pool kind: buffers, bytes per page, device and host bytes.",
+        help="what sglang allocates for every stage's device pools and host (HiCache) mirror",
+        description="Per PP stage and pool kind: buffers, bytes per page, device and host pages and bytes.",
     )
     add_layout_args(p)
     size = p.add_mutually_exclusive_group()
     size.add_argument("--max-total-tokens", type=positive_int, default=None,
-                      help=f"tokens every stage's pools hold (default {DEFAULT_MAX_TOTAL_TOKENS})")
+                      help=f"full-attention tokens per stage (default {DEFAULT_MAX_TOTAL_TOKENS})")
     size.add_argument("--mem-budget-gb", type=float_range(0.0, 1 << 20, low_open=True), default=None,
-                      help="device memory per stage for KV pools, GiB; pages = budget // bytes per token page")
+                      help="KV memory per stage, GiB; full tokens as sglang's configurator fits them "
+                           "(the smallest stage's, as PP ranks agree on one)")
+    p.add_argument("--swa-full-tokens-ratio", type=float_range(0.0, 1.0, low_open=True), default=None,
+                   help="SWA tokens / full tokens (default 0.1, sglang's for DeepSeek-V4)")
+    p.add_argument("--max-running-requests", type=int_range(1, 1 << 20), default=DSV4_MAX_RUNNING_REQUESTS,
+                   help=f"request slots of the per-request pools (default {DSV4_MAX_RUNNING_REQUESTS}, "
+                        "sglang's for DeepSeek-V4)")
     host = p.add_mutually_exclusive_group()
     host.add_argument("--hicache-ratio", type=positive_float, default=None,
-                      help="host pages = device pages x ratio (default 2.0, like sglang)")
+                      help="host pages = device pages x ratio, per budget (default 2.0, like sglang)")
     host.add_argument("--hicache-size-gb", type=float_range(0.0, 1 << 20, low_open=True), default=None,
-                      help="host mirror size per stage, GiB (overrides the ratio)")
+                      help="refused for DeepSeek-V4, as sglang refuses --hicache-size")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
 
 
 def accounting(args: argparse.Namespace) -> dict[str, Any]:
     """The whole report as a dict (also the --json output)."""
-    from ..memory.sizing import (
-        host_pages_for,
-        pages_for_budget,
-        pages_for_tokens,
-        stage_accounts,
-        stage_token_page_bytes,
+    from ..memory.accounting import SizingOptions, account
+    from ..validation.inputs import resolve_layout
+
+    # sglang sizes DeepSeek-V4 with 256-token pages whatever --page-size says; the layout is
+    # checked against that page size, and the report says when it overrode the flag.
+    la = resolve_layout(args.model, args.pp_size, args.tp_size, args.pp_partition, DSV4_PAGE_SIZE, args.fault)
+    options = SizingOptions(
+        max_total_tokens=args.max_total_tokens,
+        mem_budget_bytes=int(args.mem_budget_gb * GIB) if args.mem_budget_gb is not None else None,
+        swa_ratio=args.swa_full_tokens_ratio,
+        max_running_requests=args.max_running_requests,
+        hicache_ratio=args.hicache_ratio,
+        hicache_size_bytes=int(args.hicache_size_gb * GIB) if args.hicache_size_gb is not None else None,
     )
-    from ..validation.faults import buffer_plan
-
-    la = layout_from_args(args)
-    spec, page_size = la.spec, la.page_size
-    from ..memory.sizing import check_layout_page_size
-
-    check_layout_page_size(spec, page_size)
-    max_tokens = args.max_total_tokens
-    if max_tokens is None and args.mem_budget_gb is None:
-        max_tokens = DEFAULT_MAX_TOTAL_TOKENS
-    stages = []
-    totals = {"device_bytes": 0, "host_bytes": 0}
-    for m in la.layout.stages:
-        counts = {p: len(s) for p, s in buffer_plan(m, spec.compress_ratios, la.faults, la.layout.pp_size).items()}
-        per_page = stage_token_page_bytes(spec, m, page_size, counts)
-        if max_tokens is not None:
-            dev_pages = pages_for_tokens(max_tokens, page_size)
-        else:
-            dev_pages = pages_for_budget(spec, m, page_size, int(args.mem_budget_gb * GIB))
-        size_b = int(args.hicache_size_gb * GIB) if args.hicache_size_gb is not None else None
-        host_pages = host_pages_for(dev_pages, args.hicache_ratio, size_b, per_page)
-        rows = stage_accounts(spec, m, page_size, dev_pages, host_pages, counts)
-        dev_b = sum(r.device_bytes for r in rows)
-        host_b = sum(r.host_bytes for r in rows)
-        totals["device_bytes"] += dev_b
-        totals["host_bytes"] += host_b
-        stages.append({
-            "stage": m.stage, "start_layer": m.start, "end_layer": m.end, "local_layers": m.local_layers,
-            "device_pages": dev_pages, "host_pages": host_pages,
-            "device_tokens": dev_pages * page_size, "host_tokens": host_pages * page_size,
-            "token_page_bytes": per_page, "device_bytes": dev_b, "host_bytes": host_b,
-            "pools": [r.to_dict() for r in rows],
-        })
-    if not stages:
-        raise ConfigError("no stage to account for")
-    return {
-        "model": spec.name, "num_layers": spec.num_layers, "pp_size": la.layout.pp_size,
-        "page_size": page_size, "faults": [f.name for f in la.faults],
-        "sizing": ({"max_total_tokens": max_tokens} if max_tokens is not None
-                   else {"mem_budget_gb": args.mem_budget_gb}),
-        "hicache": ({"size_gb": args.hicache_size_gb} if args.hicache_size_gb is not None
-                    else {"ratio": 2.0 if args.hicache_ratio is None else args.hicache_ratio}),
-        "stages": stages, "totals": totals,
-    }
+    return account(la.layout, args.page_size, options, la.faults)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -113,21 +83,26 @@ def human(n: int) -> str:
     return f"{n} B"
 
 
+def _title(report: dict[str, Any]) -> str:
+    sz, s0 = report["sizing"], report["stages"][0]
+    budget = f", budget {human(sz['mem_budget_bytes'])}/stage" if "mem_budget_bytes" in sz else ""
+    return (f"{report['model']}: {report['num_layers']} layers, pp={report['pp_size']}, "
+            f"page={report['page_size']}{budget}: full {s0['full_tokens']:,} tokens, swa {s0['swa_tokens']:,} "
+            f"(ratio {sz['swa_full_tokens_ratio']}), {s0['request_slots']} request slots, "
+            f"hicache_ratio={sz['hicache_ratio']}"
+            + (f", faults={','.join(report['faults'])}" if report["faults"] else ""))
+
+
 def print_accounting(report: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from ..model.layer_map import POOL_LABELS
+    from ..model.pool_kinds import KINDS
 
-    console = Console(width=140)
-    sizing = ", ".join(f"{k}={v}" for k, v in report["sizing"].items())
-    hic = ", ".join(f"hicache_{k}={v}" for k, v in report["hicache"].items())
-    title = (f"{report['model']}: {report['num_layers']} layers, pp={report['pp_size']}, "
-             f"page={report['page_size']} tokens, {sizing}, {hic}"
-             + (f", faults={','.join(report['faults'])}" if report["faults"] else ""))
-    table = Table(title=title)
+    console = Console(width=160)
+    table = Table(title=_title(report))
     for col, just in (("stage", "right"), ("layers", "left"), ("pool", "left"), ("buffers", "right"),
-                      ("rows/page", "right"), ("B/page", "right"), ("device pages", "right"),
+                      ("sized by", "left"), ("B/page", "right"), ("device pages", "right"),
                       ("device", "right"), ("host pages", "right"), ("host", "right")):
         table.add_column(col, justify=just)
     for s in report["stages"]:
@@ -135,16 +110,20 @@ def print_accounting(report: dict[str, Any]) -> None:
         for r in s["pools"]:
             if not r["buffers"]:
                 continue
+            unit = " /slot" if r["budget"] == "request" else ""
             table.add_row(
                 str(s["stage"]) if first else "", f"[{s['start_layer']}, {s['end_layer']})" if first else "",
-                POOL_LABELS[r["pool"]], str(r["buffers"]), str(r["rows_per_page"]), f"{r['page_bytes']:,}",
-                f"{r['device_pages']:,}", human(r["device_bytes"]), f"{r['host_pages']:,}", human(r["host_bytes"]),
+                KINDS[r["pool"]].label, str(r["buffers"]), r["budget"], f"{r['page_bytes']:,}{unit}",
+                f"{r['device_pages']:,}", human(r["device_bytes"]),
+                f"{r['host_pages']:,}" if r["host_cached"] else "-", human(r["host_bytes"]),
             )
             first = False
         table.add_row("", "", "[bold]stage total[/bold]", "", "", f"{s['token_page_bytes']:,}",
-                      f"{s['device_pages']:,}", f"[bold]{human(s['device_bytes'])}[/bold]",
-                      f"{s['host_pages']:,}", f"[bold]{human(s['host_bytes'])}[/bold]", end_section=True)
+                      "", f"[bold]{human(s['device_bytes'])}[/bold]",
+                      "", f"[bold]{human(s['host_bytes'])}[/bold]", end_section=True)
     t = report["totals"]
     table.add_row("", "", "[bold]all stages[/bold]", "", "", "", "", f"[bold]{human(t['device_bytes'])}[/bold]",
                   "", f"[bold]{human(t['host_bytes'])}[/bold]")
     console.print(table)
+    for note in report["notes"]:
+        console.print(f"note: {note}")

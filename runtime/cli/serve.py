@@ -178,12 +178,11 @@ def _check_paths(args: argparse.Namespace) -> None:
 
 def options_from_args(args: argparse.Namespace) -> ServeOptions:
     """Validate every flag once, in the parent, so a bad value is exit 2 before any process starts."""
-    from ..memory.sizing import check_layout_page_size, pages_for_tokens
+    from ..memory.sizing import pages_for_tokens
     from ..serve.stage_cache import build_trace, check_trace_fits
 
     _check_paths(args)
     la = layout_from_args(args)  # spec, partition, page size, faults: ConfigError on bad input
-    check_layout_page_size(la.spec, la.page_size)
     if args.max_total_tokens is not None:
         device_pages = pages_for_tokens(args.max_total_tokens, la.page_size)
     else:

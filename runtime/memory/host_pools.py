@@ -1,10 +1,15 @@
-"""Host (HiCache) mirror of a stage's device pools: same pool kinds, same buffer counts, own pages.
+"""Host (HiCache) mirror of a stage's device pools: the host-cached kinds, same buffer counts, own pages.
 
 The host mirror is built *from* the device ``StagePools`` so it can never be
 sized by a different layer count than the device side -- the PP+HiCache bug
 was exactly a host stack that disagreed with the device pools.  A device side
 with mapping errors is refused here (the original crash, but with the stage,
 pool and counts in the message) unless ``allow_invalid`` is set.
+
+Only the kinds the pool-kind table marks host-cached are mirrored: the
+per-request C128 compress state stays on the device, as in sglang's HiCache.
+Host pages are ``int(device pages x --hicache-ratio)`` of each kind's budget
+(sglang refuses a host size in bytes for DeepSeek-V4).
 
 Two layouts, as in sglang's HiCache:
 
@@ -20,19 +25,16 @@ zero-copy kernels can reach them.
 
 from __future__ import annotations
 
-from typing import Any
-
-from ..errors import ConfigError, LayerNotOwnedError, MappingError, StageMappingInvalid
-from ..model.layer_map import POOL_LABELS, POOLS
-from ..validation.checks import PoolInventory, validate_stage
+from ..errors import ConfigError, LayerNotOwnedError, StageMappingInvalid
+from ..model.pool_kinds import HOST_CACHED, KINDS, POOLS
 from .allocator import PageAllocator
-from .pools import StagePools, _fmt_bytes, host_available_bytes
-from .sizing import PoolGeometry, host_pages_for
+from .pools import StagePools, _fmt_bytes, _StageBuffers, host_available_bytes
+from .sizing import host_pages_for
 
 LAYOUTS = ("layer_first", "page_first")
 
 
-class HostPools:
+class HostPools(_StageBuffers):
     """Host mirror of one stage's device pools."""
 
     def __init__(
@@ -59,45 +61,54 @@ class HostPools:
         self.stage_map = dp.stage_map
         self.page_size = dp.page_size
         self.layout = layout
-        self.plan = {pool: tuple(b is not None for b in bufs) for pool, bufs in dp.buffers.items()}
-        self.geometry: dict[str, PoolGeometry] = dict(dp.geometry)
-        token_page = self.token_page_bytes()
-        if num_pages is not None:
-            if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0:
-                raise ConfigError(f"{where}: number of host pages must be a positive integer, got {num_pages!r}")
-        else:
-            num_pages = host_pages_for(dp.num_pages, hicache_ratio, hicache_size_bytes, token_page)
-        self.num_pages = num_pages
-        need = token_page * num_pages
-        avail = host_available_bytes()
-        if avail is not None and need > avail:
-            raise ConfigError(
-                f"{where}: {num_pages} host pages x {token_page} B = {_fmt_bytes(need)} needed, "
-                f"only {_fmt_bytes(avail)} of host RAM available; lower --hicache-ratio or --hicache-size"
-            )
+        #: The kinds mirrored here: the device side's host-cached kinds.
+        self.kinds: tuple[str, ...] = tuple(p for p in dp.kinds if p in HOST_CACHED)
+        self.plan = {pool: tuple(b is not None for b in dp.buffers[pool]) if pool in self.kinds else ()
+                     for pool in POOLS}
+        self.kind_pages = self._kind_pages(where, num_pages, hicache_ratio, hicache_size_bytes)
+        #: The host page-id space: pages of the full-token budget (every kind's, at swa ratio 1).
+        self.num_pages = (num_pages if num_pages is not None
+                          else host_pages_for(dp.num_pages, hicache_ratio, hicache_size_bytes))
+        self._check_fits(where)
         self.pinned = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
         if self.pinned and not torch.cuda.is_available():
             raise ConfigError(f"{where}: pin_memory=True needs CUDA, and none is available")
-
-        def alloc(shape: tuple[int, ...]) -> torch.Tensor:
-            return torch.zeros(shape, dtype=torch.uint8, pin_memory=self.pinned)
-
         self.buffers: dict[str, list[torch.Tensor | None]] = {}
         #: page_first: the one tensor of each pool kind, (num_pages, buffers, page_bytes).
         self.pool_tensors: dict[str, torch.Tensor] = {}
         for pool in POOLS:
-            slots = self.plan.get(pool, ())
-            if not slots:
-                self.buffers[pool] = []
-                continue
-            pb = self.geometry[pool].page_bytes
-            if layout == "layer_first":
-                self.buffers[pool] = [alloc((num_pages, pb)) if ok else None for ok in slots]
-            else:
-                whole = alloc((num_pages, len(slots), pb))
-                self.pool_tensors[pool] = whole
-                self.buffers[pool] = [whole[:, i, :] if ok else None for i, ok in enumerate(slots)]
-        self.allocator = PageAllocator(num_pages, f"stage {self.stage_map.stage} host")
+            self.buffers[pool] = self._alloc(pool, torch)
+        self.allocator = PageAllocator(self.num_pages, f"stage {self.stage_map.stage} host")
+
+    def _kind_pages(self, where: str, num_pages: int | None, hicache_ratio: float | None,
+                    hicache_size_bytes: int | None) -> dict[str, int]:
+        """Host pages per mirrored kind: ``num_pages`` each, or its device units x ratio."""
+        if num_pages is not None:
+            if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0:
+                raise ConfigError(f"{where}: number of host pages must be a positive integer, got {num_pages!r}")
+            return {p: num_pages for p in self.kinds}
+        units = self.device_pools.units
+        return {p: host_pages_for(units[p], hicache_ratio, hicache_size_bytes) for p in self.kinds}
+
+    def _check_fits(self, where: str) -> None:
+        need = sum(self.pool_bytes().values())
+        avail = host_available_bytes()
+        if avail is not None and need > avail:
+            raise ConfigError(
+                f"{where}: {self.num_pages} host pages x {self.token_page_bytes()} B = {_fmt_bytes(need)} "
+                f"needed, only {_fmt_bytes(avail)} of host RAM available; lower --hicache-ratio"
+            )
+
+    def _alloc(self, pool: str, torch) -> list:
+        slots = self.plan[pool]
+        if not slots:
+            return []
+        shape = (self.kind_pages[pool], self.page_bytes(pool))
+        if self.layout == "layer_first":
+            return [torch.zeros(shape, dtype=torch.uint8, pin_memory=self.pinned) if ok else None for ok in slots]
+        whole = torch.zeros((shape[0], len(slots), shape[1]), dtype=torch.uint8, pin_memory=self.pinned)
+        self.pool_tensors[pool] = whole
+        return [whole[:, i, :] if ok else None for i, ok in enumerate(slots)]
 
     # -- sizes -------------------------------------------------------------------------------
     def page_bytes(self, pool: str) -> int:
@@ -109,11 +120,11 @@ class HostPools:
         return pb * len(self.plan[pool]) if self.layout == "page_first" else pb
 
     def token_page_bytes(self) -> int:
-        return sum(sum(slots) * self.geometry[p].page_bytes for p, slots in self.plan.items() if slots)
+        return sum(sum(slots) * self.page_bytes(p) for p, slots in self.plan.items() if slots)
 
     def pool_bytes(self) -> dict[str, int]:
         """Bytes each pool's present buffers hold (page_first: the same total, one tensor)."""
-        return {pool: sum(self.num_pages * self.geometry[pool].page_bytes for ok in slots if ok)
+        return {pool: sum(self.kind_pages[pool] * self.page_bytes(pool) for ok in slots if ok)
                 for pool, slots in self.plan.items()}
 
     # -- lookup --------------------------------------------------------------------------------
@@ -124,25 +135,10 @@ class HostPools:
             m = self.stage_map
             raise LayerNotOwnedError(
                 f"stage {m.stage} host (global layers [{m.start}, {m.end})): global layer "
-                f"{global_layer_id} maps to {POOL_LABELS[pool]} buffer {index}, which the host pool "
+                f"{global_layer_id} maps to {KINDS[pool].label} buffer {index}, which the host pool "
                 f"does not hold ({len(bufs)} buffers)"
             )
         return bufs[index]
-
-    def get_swa_raw_buffer(self, global_layer_id: int):
-        return self.get_raw_buffer("swa", global_layer_id)
-
-    def inventory(self) -> PoolInventory:
-        return PoolInventory.from_buffers(self.stage_map.stage, self.buffers)
-
-    def errors(self) -> list[MappingError]:
-        kinds = self.device_pools.kinds
-        return [e for e in validate_stage(self.stage_map, self.inventory())
-                if e.pool in kinds or e.pool not in POOLS]
-
-    def describe(self) -> dict[str, Any]:
-        return {"stage": self.stage_map.stage, "layout": self.layout, "num_pages": self.num_pages,
-                "pinned": self.pinned, "pool_bytes": self.pool_bytes()}
 
     def __repr__(self) -> str:
         return (f"HostPools(stage={self.stage_map.stage}, pages={self.num_pages}, layout={self.layout}, "

@@ -15,29 +15,8 @@ from typing import Any
 
 from ..errors import ConfigError, LayerNotOwnedError
 from .partition import StageSlice, partition_layers
+from .pool_kinds import KINDS, POOLS, kind
 from .spec import ModelSpec
-
-#: Pool kinds of a DeepSeek-V4 stage, in display order.
-POOLS: tuple[str, ...] = ("swa", "c4", "c128", "c4_state", "c128_state", "indexer")
-
-#: Which layers carry a buffer in each pool: None = every layer, else a compress ratio.
-POOL_RATIO: dict[str, int | None] = {
-    "swa": None,
-    "c4": 4,
-    "c128": 128,
-    "c4_state": 4,
-    "c128_state": 128,
-    "indexer": 4,
-}
-
-POOL_LABELS: dict[str, str] = {
-    "swa": "SWA KV",
-    "c4": "C4 KV",
-    "c128": "C128 KV",
-    "c4_state": "C4 compress-state",
-    "c128_state": "C128 compress-state",
-    "indexer": "C4 indexer",
-}
 
 
 @dataclass(frozen=True)
@@ -85,38 +64,33 @@ class StageLayerMap:
     @cached_property
     def swa_map(self) -> dict[int, int]:
         """SWA is per layer: local id -> local id (stage-local by construction)."""
-        return {e.local: e.local for e in self.layers}
+        return self.pool_map("swa")
 
     @cached_property
     def c4_map(self) -> dict[int, int]:
-        return {e.local: e.compress_layer_id for e in self.layers if e.compress_ratio == 4}
+        return self.pool_map("c4")
 
     @cached_property
     def c128_map(self) -> dict[int, int]:
-        return {e.local: e.compress_layer_id for e in self.layers if e.compress_ratio == 128}
+        return self.pool_map("c128")
 
     @cached_property
     def c4_state_map(self) -> dict[int, int]:
-        return {e.local: e.c4_state_id for e in self.layers if e.compress_ratio == 4}
+        return self.pool_map("c4_state")
+
+    @cached_property
+    def _pool_maps(self) -> dict[str, dict[int, int]]:
+        return {k.name: {e.local: k.index_of(e) for e in self.layers if k.owns(e.compress_ratio)}
+                for k in KINDS.values()}
 
     def pool_map(self, pool: str) -> dict[int, int]:
         """local layer id -> buffer index in ``pool``, for the layers that have one."""
-        if pool == "swa":
-            return self.swa_map
-        if pool in ("c4", "indexer"):
-            return self.c4_map
-        if pool == "c4_state":
-            return self.c4_state_map
-        if pool in ("c128", "c128_state"):
-            return self.c128_map
-        raise ConfigError(f"unknown pool {pool!r}; pools are {', '.join(POOLS)}")
+        return self._pool_maps[kind(pool).name]
 
     def pool_layers(self, pool: str) -> tuple[LayerEntry, ...]:
         """The layers of this stage that hold a buffer in ``pool``, in local order."""
-        if pool not in POOL_RATIO:
-            raise ConfigError(f"unknown pool {pool!r}; pools are {', '.join(POOLS)}")
-        ratio = POOL_RATIO[pool]
-        return tuple(e for e in self.layers if ratio is None or e.compress_ratio == ratio)
+        k = kind(pool)
+        return tuple(e for e in self.layers if k.owns(e.compress_ratio))
 
     def expected_buffers(self) -> dict[str, int]:
         """How many buffers each pool of this stage must hold: its local layers of that kind."""
@@ -132,9 +106,6 @@ class StageLayerMap:
             )
         return global_layer_id - self.start
 
-    def entry(self, global_layer_id: int) -> LayerEntry:
-        return self.layers[self.local_id(global_layer_id)]
-
     def pool_index(self, pool: str, global_layer_id: int) -> int:
         """Global layer id -> index into ``pool``'s buffer list (the one translation point)."""
         local = self.local_id(global_layer_id)
@@ -143,7 +114,7 @@ class StageLayerMap:
             ratio = self.layers[local].compress_ratio
             raise LayerNotOwnedError(
                 f"stage {self.stage}: global layer {global_layer_id} has compress ratio {ratio} "
-                f"and no {POOL_LABELS[pool]} buffer"
+                f"and no {KINDS[pool].label} buffer"
             )
         return index
 
@@ -190,12 +161,6 @@ class ModelLayout:
     @property
     def slices(self) -> tuple[StageSlice, ...]:
         return tuple(s.slice for s in self.stages)
-
-    def stage_of(self, global_layer_id: int) -> StageLayerMap:
-        for s in self.stages:
-            if s.owns(global_layer_id):
-                return s
-        raise LayerNotOwnedError(f"no stage owns global layer {global_layer_id!r}")
 
 
 def build_layout(

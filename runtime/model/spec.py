@@ -20,10 +20,6 @@ from ..errors import ConfigError
 #: Compress ratios DeepSeek V4 uses: 0 = SWA only, 4 = C4 (+indexer, state), 128 = C128.
 SUPPORTED_RATIOS = (0, 4, 128)
 
-#: Bytes per token of one FP8 KV row in DeepSeek V4's published layout
-#: (448 nope FP8 + 64 rope BF16 + UE8M0 scales + padding) for head_dim 512.
-FP8_ROW_ALIGN = 8
-
 PRESETS = {
     "deepseek-v4-flash": "deepseek-v4-flash.json",
     "tiny-v4": "tiny-v4.json",
@@ -46,32 +42,6 @@ class ModelSpec:
     @property
     def nope_head_dim(self) -> int:
         return self.head_dim - self.qk_rope_head_dim
-
-    @property
-    def kv_row_bytes(self) -> int:
-        """Bytes per token of a KV row: FP8 nope, BF16 rope, one UE8M0 scale per 64 nope dims.
-
-        For head_dim 512 / rope 64 this is 448 + 128 + 7 = 583, padded to 584 --
-        the figure sglang's ``DeepSeekV4TokenToKVPool`` uses.
-        """
-        raw = self.nope_head_dim + 2 * self.qk_rope_head_dim + -(-self.nope_head_dim // 64)
-        return -(-raw // FP8_ROW_ALIGN) * FP8_ROW_ALIGN
-
-    @property
-    def indexer_row_bytes(self) -> int:
-        """Bytes per compressed token of the C4 indexer key: FP8 dims + one FP32 scale."""
-        return self.index_head_dim + 4
-
-    def compress_state_row_bytes(self, ratio: int) -> int:
-        """Bytes per token slot of a compressor's running state (FP32 kv + FP32 gate score).
-
-        C4 compresses overlapping windows, so its state covers 2 x ratio tokens;
-        C128 keeps one window.  Rows are stored per *token* of the page.
-        """
-        if ratio not in (4, 128):
-            raise ConfigError(f"compress state exists only for ratios 4 and 128, got {ratio}")
-        overlap = 2 if ratio == 4 else 1
-        return overlap * 2 * self.head_dim * 4 // ratio
 
     def ratio_layers(self, ratio: int) -> tuple[int, ...]:
         """Global ids of layers with this compress ratio."""
@@ -208,15 +178,3 @@ def load_spec(model: str) -> ModelSpec:
     cfg, name = load_config(model)
     return spec_from_config(cfg, name=name)
 
-
-def check_page_size(spec: ModelSpec, page_size: int) -> int:
-    """A page must hold whole compressed tokens of every ratio the model uses."""
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-        raise ConfigError(f"--page-size must be a positive integer, got {page_size!r}")
-    largest = max((r for r in spec.compress_ratios if r), default=1)
-    if page_size % largest:
-        raise ConfigError(
-            f"--page-size {page_size} must be a multiple of {largest} (the largest compress ratio "
-            f"of {spec.name}), so each page holds whole compressed tokens"
-        )
-    return page_size

@@ -131,21 +131,24 @@ def check_host_memory(la: Any, device_pages: int, hicache_ratio: float, device: 
     Host (HiCache) pools always live in RAM; device pools too when running on CPU.
     Counts include ``--fault`` plans, since a faulty build really allocates its buggy pools.
     """
-    from ..memory.pools import _fmt_bytes, host_available_bytes
-    from ..memory.sizing import host_pages_for, stage_pool_bytes
-    from ..validation.faults import apply_layout_faults, buffer_plan
+    from ..memory.pools import _fmt_bytes, host_available_bytes, stage_plan
+    from ..memory.sizing import budget_bytes, host_pages_for, runtime_budget
+    from ..model.pool_kinds import kind_table
+    from ..validation.faults import apply_layout_faults
 
     avail = host_available_bytes()
     if avail is None:
         return
     host_pages = host_pages_for(device_pages, hicache_ratio)
+    table = kind_table(la.spec, la.page_size)
+    budget = runtime_budget(la.page_size, device_pages, swa_ratio=1.0)  # the runtime's page space
     faulty = apply_layout_faults(la.layout, la.faults)
     need = 0
     for stage_map in faulty.stages:
-        plan = buffer_plan(stage_map, la.spec.compress_ratios, la.faults, la.layout.pp_size)
+        plan = stage_plan(stage_map, la.spec.compress_ratios, la.faults, la.layout.pp_size)
         counts = {pool: len(slots) for pool, slots in plan.items()}
-        per_page = sum(stage_pool_bytes(la.spec, stage_map, la.page_size, 1, counts).values())
-        need += per_page * (host_pages + (device_pages if device == "cpu" else 0))
+        need += budget_bytes(table, counts, budget, hicache_ratio, host=True)
+        need += budget_bytes(table, counts, budget) if device == "cpu" else 0
     if need > avail:
         where = "device + host pools" if device == "cpu" else "host pools"
         raise ConfigError(

@@ -127,8 +127,10 @@ class StageCache:
         self.stage_map = worker.stage_map
         self.device = torch.device(cfg.torch_device)
         # allow_invalid: a faulty build must still report its real inventory to rank 0.
+        # swa_ratio=1.0: the cache keeps one page-id space (SWA pages == full pages).
         self.pools = StagePools(worker.spec, self.stage_map, cfg.opts.page_size, cfg.opts.device_pages,
-                                self.device, worker.faults, cfg.opts.pp_size, allow_invalid=True)
+                                self.device, worker.faults, cfg.opts.pp_size, allow_invalid=True,
+                                swa_ratio=1.0)
         self.valid = not self.pools.errors()
         self.host = HostPools(self.pools, hicache_ratio=cfg.opts.hicache_ratio, layout=cfg.opts.hicache_layout,
                               allow_invalid=True)

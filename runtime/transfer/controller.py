@@ -39,7 +39,7 @@ from typing import Any
 from ..errors import StageCacheError
 from ..memory.host_pools import HostPools
 from ..memory.pools import StagePools
-from ..model.layer_map import POOLS
+from ..model.pool_kinds import HOST_CACHED
 from .stats import TransferStats
 
 #: ``auto`` picks per pool kind between the direct kernel and the staged path (thresholds
@@ -164,8 +164,9 @@ class TransferController:
         import torch
 
         if host_pools.device_pools is not device_pools:
-            if host_pools.stage_map != device_pools.stage_map or host_pools.plan != {
-                p: tuple(b is not None for b in bufs) for p, bufs in device_pools.buffers.items()
+            mirrored = {p: tuple(b is not None for b in device_pools.buffers[p]) for p in host_pools.kinds}
+            if host_pools.stage_map != device_pools.stage_map or mirrored != {
+                p: host_pools.plan[p] for p in host_pools.kinds
             }:
                 raise TransferError(
                     f"host pools of stage {host_pools.stage_map.stage} do not mirror the device pools "
@@ -323,10 +324,11 @@ class TransferController:
         dp, hp = self.device_pools, self.host_pools
         m = dp.stage_map
         if kinds is not None:
-            unknown = [k for k in kinds if k not in POOLS]
+            unknown = [k for k in kinds if k not in HOST_CACHED]
             if unknown:
-                raise TransferError(f"stage {m.stage}: unknown pool kind(s) {unknown}; pools are {', '.join(POOLS)}")
-        selected = [p for p in POOLS if kinds is None or p in kinds]
+                raise TransferError(f"stage {m.stage}: unknown or not host-cached pool kind(s) {unknown}; "
+                                    f"transfers move {', '.join(HOST_CACHED)}")
+        selected = [p for p in HOST_CACHED if kinds is None or p in kinds]
         if layers is None:
             pools = []
             for pool in selected:

@@ -11,8 +11,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..errors import MappingError
-from ..model.layer_map import POOL_LABELS, POOL_RATIO, POOLS, StageLayerMap
+from ..model.layer_map import StageLayerMap
 from ..model.partition import StageSlice
+from ..model.pool_kinds import KINDS, POOLS
 
 
 @dataclass(frozen=True)
@@ -42,10 +43,10 @@ class PoolInventory:
 
 def _count_message(pool: str, got: int, expected: int) -> str:
     if pool == "swa":
-        return f"SWA KV pool must be PP-stage-local: got {got} buffers for {expected} local layers"
-    ratio = POOL_RATIO[pool]
+        return f"DeepSeek V4 SWA KV pool must be PP-stage-local: got {got} buffers for {expected} local layers"
+    ratio = KINDS[pool].owner_ratio
     return (
-        f"{POOL_LABELS[pool]} pool must hold one buffer per local ratio-{ratio} layer: "
+        f"{KINDS[pool].label} pool must hold one buffer per local ratio-{ratio} layer: "
         f"got {got} buffers for {expected} local ratio-{ratio} layers"
     )
 
@@ -63,14 +64,14 @@ def validate_stage(stage_map: StageLayerMap, inventory: PoolInventory) -> list[M
             if want:
                 errors.append(MappingError(
                     s, pool, want, None,
-                    f"{POOL_LABELS[pool]} pool is missing: {want} local layers need it",
+                    f"{KINDS[pool].label} pool is missing: {want} local layers need it",
                 ))
             continue
         if len(slots) != want:
             errors.append(MappingError(s, pool, want, len(slots), _count_message(pool, len(slots), want)))
         empty = [i for i, present in enumerate(slots) if not present]
         if empty:
-            name = f"deepseek_v4_{pool} state_pools" if pool.endswith("_state") else f"{POOL_LABELS[pool]} pool"
+            name = f"deepseek_v4_{pool} state_pools" if pool.endswith("_state") else f"{KINDS[pool].label} pool"
             errors.append(MappingError(
                 s, pool, "no None buffers", f"None at {empty}",
                 f"{name} must not contain None: buffer(s) {empty} are None",
@@ -89,18 +90,21 @@ def validate_stage(stage_map: StageLayerMap, inventory: PoolInventory) -> list[M
                 f"global layer {e.global_id} has ratio 0 but a compress id",
             ))
 
-    errors += _check_ids(stage_map, "c4", 4, "compress_layer_id", inventory)
-    errors += _check_ids(stage_map, "c128", 128, "compress_layer_id", inventory)
-    errors += _check_ids(stage_map, "c4_state", 4, "c4_state_id", inventory)
+    # Each id map once, checked against the first pool kind indexed by it (c4, c128, c4_state):
+    # the kinds sharing a map would only repeat the same error.
+    checked: set[tuple[int | None, str]] = set()
+    for k in KINDS.values():
+        if k.owner_ratio is not None and (k.owner_ratio, k.id_attr) not in checked:
+            checked.add((k.owner_ratio, k.id_attr))
+            errors += _check_ids(stage_map, k.name, inventory)
     return errors
 
 
-def _check_ids(
-    stage_map: StageLayerMap, pool: str, ratio: int, attr: str, inventory: PoolInventory
-) -> list[MappingError]:
+def _check_ids(stage_map: StageLayerMap, pool: str, inventory: PoolInventory) -> list[MappingError]:
     """Ids of one pool must be unique and inside the pool's buffer range."""
     s = stage_map.stage
-    layers = [e for e in stage_map.layers if e.compress_ratio == ratio]
+    ratio, attr = KINDS[pool].owner_ratio, KINDS[pool].id_attr
+    layers = stage_map.pool_layers(pool)
     size = len(inventory.slots.get(pool, ()))
     errors: list[MappingError] = []
     seen: dict[int, int] = {}
@@ -115,7 +119,7 @@ def _check_ids(
             errors.append(MappingError(
                 s, pool, f"0..{size - 1}" if size else "no ids (empty pool)", cid,
                 f"global layer {e.global_id}: {attr} {cid} is out of range for the stage's "
-                f"{size} {POOL_LABELS[pool]} buffers",
+                f"{size} {KINDS[pool].label} buffers",
             ))
         if cid in seen:
             errors.append(MappingError(

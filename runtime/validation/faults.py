@@ -2,9 +2,10 @@
 
 ``--fault global-swa`` is the bug stagecache exists for: the SWA pool sized by
 the model's global layer count on every stage.  The others are mistakes of the
-same family.  ``buffer_plan`` is also what real pool construction uses to decide
-how many buffers to allocate, so ``serve --fault ...`` allocates genuinely
-wrong pools rather than pretending.
+same family.  ``buffer_plan`` is the faulty buffer counts: pool construction
+applies it only when faults are given (``serve --fault ...`` allocates
+genuinely wrong pools rather than pretending); healthy pools take their counts
+from the layer map.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from ..model.layer_map import POOL_RATIO, POOLS, ModelLayout, StageLayerMap, build_stage_map
+from ..model.layer_map import ModelLayout, StageLayerMap, build_stage_map
+from ..model.pool_kinds import KINDS
 from .checks import PoolInventory
 
 FAULTS: dict[str, str] = {
@@ -112,12 +114,15 @@ def _duplicate_c128_id(s: StageLayerMap) -> StageLayerMap:
 def buffer_plan(
     stage_map: StageLayerMap, ratios: Sequence[int], faults: Sequence[Fault] = (), pp_size: int = 1
 ) -> dict[str, tuple[bool, ...]]:
-    """Per pool, the buffer slots a constructor allocates (True) or leaves None (False)."""
+    """Per pool, the buffer slots a constructor allocates (True) or leaves None (False).
+
+    Without a fault hitting the stage this is one present slot per owning layer.
+    """
     mine = {f.name for f in faults if f.hits(stage_map.stage, pp_size)}
     plan: dict[str, tuple[bool, ...]] = {}
-    for pool in POOLS:
+    for pool, k in KINDS.items():
         count = len(stage_map.pool_layers(pool))
-        ratio = POOL_RATIO[pool]
+        ratio = k.owner_ratio
         if pool == "swa" and "global-swa" in mine:
             count = len(ratios)
         if ratio == 4 and "global-c4" in mine:

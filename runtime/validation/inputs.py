@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from ..model.layer_map import ModelLayout, build_layout
 from ..model.partition import parse_partition
-from ..model.spec import ModelSpec, check_page_size, load_spec
+from ..model.pool_kinds import check_page_size
+from ..model.spec import ModelSpec, load_spec
 from .faults import Fault, parse_faults
 
 

@@ -25,9 +25,8 @@ SGLANG_DEPS=(
     "torchvision==0.29.1" "transformers==5.19.0" "compressed-tensors==0.18.0"
     "apache-tvm-ffi==0.1.11" "sentencepiece==0.2.1"
     psutil pybase64 pillow msgspec pyzmq tqdm aiohttp dill gguf
-    # what sglang imports at module level and stagecache + the live test need
-    orjson ipython fastapi uvicorn starlette pydantic numpy prometheus-client plotly rich httpx jinja2
-    pytest pytest-timeout hypothesis
+    # what sglang imports at module level (starlette comes with fastapi), and the live tests' tools
+    orjson ipython starlette pytest pytest-timeout hypothesis
 )
 STAMP="$VENV/.stagecache-pins"
 WANT="sglang==$SGLANG_VERSION torch==$TORCH_VERSION ${SGLANG_DEPS[*]}"
@@ -35,7 +34,8 @@ WANT="sglang==$SGLANG_VERSION torch==$TORCH_VERSION ${SGLANG_DEPS[*]}"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && "$VENV/bin/python" -c \
     "import sglang.srt.mem_cache.deepseek_v4_memory_pool" >/dev/null 2>&1; then
     # Only stagecache itself may have changed (entry points, package folders).
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e . 2>&1 \
+    # stagecache itself and its own dependencies (torch is already satisfied by the pin above)
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e . 2>&1 \
         | { grep -v -e 'WARNING: Location' || true; }
     echo "$VENV is up to date ($WANT)"
     exit 0
@@ -53,7 +53,7 @@ pip_install() {
 pip_install "torch==$TORCH_VERSION"
 pip_install --no-deps "sglang==$SGLANG_VERSION"
 pip_install "torch==$TORCH_VERSION" "${SGLANG_DEPS[@]}"
-pip_install --no-deps -e .
+pip_install -e .  # with stagecache's own dependencies; torch is already satisfied
 # Fails the set-up (set -e) if any import the tests need is still missing.
 "$VENV/bin/python" -W ignore -c "
 import sglang.srt.mem_cache.deepseek_v4_memory_pool

@@ -1,0 +1,313 @@
+"""Read a live sglang ``DeepSeekV4TokenToKVPool`` into stagecache's types and validate it.
+
+The pool's ``start_layer``/``end_layer``, ``layer_mapping``, SWA / C4 / C128 /
+indexer buffers and compress-state pools become a ``StageLayerMap`` +
+``PoolInventory``, checked by the same code as ``stagecache check``, so an
+operator sees every mapping error of a stage at start-up instead of sglang's
+first ``ValueError``.
+
+A real pool carries the model config's ``compress_ratios`` as is: DeepSeek-V4
+lists one ratio per layer *plus* one placeholder per MTP layer (44 entries for
+flash's 43 layers).  The model's layer count therefore comes from the caller,
+from sglang's own model config in this process, or from the pools' layer ranges
+(the candidate ``len(ratios) - 1`` or ``len(ratios)`` that sglang's
+``get_pp_indices`` agrees with); it is never ``len(compression_ratios)`` blindly.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sglang.srt.distributed.utils import get_pp_indices
+
+from ...errors import ConfigError, MappingError
+from ...model.layer_map import LayerEntry, ModelLayout, StageLayerMap, build_stage_map
+from ...model.partition import parse_partition, partition_layers
+from ...model.pool_kinds import POOLS
+from ...model.spec import SUPPORTED_RATIOS, ModelSpec
+from ...validation.checks import PoolInventory, validate_stage, validate_tiling
+from ...validation.report import StageReport, StartupReport, build_report
+
+#: The env var sglang's ``get_pp_indices`` reads for an explicit partition.
+PARTITION_ENV = "SGLANG_PP_LAYER_PARTITION"
+
+
+@dataclass(frozen=True)
+class PoolView:
+    """Everything stagecache reads from one live ``DeepSeekV4TokenToKVPool``, read once."""
+
+    spec: ModelSpec
+    stage_map: StageLayerMap
+    inventory: PoolInventory
+    pool_bytes: dict[str, int]  # device bytes per stagecache pool kind
+    findings: tuple[MappingError, ...]  # problems the generic validation cannot see
+
+
+# -- the model's layer count --------------------------------------------------------------------
+def _pp_range(num_layers: int, rank: int, pp_size: int) -> tuple[int, int] | None:
+    try:
+        return tuple(get_pp_indices(num_layers, rank, pp_size))
+    except ValueError:  # an explicit partition that does not sum to num_layers
+        return None
+
+
+def _sglang_num_layers() -> int | None:
+    """``num_hidden_layers`` of the model config sglang built in this process, if it did."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        config = getattr(get_server_args(), "_model_config", None)
+        return int(config.hf_config.num_hidden_layers) if config is not None else None
+    except Exception:  # no published server args, or no model config on them
+        return None
+
+
+def model_num_layers(kvcaches: Sequence[Any], pp_size: int, num_layers: int | None = None) -> int:
+    """The model's PP layer count for these pools (see the module docstring)."""
+    if num_layers is None:
+        num_layers = _sglang_num_layers()
+    n_ratios = len(kvcaches[0].compression_ratios)
+    ranges = {(int(kv.start_layer), int(kv.end_layer)) for kv in kvcaches}
+    if num_layers is not None:
+        if not max(e for _, e in ranges) <= num_layers <= n_ratios:
+            raise ConfigError(
+                f"sglang pool: {num_layers} model layers do not fit its {n_ratios} compression_ratios "
+                f"and layer ranges {sorted(ranges)}"
+            )
+        return num_layers
+    for n in (n_ratios - 1, n_ratios):  # the MTP placeholder first: DeepSeek-V4 configs carry one
+        if n < max(e for _, e in ranges):
+            continue
+        sglang_ranges = {_pp_range(n, r, pp_size) for r in range(pp_size)}
+        if ranges <= sglang_ranges:
+            return n
+    shown = ", ".join(f"[{a}, {b})" for a, b in sorted(ranges))
+    raise ConfigError(
+        f"pool with layers {shown} matches no rank of get_pp_indices for pp_size={pp_size} "
+        f"(with {n_ratios - 1} or {n_ratios} model layers); pass num_layers=... or pp_rank=..."
+    )
+
+
+# -- one pool --------------------------------------------------------------------------------------
+def spec_from_pool(kvcache: Any, num_layers: int, name: str = "sglang") -> ModelSpec:
+    """The model spec a pool was built for; ratios sglang has but stagecache lacks are ConfigError."""
+    ratios = tuple(int(r) for r in kvcache.compression_ratios)
+    for i, r in enumerate(ratios):
+        if r not in SUPPORTED_RATIOS:
+            raise ConfigError(
+                f"sglang pool: compression_ratios[{i}] = {r} is not supported by stagecache "
+                f"(supported: {', '.join(map(str, SUPPORTED_RATIOS))}); DeepSeek-V4.1 low ratios "
+                "1/2 are not modelled"
+            )
+    return ModelSpec(
+        name=name,
+        num_layers=num_layers,
+        compress_ratios=ratios[:num_layers],
+        sliding_window=int(kvcache.sliding_window),
+        head_dim=int(kvcache.qk_nope_head_dim) + int(kvcache.qk_rope_head_dim),
+        qk_rope_head_dim=int(kvcache.qk_rope_head_dim),
+        index_head_dim=int(kvcache.indexer_head_dim),
+        num_nextn_predict_layers=len(ratios) - num_layers,
+    )
+
+
+def stage_map_from_pool(kvcache: Any, stage: int, num_layers: int) -> tuple[StageLayerMap, list[MappingError]]:
+    """The stage map the pool *really* uses (from its ``layer_mapping``), plus holes found.
+
+    ``c4_state_id`` is the position among the stage's C4 layers -- what sglang's
+    assembler uses (``_resolve_deepseek_v4_layer_mappings``: ``c4_state``).
+    """
+    start, end = int(kvcache.start_layer), int(kvcache.end_layer)
+    ratios = list(kvcache.compression_ratios)
+    mapping = list(kvcache.layer_mapping)
+    errors: list[MappingError] = []
+    entries = []
+    c4_seen = 0
+    for local, global_id in enumerate(range(start, end)):
+        item = mapping[global_id] if global_id < len(mapping) else None
+        ratio, cid = ratios[global_id], None
+        if item is None:
+            errors.append(MappingError(
+                stage, "layer_map", f"a layer_mapping item for global layer {global_id}", None,
+                f"layer_mapping[{global_id}] is None although the stage owns layers [{start}, {end})",
+            ))
+        else:
+            ratio, cid = int(item.compress_ratio), int(item.compress_layer_id)
+            if ratio != ratios[global_id]:
+                errors.append(MappingError(
+                    stage, "layer_map", ratios[global_id], ratio,
+                    f"layer_mapping[{global_id}].compress_ratio disagrees with compression_ratios[{global_id}]",
+                ))
+        c4_state_id = c4_seen if ratio == 4 else None
+        c4_seen += ratio == 4
+        entries.append(LayerEntry(local, global_id, ratio, cid if ratio in (4, 128) else None, c4_state_id))
+    return StageLayerMap(stage, start, end, tuple(entries), model_num_layers=num_layers), errors
+
+
+def _buffers(pool: Any, attr: str) -> list | None:
+    bufs = getattr(pool, attr, None) if pool is not None else None
+    return None if bufs is None else list(bufs)
+
+
+def _nbytes(obj: Any) -> int:
+    if obj is None:
+        return 0
+    if hasattr(obj, "nbytes"):
+        return int(obj.nbytes)
+    inner = getattr(obj, "kv_score_buffer", None)  # CompressStatePool -> KVAndScore
+    return int(inner.kv_score.nbytes) if inner is not None else 0
+
+
+def pool_buffers(kvcache: Any, stage_map: StageLayerMap) -> dict[str, list | None]:
+    """Per stagecache pool kind, the pool's buffer list -- the lists the HiCache assembler reads.
+
+    Compress states are the assembler's ``state_pools``: one entry per stage layer of
+    that ratio, taken by global id from ``compress_state_pools`` /
+    ``indexer_compress_state_pools`` (None where sglang has none).
+    """
+    if getattr(kvcache, "_unified_kv", False) or kvcache.swa_kv_pool is None:
+        raise ConfigError(
+            f"stage {stage_map.stage}: this DeepSeekV4TokenToKVPool keeps SWA in a unified or "
+            "per-request window (no paged swa_kv_pool); stagecache inspects paged pools only"
+        )
+    indexer = getattr(kvcache, "c4_indexer_kv_pool", None)
+    index_bufs = _buffers(indexer, "index_k_with_scale_buffer")
+    if index_bufs is None and indexer is not None:
+        index_bufs = _buffers(indexer, "index_k_payload_buffer")
+
+    def states(attr: str, ratio: int) -> list:
+        pool_states = list(getattr(kvcache, attr, None) or [])
+        return [pool_states[e.global_id] if e.global_id < len(pool_states) else None
+                for e in stage_map.layers if e.compress_ratio == ratio]
+
+    return {
+        "swa": _buffers(kvcache.swa_kv_pool, "kv_buffer"),
+        "c4": _buffers(getattr(kvcache, "c4_kv_pool", None), "kv_buffer"),
+        "c128": _buffers(getattr(kvcache, "c128_kv_pool", None), "kv_buffer"),
+        "c4_state": states("compress_state_pools", 4),
+        "c128_state": states("compress_state_pools", 128),
+        "indexer": index_bufs,
+        "c4_indexer_state": states("indexer_compress_state_pools", 4),
+    }
+
+
+def pp_rank_of(kvcache: Any, pp_size: int, num_layers: int) -> int | None:
+    """The PP rank whose ``get_pp_indices`` range is the pool's ``[start_layer, end_layer)``."""
+    want = (int(kvcache.start_layer), int(kvcache.end_layer))
+    return next((r for r in range(pp_size) if _pp_range(num_layers, r, pp_size) == want), None)
+
+
+def read_pool(kvcache: Any, pp_rank: int, num_layers: int, name: str = "sglang") -> PoolView:
+    """Read one pool into stagecache's types; also diff its map against stagecache's own."""
+    spec = spec_from_pool(kvcache, num_layers, name)
+    stage_map, findings = stage_map_from_pool(kvcache, pp_rank, num_layers)
+    buffers = pool_buffers(kvcache, stage_map)
+    inventory = PoolInventory.from_buffers(pp_rank, buffers)
+    nbytes = {pool: sum(_nbytes(b) for b in (buffers.get(pool) or ())) for pool in POOLS}
+    if 0 <= stage_map.start <= stage_map.end <= spec.num_layers:
+        expected = build_stage_map(spec, pp_rank, stage_map.start, stage_map.end)
+        findings += [
+            MappingError(pp_rank, "layer_map", want.compress_layer_id, got.compress_layer_id,
+                         f"global layer {got.global_id} (ratio {got.compress_ratio}): sglang's "
+                         "compress_layer_id differs from the stage-local id stagecache computes")
+            for got, want in zip(stage_map.layers, expected.layers, strict=True)
+            if got.compress_layer_id != want.compress_layer_id
+        ]
+    return PoolView(spec, stage_map, inventory, nbytes, tuple(findings))
+
+
+# -- partition: sglang's get_pp_indices vs stagecache's partition_layers ---------------------------
+def sglang_partition(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
+    """Every rank's ``(start, end)`` as sglang computes it (it reads ``SGLANG_PP_LAYER_PARTITION``)."""
+    return [tuple(get_pp_indices(num_layers, rank, pp_size)) for rank in range(pp_size)]
+
+
+def partition_findings(num_layers: int, pp_size: int) -> list[MappingError]:
+    """Compare sglang's partition with stagecache's, under the same env partition."""
+    text = os.environ.get(PARTITION_ENV)
+    partition = parse_partition(text) if text is not None and pp_size > 1 else None
+    try:
+        ours = [(s.start, s.end) for s in partition_layers(num_layers, pp_size, partition)]
+    except ConfigError as exc:
+        return [MappingError(None, "partition", "a valid partition", text, str(exc))]
+    try:
+        theirs = sglang_partition(num_layers, pp_size)
+    except ValueError as exc:
+        return [MappingError(None, "partition", ours, None, f"sglang get_pp_indices failed: {exc}")]
+    return [
+        MappingError(rank, "partition", list(mine), list(sg),
+                     f"stage {rank}: stagecache's partition_layers gives {list(mine)}, sglang's "
+                     f"get_pp_indices gives {list(sg)}")
+        for rank, (mine, sg) in enumerate(zip(ours, theirs, strict=True))
+        if mine != sg
+    ]
+
+
+# -- reports ---------------------------------------------------------------------------------------
+def _ranks(kvcaches: Sequence[Any], pp_size: int, num_layers: int) -> list[int]:
+    ranks = []
+    for kv in kvcaches:
+        rank = pp_rank_of(kv, pp_size, num_layers)
+        if rank is None:
+            raise ConfigError(
+                f"pool with layers [{kv.start_layer}, {kv.end_layer}) matches no rank of "
+                f"get_pp_indices for pp_size={pp_size}; pass pp_rank explicitly"
+            )
+        ranks.append(rank)
+    return ranks
+
+
+def inspect_pools(
+    kvcaches: Sequence[Any],
+    *,
+    pp_size: int,
+    pp_ranks: Sequence[int] | None = None,
+    tp_size: int = 1,
+    page_size: int | None = None,
+    model_name: str = "sglang",
+    num_layers: int | None = None,
+) -> StartupReport:
+    """Validate live pools (one per PP rank given) and report like ``stagecache check``.
+
+    With every stage present the report is ``build_report`` over the whole layout
+    (tiling checked too); with some stages present only those are validated.
+    Either way sglang-vs-stagecache partition mismatches and pool holes the generic
+    validation cannot see are added as findings.
+    """
+    if not kvcaches:
+        raise ConfigError("inspect_pools: no pool given")
+    n = model_num_layers(kvcaches, pp_size, num_layers)
+    ranks = list(pp_ranks) if pp_ranks is not None else _ranks(kvcaches, pp_size, n)
+    views = [read_pool(kv, rank, n, model_name) for kv, rank in zip(kvcaches, ranks, strict=True)]
+    spec = views[0].spec
+    page = int(page_size if page_size is not None else kvcaches[0].page_size)
+    cross = partition_findings(n, pp_size)
+    by_stage = {v.stage_map.stage: v for v in views}
+    if sorted(by_stage) == list(range(pp_size)) and len(views) == pp_size:
+        layout = ModelLayout(spec, pp_size, tp_size, tuple(by_stage[i].stage_map for i in range(pp_size)))
+        report = build_report(layout, [by_stage[i].inventory for i in range(pp_size)], page)
+        stages = tuple(
+            StageReport(r.stage_map, r.buffers, r.expected, r.errors + by_stage[r.stage_map.stage].findings)
+            for r in report.stages
+        )
+        cross = list(report.cross_errors) + cross
+    else:
+        stages = tuple(
+            StageReport(v.stage_map, v.inventory.counts(), v.stage_map.expected_buffers(),
+                        tuple(validate_stage(v.stage_map, v.inventory)) + v.findings)
+            for v in sorted(views, key=lambda v: v.stage_map.stage)
+        )
+        cross += [
+            e for e in validate_tiling([v.stage_map.slice for v in views], spec.num_layers)
+            if e.stage is not None  # gaps are expected: the other stages live elsewhere
+        ]
+    return StartupReport(model=model_name, num_layers=n, pp_size=pp_size, tp_size=tp_size,
+                         page_size=page, stages=stages, cross_errors=tuple(cross))
+
+
+def inspect_pool(kvcache: Any, *, pp_size: int, pp_rank: int | None = None, **kw: Any) -> StartupReport:
+    """One rank's pool: ``inspect_pools([kvcache], ...)``."""
+    return inspect_pools([kvcache], pp_size=pp_size, pp_ranks=None if pp_rank is None else [pp_rank], **kw)
