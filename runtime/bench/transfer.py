@@ -300,8 +300,11 @@ def run_case(case: Case, s: Settings) -> tuple[list[dict[str, Any]], dict[str, A
             results[tech.key] = _measure(clock, pages, tech)
             notes[tech.key] = tech.note
     stage = pages.stagecache()
-    overhead = {d: clock.issue_us(lambda d2h=(d == "d2h"): stage.run(d2h), results["stagecache"][d]["ms"])
-                for d in ("d2h", "h2d")}
+    if cuda:
+        overhead = {d: clock.issue_us(lambda d2h=(d == "d2h"): stage.run(d2h), results["stagecache"][d]["ms"])
+                    for d in ("d2h", "h2d")}
+    else:  # synchronous engine: the call is the whole move
+        overhead = {d: (results["stagecache"][d]["ms"] * 1e3,) * 2 for d in ("d2h", "h2d")}
     pages.controller.synchronize()
     sweep = _sweep(case, s, clock) if s.sweep else []
     rows = [_row(case, pages, direction, results) for direction in ("d2h", "h2d")]

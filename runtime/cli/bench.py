@@ -54,7 +54,7 @@ def _register_transfer(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--layout", choices=["layer_first", "page_first"], default="layer_first", help="host layout")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     p.add_argument("--min-reps", type=positive_int, default=None, help="timed calls at least (cpu 1, cuda 10)")
-    p.add_argument("--max-reps", type=positive_int, default=None, help="timed calls at most (cpu 5, cuda 100)")
+    p.add_argument("--max-reps", type=positive_int, default=None, help="timed calls at most (cpu 3, cuda 100)")
     p.add_argument("--budget", type=float, default=None, help="seconds of timed calls per technique (cpu 0.1, cuda 0.3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sweep", action="store_true", help="also time stagecache engine variants on every case")
@@ -91,7 +91,7 @@ def _run_transfer(args: argparse.Namespace) -> int:
     cases = bench_transfer.grid(base, args.pp, args.stage, args.page_size, args.layers, mix, kind_mib, args.kind)
     settings = bench_transfer.Settings(
         device=device, page_size=args.page_size, layout=args.layout, seed=args.seed,
-        min_reps=args.min_reps or (10 if cuda else 1), max_reps=args.max_reps or (100 if cuda else 5),
+        min_reps=args.min_reps or (10 if cuda else 1), max_reps=args.max_reps or (100 if cuda else 3),
         budget_s=args.budget if args.budget is not None else (0.3 if cuda else 0.1), sweep=args.sweep,
         engine=bench_transfer.engine_options(args.chunk_bytes, args.programs_per_sm, args.num_warps))
     report = bench_transfer.run_bench(cases, settings, base.name)
