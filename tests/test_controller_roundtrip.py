@@ -21,8 +21,11 @@ DEV_PAGES, HOST_PAGES = 12, 20
 
 
 def make(layout: str, seed: int = 0):
+    """Pools with every page allocated (transfers refuse unallocated pages)."""
     dp = StagePools(TINY, STAGE, 128, DEV_PAGES)
     hp = HostPools(dp, num_pages=HOST_PAGES, layout=layout)
+    dp.allocator.alloc(DEV_PAGES)
+    hp.allocator.alloc(HOST_PAGES)
     g = torch.Generator().manual_seed(seed)
     for bufs in dp.buffers.values():
         for b in bufs:
@@ -116,6 +119,26 @@ def test_bad_page_ids_are_refused_before_copying(dev, host, match):
         c.backup(dev, host)
     assert all(int(b.sum()) == 0 for bufs in hp.buffers.values() for b in bufs)
     assert stats.snapshot()["d2h"]["count"] == 0
+
+
+@pytest.mark.parametrize("direction", ["backup", "load"])
+def test_unallocated_pages_are_refused(direction):
+    dp, hp, c, stats = make("layer_first")
+    dp.allocator.free([3])
+    hp.allocator.free([7, 9])
+    host_before = [b.clone() for bufs in hp.buffers.values() for b in bufs]
+    dev_before = [b.clone() for bufs in dp.buffers.values() for b in bufs]
+    move = c.backup if direction == "backup" else (lambda d, h: c.load(h, d))
+    with pytest.raises(TransferError, match=r"device page\(s\) \[3\] are not allocated in stage 1 device"):
+        move([0, 3], [1, 2])
+    with pytest.raises(TransferError, match=r"host page\(s\) \[7, 9\] are not allocated in stage 1 host"):
+        move([0, 1, 2], [7, 8, 9])
+    assert all(torch.equal(a, b) for a, b in zip(host_before, [b for bufs in hp.buffers.values() for b in bufs],
+                                                    strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(dev_before, [b for bufs in dp.buffers.values() for b in bufs],
+                                                   strict=True))
+    assert stats.snapshot()["d2h"]["count"] == stats.snapshot()["h2d"]["count"] == 0
+    move([0, 1], [1, 2])  # allocated pages still move
 
 
 def test_bad_layers_and_duplicate_load_destination():

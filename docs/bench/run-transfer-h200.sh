@@ -1,50 +1,52 @@
 #!/usr/bin/env bash
-# How docs/bench/transfer-h200*.json were produced on the lent H200 (device tool, $OUT = results).
-# The device image has torch/triton but no network: the package is put on the path via symlinks
-# instead of `pip install -e` (which would need build dependencies).
+# How docs/bench/transfer-h200.json is produced on a GPU machine with torch and Triton but no
+# package index: the package goes on the path through symlinks, and a small runner registers only
+# the `bench` subcommand (the full CLI also loads the dashboard, whose packages may be missing).
+# Usage: bash docs/bench/run-transfer-h200.sh [tests] [sweep] [bench]   (results under $OUT; `sweep`
+# times engine variants on a few cases and `bench` then runs the full grid with the best one)
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 mkdir -p /tmp/pkg/stagecache
-for d in runtime exporters dashboard integrations; do [ -d "$d" ] && ln -sfn "$PWD/$d" "/tmp/pkg/stagecache/$d"; done
+for d in runtime exporters dashboard; do ln -sfn "$PWD/$d" "/tmp/pkg/stagecache/$d"; done
 export PYTHONPATH=/tmp/pkg
-{ nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
-# call the bench module directly: the full CLI imports every subcommand (some need packages
-# the device image lacks)
 cat > /tmp/bench_main.py <<'PY'
 import argparse, sys
-from stagecache.runtime import bench_transfer
-p = argparse.ArgumentParser(); sub = p.add_subparsers()
-bench_transfer.register(sub)
-a = p.parse_args(["transfer", *sys.argv[1:]]); sys.exit(a.func(a))
+from stagecache.runtime.cli import bench
+p = argparse.ArgumentParser(prog="stagecache")
+bench.register(p.add_subparsers(dest="command", required=True))
+a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))
 PY
-timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py tests/test_kernels_interpret.py \
-  tests/test_controller_roundtrip.py tests/test_allocator_page.py > "$OUT/pytest-gpu.log" 2>&1
-echo "pytest rc=$?"; tail -5 "$OUT/pytest-gpu.log"
-timeout 200 python3 /tmp/bench_main.py --out "$OUT/transfer-h200.json" > /dev/null 2> "$OUT/bench.err"; echo "bench rc=$?"
-timeout 120 python3 /tmp/bench_main.py --mib 64 --out "$OUT/transfer-h200-64mib.json" > /dev/null 2>> "$OUT/bench.err"
-echo "bench64 rc=$?"
-# auto's size threshold: small transfers into one host run, staged vs direct
-for m in 4 16; do timeout 40 python3 /tmp/bench_main.py --mib $m --pool swa --pool c4_state --pool c128 --pattern run \
-  --out "$OUT/transfer-h200-${m}mib.json" > /dev/null 2>> "$OUT/bench.err"; done
-echo "bench4 rc=$?"; tail -5 "$OUT/bench.err"
-python3 - "$OUT/transfer-h200.json" "$OUT/transfer-h200-64mib.json" "$OUT/transfer-h200-4mib.json" "$OUT/transfer-h200-16mib.json" <<'PY'
-import json, sys
-for path in sys.argv[1:]:
-    try:
-        d = json.load(open(path))
-    except Exception as e:
-        print(path, "missing", e); continue
-    print(path, json.dumps(d["summary"]))
-    for r in d["results"]:
-        sc = r["stagecache"]
-        def cell(m, k):
-            v = sc.get(m, {}).get(k)
-            return f'{v["gbps"]:.1f}' if isinstance(v, dict) else "-"
-        print(f'{r["pool"][:8]:8s} {r["layout"][:5]} {r["host_pattern"][:4]} {r["mib"]:5.0f} c {r["ceiling_gbps"]["d2h"]:.1f}/{r["ceiling_gbps"]["h2d"]:.1f}'
-              f' l {r["loop_gbps"]["d2h"]:.1f}/{r["loop_gbps"]["h2d"]:.1f} A {cell("auto","d2h")}/{cell("auto","h2d")}'
-              f' {sc.get("auto",{}).get("d2h",{}).get("path","")[7:]} D {cell("direct","d2h")}/{cell("direct","h2d")}'
-              f' S {cell("staged","d2h")}/{cell("staged","h2d")} ok={int(r["bit_exact"])}')
+nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+for step in "$@"; do
+  case $step in
+    tests) timeout 150 python3 -m pytest -q -p no:cacheprovider -x tests/test_kernels_gpu.py \
+             tests/test_kernels_interpret.py tests/test_controller_roundtrip.py tests/test_allocator_page.py \
+             > "$OUT/pytest-gpu.log" 2>&1; echo "pytest rc=$?"; tail -3 "$OUT/pytest-gpu.log" ;;
+    sweep) timeout 150 python3 /tmp/bench_main.py bench transfer --sweep --mix-pages 1 64 --kind-mib 64 \
+             --kind swa --kind c128 --kind c4_state --max-reps 30 --out "$OUT/sweep.json" \
+             > /dev/null 2> "$OUT/sweep.err"; echo "sweep rc=$?"; tail -2 "$OUT/sweep.err"
+           # the engine variant whose worst row against the best peer is best (graphs on)
+           python3 - "$OUT/sweep.json" > /tmp/engine_flags <<'PY'
+import json, math, sys
+rows = json.load(open(sys.argv[1]))["rows"]
+variants = [v["options"] for v in rows[0]["sweep"]]
+def peer(r):
+    return min(v for k, v in r["ms"].items() if k not in ("ceiling", "stagecache") and v)
+def score(i):
+    q = [r["sweep"][i]["ms"] / peer(r) for r in rows]
+    return (max(q), math.exp(sum(map(math.log, q)) / len(q)))
+best = min((i for i, o in enumerate(variants) if o["graphs"]), key=score)
+for i, o in enumerate(variants):
+    print(f"variant {o} worst/geomean vs best peer {score(i)}", file=sys.stderr)
+o = variants[best]
+print(f"--chunk-bytes {o['chunk_bytes']} --programs-per-sm {o['programs_per_sm']} --num-warps {o['num_warps']}")
 PY
+           echo "engine flags: $(cat /tmp/engine_flags)" ;;
+    bench) timeout 300 python3 /tmp/bench_main.py bench transfer $(cat /tmp/engine_flags 2>/dev/null) \
+             --out "$OUT/transfer-h200.json" > "$OUT/transfer-h200.md" 2> "$OUT/bench.err"
+           echo "bench rc=$?"; tail -2 "$OUT/bench.err"; sed -n '/^| case/,$p' "$OUT/transfer-h200.md" ;;
+    *) echo "unknown step $step" ;;
+  esac
+done

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..transfer.stats import gbps
+
 DEFAULT_DEVICE_PAGES = 96
 DEFAULT_HICACHE_RATIO = 4.0
 DEFAULT_REQUESTS = 2000
@@ -249,8 +251,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                               "dropped": _sum(rows, "dropped_pages")},
             "transfer_bytes": {"d2h": d2h, "h2d": h2d},
             "transfer_seconds": {"d2h": round(d2h_s, 4), "h2d": round(h2d_s, 4)},
-            "bandwidth_gbps": {"d2h": round(d2h / d2h_s / 1e9, 3) if d2h_s else 0.0,
-                               "h2d": round(h2d / h2d_s / 1e9, 3) if h2d_s else 0.0},
+            "bandwidth_gbps": {"d2h": round(gbps(d2h, d2h_s), 3), "h2d": round(gbps(h2d, h2d_s), 3)},
             "mismatches": sum(r["replay"]["mismatch_count"] for r in rows),
             "pages_verified": sum(r["replay"]["pages_verified"] for r in rows),
             "bytes_verified": sum(r["replay"]["bytes_verified"] for r in rows),

@@ -1,37 +1,97 @@
-"""``stagecache bench transfer``: device<->host page transfer speed against same-run baselines.
+"""``stagecache bench transfer``: stagecache's page moves against the peer techniques, same run, same pages.
 
-Same process, same bytes, per pool kind (big SWA pages down to 1 KiB C128 pages):
+The grid (both directions, scattered device and host pages):
 
-* ``ceiling``   -- one contiguous copy of the same total bytes between a device
-  tensor and a pinned host tensor (what the link can do at all);
-* ``loop``      -- a Python loop copying one page of one layer at a time (the naive
-  way; measured on up to ``--loop-copies`` copies, rate extrapolated);
-* ``stagecache``-- ``TransferController.backup`` / ``load`` in each mode
-  (``auto``, ``direct``, ``staged``), wall time including id checks and launch;
-* ``stats overhead`` -- the same transfer with and without ``TransferStats``,
-  plus the cost of one ``record`` call relative to one transfer.
+* ``stage-mix:N`` -- N token pages of every host-cached pool of one stage (default
+  flash pp4 stage 1), byte sizes read from the pools themselves;
+* ``KIND:M MiB``  -- one pool kind alone over ``--layers`` layer buffers, M MiB per move.
 
-Device pages are a random half of a pool twice the transfer size (scattered);
-host pages are either what the host allocator hands a backup (``run``: ``alloc(n)``
-on the fresh host pool, lowest free ids ascending = one run) or a random sample
-(``scattered``: a cache hit's pages); loads read back the pages the backup wrote.
-Prints JSON; ``--out`` also writes it to a file.
+Per grid point and direction every technique (``transfer_peers``: the contiguous
+ceiling, the per-page loop, the warp-per-item kernel; and stagecache) is first
+checked byte-exact on poisoned destinations, then timed: the median wall time
+from the call to the device being idle again, same clock for all.  stagecache's
+per-call overhead (host time from the call until its work is queued, taken with
+the device idle) is reported on its own.  Progress goes to stderr.
 """
 
 from __future__ import annotations
 
-import argparse
 import platform
 import random
 import statistics
+import subprocess
+import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from ..model.layer_map import build_stage_map
-from ..model.pool_kinds import HOST_CACHED, KINDS, kind_table
-from ..model.spec import ModelSpec, load_spec, spec_from_config
+import numpy as np
 
-MIB = 1 << 20
+from ..memory.host_pools import HostPools
+from ..memory.pools import StagePools
+from ..model.layer_map import StageLayerMap, build_layout, build_stage_map
+from ..model.pool_kinds import KINDS
+from ..model.spec import ModelSpec, spec_from_config
+from ..transfer.controller import TransferController
+from ..transfer.engine import EngineOptions
+from ..transfer.plan import build_plan, mirrored_kinds
+from ..transfer.stats import gbps
+from . import transfer_peers as peers
+from .transfer_report import MIB, PEERS, summary
+
+MIX_PAGES = (1, 4, 16, 64, 256)
+KIND_MIB = (4, 64, 256)
+
+
+def mix_pages(cuda: bool) -> list[int]:
+    """Default stage-mix sizes; on CPU without the 256-page point (1.3 GB per move: minutes, GBs of RAM)."""
+    return list(MIX_PAGES if cuda else MIX_PAGES[:-1])
+
+
+def kind_mib(cuda: bool) -> list[float]:
+    """Default one-kind sizes; on CPU without 256 MiB (for the same reason)."""
+    return list(KIND_MIB if cuda else KIND_MIB[:-1])
+#: Engine variants ``--sweep`` times on every grid point (stagecache only).
+SWEEP = (EngineOptions(), EngineOptions(graphs=False), EngineOptions(chunk_bytes=4096),
+         EngineOptions(chunk_bytes=16384), EngineOptions(chunk_bytes=32768, num_warps=2),
+         EngineOptions(programs_per_sm=16), EngineOptions(chunk_bytes=16384, programs_per_sm=16, num_warps=2))
+
+
+@dataclass(frozen=True)
+class Case:
+    """One grid point: a stage (or a one-kind model) and how many token pages move."""
+
+    name: str
+    spec: ModelSpec
+    stage: StageLayerMap
+    kinds: tuple[str, ...] | None  # None = every pool kind of the stage
+    pages: int
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What to run and how long to sample (from the CLI flags)."""
+
+    device: str
+    page_size: int
+    layout: str
+    seed: int
+    min_reps: int
+    max_reps: int
+    budget_s: float
+    sweep: bool = False
+    engine: EngineOptions = EngineOptions()
+
+
+def engine_options(chunk_bytes: int | None, programs_per_sm: int | None, num_warps: int | None) -> EngineOptions:
+    """The engine's defaults, with the flags given on the command line."""
+    given = {"chunk_bytes": chunk_bytes, "programs_per_sm": programs_per_sm, "num_warps": num_warps}
+    return EngineOptions(**{k: v for k, v in given.items() if v is not None})
+
+
+def log(msg: str) -> None:
+    print(f"[bench transfer] {msg}", file=sys.stderr, flush=True)
 
 
 def single_kind_spec(base: ModelSpec, pool: str, layers: int) -> ModelSpec:
@@ -45,267 +105,284 @@ def single_kind_spec(base: ModelSpec, pool: str, layers: int) -> ModelSpec:
     return spec_from_config(cfg, name=f"{base.name}/{pool}x{layers}")
 
 
-class _Clock:
-    """Wall-clock timing that waits for the device (``torch.cuda.synchronize``) on CUDA."""
+def grid(base: ModelSpec, pp: int, stage: int, page_size: int, layers: int, mix_pages: list[int],
+         kind_mib: list[float], kinds: list[str] | None) -> list[Case]:
+    """The cases to run: the stage mix at each page count, then each host-cached kind at each size."""
+    stage_map = build_layout(base, pp).stages[stage]
+    cases = [Case(f"stage-mix:{n}", base, stage_map, None, n) for n in mix_pages]
+    if not kind_mib:
+        return cases
+    probe = StagePools(base, stage_map, page_size, 1, device="meta")
+    cached = mirrored_kinds(probe, HostPools(probe, num_pages=1, pin_memory=False))
+    for pool in [k for k in cached if kinds is None or k in kinds]:
+        spec = single_kind_spec(base, pool, layers)
+        smap = build_stage_map(spec, 0, 0, layers)
+        pb = StagePools(spec, smap, page_size, 1, device="meta", kinds=[pool]).page_bytes(pool)
+        for mib in kind_mib:
+            n = max(1, -(-int(mib * MIB) // (layers * pb)))
+            cases.append(Case(f"{pool}:{mib:g}MiB", spec, smap, (pool,), n))
+    return cases
 
-    def __init__(self, cuda: bool):
+
+class _Clock:
+    """Median wall time of a call plus device sync, sampled until a time budget is spent."""
+
+    def __init__(self, cuda: bool, settings: Settings):
         import torch
 
-        self.sync = torch.cuda.synchronize if cuda else (lambda: None)
+        self.sync: Callable[[], None] = torch.cuda.synchronize if cuda else (lambda: None)
+        self.s = settings
 
-    def median(self, fn, repeat: int, warmup: int = 1) -> float:
-        for _ in range(warmup):
-            fn()
-        self.sync()
-        samples = []
-        for _ in range(repeat):
+    def median_ms(self, fn: Callable[[], Any]) -> float:
+        """At least ``min_reps`` samples and ``budget_s`` seconds, unless 3 samples already took 4x that."""
+        samples: list[float] = []
+        spent = 0.0
+        while len(samples) < self.s.max_reps and (len(samples) < self.s.min_reps or spent < self.s.budget_s):
+            if len(samples) >= min(3, self.s.min_reps) and spent >= 4 * self.s.budget_s:
+                break
             self.sync()
             t0 = time.perf_counter()
             fn()
             self.sync()
             samples.append(time.perf_counter() - t0)
-        return statistics.median(samples)
+            spent += samples[-1]
+        return statistics.median(samples) * 1e3
 
+    def issue_us(self, fn: Callable[[], Any], move_ms: float) -> tuple[float, float]:
+        """Median host time of a call (warm, cold), in bursts of two after the device went idle.
 
-def _gbps(nbytes: int, seconds: float) -> float:
-    return round(nbytes / seconds / 1e9, 3) if seconds > 0 else 0.0
-
-
-#: (words per program, warps) tried by ``--sweep`` for the direct kernel.
-SWEEP = ((1024, 4, True), (1024, 4, False), (256, 2, True), (4096, 8, True))
-
-
-def _measure(clock: _Clock, total: int, repeat: int, fn) -> dict[str, Any]:
-    """Median wall time (ids checked, launched, finished), GPU event time and CPU issue time of ``fn``.
-
-    ``fn`` returns a ``TransferResult`` without waiting; wall time runs until its
-    ``synchronize()`` returns, exactly what ``blocking=True`` costs a caller.
-    """
-    fn().synchronize()
-    walls, gpus, issues, path = [], [], [], None
-    for _ in range(repeat):
-        clock.sync()
-        t0 = time.perf_counter()
-        r = fn()  # ids checked and every copy queued: the CPU's part
-        t1 = time.perf_counter()
-        r.synchronize()  # = blocking=True
-        walls.append(time.perf_counter() - t0)
-        issues.append(t1 - t0)
-        gpus.append(r.seconds or 0.0)
-        path = r.path
-    wall, gpu = statistics.median(walls), statistics.median(gpus)
-    return {"gbps": _gbps(total, wall), "gpu_gbps": _gbps(total, gpu), "ms": round(wall * 1e3, 4),
-            "gpu_ms": round(gpu * 1e3, 4), "issue_ms": round(statistics.median(issues) * 1e3, 4),
-            "path": path}
-
-
-def _ceiling(clock: _Clock, total: int, device: str, cuda: bool, repeat: int) -> tuple[float, float]:
-    """Seconds of one contiguous copy of ``total`` bytes, device->pinned host and back."""
-    import torch
-
-    flat_dev = torch.empty(total, dtype=torch.uint8, device=device)
-    flat_host = torch.empty(total, dtype=torch.uint8, pin_memory=cuda)
-    d2h = clock.median(lambda: flat_host.copy_(flat_dev, non_blocking=True), repeat)
-    h2d = clock.median(lambda: flat_dev.copy_(flat_host, non_blocking=True), repeat)
-    return d2h, h2d
-
-
-def bench_kind(base: ModelSpec, pool: str, layers: int, page_size: int, pages: int | None,
-               target_bytes: int, device: str, repeat: int, loop_copies: int, layouts: list[str],
-               patterns: list[str], modes: list[str], seed: int, sweep: bool = False) -> list[dict[str, Any]]:
-    import torch
-
-    from ..memory.host_pools import HostPools
-    from ..memory.pools import StagePools
-    from ..transfer.controller import TransferController
-    from ..transfer.stats import TransferStats
-
-    spec = single_kind_spec(base, pool, layers)
-    stage = build_stage_map(spec, 0, 0, layers)
-    pb = kind_table(spec, page_size).page_bytes(pool)
-    n = pages or max(1, -(-target_bytes // (layers * pb)))
-    total = n * layers * pb
-    cuda = device.startswith("cuda")
-    clock = _Clock(cuda)
-    rng = random.Random(seed)
-
-    dp = StagePools(spec, stage, page_size, 2 * n, device=device, kinds=[pool], swa_ratio=1.0)
-    for b in dp.buffers[pool]:
-        b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, device=device))
-    order = rng.sample(range(2 * n), 2 * n)  # scattered, and the two halves are disjoint
-    dev_pages, dev_pages_back = order[:n], order[n:]
-
-    # (a) ceiling: one contiguous copy of the same bytes
-    ceil_d2h, ceil_h2d = _ceiling(clock, total, device, cuda, repeat)
-
-    rows = []
-    for layout in layouts:
-        hp = HostPools(dp, num_pages=2 * n, layout=layout, pin_memory=cuda)
-        # (b) baseline: one page of one layer per copy_, on a subset of the copies
-        pairs = [(i, d, h) for i in range(layers) for d, h in zip(dev_pages, range(n), strict=True)]
-        subset = pairs[:loop_copies]
-        dbufs, hbufs = dp.buffers[pool], hp.buffers[pool]
-
-        def loop_d2h(subset=subset, dbufs=dbufs, hbufs=hbufs):
-            for i, d, h in subset:
-                hbufs[i][h].copy_(dbufs[i][d], non_blocking=True)
-
-        def loop_h2d(subset=subset, dbufs=dbufs, hbufs=hbufs):
-            for i, d, h in subset:
-                dbufs[i][d].copy_(hbufs[i][h], non_blocking=True)
-
-        loop_bytes = len(subset) * pb
-        loop = {"d2h": _gbps(loop_bytes, clock.median(loop_d2h, max(1, repeat // 2))),
-                "h2d": _gbps(loop_bytes, clock.median(loop_h2d, max(1, repeat // 2))),
-                "copies_measured": len(subset), "copies_total": len(pairs)}
-
-        for pattern in patterns:
-            # run: what the host allocator hands a backup (lowest free ids, ascending; here the
-            # fresh host pool gives one run); scattered: a random sample (a cache hit's pages).
-            # Loads read back the host pages the backup wrote.
-            if pattern == "run":
-                host_pages = hp.allocator.alloc(n)
-                hp.allocator.free(host_pages)
-            else:
-                host_pages = rng.sample(range(2 * n), n)
-            # ids as CPU int64 tensors, the way sglang's HiCache hands them over
-            dev_ids, back_ids, host_ids = (torch.tensor(x) for x in (dev_pages, dev_pages_back, host_pages))
-            row: dict[str, Any] = {
-                "pool": pool, "page_bytes": pb, "layers": layers, "pages": n, "bytes": total,
-                "mib": round(total / MIB, 2), "layout": layout, "host_pattern": pattern,
-                "ceiling_gbps": {"d2h": _gbps(total, ceil_d2h), "h2d": _gbps(total, ceil_h2d)},
-                "loop_gbps": loop, "stagecache": {},
-            }
-            back_dev = torch.tensor(dev_pages_back, device=device)
-            exact: dict[str, bool] = {}
-
-            def round_trip_ok(host_pages=host_pages, hbufs=hbufs, dbufs=dbufs):
-                """Host pages hold the device pages, and the load put them back elsewhere bit-exact."""
-                return all(torch.equal(hbufs[i][host_pages].to(device), dbufs[i][dev_pages])
-                           and torch.equal(dbufs[i][dev_pages_back], dbufs[i][dev_pages]) for i in range(layers))
-
-            for mode in modes:
-                if not cuda and mode != "auto":
-                    continue
-                c = TransferController(dp, hp, stats=None, mode=mode)
-                dmas = n * (layers if layout == "layer_first" else 1)
-                if mode == "staged" and pattern == "scattered" and dmas > 20000:
-                    row["stagecache"][mode] = {"skipped": f"{dmas} DMAs (one per host run and buffer)"}
-                    continue
-                for i in range(layers):  # clear both destinations: every mode must write them itself
-                    hbufs[i][host_ids] = 0
-                    dbufs[i][back_dev] = 0
-                row["stagecache"][mode] = {
-                    "d2h": _measure(clock, total, repeat,
-                                    lambda c=c, hpg=host_ids, dpg=dev_ids: c.backup(dpg, hpg)),
-                    "h2d": _measure(clock, total, repeat,
-                                    lambda c=c, hpg=host_ids, dpg=back_ids: c.load(hpg, dpg)),
-                }
-                exact[mode] = round_trip_ok()
-            if sweep and cuda and pattern == "scattered":
-                row["direct_sweep"] = []
-                from ..transfer import kernels
-
-                for block_words, warps, align16 in SWEEP:
-                    c = TransferController(dp, hp, stats=None, mode="direct")
-                    c.kernel_config = (block_words, warps)
-                    kernels.USE_ALIGN16 = align16
-                    row["direct_sweep"].append({
-                        "block_words": block_words, "num_warps": warps, "align16": align16,
-                        "d2h": _measure(clock, total, repeat,
-                                        lambda c=c, hpg=host_ids, dpg=dev_ids: c.backup(dpg, hpg)),
-                        "h2d": _measure(clock, total, repeat,
-                                        lambda c=c, hpg=host_ids, dpg=back_ids: c.load(hpg, dpg)),
-                    })
-            row["bit_exact_by_mode"] = exact
-            row["bit_exact"] = bool(exact) and all(exact.values())
-            # (d) stats overhead, auto mode
-            stats = TransferStats()
-            with_s = TransferController(dp, hp, stats=stats, mode="auto")
-            without = TransferController(dp, hp, stats=None, mode="auto")
-            t_without = clock.median(
-                lambda c=without, hpg=host_ids, dpg=dev_ids: c.backup(dpg, hpg, blocking=True), repeat)
-            t_with = clock.median(
-                lambda c=with_s, hpg=host_ids, dpg=dev_ids: c.backup(dpg, hpg, blocking=True), repeat)
+        cold = the first call of a burst (the host thread just woke from waiting on the
+        device); warm = the second, queued right behind the first, as in a steady stream
+        of moves.  Neither waits for the device (the id ring has free slots).
+        """
+        warm, cold = [], []
+        for _ in range(max(3, min(200, int(500 / max(move_ms, 1e-3))))):
+            self.sync()
             t0 = time.perf_counter()
-            for _ in range(1000):
-                stats.record("d2h", total, t_with, n, layers, "bench")
-            record_s = (time.perf_counter() - t0) / 1000
-            row["stats_overhead"] = {
-                "with_ms": round(t_with * 1e3, 4), "without_ms": round(t_without * 1e3, 4),
-                "measured_pct": round((t_with - t_without) / t_without * 100, 3),
-                "record_us": round(record_s * 1e6, 3),
-                "record_pct_of_transfer": round(record_s / t_without * 100, 4),
-            }
-            auto = row["stagecache"].get("auto", {})
-            best = {}
-            for d in ("d2h", "h2d"):
-                cands = [(v[d]["gbps"], m) for m, v in row["stagecache"].items() if d in v]
-                best[d] = max(cands) if cands else (0.0, None)
-            row["best"] = {d: {"gbps": g, "mode": m} for d, (g, m) in best.items()}
-            row["ratios"] = {
-                f"{d}_auto_vs_ceiling": round(auto[d]["gbps"] / row["ceiling_gbps"][d], 3)
-                for d in ("d2h", "h2d") if d in auto and row["ceiling_gbps"][d]
-            } | {
-                f"{d}_auto_vs_loop": round(auto[d]["gbps"] / loop[d], 2)
-                for d in ("d2h", "h2d") if d in auto and loop[d]
-            }
-            row["mode_ratios"] = {
-                m: {f"{d}_vs_ceiling": round(v[d]["gbps"] / row["ceiling_gbps"][d], 3)
-                    for d in ("d2h", "h2d") if d in v and row["ceiling_gbps"][d]}
-                for m, v in row["stagecache"].items()
-            }
-            rows.append(row)
-        del hp
-        if cuda and hasattr(torch._C, "_host_emptyCache"):
-            torch._C._host_emptyCache()
-    del dp
-    if cuda:
-        torch.cuda.empty_cache()
-    return rows
+            fn()
+            t1 = time.perf_counter()
+            fn()
+            cold.append(t1 - t0)
+            warm.append(time.perf_counter() - t1)
+        self.sync()
+        return statistics.median(warm) * 1e6, statistics.median(cold) * 1e6
 
 
-def run_bench(args: argparse.Namespace) -> dict[str, Any]:
+class _Pages:
+    """The case's pools, controller, scattered page ids and byte-exact checks."""
+
+    def __init__(self, case: Case, s: Settings, options: EngineOptions | None = None):
+        import torch
+
+        self.cuda = s.device.startswith("cuda")
+        slack = max(8, case.pages // 4)
+        self.dp = StagePools(case.spec, case.stage, s.page_size, case.pages + slack, device=s.device,
+                             kinds=case.kinds)
+        self.hp = HostPools(self.dp, num_pages=case.pages + slack, layout=s.layout, pin_memory=self.cuda)
+        self.dp.allocator.alloc(self.dp.num_pages)
+        self.hp.allocator.alloc(self.hp.num_pages)
+        self.controller = TransferController(self.dp, self.hp, options=options or s.engine)
+        self.plan = self.controller.plan()
+        rng = random.Random(s.seed)
+        self.dev_ids = torch.tensor(rng.sample(range(self.dp.num_pages), case.pages))
+        self.host_ids = torch.tensor(rng.sample(range(self.hp.num_pages), case.pages))
+        self.nbytes = self.plan.nbytes(case.pages)
+        self.buffers = [(self.dp.buffers[b.pool][b.index], self.hp.buffers[b.pool][b.index], b)
+                        for b in self.plan.buffers]
+        self._dev_idx = self.dev_ids.to(self.dp.device)
+        for k, (d, _, _) in enumerate(self.buffers):
+            rows = _pattern(case.pages, d.shape[1], k, d.device)
+            if self.cuda:
+                d.index_copy_(0, self._dev_idx, rows)
+            else:  # numpy: torch's uint8 row indexing on CPU runs at ~1 GB/s
+                d.numpy()[self.dev_ids.numpy()] = rows.numpy()
+
+    def poison(self, d2h: bool) -> None:
+        hid, did = self.host_ids.numpy(), self.dev_ids.numpy()
+        for d, h, _ in self.buffers:
+            if d2h:
+                h.numpy()[hid] = 0x5A
+            elif self.cuda:
+                d.index_fill_(0, self._dev_idx, 0xA5)
+            else:
+                d.numpy()[did] = 0xA5
+
+    def exact(self) -> bool:
+        """Every moved page equal on both sides (after a poisoned destination was written)."""
+        hid, did = self.host_ids.numpy(), self.dev_ids.numpy()
+
+        def dev_rows(d: Any) -> np.ndarray:
+            return d.index_select(0, self._dev_idx).cpu().numpy() if self.cuda else d.numpy()[did]
+
+        return all(np.array_equal(dev_rows(d), h.numpy()[hid]) for d, h, _ in self.buffers)
+
+    def stagecache(self) -> peers.Technique:
+        c, dev, host = self.controller, self.dev_ids, self.host_ids
+
+        def run(d2h: bool) -> Any:
+            return c.backup(dev, host) if d2h else c.load(host, dev)
+
+        return peers.Technique("stagecache", run, f"TransferController ({c.path} engine), ids checked")
+
+    def page_loop(self) -> peers.Technique:
+        pairs = [(d[a], h[b], ref.page_bytes) for d, h, ref in self.buffers
+                 for a, b in zip(self.dev_ids.tolist(), self.host_ids.tolist(), strict=True)]
+        return peers.page_loop(pairs, self.cuda)
+
+    def warp_kernel(self) -> peers.Technique | None:
+        if not self.cuda:
+            return None
+        groups: dict[str, tuple[list[Any], list[Any], int]] = {}
+        for d, h, ref in self.buffers:
+            groups.setdefault(ref.pool, ([], [], ref.page_bytes))
+            groups[ref.pool][0].append(d)
+            groups[ref.pool][1].append(h)
+        return peers.warp_kernel(list(groups.values()), self.dev_ids, self.host_ids)
+
+
+def _pattern(pages: int, page_bytes: int, salt: int, device: Any) -> Any:
+    """Distinct bytes for every (buffer, page, word): a multiplicative hash of the position."""
     import torch
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        from ..errors import ConfigError
+    words = -(-pages * page_bytes // 8)
+    x = (torch.arange(words, dtype=torch.int64, device=device) + (salt << 40)) * -7046029254386353131
+    return (x ^ (x >> 29)).view(torch.uint8)[:pages * page_bytes].view(pages, page_bytes)
 
-        raise ConfigError("--device cuda: no CUDA device is available here")
-    base = load_spec(args.model)
-    kinds = args.pool or list(HOST_CACHED)
-    modes = ["auto", "direct", "staged"] if device.startswith("cuda") else ["auto"]
-    results = []
-    for pool in kinds:
-        results += bench_kind(base, pool, args.layers, args.page_size, args.pages, int(args.mib * MIB), device,
-                              args.repeat, args.loop_copies, args.layout or ["layer_first", "page_first"],
-                              args.pattern or ["run", "scattered"], modes, args.seed, args.sweep)
-    info: dict[str, Any] = {"torch": torch.__version__, "python": platform.python_version(),
-                            "host": platform.node()}
+
+def case_bytes(case: Case, s: Settings) -> int:
+    """Bytes one move of the case carries (from pools on the meta device: no memory)."""
+    dp = StagePools(case.spec, case.stage, s.page_size, 1, device="meta", kinds=case.kinds)
+    return build_plan(dp, HostPools(dp, num_pages=1, pin_memory=False), None, None).nbytes(case.pages)
+
+
+def _measure(clock: _Clock, pages: _Pages, tech: peers.Technique, check: bool = True) -> dict[str, Any]:
+    """Byte-exact check of both directions, then the median time of each."""
+    out: dict[str, Any] = {}
+    for d2h, direction in ((True, "d2h"), (False, "h2d")):
+        ok = None
+        if check:
+            pages.poison(d2h)
+            tech.run(d2h)
+            clock.sync()
+            ok = pages.exact()
+        out[direction] = {"ms": clock.median_ms(lambda d2h=d2h: tech.run(d2h)), "exact": ok}
+    return out
+
+
+def _ceiling(clock: _Clock, nbytes: int, cuda: bool, device: str) -> dict[str, Any]:
+    import torch
+
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dev.copy_(_pattern(1, nbytes, 99, device).view(-1))
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    tech = peers.ceiling(dev, host)
+    out = {}
+    for d2h, direction in ((True, "d2h"), (False, "h2d")):
+        (host.fill_(0x5A) if d2h else dev.fill_(0xA5))
+        tech.run(d2h)
+        clock.sync()
+        ok = torch.equal(dev.cpu(), host)
+        out[direction] = {"ms": clock.median_ms(lambda d2h=d2h: tech.run(d2h)), "exact": ok}
+    del dev, host
+    return out
+
+
+def run_case(case: Case, s: Settings) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Rows (one per direction) of one grid point, and stagecache's per-call overhead there."""
+    cuda = s.device.startswith("cuda")
+    clock = _Clock(cuda, s)
+    results = {"ceiling": _ceiling(clock, case_bytes(case, s), cuda, s.device)}  # before the pools: peak memory
+    pages = _Pages(case, s)
+    techs = [pages.stagecache(), pages.page_loop(), pages.warp_kernel()]
+    notes = {}
+    for tech in techs:
+        if tech is not None:
+            results[tech.key] = _measure(clock, pages, tech)
+            notes[tech.key] = tech.note
+    stage = pages.stagecache()
+    if cuda:
+        overhead = {d: clock.issue_us(lambda d2h=(d == "d2h"): stage.run(d2h), results["stagecache"][d]["ms"])
+                    for d in ("d2h", "h2d")}
+    else:  # synchronous engine: the call is the whole move
+        overhead = {d: (results["stagecache"][d]["ms"] * 1e3,) * 2 for d in ("d2h", "h2d")}
+    pages.controller.synchronize()
+    sweep = _sweep(case, s, clock) if s.sweep else []
+    rows = [_row(case, pages, direction, results) for direction in ("d2h", "h2d")]
+    for row in rows:
+        row["issue_us"], row["issue_cold_us"] = (round(v, 2) for v in overhead[row["direction"]])
+        if sweep:
+            row["sweep"] = [dict(v, ms=v["ms"][row["direction"]]) for v in sweep]
+    return rows, notes
+
+
+def _row(case: Case, pages: _Pages, direction: str, results: dict[str, Any]) -> dict[str, Any]:
+    ms = {k: round(results[k][direction]["ms"], 4) if k in results else None
+          for k in ("ceiling", "stagecache", *PEERS)}
+    peer_ms = {k: ms[k] for k in PEERS if ms[k] is not None}
+    best = min(peer_ms, key=peer_ms.__getitem__) if peer_ms else None
+    return {
+        "case": case.name, "direction": direction, "bytes": pages.nbytes, "pages": case.pages,
+        "buffers": len(pages.plan.buffers), "path": pages.controller.path, "ms": ms,
+        "gbps": {k: round(gbps(pages.nbytes, v / 1e3), 2) for k, v in ms.items() if v},
+        "vs_ceiling": {k: round(ms["ceiling"] / v, 3) for k, v in ms.items() if v and k != "ceiling"},
+        "best_peer": best,
+        "stagecache_vs_best_peer": round(peer_ms[best] / ms["stagecache"], 3) if best else None,
+        "bit_exact": {k: results[k][direction]["exact"] for k in results},
+    }
+
+
+def _sweep(case: Case, s: Settings, clock: _Clock) -> list[dict[str, Any]]:
+    out = []
+    for options in SWEEP:
+        pages = _Pages(case, s, options)
+        r = _measure(clock, pages, pages.stagecache(), check=False)
+        out.append({"options": options.__dict__, "ms": {d: round(v["ms"], 4) for d, v in r.items()}})
+        del pages
+    return out
+
+
+def environment(device: str) -> dict[str, Any]:
+    """GPU name, driver, versions, date: the header of every result file."""
+    import torch
+
+    env: dict[str, Any] = {"device": device, "gpu": None, "driver": None, "torch": torch.__version__,
+                           "triton": None, "python": platform.python_version(),
+                           "date": time.strftime("%Y-%m-%d", time.gmtime())}
     try:
         import triton
 
-        info["triton"] = triton.__version__
+        env["triton"] = triton.__version__
     except ImportError:
-        info["triton"] = None
+        pass
     if device.startswith("cuda"):
-        info["gpu"] = torch.cuda.get_device_name(0)
-    big = [r for r in results if r["bytes"] >= 64 * MIB]
-    summary = {}
-    for d in ("d2h", "h2d"):
-        vs_ceiling = [r["ratios"].get(f"{d}_auto_vs_ceiling") for r in big]
-        vs_loop = [r["ratios"].get(f"{d}_auto_vs_loop") for r in big]
-        vs_ceiling = [v for v in vs_ceiling if v is not None]
-        vs_loop = [v for v in vs_loop if v is not None]
-        summary[d] = {
-            "min_auto_vs_ceiling": min(vs_ceiling) if vs_ceiling else None,
-            "min_auto_vs_loop": min(vs_loop) if vs_loop else None,
-            "meets_90pct_ceiling": bool(vs_ceiling) and min(vs_ceiling) >= 0.9,
-            "meets_5x_loop": bool(vs_loop) and min(vs_loop) >= 5.0,
-        }
-    overheads = [r["stats_overhead"]["record_pct_of_transfer"] for r in results]
-    summary["max_stats_record_pct"] = max(overheads) if overheads else None
-    return {"bench": "transfer", "model": base.name, "device": device, "page_size": args.page_size,
-            "layers": args.layers, "repeat": args.repeat, "date": time.strftime("%Y-%m-%d", time.gmtime()),
-            "env": info, "results": results, "summary": summary}
+        env["gpu"] = torch.cuda.get_device_name(torch.device(device))
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=20)
+            env["driver"] = out.stdout.strip().splitlines()[0] if out.returncode == 0 else None
+        except (OSError, subprocess.SubprocessError, IndexError):
+            env["driver"] = None
+    return env
+
+
+def run_bench(cases: list[Case], s: Settings, model: str) -> dict[str, Any]:
+    """Every case, with progress on stderr; the report (JSON-ready)."""
+    import torch
+
+    report = environment(s.device) | {"bench": "transfer", "model": model, "page_size": s.page_size,
+                                      "layout": s.layout, "engine": s.engine.__dict__, "rows": []}
+    t0 = time.perf_counter()
+    for i, case in enumerate(cases, 1):
+        log(f"{i}/{len(cases)} {case.name} ({case.pages} pages) ... [{time.perf_counter() - t0:.0f} s]")
+        rows, notes = run_case(case, s)
+        report["rows"] += rows
+        report["techniques"] = report.get("techniques", {}) | notes
+        for r in rows:
+            log(f"  {r['direction']} ms " + " ".join(f"{k}={v}" for k, v in r["ms"].items())
+                + f"  vs best peer {r['stagecache_vs_best_peer']}  issue {r['issue_us']} us")
+        if s.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+            torch._C._host_emptyCache()
+    report["seconds"] = round(time.perf_counter() - t0, 1)
+    report["summary"] = summary(report)
+    return report

@@ -78,7 +78,7 @@ class CacheStats:
             out["transfer_bytes"][d] = int(s["bytes"])
             out["transfer_seconds"][d] = float(s["seconds"])
             out["transfer_count"][d] = int(s["count"])
-            out["bandwidth_bytes_per_second"][d] = s["bytes"] / s["seconds"] if s["seconds"] > 0 else 0.0
+            out["bandwidth_bytes_per_second"][d] = s["gbps"] * 1e9  # TransferStats uses stats.gbps
         return out
 
     def snapshot(self) -> dict[str, Any]:

@@ -51,36 +51,99 @@ def _register_check(sub: argparse._SubParsersAction) -> None:
 
 
 def _register_transfer(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("transfer", help="time device<->host page copies against one contiguous copy and a per-page loop")
-    p.add_argument("--model", default="deepseek-v4-flash", help="preset name or config.json whose page sizes are copied (default %(default)s)")
-    p.add_argument("--pages", type=positive_int, default=None,
-                   help="pages per transfer (default: enough for --mib per pool kind)")
-    p.add_argument("--mib", type=positive_float, default=256.0, help="MiB per transfer when --pages is not given (default %(default)s)")
-    p.add_argument("--layers", type=positive_int, default=11, help="layers copied per transfer (default %(default)s, a deepseek-v4-flash stage at pp 4)")
+    p = sub.add_parser("transfer", help="time device<->host page moves against the peer techniques (same run, same pages)")
+    p.add_argument("--model", default="deepseek-v4-flash",
+                   help="preset name or config.json whose page sizes are copied (default %(default)s)")
+    p.add_argument("--pp", type=int_range(1, 4096), default=4,
+                   help="pipeline stages of the stage-mix layout (default %(default)s)")
+    p.add_argument("--stage", type=nonneg_int, default=1,
+                   help="stage whose pools form the stage mix (default %(default)s)")
+    p.add_argument("--mix-pages", type=positive_int, nargs="*", default=None,
+                   help="stage-mix token pages per move (default 1 4 16 64 256, on CPU 1 4 16 64; "
+                        "none: skip the stage mix)")
+    p.add_argument("--kind-mib", type=positive_float, nargs="*", default=None,
+                   help="MiB per move of each pool kind alone (default 4 64 256, on CPU 4 64; "
+                        "none: skip the one-kind cases)")
+    p.add_argument("--kind", action="append", default=None, choices=HOST_CACHED,
+                   help="pool kind to move alone (repeatable; default: every host-cached kind)")
+    p.add_argument("--layers", type=positive_int, default=11,
+                   help="layer buffers of a one-kind case (default %(default)s, a deepseek-v4-flash stage at pp 4)")
     p.add_argument("--page-size", type=positive_int, default=256, help="tokens per page (default %(default)s)")
-    p.add_argument("--pool", action="append", choices=HOST_CACHED,
-                   help="pool kind to measure (repeatable; default: every host-cached kind)")
-    p.add_argument("--layout", action="append", choices=["layer_first", "page_first"],
-                   help="host pool memory layout (repeatable; default: both)")
-    p.add_argument("--pattern", action="append", choices=["run", "scattered"], help="host pages contiguous (run) or spread out (scattered) (repeatable; default: both)")
+    p.add_argument("--layout", choices=["layer_first", "page_first"], default="layer_first",
+                   help="host pool memory layout (default %(default)s)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    p.add_argument("--repeat", type=positive_int, default=5, help="timed runs per case (default %(default)s)")
-    p.add_argument("--loop-copies", type=positive_int, default=4000,
-                   help="page copies timed for the per-page loop baseline (default %(default)s)")
+    p.add_argument("--min-reps", type=positive_int, default=None, help="timed calls at least (cpu 1, cuda 10)")
+    p.add_argument("--max-reps", type=positive_int, default=None, help="timed calls at most (cpu 3, cuda 100)")
+    p.add_argument("--budget", type=positive_float, default=None,
+                   help="seconds of timed calls per technique (cpu 0.1, cuda 0.3)")
     p.add_argument("--seed", type=nonneg_int, default=0, help="seed of the scattered page pattern (default 0)")
-    p.add_argument("--sweep", action="store_true", help="also time several block sizes of the direct copy kernel")
-    p.add_argument("--out", default=None, help="also write the JSON result to this file")
-    p.add_argument("--json", action="store_true", help="accepted for symmetry: the output is always JSON")
+    p.add_argument("--sweep", action="store_true", help="also time stagecache engine variants on every case")
+    p.add_argument("--chunk-bytes", type=positive_int, default=None, help="engine: bytes per work item")
+    p.add_argument("--programs-per-sm", type=positive_int, default=None, help="engine: persistent programs per SM")
+    p.add_argument("--num-warps", type=positive_int, default=None, help="engine: warps per program")
+    p.add_argument("--out", default=None, help="also write the JSON report to this file")
+    p.add_argument("--json", action="store_true", help="print the JSON report (default: the markdown table)")
+    p.add_argument("--render", default=None, metavar="JSON",
+                   help="no run: render a saved report as the docs' markdown table")
+    p.add_argument("--into", default=None, metavar="DOC", help="with --render: replace the table inside DOC")
     p.set_defaults(func=_run_transfer)
 
 
 def _run_transfer(args: argparse.Namespace) -> int:
-    report = bench_transfer.run_bench(args)
+    from ..bench import transfer_report
+
+    if args.render:
+        return _render_transfer(args)
+    import torch
+
+    from ..errors import ConfigError
+    from ..model.spec import load_spec
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is available here")
+    cuda = device.startswith("cuda")
+    base = load_spec(args.model)
+    if not 0 <= args.stage < args.pp:
+        raise ConfigError(f"--stage {args.stage}: stages of --pp {args.pp} are 0..{args.pp - 1}")
+    mix = args.mix_pages if args.mix_pages is not None else bench_transfer.mix_pages(cuda)
+    kind_mib = args.kind_mib if args.kind_mib is not None else bench_transfer.kind_mib(cuda)
+    cases = bench_transfer.grid(base, args.pp, args.stage, args.page_size, args.layers, mix, kind_mib, args.kind)
+    settings = bench_transfer.Settings(
+        device=device, page_size=args.page_size, layout=args.layout, seed=args.seed,
+        min_reps=args.min_reps or (10 if cuda else 1), max_reps=args.max_reps or (100 if cuda else 3),
+        budget_s=args.budget if args.budget is not None else (0.3 if cuda else 0.1), sweep=args.sweep,
+        engine=bench_transfer.engine_options(args.chunk_bytes, args.programs_per_sm, args.num_warps))
+    report = bench_transfer.run_bench(cases, settings, base.name)
     text = json.dumps(report, indent=2)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
-    print(text)
+    print(text if args.json else transfer_report.render(report, args.out or "this run"))
+    return 0
+
+
+def _render_transfer(args: argparse.Namespace) -> int:
+    from ..bench import transfer_report
+    from ..errors import ConfigError
+
+    try:
+        with open(args.render) as f:
+            report = json.load(f)
+        section = transfer_report.render(report, args.render)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"--render {args.render}: not a bench transfer report ({e})") from None
+    if not args.into:
+        print(section, end="")
+        return 0
+    try:
+        with open(args.into) as f:
+            doc = f.read()
+        new = transfer_report.replace_section(doc, section)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--into {args.into}: {e}") from None
+    with open(args.into, "w") as f:
+        f.write(new)
     return 0
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 
+import numpy as np
+
 from ..errors import StageCacheError
 
 
@@ -50,6 +52,8 @@ class PageAllocator:
         self.num_pages = num_pages
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() gives 0, 1, 2, ...
         self._used = bytearray(num_pages)
+        #: The same bytes as a numpy array (shared memory, never resized): vectorised checks.
+        self._used_np = np.frombuffer(self._used, dtype=np.uint8)
         self._lock = threading.Lock()
 
     @property
@@ -104,6 +108,19 @@ class PageAllocator:
                 )
             if not self._used[i]:
                 raise AllocatorError(f"{self.name}: {what} {i} is not allocated")
+
+    def all_allocated(self, ids: np.ndarray) -> bool:
+        """Whether every id of an int64 array (already in range) is allocated now (see ``unallocated``)."""
+        return bool(self._used_np[ids].all())
+
+    def unallocated(self, ids: np.ndarray) -> np.ndarray:
+        """The ids of an int64 array (already in range) that are not allocated now, vectorised.
+
+        Transfers call this at their boundary on every move, so it is one gather and
+        one comparison, with no Python loop over the ids and no lock: the pages a caller
+        passes are its own, so a concurrent alloc/free of other pages cannot change the answer.
+        """
+        return ids[self._used_np[ids] == 0]
 
     def __repr__(self) -> str:
         return f"PageAllocator({self.name!r}, used={self.num_used}/{self.num_pages})"

@@ -1,26 +1,36 @@
-"""Triton kernel that copies scattered pages of many layer buffers in one launch.
+"""One Triton kernel that moves n token pages of every selected buffer of a stage in one launch.
 
-A KV transfer moves the same page ids of every layer of a pool: with one
-``copy_`` per page and layer that is thousands of tiny copies (the per-page
-loop the benchmark uses as baseline).  Here every layer buffer is an address
-in a pointer table, and one launch covers ``layers x pages`` programs, each
-copying a chunk of one page:
+A HiCache move is "the same n page ids in every buffer of every pool kind" (SWA,
+C4, C128, states, indexer: 39 buffers on a flash pp4 stage).  Launching a copy
+per buffer or per page pays a fixed host cost per launch; the transfers HiCache
+really does are small (a few token pages), so that fixed cost dominated.  Here a
+whole stage move is one launch:
 
-    dst_table[l] + dst_idx[i] * dst_stride  <-  src_table[l] + src_idx[i] * src_stride
+* a token page of the selection is cut into ``C`` chunks of at most
+  ``CHUNK_BYTES`` (a *chunk table*, built once per buffer selection: word offsets
+  of the buffer bases, page strides and chunk lengths), so a 512 KiB state page
+  is spread over many warps while a 1 KiB C128 page is one item;
+* work item ``i`` of ``n * C`` copies chunk ``i % C`` of page slot ``i // C``;
+  one warp per item walks it in steps of 32 consecutive words, so every load and
+  store instruction of the warp covers one contiguous 256-byte span (what PCIe
+  writes to pinned host memory need: partial-sector writes ran at a tenth of the
+  link speed on the H200);
+* a persistent grid (a fixed number of one-warp programs per SM) walks the items,
+  and the page count ``n`` and the ids are read from a pinned slot, not passed as
+  arguments, so a launch for a given slot is identical for every call and is
+  captured once in a CUDA graph.
 
-The same kernel serves every direction: device pool -> pinned host pool
-directly (zero-copy through unified addressing), device pool -> a contiguous
-staging buffer (gather before one large DMA), and the reverse of both.
-
-Bytes are moved as the widest integer word that divides every address, page
-size and stride, so a copy is bit-exact whatever dtype the bytes encode.
-Importable and runnable on CPU tensors with ``TRITON_INTERPRET=1`` set before
-the first import (tests do this in a subprocess).
+The id slot holds ``[n, device ids..., host ids...]``; host pages are pinned and
+read/written in place through unified addressing (zero-copy), so there is no
+staging buffer, no id upload and no second copy.  Addresses are word offsets from
+one anchor tensor.  Bytes are moved as integer words, so copies are bit-exact
+whatever the bytes encode.  Runs on CPU tensors under ``TRITON_INTERPRET=1`` (tests).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 try:
     import triton
@@ -32,160 +42,120 @@ except ImportError:  # pragma: no cover - triton is a test/gpu dependency
     tl = None
     HAVE_TRITON = False
 
-#: Words per program along a page; 1024 x 8 B = 8 KiB per program for int64.
-BLOCK_WORDS = 1024
-
-#: Give the compiler the 16-byte alignment hint when addresses allow it (the benchmark's
-#: sweep turns it off to measure what it buys; a compiler that rejects it turns it off).
-USE_ALIGN16 = True
+#: Bytes per work item (one chunk of one page of one buffer).
+CHUNK_BYTES = 8192
+#: Warps per program (each warp-step moves 32 consecutive words).
+NUM_WARPS = 1
+#: Programs per SM of the persistent grid (enough loads/stores in flight to cover PCIe latency).
+PROGRAMS_PER_SM = 32
+#: Columns of the chunk table: device word offset, host word offset, device page stride
+#: (words), host page stride (words), words in the chunk.
+TABLE_COLUMNS = 5
 
 if HAVE_TRITON:
 
-    @triton.jit
-    def _copy_pages_kernel(
-        src_table,  # int64[L]: base address of each source layer buffer (in bytes)
-        dst_table,  # int64[L]
-        src_idx,  # int64[N]: source page ids
-        dst_idx,  # int64[N]
-        n_pages,
-        src_stride,  # words from page p to p+1 in a source buffer
-        dst_stride,
-        words_per_page,
-        WORD: tl.constexpr,  # bytes per word: 8, 4, 2 or 1
-        BLOCK: tl.constexpr,
-        ALIGN16: tl.constexpr,  # every base address, page and stride is a multiple of 16 bytes
+    @triton.jit(do_not_specialize=["ids_off"])  # a one-off id slot's offset must not recompile
+    def _stage_copy_kernel(
+        anchor,  # pointer every address is a word offset from (int8/16/32/64 by the word size)
+        anchor64,  # the same address as an int64 pointer (page ids)
+        table,  # int64[C, 5]: the chunk table
+        ids_off,  # int64 offset from anchor64 of the id slot [n, device ids, host ids]
+        chunks,  # C
+        STEP: tl.constexpr,  # words per warp-step: 32 x warps
+        D2H: tl.constexpr,
     ):
-        pid = tl.program_id(0)  # layer * n_pages + page slot
-        chunk = tl.program_id(1)
-        layer = pid // n_pages
-        slot = pid % n_pages
-        if WORD == 8:
-            ptype = tl.pointer_type(tl.int64)
-        elif WORD == 4:
-            ptype = tl.pointer_type(tl.int32)
-        elif WORD == 2:
-            ptype = tl.pointer_type(tl.int16)
-        else:
-            ptype = tl.pointer_type(tl.int8)
-        src_addr = tl.load(src_table + layer)
-        dst_addr = tl.load(dst_table + layer)
-        if ALIGN16:  # lets the compiler use 16-byte accesses (addresses come from a table)
-            src_addr = tl.multiple_of(src_addr, 16)
-            dst_addr = tl.multiple_of(dst_addr, 16)
-        src = src_addr.to(ptype)
-        dst = dst_addr.to(ptype)
-        sp = tl.load(src_idx + slot).to(tl.int64)
-        dp = tl.load(dst_idx + slot).to(tl.int64)
-        offs = chunk * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < words_per_page
-        vals = tl.load(src + sp * src_stride + offs, mask=mask)
-        tl.store(dst + dp * dst_stride + offs, vals, mask=mask)
+        ids = anchor64 + ids_off
+        n = tl.load(ids)
+        total = n * chunks
+        lanes = tl.arange(0, STEP)
+        step = tl.num_programs(0)
+        item = tl.program_id(0).to(tl.int64)
+        # while loops, not range(): loop bounds loaded from memory are 1-element arrays in
+        # some Triton interpreters, which range() refuses
+        while item < total:
+            slot = item // chunks
+            row = table + (item - slot * chunks) * 5
+            dev = tl.load(row) + tl.load(ids + 1 + slot) * tl.load(row + 2)
+            host = tl.load(row + 1) + tl.load(ids + 1 + n + slot) * tl.load(row + 3)
+            if D2H:
+                src = dev
+                dst = host
+            else:
+                src = host
+                dst = dev
+            size = tl.load(row + 4)
+            w = 0
+            while w < size:
+                mask = w + lanes < size
+                vals = tl.load(anchor + src + w + lanes, mask=mask, cache_modifier=".cg")
+                tl.store(anchor + dst + w + lanes, vals, mask=mask, cache_modifier=".cs")
+                w += STEP
+            item += step
 
 
-    @triton.jit
-    def _copy_flat_kernel(
-        src_table, dst_table, src_idx, dst_idx, n_pages, src_stride, dst_stride, words_per_page,
-        total_words,
-        WORD: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        """Small pages: one flat index space over (layer, page, word), so no lane idles.
+@dataclass(frozen=True)
+class BufferSpan:
+    """Where one buffer's pages live: base addresses (bytes) and page strides (bytes)."""
 
-        With 1 KiB pages a program-per-page grid leaves most of every block
-        masked off and pays a program per page; here each program copies
-        ``BLOCK`` consecutive words that may span several pages and layers.
-        """
-        w = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = w < total_words
-        seg = w // words_per_page
-        off = w - seg * words_per_page
-        layer = seg // n_pages
-        slot = seg - layer * n_pages
-        if WORD == 8:
-            ptype = tl.pointer_type(tl.int64)
-        elif WORD == 4:
-            ptype = tl.pointer_type(tl.int32)
-        elif WORD == 2:
-            ptype = tl.pointer_type(tl.int16)
-        else:
-            ptype = tl.pointer_type(tl.int8)
-        src = tl.load(src_table + layer, mask=mask, other=0).to(ptype)
-        dst = tl.load(dst_table + layer, mask=mask, other=0).to(ptype)
-        sp = tl.load(src_idx + slot, mask=mask, other=0).to(tl.int64)
-        dp = tl.load(dst_idx + slot, mask=mask, other=0).to(tl.int64)
-        vals = tl.load(src + sp * src_stride + off, mask=mask)
-        tl.store(dst + dp * dst_stride + off, vals, mask=mask)
+    page_bytes: int
+    dev_addr: int
+    host_addr: int
+    dev_stride: int
+    host_stride: int
 
 
-#: Pages of fewer words than this use the flat kernel (C128 KV, indexer, C128 state at 256 tokens).
-FLAT_BELOW_WORDS = 2048
+@dataclass(frozen=True)
+class ChunkTable:
+    """The launch geometry of one buffer selection: table rows, word size, alignment."""
+
+    rows: tuple[tuple[int, int, int, int, int], ...]
+    word: int  # bytes per word: 8, 4, 2 or 1
+
+    @property
+    def chunks(self) -> int:
+        return len(self.rows)
 
 
-def word_bytes(page_bytes: int, strides: Sequence[int], addresses: Sequence[int]) -> int:
-    """Widest alignment (16/8/4/2/1 bytes) dividing the page size, both strides and every address.
-
-    16 means 8-byte words whose pairs may be moved as one 16-byte access.
-    """
-    for w in (16, 8, 4, 2):
-        if page_bytes % w == 0 and all(s % w == 0 for s in strides) and all(a % w == 0 for a in addresses):
+def word_bytes(values: Sequence[int]) -> int:
+    """Widest word (8/4/2/1 bytes) dividing every address, stride and size."""
+    for w in (8, 4, 2):
+        if all(v % w == 0 for v in values):
             return w
     return 1
 
 
-def copy_pages(
-    src_table,
-    dst_table,
-    src_idx,
-    dst_idx,
-    page_bytes: int,
-    src_stride_bytes: int,
-    dst_stride_bytes: int,
-    word: int,
-    block_words: int | None = None,
-    num_warps: int | None = None,
-) -> None:
-    """Launch one copy of ``len(src_idx)`` pages for every entry of the tables.
+def chunk_table(spans: Sequence[BufferSpan], anchor_addr: int, chunk_bytes: int = CHUNK_BYTES) -> ChunkTable:
+    """Cut one token page of every span into chunks; offsets relative to ``anchor_addr``.
 
-    ``src_table``/``dst_table`` are int64 tensors of byte addresses (one per
-    layer), ``src_idx``/``dst_idx`` int64 page ids, all on the launch device.
-    The caller checks ids and alignment (``word_bytes``); this function only
-    launches, so it is cheap enough to call once per pool kind per transfer.
+    Pure arithmetic on addresses, so it is built once per buffer selection and the
+    result (uploaded as an int64 tensor) serves every later call.
+    """
+    if chunk_bytes < 8 or chunk_bytes % 8:
+        raise ValueError(f"chunk_bytes must be a positive multiple of 8, got {chunk_bytes}")
+    values = [anchor_addr]
+    for s in spans:
+        values += [s.page_bytes, s.dev_addr, s.host_addr, s.dev_stride, s.host_stride]
+    word = word_bytes(values)
+    rows = []
+    for s in spans:
+        for off in range(0, s.page_bytes, chunk_bytes):
+            size = min(chunk_bytes, s.page_bytes - off)
+            rows.append(((s.dev_addr + off - anchor_addr) // word, (s.host_addr + off - anchor_addr) // word,
+                         s.dev_stride // word, s.host_stride // word, size // word))
+    return ChunkTable(tuple(rows), word)
+
+
+def launch_stage_copy(anchor, anchor64, table, ids_off: int, geometry: ChunkTable, d2h: bool, programs: int,
+                      num_warps: int = NUM_WARPS) -> None:
+    """Queue the one launch of a stage move on the current stream (no host sync, no allocation).
+
+    ``anchor`` is a tensor whose dtype has ``geometry.word`` bytes and whose address the
+    table offsets are relative to, ``anchor64`` the same tensor as int64; the id slot lies
+    ``ids_off`` int64 words from it (pinned host memory on CUDA).  With n = 0 in the slot
+    the programs exit at once (used to compile before graph capture).
     """
     if not HAVE_TRITON:
-        raise RuntimeError("triton is not installed; the Triton transfer path is unavailable")
-    n_layers = int(src_table.numel())
-    n_pages = int(src_idx.numel())
-    if n_layers == 0 or n_pages == 0:
-        return
-    if n_layers != int(dst_table.numel()) or n_pages != int(dst_idx.numel()):
-        raise ValueError("copy_pages: source and destination tables/ids differ in length")
-    align16 = word == 16 and USE_ALIGN16  # 8-byte words, 16-byte accesses allowed
-    word = min(word, 8)
-    words = page_bytes // word
-    if words < FLAT_BELOW_WORDS:
-        block = block_words or BLOCK_WORDS
-        total = n_layers * n_pages * words
-        _copy_flat_kernel[(triton.cdiv(total, block),)](
-            src_table, dst_table, src_idx, dst_idx, n_pages,
-            src_stride_bytes // word, dst_stride_bytes // word, words, total,
-            WORD=word, BLOCK=block, num_warps=num_warps or max(1, min(8, block // 256)),
-        )
-        return
-    block = min(block_words or BLOCK_WORDS, triton.next_power_of_2(words))
-    grid = (n_layers * n_pages, triton.cdiv(words, block))
-    args = (src_table, dst_table, src_idx, dst_idx, n_pages, src_stride_bytes // word,
-            dst_stride_bytes // word, words)
-    warps = num_warps or max(1, min(8, block // 256))
-    try:
-        _copy_pages_kernel[grid](*args, WORD=word, BLOCK=block, ALIGN16=align16, num_warps=warps)
-    except Exception:
-        if not align16:
-            raise
-        _disable_align16()
-        _copy_pages_kernel[grid](*args, WORD=word, BLOCK=block, ALIGN16=False, num_warps=warps)
-
-
-def _disable_align16() -> None:
-    """The hint failed to compile on this Triton: fall back to plain 8-byte words for good."""
-    global USE_ALIGN16
-    USE_ALIGN16 = False
+        raise RuntimeError("triton is not installed; the Triton transfer engine is unavailable")
+    _stage_copy_kernel[(max(1, programs),)](
+        anchor, anchor64, table, ids_off, geometry.chunks, STEP=32 * num_warps, D2H=d2h, num_warps=num_warps,
+    )

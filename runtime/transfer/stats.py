@@ -1,11 +1,13 @@
-"""Thread-safe counters of device<->host page transfers, read by the exporters.
+"""Thread-safe counters of device<->host page transfers, read by the exporters; the one GB/s function.
 
 The controller records one ``TransferRecord`` per finished transfer; exporters
 (Prometheus, OTLP, the dashboard) call ``snapshot()`` and never touch the lock
 themselves.  Durations go into fixed buckets (cumulative, Prometheus-style) so a
-histogram can be exported without keeping every sample; a short ring of recent
-records serves the dashboard's timeline.  Recording is a lock, a few adds and
-a bisect: the benchmark measures it against the transfer itself (target < 1%).
+histogram can be exported without keeping every sample.  Recording is a lock, a
+few adds and a bisect, cheap next to any transfer.
+
+``gbps`` is the only place bytes and seconds become a bandwidth: the controller,
+the benchmarks and the exporters all import it, so every figure means the same.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from __future__ import annotations
 import bisect
 import threading
 import time
-from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -25,6 +26,11 @@ DURATION_BUCKETS: tuple[float, ...] = (
 )
 
 
+def gbps(nbytes: float, seconds: float | None) -> float:
+    """Bandwidth in GB/s (10^9 bytes per second); 0.0 when no time was measured."""
+    return nbytes / seconds / 1e9 if seconds else 0.0
+
+
 @dataclass(frozen=True)
 class TransferRecord:
     """One finished transfer."""
@@ -34,12 +40,12 @@ class TransferRecord:
     seconds: float
     pages: int
     layers: int
-    path: str  # "cpu-index", "triton-direct", "triton-staged", "torch-staged"
+    path: str  # "cpu", "triton", "torch" (see controller)
     ended_at: float  # time.time() when recorded
 
     @property
     def gbps(self) -> float:
-        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+        return gbps(self.nbytes, self.seconds)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -59,14 +65,11 @@ class _Direction:
 
 
 class TransferStats:
-    """Counters by direction (``d2h`` = backup, ``h2d`` = load) plus recent records."""
+    """Counters by direction (``d2h`` = backup, ``h2d`` = load)."""
 
-    def __init__(self, recent: int = 256):
-        if recent < 0:
-            raise ValueError(f"recent must be >= 0, got {recent}")
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._dirs = {d: _Direction() for d in DIRECTIONS}
-        self._recent: deque[TransferRecord] = deque(maxlen=recent)
         self.started_at = time.time()
 
     def record(self, direction: str, nbytes: int, seconds: float, pages: int,
@@ -83,12 +86,7 @@ class TransferStats:
             d.count += 1
             d.pages += rec.pages
             d.buckets[slot] += 1
-            self._recent.append(rec)
         return rec
-
-    def recent(self) -> list[TransferRecord]:
-        with self._lock:
-            return list(self._recent)
 
     def snapshot(self) -> dict[str, Any]:
         """Plain-dict view: per direction totals, mean GB/s, cumulative duration buckets."""
@@ -104,13 +102,7 @@ class TransferStats:
                     "seconds": d.seconds,
                     "count": d.count,
                     "pages": d.pages,
-                    "gbps": d.bytes / d.seconds / 1e9 if d.seconds > 0 else 0.0,
+                    "gbps": gbps(d.bytes, d.seconds),
                     "bucket_counts": cumulative,  # cumulative, last entry = +Inf = count
                 }
-            out["recent"] = [r.to_dict() for r in self._recent]
             return out
-
-    def reset(self) -> None:
-        with self._lock:
-            self._dirs = {d: _Direction() for d in DIRECTIONS}
-            self._recent.clear()
