@@ -208,34 +208,35 @@ class HiCache:
         self.stats.load_pages += len(slots)
 
     def _alloc_device(self, n: int) -> list[int]:
+        """``n`` device pages: free ones first, then the pages of evicted nodes (handed over as is)."""
         alloc = self.dev_alloc
-        if alloc.num_free >= n:
+        free = alloc.num_free
+        if free >= n:
             return alloc.alloc(n)
-        to_free: list[int] = []
-        victim = 0
+        taken: list[int] = []
         try:
-            while alloc.num_free + len(to_free) < n:
+            while free + len(taken) < n:
                 victim = self.tree.pop(DEVICE)
                 if victim < 0:
                     break
-                to_free.append(self._evict_device(victim))
+                taken.append(self._evict_device(victim))
         finally:
-            self._flush(to_free)
-        if victim < 0:
+            self._flush()
+        if free + len(taken) < n:
+            if taken:
+                alloc.free(taken)
             raise CacheOutOfPagesError(self.stage, n, alloc.num_free, alloc.num_pages,
                                        self.tree.device_pages, self.tree.locked_pages(),
                                        self.in_flight_pages())
-        return alloc.alloc(n)
+        return sorted(alloc.alloc(free) + taken) if free else sorted(taken)
 
-    def _flush(self, device_pages: list[int]) -> None:
-        """Make this round's write-back copies (one transfer), then free the evicted pages."""
+    def _flush(self) -> None:
+        """Make this round's write-back copies, one transfer, before their device pages are reused."""
         if self._pending:
             hosts = list(self._pending)
             self._copy("d2h", [self._pending[h] for h in hosts], hosts)
             self.stats.backup_pages += len(hosts)
             self._pending = {}
-        if device_pages:
-            self.dev_alloc.free(device_pages)
 
     def _evict_device(self, slot: int) -> int:
         """Take ``slot`` off the device (backing it up or dropping it); returns its device page."""
@@ -256,24 +257,23 @@ class HiCache:
         return page
 
     def _host_page(self) -> int:
-        """One free host page, evicting host candidates for it; -1 when none can be made."""
+        """One host page for the caller: a free one, else an evicted node's; -1 when none can be made."""
         alloc = self.host_alloc
-        while alloc.num_free == 0:
-            victim = self.tree.pop(HOST)
-            if victim < 0:
-                return -1
-            self._evict_host(victim)
-        return alloc.alloc(1)[0]
+        if alloc.num_free:
+            return alloc.alloc(1)[0]
+        victim = self.tree.pop(HOST)
+        return self._evict_host(victim) if victim >= 0 else -1
 
-    def _evict_host(self, slot: int) -> None:
+    def _evict_host(self, slot: int) -> int:
+        """Drop ``slot``'s host copy; its page stays allocated and goes to the caller."""
         tree = self.tree
         page = tree.host[slot]
         self._pending.pop(page, None)  # its write-back copy is no longer wanted
-        self.host_alloc.free([page])
         self.stats.host_evicted_pages += 1
         tree.set_host(slot, -1)
         if tree.dev[slot] < 0:
             tree.remove(slot)
+        return page
 
     def _backup(self, slots: list[int]) -> int:
         """Copy device nodes to host (shallow first, one transfer); returns how many made it."""

@@ -112,15 +112,26 @@ class RadixTree:
 
     def _new(self, key: int, parent: int, stamp: int, page: int) -> int:
         """A new node on device ``page`` (not offered: the caller offers when it is done)."""
-        values = (key, parent, page, -1, 0, stamp, 0, 0, 0, 0)
-        if self._free:
+        if self._free:  # under pressure: reuse a removed node's slot
             slot = self._free.pop()
-            for (name, _), v in zip(_FIELDS, values, strict=True):
-                getattr(self, name)[slot] = v
-        else:
+            self.key[slot] = key
+            self.parent[slot] = parent
+            self.dev[slot] = page
+            self.host[slot] = -1
+            self.stamp[slot] = stamp
+            self.hits[slot] = 0  # lock and the child counts are 0 already (checked at removal)
+        else:  # a growing cache: plain appends
             slot = len(self.key)
-            for (name, _), v in zip(_FIELDS, values, strict=True):
-                getattr(self, name).append(v)
+            self.key.append(key)
+            self.parent.append(parent)
+            self.dev.append(page)
+            self.host.append(-1)
+            self.lock.append(0)
+            self.stamp.append(stamp)
+            self.hits.append(0)
+            self.nchild.append(0)
+            self.ndev.append(0)
+            self.nhost.append(0)
         self._slot[key] = slot
         if parent >= 0:
             self.nchild[parent] += 1
@@ -220,7 +231,6 @@ class RadixTree:
             stamp[slot] = t
         created: list[int] = []
         duplicates: list[int] = []
-        chain: list[int] = []
         prev = after
         for k, page in zip(keys, pages, strict=True):
             slot = get(k)
@@ -235,10 +245,9 @@ class RadixTree:
             else:
                 self.set_device(slot, page)
             stamp[slot] = t
-            chain.append(slot)
             prev = slot
-        for slot in chain:
-            self.offer(slot)
+        if prev >= 0:
+            self.offer(prev)  # the chain's tip; nodes above it have a device child now
         return created, duplicates
 
     # -- locks ----------------------------------------------------------------------------------
@@ -271,15 +280,18 @@ class RadixTree:
         """Push ``slot`` to each tier's heap it is a candidate of, at its current priority."""
         if self.lock[slot] or self.parent[slot] == -2:
             return
-        prio = -1
-        for tier in (DEVICE, HOST):
-            if self.candidate(slot, tier):
-                if prio < 0:
-                    prio = self.policy.priority(slot)
-                heap = self._heaps[tier]
-                heapq.heappush(heap, (prio << 32) | slot)
-                if len(heap) > self._rebuild_at[tier]:
-                    self._rebuild()  # mostly stale entries: start again from the candidates
+        dev = self.dev[slot] >= 0
+        tiers = [DEVICE] if dev and not self.ndev[slot] else []
+        if self.host[slot] >= 0 and not self.nhost[slot] and (dev or not self.nchild[slot]):
+            tiers.append(HOST)
+        if not tiers:
+            return
+        entry = (self.policy.priority(slot) << 32) | slot
+        for tier in tiers:
+            heap = self._heaps[tier]
+            heapq.heappush(heap, entry)
+            if len(heap) > self._rebuild_at[tier]:
+                self._rebuild()  # mostly stale entries: start again from the candidates
 
     def pop(self, tier: int) -> int:
         """The tier's lowest-priority candidate (told to the policy as evicted), or -1."""
