@@ -10,6 +10,7 @@ moved are pages moved x each stage's bytes per page, summed over the stages;
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from typing import Any
 
@@ -98,39 +99,48 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:.2f}"
 
 
+def _s(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.1f} s"
+
+
+def _m(n: int) -> str:
+    return f"{n / 1e6:.2f}M"
+
+
 def print_table(res: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
     s, c, b, tr = res["summary"], res["ceiling"], res["belady"], res["transfer"]
     mode = "metadata only" if res["metadata_only"] else "payload"
-    t = Table(title=(f"HiCache replay ({mode}): {res['trace']['requests']} requests "
-                     f"({res['trace_format']}), {res['model']} pp={res['pp_size']}, page "
-                     f"{res['page_size']}, {res['device_pages']} device + {res['host_pages']} host "
-                     f"pages/stage, {res['write_policy']}, {res['eviction_policy']}"))
+    t = Table(title=(f"HiCache replay ({mode}): {res['trace']['requests']} {res['trace_format']} "
+                     f"requests, {res['model']} pp={res['pp_size']}, page {res['page_size']}, "
+                     f"{res['device_pages']} device + {res['host_pages']} host pages/stage, "
+                     f"{res['write_policy']}, {res['eviction_policy']}; tokens of one stage"))
     for col in ("", "device hit", "host hit", "miss", "hit %", "of ceiling", "d2h GB", "h2d GB",
                 "bad pages"):
         t.add_column(col, justify="right" if col else "left")
     for name in ("device_only", "hicache"):
         r = s[name]
-        t.add_row(name.replace("_", " "), f"{r['device_hit_tokens']:,}", f"{r['host_hit_tokens']:,}",
-                  f"{r['miss_tokens']:,}", f"{r['hit_ratio']:.1%}", f"{r['share_of_ceiling']:.1%}",
+        t.add_row(name.replace("_", " "), _m(r["device_hit_tokens"]), _m(r["host_hit_tokens"]),
+                  _m(r["miss_tokens"]), f"{r['hit_ratio']:.1%}", f"{r['share_of_ceiling']:.1%}",
                   _gb(r["transfer_bytes"]["d2h"]), _gb(r["transfer_bytes"]["h2d"]),
                   str(r["mismatches"]) if res["verify"] else "-")
     looked = c["looked_up_tokens"]
-    t.add_row(f"belady ({b['capacity_pages']} pages)", "-", f"{b['hit_tokens']:,}",
-              f"{looked - b['hit_tokens']:,}", f"{b['hit_ratio']:.1%}",
+    t.add_row("belady", "-", _m(b["hit_tokens"]), _m(looked - b["hit_tokens"]),
+              f"{b['hit_ratio']:.1%}",
               f"{b['hit_tokens'] / c['hit_tokens']:.1%}" if c["hit_tokens"] else "-", "-", "-", "-")
-    t.add_row("ceiling (infinite)", "-", f"{c['hit_tokens']:,}", f"{looked - c['hit_tokens']:,}",
+    t.add_row("ceiling", "-", _m(c["hit_tokens"]), _m(looked - c["hit_tokens"]),
               f"{c['hit_ratio']:.1%}", "100%", "-", "-", "-")
-    con = Console()
+    con = Console(width=None if sys.stdout.isatty() else 120)  # piped: do not wrap at 80
     con.print(t)
     bw, implied = tr["bandwidth_gbps"], tr["implied_seconds"]
     hi = s["hicache"]
     con.print(
-        f"transfers: {tr['pages_per_stage']['d2h']:,} pages d2h, {tr['pages_per_stage']['h2d']:,} "
-        f"pages h2d per stage; at the measured {bw['d2h']:.2f} / {bw['h2d']:.2f} GB/s "
-        f"(d2h / h2d) that is {implied['d2h']} s / {implied['h2d']} s over all stages")
+        f"belady = offline bound at the host tier's {b['capacity_pages']} pages; ceiling = infinite "
+        f"cache.  Transfers: {tr['pages_per_stage']['d2h']:,} pages d2h, "
+        f"{tr['pages_per_stage']['h2d']:,} pages h2d per stage; at the measured {bw['d2h']:.2f} / "
+        f"{bw['h2d']:.2f} GB/s (d2h / h2d) that is {_s(implied['d2h'])} / {_s(implied['h2d'])}, all stages")
     con.print(
         f"hit tokens x{s['ratio_hit_tokens_hicache_vs_device_only']} vs device only; host tier = "
         f"{hi['host_share_of_ceiling']:.1%} of what the ceiling reuses; stages agree: "
