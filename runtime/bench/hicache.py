@@ -244,19 +244,21 @@ def _metadata_run(views: Sequence[Any], page_size: int, host_pages: int,
 
 
 def _run_modes(la: Any, stages: list[Any], reqs: list[Any], views: list[Any], host_pages: int,
-               args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
+               args: argparse.Namespace) -> tuple[dict[str, list[dict[str, Any]]], dict[str, int]]:
+    """Per mode, one row per stage; and the cached pages (tree nodes) each mode ended with."""
     modes: dict[str, list[dict[str, Any]]] = {"hicache": [], "device_only": []}
+    nodes: dict[str, int] = {}
     if not args.metadata_only:
         for sm in stages:
             modes["hicache"].append(_payload_run(la, sm, reqs, args, host=True))
             modes["device_only"].append(_payload_run(la, sm, reqs, args, host=False))
-        return modes
+        return modes, nodes
     for mode, pages in (("hicache", host_pages), ("device_only", 0)):
         cache, result = _metadata_run(views, la.page_size, pages, args)
         for sm in stages:
             modes[mode].append(_stats_row(cache, result, token_page_bytes(la, sm), args.device_pages))
-        modes[mode + "_tree_nodes"] = cache.tree.num_nodes  # type: ignore[assignment]
-    return modes
+        nodes[mode] = cache.tree.num_nodes
+    return modes, nodes
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -296,7 +298,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     t_bw = time.perf_counter()
     bandwidth = measure_bandwidth(la, stages[0], args.device)  # first: its tensors are freed
     bandwidth_s = time.perf_counter() - t_bw
-    modes = _run_modes(la, stages, reqs, views, host_pages, args)
+    modes, nodes = _run_modes(la, stages, reqs, views, host_pages, args)
     t_bounds = time.perf_counter()
     ceiling = CeilingTracker()
     for v in views:
@@ -304,7 +306,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     belady = belady_hit_tokens(views, host_pages)
     bounds_s = time.perf_counter() - t_bounds
     return build_report(args, la, stages, modes, trace_info, ceiling, belady, host_pages, bandwidth,
-                        {"bounds_seconds": round(bounds_s, 3),
+                        {"tree_nodes": nodes, "bounds_seconds": round(bounds_s, 3),
                          "bandwidth_probe_seconds": round(bandwidth_s, 3),
                          "seconds": round(time.perf_counter() - t0, 2),
                          "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

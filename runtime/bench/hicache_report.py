@@ -53,7 +53,6 @@ def _summary(rows: list[dict[str, Any]], ceiling_hits: int, metadata: bool) -> d
 def build_report(args: argparse.Namespace, la: Any, stages: list[Any], modes: dict[str, Any],
                  trace: dict[str, Any], ceiling: Any, belady_hits: int, host_pages: int,
                  bandwidth: dict[str, float], timing: dict[str, Any]) -> dict[str, Any]:
-    nodes = {m: modes.pop(m + "_tree_nodes", None) for m in ("hicache", "device_only")}
     hi = _summary(modes["hicache"], ceiling.hit_tokens, args.metadata_only)
     dev = _summary(modes["device_only"], ceiling.hit_tokens, args.metadata_only)
     looked = ceiling.input_tokens
@@ -89,7 +88,6 @@ def build_report(args: argparse.Namespace, la: Any, stages: list[Any], modes: di
                 round(hi["hit_tokens"] / dev["hit_tokens"], 3) if dev["hit_tokens"] else None,
         },
         "per_stage": modes,
-        "tree_nodes": nodes,
         **timing,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
