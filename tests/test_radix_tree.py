@@ -255,3 +255,29 @@ def test_random_streams_keep_invariants_and_bytes(ops, policy, device_pages, hos
         assert s.device_hit_tokens + s.host_hit_tokens + s.miss_tokens == s.looked_up_tokens
     finally:
         torch.set_num_threads(old)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(st.tuples(st.booleans(), st.integers(0, 60)), max_size=400),
+       big=st.booleans())
+def test_key_table_behaves_like_a_dict(ops, big):
+    """Inserts and deletes (backward shift, growth) against a dict; keys collide on purpose."""
+    from stagecache.runtime.cache.keytable import KeyTable
+
+    table, want = KeyTable(bits=3), {}
+    for add, k in ops:
+        key = (k << 58) | k if big else k  # big: keys that differ only in high bits
+        if add and key not in want:
+            table.put(key, len(want) + k)
+            want[key] = len(want) + k
+        elif not add and key in want:
+            table.pop(key)
+            del want[key]
+        assert len(table) == len(want)
+    for k in range(61):
+        key = (k << 58) | k if big else k
+        assert table.get(key) == want.get(key, -1)
+    keys, slots = table.items()
+    assert dict(zip(keys.tolist(), slots.tolist(), strict=True)) == want
+    with pytest.raises(KeyError):
+        table.pop(10**6)

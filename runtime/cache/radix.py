@@ -1,13 +1,14 @@
 """A page-granular radix tree over 64-bit page keys, stored as parallel arrays.
 
 A page key names a page *and its whole prefix* (``pages.py``), so the tree
-needs no per-node child maps: one ``dict`` maps a key to its node's slot, and
-every per-node field is one entry of a typed ``array`` indexed by that slot
-(parent slot, device page, host page, lock count, last use, hit count, and the
-children counts the eviction rules need).  That is ~48 bytes of arrays plus
-one int-keyed dict entry per cached page -- a Python object per node would
-cost several hundred -- which is what lets a replay hold hundreds of thousands
-of pages (``docs/hicache.md`` has the measured figure).
+needs no per-node child maps: one key table (``keytable.py``, two typed arrays)
+maps a key to its node's slot, and every per-node field is one entry of a typed
+``array`` indexed by that slot (parent slot, device page, host page, lock count,
+last use, hit count, and the children counts the eviction rules need).  That is
+48 bytes of arrays plus 17-34 bytes of key table per cached page, no Python
+object per node (one would cost several hundred bytes), which is what lets a
+replay hold hundreds of thousands of pages (``docs/hicache.md`` has the
+measured figure).
 
 Invariants (``check()`` asserts all of them; the hypothesis tests run it after
 every step):
@@ -39,6 +40,7 @@ import numpy as np
 
 from ..errors import StageCacheError
 from .eviction import LRU, EvictionPolicy
+from .keytable import KeyTable
 
 DEVICE, HOST = 0, 1
 _SLOT_MASK = (1 << 32) - 1
@@ -92,7 +94,7 @@ class RadixTree:
     """The tree, its locks and its eviction candidates; tier *policy* lives in ``hicache``."""
 
     def __init__(self, policy: EvictionPolicy | None = None):
-        self._slot: dict[int, int] = {}
+        self._slot = KeyTable()
         for name, code in _FIELDS:
             setattr(self, name, array(code))
         self._free = array("i")
@@ -132,7 +134,7 @@ class RadixTree:
             self.nchild.append(0)
             self.ndev.append(0)
             self.nhost.append(0)
-        self._slot[key] = slot
+        self._slot.put(key, slot)
         if parent >= 0:
             self.nchild[parent] += 1
             self.ndev[parent] += 1
@@ -142,13 +144,13 @@ class RadixTree:
         return slot
 
     def slot_of(self, key: int) -> int:
-        return self._slot.get(key, -1)
+        return self._slot.get(key)
 
     def remove(self, slot: int) -> None:
         """Unlink a childless, unlocked node that is no longer resident on either tier."""
         if self.nchild[slot] or self.lock[slot] or self.dev[slot] >= 0 or self.host[slot] >= 0:
             raise RadixError(f"cannot remove {self.info(slot)}: it has children, is locked or resident")
-        del self._slot[self.key[slot]]
+        self._slot.pop(self.key[slot])
         parent = self.parent[slot]
         self.parent[slot] = -2  # dead (never a candidate: dev and host are -1)
         self._free.append(slot)
@@ -195,7 +197,7 @@ class RadixTree:
         prev = -1
         for k in keys[:limit]:
             slot = get(k)
-            if slot is None:
+            if slot < 0:
                 break
             if parent[slot] != prev:
                 raise RadixError(f"page key {k} is cached after another prefix: keys are not chained")
@@ -234,7 +236,7 @@ class RadixTree:
         prev = after
         for k, page in zip(keys, pages, strict=True):
             slot = get(k)
-            if slot is None:
+            if slot < 0:
                 slot = self._new(k, prev, t, page)
                 created.append(slot)
             elif parent[slot] != prev:
@@ -332,7 +334,7 @@ class RadixTree:
 
     def slots(self) -> Iterator[int]:
         """Live node slots (no particular order)."""
-        return iter(list(self._slot.values()))
+        return iter(self._slot.items()[1].tolist())
 
     def page_ids(self) -> tuple[list[int], list[int]]:
         """Device and host page ids the tree holds."""
@@ -348,11 +350,13 @@ class RadixTree:
         """Assert the invariants of the module docstring (tests, ``--check-every``)."""
         v = self._views()
         live = np.zeros(len(v["key"]), dtype=bool)
-        slots = np.fromiter(self._slot.values(), dtype=np.int64, count=len(self._slot))
+        keys, slots = self._slot.items()
         live[slots] = True
-        assert len(slots) == self.num_nodes == int((v["parent"] != -2).sum()), "node count"
-        assert all(self._slot[k] == s for k, s in zip(v["key"][slots].tolist(), slots.tolist(),
-                                                      strict=True)), "key dict out of step"
+        assert len(slots) == len(self._slot) == self.num_nodes == int((v["parent"] != -2).sum()), \
+            "node count"
+        assert np.array_equal(v["key"][slots], keys), "key table out of step with the nodes"
+        assert all(self._slot.get(k) == s for k, s in zip(keys.tolist(), slots.tolist(),
+                                                          strict=True)), "a key is not reachable"
         dev, host, parent = v["dev"], v["host"], v["parent"]
         assert not (live & (dev < 0) & (host < 0)).any(), "a node is resident nowhere"
         assert not (~live & ((dev >= 0) | (host >= 0))).any(), "a dead slot holds pages"
