@@ -23,12 +23,6 @@ CLI = [sys.executable, "-m", "stagecache.runtime"]
 #: Appended before a serve case's own flags (argparse keeps the last value), so a bad value that
 #: slipped through would run briefly and exit 0 instead of holding the dashboard.
 SERVE_TAIL = ["--no-dashboard", "--exit-after-run", "--rate", "0", "--requests", "8"]
-TRACE_LIMITS = pytest.mark.xfail(
-    reason="needs the trace loader's size/line/depth limits (issue 18, runtime/cache/traces.py)",
-    strict=False)
-TRACE_LIMITS_UNSAFE = pytest.mark.xfail(
-    reason="needs the trace loader's limits (issue 18, runtime/cache/traces.py); not run before "
-    "that lands: today it would allocate gigabytes", run=False)
 
 FLOAT_BAD = "expected a finite number"
 
@@ -88,12 +82,12 @@ CASES = [
     # -- traces ------------------------------------------------------------------------------------------
     ("trace-missing", S("--trace", "{dir}/none.jsonl"), "--trace '{dir}/none.jsonl': no such file"),
     ("trace-dir", S("--trace", "{dir}"), "--trace '{dir}' is a directory"),
-    ("trace-not-utf8", S("--trace", "{latin1}"), "trace '{latin1}' is not UTF-8 text"),
-    ("trace-bad-line", S("--trace", "{badline}"), "line 2"),
-    pytest.param("trace-line-too-long", S("--trace", "{longline}"), "line 1", marks=TRACE_LIMITS),
-    pytest.param("trace-deep-line", S("--trace", "{deepline}"), "line 1", marks=TRACE_LIMITS),
-    pytest.param("trace-input-len-1e9", S("--trace", "{biglen}"), "input_len", marks=TRACE_LIMITS_UNSAFE),
-    pytest.param("trace-file-huge", S("--trace", "{hugetrace}"), "larger than", marks=TRACE_LIMITS_UNSAFE),
+    ("trace-not-utf8", S("--trace", "{latin1}"), "{latin1}:1: not UTF-8 text"),
+    ("trace-bad-line", S("--trace", "{badline}"), "{badline}:2: invalid JSON"),
+    ("trace-line-too-long", S("--trace", "{longline}"), "longest 7813 pages) needs up to 7813 device pages"),
+    ("trace-deep-line", S("--trace", "{deepline}"), "{deepline}:1: JSON nested too deeply"),
+    ("trace-input-len-1e9", S("--trace", "{biglen}"), "field 'input_len' = 1000000000: accepted: an integer in"),
+    ("trace-file-huge", S("--trace", "{hugetrace}"), "{hugetrace}:1: line longer than 33554432 bytes"),
     # -- pools ------------------------------------------------------------------------------------------
     ("pools-budget-inf", ["pools", "--model", "tiny-v4", "--mem-budget-gb", "inf"], "argument --mem-budget-gb: " + FLOAT_BAD),
     ("pools-budget-nan", ["pools", "--model", "tiny-v4", "--mem-budget-gb", "nan"], "argument --mem-budget-gb: " + FLOAT_BAD),

@@ -10,9 +10,11 @@ import json
 
 import pytest
 import torch
-from stagecache.runtime.bench.hicache import CeilingCache, replay
+from stagecache.runtime.bench.hicache import replay
+from stagecache.runtime.cache.bounds import CeilingTracker
 from stagecache.runtime.cache.hicache import HiCache
 from stagecache.runtime.cache.kv_writer import KvWriter
+from stagecache.runtime.cache.pages import page_view
 from stagecache.runtime.cache.traces import WorkloadConfig, generate, write_trace
 from stagecache.runtime.cli.main import main
 from stagecache.runtime.memory.host_pools import HostPools
@@ -53,11 +55,12 @@ def test_replay_under_pressure_reloads_exact_bytes(policy, layout):
     # the run really was under pressure and really reloaded from host
     assert s.device_evicted_pages > 200 and s.host_evicted_pages > 0 and s.load_pages > 100
     assert s.host_hit_tokens > 0 and res.pages_verified > s.load_pages
-    assert all(n.lock_ref == 0 for n in cache.tree.nodes() if n is not cache.tree.root)
-    ceiling = CeilingCache(PAGE)
-    replay(reqs, ceiling)
-    assert s.host_hit_tokens + s.device_hit_tokens <= ceiling.stats.host_hit_tokens
-    assert s.looked_up_tokens == ceiling.stats.looked_up_tokens == sum(r.input_len for r in reqs)
+    assert all(cache.tree.lock[s] == 0 for s in cache.tree.slots())
+    ceiling = CeilingTracker()
+    for r in reqs:
+        ceiling.observe(page_view(r, PAGE))
+    assert s.host_hit_tokens + s.device_hit_tokens <= ceiling.hit_tokens
+    assert s.looked_up_tokens == ceiling.input_tokens == sum(r.input_len for r in reqs)
 
 
 def test_bench_command_json(capsys, tmp_path):
@@ -88,12 +91,12 @@ def test_bench_refuses_a_malformed_trace_before_replay(capsys, tmp_path):
                      '{"session": "a", "turn": 1, "input_len": "many", "output_len": 4}\n')
     rc = main(["bench", "hicache", "--trace", str(trace), "--pp-size", "1", "--page-size", "128"])
     err = capsys.readouterr().err
-    assert rc == 2 and "line 2" in err and "'input_len' must be an integer" in err
+    assert rc == 2 and f"{trace}:2: field 'input_len' = 'many': accepted: an integer in [1, " in err
     assert "Traceback" not in err
     rc = main(["bench", "hicache", "--trace", str(trace), "--pp-size", "1", "--page-size", "128",
                "--skip-bad-lines", "--device-pages", "8", "--json"])
     out = json.loads(capsys.readouterr().out)
-    assert rc == 0 and out["trace"]["requests"] == 1 and out["trace"]["skipped_lines"][0].startswith("line 2")
+    assert rc == 0 and out["trace"]["requests"] == 1 and out["trace"]["skipped_lines"][0].startswith(f"{trace}:2:")
 
 
 def test_bench_too_few_device_pages_is_a_clear_error(capsys):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 from stagecache.runtime.cache.hicache import CacheOutOfPagesError, HandleError, HiCache
-from stagecache.runtime.cache.kv_writer import KvWriter
+from stagecache.runtime.cache.kv_writer import KvWriter, page_hashes
 from stagecache.runtime.cache.traces import Request
 from stagecache.runtime.errors import ConfigError
 from stagecache.runtime.memory.host_pools import HostPools
@@ -61,23 +61,30 @@ def run(cache, writer, r, verify=True):
 
 
 def lookup(cache, tokens):
-    """Where the whole-node prefix of ``tokens`` is cached: (device pages, host pages).
+    """Where the whole-page prefix of ``tokens`` is cached: (device pages, host pages).
 
-    Walks the tree without touching it, so the LRU order under test is unchanged.
+    Reads the tree without touching it, so the LRU order under test is unchanged.
     """
-    tokens = tuple(tokens)
-    node, at, dev, host = cache.tree.root, 0, 0, 0
-    while True:
-        child = node.children.get(tokens[at:at + PS])
-        if child is None or tokens[at:at + len(child.key)] != child.key:
-            return dev, host
-        pages = len(child.key) // PS
-        if child.device is not None:
-            dev += pages
-        elif child.host is not None:
-            host += pages
-        at += len(child.key)
-        node = child
+    tree = cache.tree
+    dev = host = 0
+    for key in keys(tokens):
+        slot = tree.slot_of(key)
+        if slot < 0:
+            break
+        if tree.dev[slot] >= 0:
+            dev += 1
+        else:
+            host += 1
+    return dev, host
+
+
+def keys(tokens):
+    full = len(tokens) // PS
+    return page_hashes(np.asarray(tokens[:full * PS]), PS).tolist()
+
+
+def slots(cache, tokens):
+    return [cache.tree.slot_of(k) for k in keys(tokens)]
 
 
 def transfers(cache):
@@ -114,7 +121,7 @@ def test_host_hit_reloads_exact_bytes_of_every_pool_and_layer():
     assert {p.pool for p in w.plans} == set(HOST_CACHED)
     prefix = page(1, 2)
     run(cache, w, req(prefix, out=1))
-    run(cache, w, req(page(2, 2), out=1))  # evicts the 2-page prefix to host
+    run(cache, w, req(page(2, 3), out=1))  # evicts both prefix pages to host
     assert lookup(cache, prefix) == (0, 2)
     # scribble over every device page: a reload must bring the bytes back from host
     for bufs in cache.pools.buffers.values():
@@ -133,12 +140,13 @@ def test_host_copies_hold_the_written_bytes(layout):
     prefix = page(1, 2)
     run(cache, w, req(prefix, out=1))
     run(cache, w, req(page(2, 2), out=1))  # prefix -> host (write-back copy at eviction)
-    node = next(n for n in cache.tree.nodes() if n.key[:1] == (10_000,))
-    assert node.device is None and len(node.host) == 2
+    tree = cache.tree
+    assert [tree.dev[s] for s in slots(cache, prefix)] == [-1, -1]
+    host = [tree.host[s] for s in slots(cache, prefix)]
     hashes = w.hashes(prefix)
-    assert w.verify(hashes, node.host, target=cache.host_pools) == []
-    cache.host_pools.get_raw_buffer("swa", cache.pools.stage_map.start)[node.host[1], 0] ^= 1
-    bad = w.verify(hashes, node.host, target=cache.host_pools)
+    assert w.verify(hashes, host, target=cache.host_pools) == []
+    cache.host_pools.get_raw_buffer("swa", cache.pools.stage_map.start)[host[1], 0] ^= 1
+    bad = w.verify(hashes, host, target=cache.host_pools)
     assert [(m.where, m.pool, m.page_index) for m in bad] == [("host", "swa", 1)]
 
 
@@ -146,7 +154,7 @@ def test_match_prefix_loads_host_hits_and_locks_on_request():
     cache, w = make(device_pages=3)
     prefix = page(1, 2)
     run(cache, w, req(prefix, out=1))
-    run(cache, w, req(page(2, 2), out=1))  # prefix -> host
+    run(cache, w, req(page(2, 3), out=1))  # prefix -> host
     m = cache.match_prefix(prefix + [5], lock=True)
     assert (m.device_tokens, m.host_tokens, len(m.pages)) == (0, 2 * PS, 2)
     assert w.verify(w.hashes(prefix), list(m.pages)) == []
@@ -165,8 +173,7 @@ def test_verify_names_pool_layer_and_page_of_a_corrupted_host_copy():
     run(cache, w, req(prefix, out=1))
     run(cache, w, req(page(2), out=1))
     run(cache, w, req(page(3), out=1))  # prefix page -> host
-    node = cache.tree.match(prefix + [0]).nodes[0]
-    host_page = node.host[0]
+    host_page = cache.tree.host[slots(cache, prefix)[0]]
     gid = cache.pools.stage_map.pool_layers("c128")[0].global_id
     cache.host_pools.get_raw_buffer("c128", gid)[host_page, 3] ^= 0xFF
     h = cache.begin(req(prefix + [1, 2]))
@@ -200,11 +207,11 @@ def test_locked_pages_are_never_evicted_and_out_of_pages_is_clear():
     assert lookup(cache, page(1, 2))[0] == 2
     cache.finish(reader)
     cache.check()
-    assert all(n.lock_ref == 0 for n in cache.tree.nodes() if n is not cache.tree.root)
+    assert all(cache.tree.lock[s] == 0 for s in cache.tree.slots())
     assert cache.stats.out_of_pages_errors == 7
 
 
-def test_host_full_evicts_host_lru_then_drops():
+def test_host_full_evicts_host_lru_page_by_page():
     cache, w = make(device_pages=3, host_pages=2)
     for tag in range(1, 7):
         run(cache, w, req(page(tag), out=1))
@@ -214,10 +221,24 @@ def test_host_full_evicts_host_lru_then_drops():
     assert cache.stats.host_evicted_pages == 1 and cache.stats.dropped_pages == 0
     run(cache, w, req(page(7, 3), out=1))  # evicts 4, 5, 6 to host, pushing 2, 3, 4 out
     assert [lookup(cache, page(t)) for t in (2, 3, 4, 5, 6)] == [(0, 0)] * 3 + [(0, 1)] * 2
-    # a node larger than the whole host tier cannot be backed up: it is dropped, not corrupted
+    # a prefix longer than the host tier goes page by page, deepest first: the host keeps
+    # the two leading pages (a usable prefix), never a tail without its head
     run(cache, w, req(page(8, 3), out=1))
-    assert cache.stats.dropped_pages == 3 and lookup(cache, page(7, 3)) == (0, 0)
-    assert lookup(cache, page(5)) == (0, 1)
+    assert lookup(cache, page(7, 3)) == (0, 2) and lookup(cache, page(5)) == (0, 0)
+    assert cache.stats.dropped_pages == 0
+
+
+def test_device_leaf_is_dropped_when_every_host_page_is_locked():
+    cache, w = make(device_pages=2, host_pages=1)
+    for tag in (1, 2, 3):  # 1 is evicted to host, filling it
+        run(cache, w, req(page(tag), out=1))
+    assert lookup(cache, page(1)) == (0, 1)
+    # the reader locks page 1 (on host, loaded now): making room evicts 2 and 3, whose
+    # backups find the host full of a locked page: they are dropped, not half-copied
+    h = run(cache, w, req(page(1) + [5]))
+    assert h.host_hit_pages == 1 and cache.stats.dropped_pages == 2  # 2, then 3 for the new page
+    assert lookup(cache, page(2)) == lookup(cache, page(3)) == (0, 0)
+    assert lookup(cache, page(1)) == (1, 0)
 
 
 def test_write_through_backs_up_at_insert_write_back_on_eviction():
@@ -228,10 +249,10 @@ def test_write_through_backs_up_at_insert_write_back_on_eviction():
     assert wt.stats.backup_pages == 2 and transfers(wt) == (1, 0)
     assert wb.stats.backup_pages == 0 and transfers(wb) == (0, 0)
     for cache, w in ((wt, w1), (wb, w2)):
-        run(cache, w, req(page(2, 2), out=1))  # evicts the first 2-page node to host
-        assert lookup(cache, page(1, 2)) == (0, 2)
+        run(cache, w, req(page(2, 2), out=1))  # needs one more page: the first prefix's leaf
+        assert lookup(cache, page(1, 2)) == (1, 1)
     assert wt.stats.backup_pages == 4 and transfers(wt) == (2, 0)  # no copy at eviction
-    assert wb.stats.backup_pages == 2 and transfers(wb) == (1, 0)  # copied when evicted
+    assert wb.stats.backup_pages == 1 and transfers(wb) == (1, 0)  # copied when evicted
 
 
 def test_write_through_selective_backs_up_hot_nodes():

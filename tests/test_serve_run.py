@@ -243,4 +243,4 @@ def test_serve_malformed_trace_exits_2_listing_the_lines(tmp_path):
     r = subprocess.run([sys.executable, "-m", "stagecache.runtime", "serve", "--port", "0",
                         "--trace", str(trace)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, r.stdout + r.stderr
-    assert "2 malformed line(s)" in r.stderr and "line 2" in r.stderr and "line 3" in r.stderr
+    assert "2 malformed line(s)" in r.stderr and f"{trace}:2: " in r.stderr and f"{trace}:3: " in r.stderr

@@ -88,16 +88,27 @@ GOOD = [
 
 @pytest.mark.parametrize("bad, message", [
     ("{not json", "invalid JSON"),
-    ('["a list"]', "expected a JSON object"),
+    ('["a list"]', "a line is list: accepted: a JSON object"),
     ('{"session": "x", "turn": 0, "output_len": 1}', "exactly one of 'input_ids' or 'input_len'"),
     ('{"session": "x", "turn": 0, "input_ids": [1], "input_len": 1, "output_len": 1}', "exactly one"),
-    ('{"session": "x", "turn": 0, "input_ids": [1, -2], "output_len": 1}', "input_ids[1] = -2"),
-    ('{"session": "x", "turn": 0, "input_ids": [], "output_len": 1}', "must not be empty"),
-    ('{"session": "x", "turn": -1, "input_len": 5, "output_len": 1}', "'turn' must be an integer >= 0"),
-    ('{"session": "x", "turn": 0, "input_len": 5, "output_len": 2, "output_ids": [1]}', "has 1 ids"),
-    ('{"session": "x", "turn": 0, "input_len": 5, "output_len": 1, "tokens": 3}', "unknown key(s) 'tokens'"),
+    ('{"session": "x", "turn": 0, "input_ids": [1, -2], "output_len": 1}',
+     "field 'input_ids[1]' = -2: accepted: a token id in [0, 2**31)"),
+    ('{"session": "x", "turn": 0, "input_ids": [1, true], "output_len": 1}',
+     "field 'input_ids[1]' = True: accepted"),
+    ('{"session": "x", "turn": 0, "input_ids": [1, 2.5], "output_len": 1}', "'input_ids[1]' = 2.5"),
+    ('{"session": "x", "turn": 0, "input_ids": [[1]], "output_len": 1}', "'input_ids[0]' = [1]"),
+    ('{"session": "x", "turn": 0, "input_ids": [], "output_len": 1}', "accepted: a non-empty list"),
+    ('{"session": "x", "turn": -1, "input_len": 5, "output_len": 1}',
+     "field 'turn' = -1: accepted: an integer in [0, "),
+    ('{"session": "x", "turn": 0, "input_len": 1000000000, "output_len": 1}',
+     "field 'input_len' = 1000000000: accepted: an integer in [1, 2097152]"),
+    ('{"session": "x", "turn": 0, "input_len": 5, "output_len": 2, "output_ids": [1]}',
+     "field 'output_ids' has 1 ids: accepted: exactly 'output_len' = 2"),
+    ('{"session": "x", "turn": 0, "input_len": 5, "output_len": 1, "tokens": 3}',
+     "unknown field(s) 'tokens': accepted: session, turn"),
     ('{"session": "s", "turn": 1, "input_len": 5, "output_len": 1}', "already given on line 2"),
-    ('{"turn": 0, "input_len": 5, "output_len": 1}', "missing required key 'session'"),
+    ('{"turn": 0, "input_len": 5, "output_len": 1}', "missing required field 'session'"),
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
 ])
 def test_malformed_line_fails_before_replay_with_its_line_number(tmp_path, bad, message):
     lines = [json.dumps(GOOD[0]), json.dumps(GOOD[1]), bad, "", json.dumps(GOOD[2])]
@@ -106,7 +117,8 @@ def test_malformed_line_fails_before_replay_with_its_line_number(tmp_path, bad, 
     with pytest.raises(TraceError) as exc:
         load_trace(path)
     text = str(exc.value)
-    assert "line 3: " in text and message in text and "nothing replayed" in text
+    assert f"{path}:3: " in text and message in text and "nothing replayed" in text
+    assert "\n" not in text
     assert [e.line for e in exc.value.errors] == [3]
     # skip mode: the good lines are exactly what a file without the bad line gives
     skipped = load_trace(path, skip_bad=True)

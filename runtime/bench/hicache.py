@@ -1,21 +1,30 @@
-"""``stagecache bench hicache``: replay a chat trace through each stage's HiCache, three ways.
+"""``stagecache bench hicache``: replay a trace through each stage's HiCache, with its bounds.
 
 One run, same trace, same page size, same device pages per stage:
 
 * ``hicache``     -- device tier + host tier (the configuration under test);
 * ``device_only`` -- the same device pages, no host tier (what HiCache adds is the difference);
-* ``ceiling``     -- an infinite cache: every page-aligned prefix ever computed is reusable.
-  No real cache can beat it, so hit tokens are also reported as a share of it.
+* ``ceiling``     -- an infinite cache: every page ever kept stays reusable;
+* ``belady``      -- the offline bound: one tier of the host tier's capacity that
+  evicts the page used farthest in the future (``cache/bounds.py``).
 
-With ``--verify`` every reused page (device hit or reloaded from host) is
-compared, in every pool and every local layer, with the bytes the simulated
-forward pass wrote for that prefix (``kv_writer``); any difference is reported
-with stage, pool, layer and page, and the run exits 1.
+Traces: stagecache's token JSONL or Mooncake's block-hash JSONL (detected, or
+``--trace-format``), or a generated chat trace.  In Mooncake format a block is a
+page, so the page size is ``--block-tokens``.
+
+``--metadata-only``: no tensors.  Every stage sees the same requests and has the
+same page-id space, so its decisions are the same; the cache is replayed once
+and each stage's bytes are its pages moved times its bytes per page (memory
+layer).  The transfer time a run implies uses a bandwidth measured in the same
+run by real copies through the transfer controller.  Without it (payload mode),
+each stage replays on its real pools, and ``--verify`` compares every reused
+page with the bytes written for it (``kv_writer``); a mismatch exits 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -27,38 +36,11 @@ from ..transfer.stats import gbps
 DEFAULT_DEVICE_PAGES = 96
 DEFAULT_HICACHE_RATIO = 4.0
 DEFAULT_REQUESTS = 2000
+#: Bytes per direction of the same-run bandwidth measurement.
+BANDWIDTH_PROBE_BYTES = 32 << 20
 
 
-# -- the infinite cache (ceiling) ----------------------------------------------------------------
-class CeilingCache:
-    """Every page-aligned prefix ever inserted stays reusable; same begin/finish order as HiCache."""
-
-    def __init__(self, page_size: int):
-        from ..cache.stats import CacheStats
-
-        self.page_size = page_size
-        self.seen: set[int] = set()
-        self.stats = CacheStats(stage=-1, page_size=page_size)
-
-    def begin(self, request: Any) -> Any:
-        import numpy as np
-
-        from ..cache.kv_writer import page_hashes
-
-        tokens = np.concatenate([np.asarray(request.input_ids), np.asarray(request.output_ids)])
-        hashes = page_hashes(tokens, self.page_size)
-        limit = (len(request.input_ids) - 1) // self.page_size
-        hit = 0
-        while hit < limit and int(hashes[hit]) in self.seen:
-            hit += 1
-        self.stats.record_lookup(0, hit * self.page_size, len(request.input_ids) - hit * self.page_size)
-        return hashes[:len(tokens) // self.page_size]
-
-    def finish(self, full_hashes: Any) -> None:
-        self.seen.update(int(h) for h in full_hashes)
-
-
-# -- replay ---------------------------------------------------------------------------------------
+# -- replay -------------------------------------------------------------------------------------
 @dataclass
 class ReplayResult:
     requests: int = 0
@@ -126,37 +108,108 @@ def replay(requests: Sequence[Any], cache: Any, writer: Any | None = None, verif
     return out
 
 
-# -- the benchmark --------------------------------------------------------------------------------
+# -- inputs ---------------------------------------------------------------------------------------
 def _load_requests(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any]]:
-    from ..cache.traces import WorkloadConfig, generate, load_trace, write_trace
+    from ..cache.traces import WorkloadConfig, generate, load_requests, write_trace
     from ..errors import ConfigError
 
     if args.trace:
-        trace = load_trace(args.trace, skip_bad=args.skip_bad_lines)
+        trace = load_requests(args.trace, fmt=args.trace_format, limit=args.requests,
+                              skip_bad=args.skip_bad_lines, block_tokens=args.block_tokens)
         reqs = list(trace.requests)
-        if args.requests is not None:
-            if args.requests > len(reqs):
-                raise ConfigError(f"--requests {args.requests}: trace {args.trace} has only "
-                                  f"{len(reqs)} good requests")
-            reqs = reqs[:args.requests]
-        info = {"source": str(args.trace), "skipped_lines": [str(e) for e in trace.errors]}
+        if args.requests is not None and len(reqs) < args.requests:
+            raise ConfigError(f"--requests {args.requests}: trace {args.trace} has only "
+                              f"{len(reqs)} good requests")
+        info = {"source": str(args.trace), "format": trace.format, "lines_read": trace.lines_read,
+                "skipped_lines": [str(e) for e in trace.errors], "bad_lines": trace.bad_lines}
     else:
         cfg = WorkloadConfig(seed=args.seed, requests=args.requests or DEFAULT_REQUESTS,
                              think_time_s=args.think_time, session_gap_s=args.session_gap)
         reqs = generate(cfg)
-        info = {"source": "generated", "seed": args.seed, "think_time_s": args.think_time,
-                "session_gap_s": args.session_gap, "sessions": len({r.session for r in reqs})}
+        info = {"source": "generated", "format": "tokens", "seed": args.seed,
+                "think_time_s": args.think_time, "session_gap_s": args.session_gap,
+                "sessions": len({r.session for r in reqs})}
     if args.save_trace:
         write_trace(args.save_trace, reqs)
         info["saved_to"] = args.save_trace
-    info.update(requests=len(reqs),
-                input_tokens=sum(r.input_len for r in reqs),
+    info.update(requests=len(reqs), input_tokens=sum(r.input_len for r in reqs),
                 output_tokens=sum(r.output_len for r in reqs))
     return reqs, info
 
 
-def _stage_run(la: Any, stage_map: Any, reqs: Sequence[Any], args: argparse.Namespace,
-               host: bool) -> dict[str, Any]:
+def _page_size(args: argparse.Namespace, fmt: str) -> int:
+    """Tokens format: ``--page-size``; Mooncake: one block is one page (``--block-tokens``)."""
+    from ..errors import ConfigError
+
+    if fmt != "mooncake":
+        return args.page_size or args.default_page_size
+    if args.page_size and args.page_size != args.block_tokens:
+        raise ConfigError(f"--page-size {args.page_size}: in Mooncake format one block is one page; "
+                          f"the page size is --block-tokens ({args.block_tokens})")
+    return args.block_tokens
+
+
+def token_page_bytes(la: Any, stage_map: Any) -> int:
+    """Bytes one page costs on a stage, every paged (host-cached) pool and layer: the memory
+    layer's one figure, from the pool-kind table."""
+    from ..memory.sizing import token_page_bytes as per_page
+    from ..model.pool_kinds import kind_table
+
+    return per_page(kind_table(la.spec, la.page_size), stage_map.expected_buffers())
+
+
+def measure_bandwidth(la: Any, stage_map: Any, device: str) -> dict[str, float]:
+    """GB/s per direction of real page copies through the transfer controller, this run.
+
+    A few pages (``BANDWIDTH_PROBE_BYTES``) copied device->host and back on the
+    same kind of pools the payload mode uses; the rate is the transfer layer's
+    own figure (``TransferStats``).
+    """
+    import torch
+
+    from ..memory.host_pools import HostPools
+    from ..memory.pools import StagePools
+    from ..transfer.controller import TransferController
+    from ..transfer.stats import TransferStats
+
+    pages = max(1, min(256, BANDWIDTH_PROBE_BYTES // token_page_bytes(la, stage_map)))
+    pools = StagePools(la.spec, stage_map, la.page_size, pages, device, (), la.layout.pp_size)
+    host = HostPools(pools, num_pages=pages)
+    stats = TransferStats()
+    ctrl = TransferController(pools, host, stats)
+    ids = pools.allocator.alloc(pages)  # transfers move allocated pages only
+    host_ids = host.allocator.alloc(pages)
+
+    def sync() -> None:
+        ctrl.synchronize()
+        if pools.device.type == "cuda":
+            torch.cuda.synchronize(pools.device)
+
+    ctrl.backup(ids, host_ids)  # warm-up: first-touch page faults, kernel compilation
+    ctrl.load(host_ids, ids)
+    sync()
+    before = stats.snapshot()
+    for _ in range(2):
+        ctrl.backup(ids, host_ids)
+        ctrl.load(host_ids, ids)
+    sync()
+    after = stats.snapshot()
+    return {d: gbps(after[d]["bytes"] - before[d]["bytes"], after[d]["seconds"] - before[d]["seconds"])
+            for d in ("d2h", "h2d")}
+
+
+# -- runs -------------------------------------------------------------------------------------------
+def _stats_row(cache: Any, result: Any, page_bytes: int, device_pages: int) -> dict[str, Any]:
+    row = cache.stats.to_dict()
+    row.update(device_pages=device_pages,
+               host_pages=cache.host_alloc.num_pages if cache.host_alloc is not None else 0,
+               token_page_bytes=page_bytes, replay=result.to_dict(),
+               moved_bytes={d: n * page_bytes for d, n in row["moved_pages"].items()})
+    return row
+
+
+def _payload_run(la: Any, stage_map: Any, reqs: Sequence[Any], args: argparse.Namespace,
+                 host: bool) -> dict[str, Any]:
     import torch
 
     from ..cache.hicache import HiCache
@@ -173,7 +226,8 @@ def _stage_run(la: Any, stage_map: Any, reqs: Sequence[Any], args: argparse.Name
 
         host_pools = HostPools(pools, hicache_ratio=args.hicache_ratio, layout=args.hicache_layout)
         controller = TransferController(pools, host_pools, TransferStats())
-    cache = HiCache(pools, host_pools, controller, write_policy=args.write_policy)
+    cache = HiCache(pools, host_pools, controller, write_policy=args.write_policy,
+                    eviction_policy=args.eviction_policy)
     writer = KvWriter(pools, seed=args.seed)
     result = replay(reqs, cache, writer, verify=args.verify, concurrency=args.concurrency,
                     check_every=args.check_every)
@@ -181,22 +235,47 @@ def _stage_run(la: Any, stage_map: Any, reqs: Sequence[Any], args: argparse.Name
         controller.synchronize()
     if pools.device.type == "cuda":
         torch.cuda.synchronize(pools.device)
-    stats = cache.stats.to_dict()
-    stats.update(device_pages=args.device_pages,
-                 host_pages=host_pools.num_pages if host_pools is not None else 0,
-                 token_page_bytes=pools.token_page_bytes(), replay=result.to_dict())
-    return stats
+    return _stats_row(cache, result, pools.token_page_bytes(), args.device_pages)
 
 
-def _sum(rows: list[dict[str, Any]], key: str) -> int:
-    return sum(r[key] for r in rows)
+def _metadata_run(views: Sequence[Any], page_size: int, host_pages: int,
+                  args: argparse.Namespace) -> tuple[Any, Any]:
+    from ..cache.hicache import HiCache
+
+    cache = HiCache.metadata_only(page_size, args.device_pages, host_pages,
+                                  write_policy=args.write_policy,
+                                  eviction_policy=args.eviction_policy)
+    result = replay(views, cache, concurrency=args.concurrency, check_every=args.check_every)
+    return cache, result
+
+
+def _run_modes(la: Any, stages: list[Any], reqs: list[Any], views: list[Any], host_pages: int,
+               args: argparse.Namespace) -> tuple[dict[str, list[dict[str, Any]]], dict[str, int]]:
+    """Per mode, one row per stage; and the cached pages (tree nodes) each mode ended with."""
+    modes: dict[str, list[dict[str, Any]]] = {"hicache": [], "device_only": []}
+    nodes: dict[str, int] = {}
+    if not args.metadata_only:
+        for sm in stages:
+            modes["hicache"].append(_payload_run(la, sm, reqs, args, host=True))
+            modes["device_only"].append(_payload_run(la, sm, reqs, args, host=False))
+        return modes, nodes
+    for mode, pages in (("hicache", host_pages), ("device_only", 0)):
+        cache, result = _metadata_run(views, la.page_size, pages, args)
+        for sm in stages:
+            modes[mode].append(_stats_row(cache, result, token_page_bytes(la, sm), args.device_pages))
+        nodes[mode] = cache.tree.num_nodes
+    return modes, nodes
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
+    from ..cache.bounds import CeilingTracker, belady_hit_tokens
+    from ..cache.pages import page_view
     from ..errors import ConfigError
+    from ..memory.sizing import host_pages_for
     from ..validation.inputs import resolve_layout
+    from .hicache_report import build_report
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -206,10 +285,13 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         raise ConfigError(f"--device {args.device!r}: {exc}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"--device {args.device}: CUDA is not available on this machine")
-    la = resolve_layout(args.model, args.pp_size, args.tp_size, args.pp_partition,
-                        args.page_size, args.fault)
+    t0 = time.perf_counter()
     reqs, trace_info = _load_requests(args)
-    longest = max(-(-(r.input_len + r.output_len) // la.page_size) for r in reqs)
+    la = resolve_layout(args.model, args.pp_size, args.tp_size, args.pp_partition,
+                        _page_size(args, trace_info["format"]), args.fault)
+    views = [page_view(r, la.page_size) for r in reqs]
+    trace_info["parse_seconds"] = round(time.perf_counter() - t0, 3)
+    longest = max(v.pages for v in views)
     if args.device_pages < longest:
         raise ConfigError(
             f"--device-pages {args.device_pages} cannot hold the trace's longest request "
@@ -218,101 +300,20 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         if not 0 <= s < la.layout.pp_size:
             raise ConfigError(f"--stage {s} out of range for --pp-size {la.layout.pp_size}")
     stages = [la.layout.stages[s] for s in (args.stage or range(la.layout.pp_size))]
-    t0 = time.perf_counter()
-    modes: dict[str, list[dict[str, Any]]] = {"hicache": [], "device_only": []}
-    for sm in stages:
-        modes["hicache"].append(_stage_run(la, sm, reqs, args, host=True))
-        modes["device_only"].append(_stage_run(la, sm, reqs, args, host=False))
-    ceiling = CeilingCache(la.page_size)
-    replay(reqs, ceiling)
-    c = ceiling.stats
-
-    def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
-        # every stage sees the same requests and makes the same decisions: report stage 0's
-        # tokens, and check the others agree (the pipeline's cache-decision digest relies on it)
-        r0 = rows[0]
-        agree = all((r["device_hit_tokens"], r["host_hit_tokens"]) ==
-                    (r0["device_hit_tokens"], r0["host_hit_tokens"]) for r in rows)
-        hit = r0["device_hit_tokens"] + r0["host_hit_tokens"]
-        d2h = _sum(rows, "transfer_bytes_d2h")
-        h2d = _sum(rows, "transfer_bytes_h2d")
-        d2h_s = sum(r["transfer_seconds"]["d2h"] for r in rows)
-        h2d_s = sum(r["transfer_seconds"]["h2d"] for r in rows)
-        return {
-            "hit_tokens": hit, "device_hit_tokens": r0["device_hit_tokens"],
-            "host_hit_tokens": r0["host_hit_tokens"], "miss_tokens": r0["miss_tokens"],
-            "hit_ratio": round(r0["hit_ratio"], 4), "host_hit_ratio": round(r0["host_hit_ratio"], 4),
-            "share_of_ceiling": round(hit / c.host_hit_tokens, 4) if c.host_hit_tokens else 0.0,
-            "host_share_of_ceiling": round(r0["host_hit_tokens"] / c.host_hit_tokens, 4)
-            if c.host_hit_tokens else 0.0,
-            "stages_agree": agree,
-            "evicted_pages": {"device": _sum(rows, "device_evicted_pages"),
-                              "host": _sum(rows, "host_evicted_pages"),
-                              "dropped": _sum(rows, "dropped_pages")},
-            "transfer_bytes": {"d2h": d2h, "h2d": h2d},
-            "transfer_seconds": {"d2h": round(d2h_s, 4), "h2d": round(h2d_s, 4)},
-            "bandwidth_gbps": {"d2h": round(gbps(d2h, d2h_s), 3), "h2d": round(gbps(h2d, h2d_s), 3)},
-            "mismatches": sum(r["replay"]["mismatch_count"] for r in rows),
-            "pages_verified": sum(r["replay"]["pages_verified"] for r in rows),
-            "bytes_verified": sum(r["replay"]["bytes_verified"] for r in rows),
-            "replay_seconds": round(sum(r["replay"]["seconds"] for r in rows), 3),
-        }
-
-    for rows in modes.values():
-        for r in rows:
-            r["transfer_bytes_d2h"] = r["transfer_bytes"]["d2h"]
-            r["transfer_bytes_h2d"] = r["transfer_bytes"]["h2d"]
-    hi, dev = summary(modes["hicache"]), summary(modes["device_only"])
-    for rows in modes.values():
-        for r in rows:
-            del r["transfer_bytes_d2h"], r["transfer_bytes_h2d"]
-    return {
-        "bench": "hicache",
-        "model": la.spec.name, "pp_size": la.layout.pp_size, "stages": [s.stage for s in stages],
-        "page_size": la.page_size, "device": str(args.device), "device_pages": args.device_pages,
-        "hicache_ratio": args.hicache_ratio, "host_pages": modes["hicache"][0]["host_pages"],
-        "write_policy": args.write_policy, "host_layout": args.hicache_layout,
-        "concurrency": args.concurrency, "verify": args.verify,
-        "trace": trace_info,
-        "ceiling": {"hit_tokens": c.host_hit_tokens, "hit_ratio": round(c.hit_ratio, 4),
-                    "looked_up_tokens": c.looked_up_tokens},
-        "summary": {
-            "hicache": hi, "device_only": dev,
-            "ratio_hit_tokens_hicache_vs_device_only":
-                round(hi["hit_tokens"] / dev["hit_tokens"], 3) if dev["hit_tokens"] else None,
-        },
-        "per_stage": modes,
-        "seconds": round(time.perf_counter() - t0, 2),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-    }
-
-
-def print_table(res: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    s, c = res["summary"], res["ceiling"]
-    t = Table(title=(f"HiCache replay: {res['trace']['requests']} requests, {res['model']} "
-                     f"pp={res['pp_size']}, page {res['page_size']}, {res['device_pages']} device + "
-                     f"{res['host_pages']} host pages/stage, {res['write_policy']} "
-                     f"(tokens of stage {res['stages'][0]}; every stage decides the same)"))
-    for col in ("", "device hit", "host hit", "miss", "hit %", "of ceiling", "d2h GB/s", "h2d GB/s",
-                "bad pages"):
-        t.add_column(col, justify="right" if col else "left")
-    for name in ("device_only", "hicache"):
-        r = s[name]
-        t.add_row(name.replace("_", " "), str(r["device_hit_tokens"]), str(r["host_hit_tokens"]),
-                  str(r["miss_tokens"]), f"{r['hit_ratio']:.1%}", f"{r['share_of_ceiling']:.1%}",
-                  f"{r['bandwidth_gbps']['d2h']:.2f}", f"{r['bandwidth_gbps']['h2d']:.2f}",
-                  str(r["mismatches"]) if res["verify"] else "-")
-    t.add_row("ceiling", "-", str(c["hit_tokens"]), str(c["looked_up_tokens"] - c["hit_tokens"]),
-              f"{c['hit_ratio']:.1%}", "100%", "-", "-", "-")
-    con = Console()
-    con.print(t)
-    hi = s["hicache"]
-    con.print(f"host-tier hits = {hi['host_share_of_ceiling']:.1%} of what the ceiling reuses; "
-              f"hit tokens x{s['ratio_hit_tokens_hicache_vs_device_only']} vs device only; "
-              f"stages agree: {hi['stages_agree'] and s['device_only']['stages_agree']}; "
-              + (f"{hi['pages_verified'] + s['device_only']['pages_verified']} reused pages verified; "
-                 if res["verify"] else "not verified (--verify); ")
-              + f"{res['seconds']} s")
+    host_pages = host_pages_for(args.device_pages, args.hicache_ratio)
+    t_bw = time.perf_counter()
+    bandwidth = measure_bandwidth(la, stages[0], args.device)  # first: its tensors are freed
+    bandwidth_s = time.perf_counter() - t_bw
+    modes, nodes = _run_modes(la, stages, reqs, views, host_pages, args)
+    t_bounds = time.perf_counter()
+    ceiling = CeilingTracker()
+    for v in views:
+        ceiling.observe(v)
+    belady = belady_hit_tokens(views, host_pages)
+    bounds_s = time.perf_counter() - t_bounds
+    return build_report(args, la, stages, modes, trace_info, ceiling, belady, host_pages, bandwidth,
+                        {"tree_nodes": nodes, "bounds_seconds": round(bounds_s, 3),
+                         "bandwidth_probe_seconds": round(bandwidth_s, 3),
+                         "seconds": round(time.perf_counter() - t0, 2),
+                         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                                               / 1024, 1)})

@@ -1,369 +1,373 @@
-"""A page-granular radix tree over token ids, with a device tier and a host tier per node.
+"""A page-granular radix tree over 64-bit page keys, stored as parallel arrays.
 
-Keys are whole pages of ``page_size`` tokens: a request's partial last page is
-never cached, because a page id is the unit every pool of a stage shares (page
-``p`` of every pool holds token page ``p``).  Each node covers one or more whole
-pages and records, per page, the device page id (``device``) and/or the host
-page id (``host``); ``None`` means the node is not resident on that tier.
+A page key names a page *and its whole prefix* (``pages.py``), so the tree
+needs no per-node child maps: one key table (``keytable.py``, two typed arrays)
+maps a key to its node's slot, and every per-node field is one entry of a typed
+``array`` indexed by that slot (parent slot, device page, host page, lock count,
+last use, hit count, and the children counts the eviction rules need).  That is
+48 bytes of arrays plus 17-34 bytes of key table per cached page, no Python
+object per node (one would cost several hundred bytes), which is what lets a
+replay hold hundreds of thousands of pages (``docs/hicache.md`` has the
+measured figure).
 
-Two structural invariants make eviction simple and safe, and ``check()``
-asserts both (the hypothesis tests call it after every step):
+Invariants (``check()`` asserts all of them; the hypothesis tests run it after
+every step):
 
+* every node is resident somewhere: on device (``dev >= 0``), host, or both;
 * device residency is *prefix-closed*: a node on device has its parent on
-  device, so device eviction only ever takes device *leaves* (no child on
-  device) and a matched prefix is always one device run followed by one host run;
-* every node is resident somewhere (device, host, or both).
+  device, so a matched prefix is one device run followed by one host run and
+  device eviction only takes device *leaves* (no child on device);
+* a host copy may go when nothing below it has one and the node stays on
+  device or has no children at all (so no node is left resident nowhere);
+* ``lock`` counts running requests on a node and its ancestors: a locked
+  node is never an eviction candidate.
 
-Locks count running requests: ``lock(node)`` increments the node and all its
-ancestors, so a page a request uses (or is about to load) is never an eviction
-candidate.  LRU order uses a logical clock (deterministic replays) and lazy
-heaps: entries are validated when popped, and an empty heap falls back to a full
-rescan, so a stale heap can cost time but never a false "out of pages".
+Eviction candidates sit in one lazy heap per tier, ordered by the policy's
+priority (``eviction.py``); an entry is one int ``priority << 32 | slot``,
+checked when popped (stale entries are dropped, and an empty heap is rebuilt
+from the arrays once, so staleness can cost time but never a false "nothing
+evictable").
 """
 
 from __future__ import annotations
 
 import heapq
-import itertools
-from collections.abc import Iterator, Sequence
+from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..errors import StageCacheError
+from .eviction import LRU, EvictionPolicy
+from .keytable import KeyTable
+
+DEVICE, HOST = 0, 1
+_SLOT_MASK = (1 << 32) - 1
+_DTYPES = {"Q": np.uint64, "q": np.int64, "i": np.int32}
+_FIELDS = (("key", "Q"), ("parent", "i"), ("dev", "i"), ("host", "i"), ("lock", "i"),
+           ("stamp", "q"), ("hits", "i"), ("nchild", "i"), ("ndev", "i"), ("nhost", "i"))
 
 
 class RadixError(StageCacheError, RuntimeError):
-    """The tree was used against its contract (unlock below zero, bad page counts)."""
-
-
-class Node:
-    """One radix edge: ``key`` tokens (a whole number of pages) and their pages per tier."""
-
-    __slots__ = ("key", "parent", "children", "device", "host", "lock_ref", "last_access",
-                 "hit_count", "alive", "id")
-
-    def __init__(self, key: tuple[int, ...], parent: Node | None, node_id: int):
-        self.key = key
-        self.parent = parent
-        self.children: dict[tuple[int, ...], Node] = {}
-        self.device: list[int] | None = None
-        self.host: list[int] | None = None
-        self.lock_ref = 0
-        self.last_access = 0
-        self.hit_count = 0
-        self.alive = True
-        self.id = node_id
-
-    def __repr__(self) -> str:
-        where = ("D" if self.device is not None else "") + ("H" if self.host is not None else "")
-        return f"Node(id={self.id}, tokens={len(self.key)}, {where or '-'}, lock={self.lock_ref})"
-
-    def has_device_child(self) -> bool:
-        return any(c.device is not None for c in self.children.values())
+    """The tree was used against its contract (unlock below zero, keys that are not chained)."""
 
 
 @dataclass(frozen=True)
+class NodeInfo:
+    """A read-only copy of one node's fields (inspection and tests)."""
+
+    slot: int
+    key: int
+    parent: int
+    device: int
+    host: int
+    lock: int
+    stamp: int
+    hits: int
+    children: int
+
+
 class Match:
-    """What a prefix lookup found: the matched path, split into its device and host runs."""
+    """A lookup's matched path (slots, root side first): ``device`` leading pages on device."""
 
-    nodes: tuple[Node, ...]  # root excluded, top-down, every node fully matched
-    device_nodes: tuple[Node, ...]  # leading run resident on device
-    host_nodes: tuple[Node, ...]  # the rest: resident on host only (to be loaded)
-    page_size: int
+    __slots__ = ("path", "device")
 
-    @property
-    def last_node(self) -> Node | None:
-        return self.nodes[-1] if self.nodes else None
-
-    @property
-    def device_pages(self) -> int:
-        return sum(len(n.key) for n in self.device_nodes) // self.page_size
-
-    @property
-    def host_pages(self) -> int:
-        return sum(len(n.key) for n in self.host_nodes) // self.page_size
+    def __init__(self, path: list[int], device: int):
+        self.path = path
+        self.device = device
 
     @property
     def pages(self) -> int:
-        return self.device_pages + self.host_pages
+        return len(self.path)
+
+    @property
+    def host(self) -> int:
+        return len(self.path) - self.device
+
+    @property
+    def last(self) -> int:
+        return self.path[-1] if self.path else -1
 
 
 class RadixTree:
-    """The tree and its LRU bookkeeping; the tier *policy* (backup, load) lives in ``hicache``."""
+    """The tree, its locks and its eviction candidates; tier *policy* lives in ``hicache``."""
 
-    def __init__(self, page_size: int):
-        if page_size <= 0:
-            raise RadixError(f"page_size must be positive, got {page_size}")
-        self.page_size = page_size
-        self._ids = itertools.count()
-        self.root = Node((), None, next(self._ids))
-        self.root.device = []
-        self.root.host = []
-        self.root.lock_ref = 1  # never evicted
+    def __init__(self, policy: EvictionPolicy | None = None):
+        self._slot = KeyTable()
+        for name, code in _FIELDS:
+            setattr(self, name, array(code))
+        self._free = array("i")
+        self.policy = policy if policy is not None else LRU()
+        self.policy.attach(self)
         self._clock = 0
-        self._seq = itertools.count()
-        self._dev_heap: list[tuple[int, int, Node]] = []
-        self._host_heap: list[tuple[int, int, Node]] = []
+        self._heaps: tuple[list[int], list[int]] = ([], [])
+        self._rebuild_at = [4096, 4096]  # heap sizes that trigger a rebuild (2x live + slack)
         self.num_nodes = 0
-        self.device_pages = 0  # pages of cached tokens resident on device
+        self.device_pages = 0
         self.host_pages = 0
 
-    # -- helpers --------------------------------------------------------------------------
-    def _page_key(self, tokens: Sequence[int], page: int) -> tuple[int, ...]:
-        ps = self.page_size
-        return tuple(tokens[page * ps:(page + 1) * ps])
-
+    # -- nodes ------------------------------------------------------------------------------
     def _tick(self) -> int:
         self._clock += 1
         return self._clock
 
-    def _touch(self, node: Node, stamp: int) -> None:
-        node.last_access = stamp
-        self.push_candidate(node)
-
-    def push_candidate(self, node: Node) -> None:
-        """Offer ``node`` to both LRU heaps; validity is re-checked when it is popped."""
-        if node is self.root or not node.alive:
-            return
-        entry = (node.last_access, next(self._seq), node)
-        if node.device is not None:
-            heapq.heappush(self._dev_heap, entry)
-        if node.host is not None:
-            heapq.heappush(self._host_heap, entry)
-        limit = 8 * self.num_nodes + 1024
-        if len(self._dev_heap) > limit or len(self._host_heap) > limit:
-            self._rebuild_heaps()
-
-    def _rebuild_heaps(self) -> None:
-        nodes = [n for n in self.nodes() if n is not self.root]
-        self._dev_heap = [(n.last_access, next(self._seq), n) for n in nodes if self.device_evictable(n)]
-        self._host_heap = [(n.last_access, next(self._seq), n) for n in nodes if self.host_evictable(n)]
-        heapq.heapify(self._dev_heap)
-        heapq.heapify(self._host_heap)
-
-    # -- eviction candidates --------------------------------------------------------------
-    def device_evictable(self, node: Node) -> bool:
-        """A device leaf nobody holds: evicting it keeps device residency prefix-closed."""
-        return (node is not self.root and node.alive and node.device is not None
-                and node.lock_ref == 0 and not node.has_device_child())
-
-    def host_evictable(self, node: Node) -> bool:
-        """Dropping the host copy is safe if the node stays on device or is a leaf."""
-        return (node is not self.root and node.alive and node.host is not None
-                and node.lock_ref == 0 and (node.device is not None or not node.children))
-
-    def _pop(self, tier: str) -> Node | None:
-        ok = self.device_evictable if tier == "device" else self.host_evictable
-        for attempt in range(2):
-            heap = self._dev_heap if tier == "device" else self._host_heap
-            while heap:
-                stamp, _, node = heapq.heappop(heap)
-                if stamp == node.last_access and ok(node):
-                    return node
-            if attempt == 0:
-                self._rebuild_heaps()  # nothing valid left: rescan once so we never miss one
-        return None
-
-    def pop_device_lru(self) -> Node | None:
-        """The least recently used evictable device leaf (removed from the heap), or None."""
-        return self._pop("device")
-
-    def pop_host_lru(self) -> Node | None:
-        """The least recently used node whose host copy may go (removed from the heap), or None."""
-        return self._pop("host")
-
-    # -- structure ------------------------------------------------------------------------
-    def _split(self, node: Node, pages: int) -> Node:
-        """Cut ``node`` after ``pages`` pages; returns the new upper node (same locks, stamp)."""
-        ps = self.page_size
-        cut = pages * ps
-        upper = Node(node.key[:cut], node.parent, next(self._ids))
-        upper.device = node.device[:pages] if node.device is not None else None
-        upper.host = node.host[:pages] if node.host is not None else None
-        upper.lock_ref = node.lock_ref
-        upper.last_access = node.last_access
-        upper.hit_count = node.hit_count
-        parent = node.parent
-        assert parent is not None
-        parent.children[node.key[:ps]] = upper
-        node.key = node.key[cut:]
-        node.device = node.device[pages:] if node.device is not None else None
-        node.host = node.host[pages:] if node.host is not None else None
-        node.parent = upper
-        upper.children[node.key[:ps]] = node
+    def _new(self, key: int, parent: int, stamp: int, page: int) -> int:
+        """A new node on device ``page`` (not offered: the caller offers when it is done)."""
+        if self._free:  # under pressure: reuse a removed node's slot
+            slot = self._free.pop()
+            self.key[slot] = key
+            self.parent[slot] = parent
+            self.dev[slot] = page
+            self.host[slot] = -1
+            self.stamp[slot] = stamp
+            self.hits[slot] = 0  # lock and the child counts are 0 already (checked at removal)
+        else:  # a growing cache: plain appends
+            slot = len(self.key)
+            self.key.append(key)
+            self.parent.append(parent)
+            self.dev.append(page)
+            self.host.append(-1)
+            self.lock.append(0)
+            self.stamp.append(stamp)
+            self.hits.append(0)
+            self.nchild.append(0)
+            self.ndev.append(0)
+            self.nhost.append(0)
+        self._slot.put(key, slot)
+        if parent >= 0:
+            self.nchild[parent] += 1
+            self.ndev[parent] += 1
         self.num_nodes += 1
-        return upper
+        self.device_pages += 1
+        self.policy.on_new(slot)
+        return slot
 
-    def _matched_pages(self, node: Node, tokens: Sequence[int], page: int, limit: int) -> int:
-        """How many whole pages of ``node.key`` equal ``tokens`` from ``page`` (at most ``limit``)."""
-        ps = self.page_size
-        n = min(len(node.key) // ps, limit)
-        k = 1  # the first page matched through the children dict
-        while k < n and node.key[k * ps:(k + 1) * ps] == self._page_key(tokens, page + k):
-            k += 1
-        return k
+    def slot_of(self, key: int) -> int:
+        return self._slot.get(key)
 
-    def match(self, tokens: Sequence[int], max_pages: int | None = None) -> Match:
-        """Longest cached page-aligned prefix of ``tokens`` (at most ``max_pages`` pages).
+    def remove(self, slot: int) -> None:
+        """Unlink a childless, unlocked node that is no longer resident on either tier."""
+        if self.nchild[slot] or self.lock[slot] or self.dev[slot] >= 0 or self.host[slot] >= 0:
+            raise RadixError(f"cannot remove {self.info(slot)}: it has children, is locked or resident")
+        self._slot.pop(self.key[slot])
+        parent = self.parent[slot]
+        self.parent[slot] = -2  # dead (never a candidate: dev and host are -1)
+        self._free.append(slot)
+        self.num_nodes -= 1
+        if parent >= 0:
+            self.nchild[parent] -= 1
+            self.offer(parent)
 
-        Splits a node the match ends inside of, so every returned node is
-        fully matched, and marks the path as just used (LRU).
+    def set_device(self, slot: int, page: int) -> None:
+        """Record (``page >= 0``) or clear (``-1``) a node's device page, keeping the counts right."""
+        old = self.dev[slot]
+        self.dev[slot] = page
+        if (old >= 0) != (page >= 0):
+            step = 1 if page >= 0 else -1
+            self.device_pages += step
+            parent = self.parent[slot]
+            if parent >= 0:
+                self.ndev[parent] += step
+                if step < 0:
+                    self.offer(parent)
+        self.offer(slot)
+
+    def set_host(self, slot: int, page: int) -> None:
+        old = self.host[slot]
+        self.host[slot] = page
+        if (old >= 0) != (page >= 0):
+            step = 1 if page >= 0 else -1
+            self.host_pages += step
+            parent = self.parent[slot]
+            if parent >= 0:
+                self.nhost[parent] += step
+                if step < 0:
+                    self.offer(parent)
+        self.offer(slot)
+
+    # -- lookups and inserts ------------------------------------------------------------------
+    def match(self, keys: list[int], limit: int, offer: bool = True) -> Match:
+        """Longest cached prefix of ``keys`` (at most ``limit`` pages); marks it used.
+
+        ``offer=False`` when the caller locks the path right away (its unlock offers).
         """
-        ps = self.page_size
-        total = len(tokens) // ps if max_pages is None else min(max_pages, len(tokens) // ps)
-        stamp = self._tick()
-        node, page, path = self.root, 0, []
-        while page < total:
-            child = node.children.get(self._page_key(tokens, page))
-            if child is None:
+        get, parent = self._slot.get, self.parent
+        path: list[int] = []
+        prev = -1
+        for k in keys[:limit]:
+            slot = get(k)
+            if slot < 0:
                 break
-            k = self._matched_pages(child, tokens, page, total - page)
-            if k < len(child.key) // ps:
-                child = self._split(child, k)
-            path.append(child)
-            page += k
-            node = child
-        for n in path:
-            n.hit_count += 1
-            self._touch(n, stamp)
-        split = next((i for i, n in enumerate(path) if n.device is None), len(path))
-        return Match(tuple(path), tuple(path[:split]), tuple(path[split:]), ps)
+            if parent[slot] != prev:
+                raise RadixError(f"page key {k} is cached after another prefix: keys are not chained")
+            path.append(slot)
+            prev = slot
+        t = self._tick()
+        stamp, hits, dev, touched = self.stamp, self.hits, self.dev, self.policy.touched
+        device = len(path)
+        for i, slot in enumerate(path):
+            stamp[slot] = t
+            hits[slot] += 1
+            if touched is not None:
+                touched(slot)
+            if device == len(path) and dev[slot] < 0:
+                device = i
+        if offer:
+            for slot in path:
+                self.offer(slot)
+        return Match(path, device)
 
-    def insert(self, tokens: Sequence[int], device_pages: Sequence[int]) -> tuple[list[Node], list[int]]:
-        """Cache ``tokens`` (whole pages) held in ``device_pages``; returns (new nodes, duplicates).
+    def insert(self, after: int, keys: list[int], pages: list[int], path: list[int] = ()
+               ) -> tuple[list[int], list[int]]:
+        """Cache ``keys`` below node ``after`` (-1: the root) on device ``pages``.
 
-        Where the tree already holds a page on device with a *different* id (a
-        concurrent request computed the same prefix), the caller's page is a
-        duplicate and is returned for freeing.  Where the tree holds it on host
-        only, the caller's device page is adopted (no reload needed).  Pages the
-        tree already owns with the same id (the request's own matched prefix)
-        are left as they are.
+        Returns (created slots, duplicate pages).  A key already on device
+        (another request computed it meanwhile) makes the caller's page a
+        duplicate, to be freed; a key on host only adopts the caller's page (no
+        reload needed).  ``path`` (the matched prefix) is marked used as well.
         """
-        ps = self.page_size
-        if len(tokens) % ps:
-            raise RadixError(f"insert needs whole pages: {len(tokens)} tokens, page_size {ps}")
-        total = len(tokens) // ps
-        if len(device_pages) != total:
-            raise RadixError(f"insert: {total} pages of tokens but {len(device_pages)} device pages")
-        stamp = self._tick()
-        node, page = self.root, 0
-        created: list[Node] = []
+        get, parent, dev, stamp = self._slot.get, self.parent, self.dev, self.stamp
+        t = self._tick()
+        for slot in path:
+            stamp[slot] = t
+        created: list[int] = []
         duplicates: list[int] = []
-        while page < total:
-            child = node.children.get(self._page_key(tokens, page))
-            if child is None:
-                leaf = Node(tuple(tokens[page * ps:]), node, next(self._ids))
-                leaf.device = list(device_pages[page:])
-                node.children[leaf.key[:ps]] = leaf
-                self.num_nodes += 1
-                self.device_pages += len(leaf.device)
-                self._touch(leaf, stamp)
-                created.append(leaf)
-                break
-            k = self._matched_pages(child, tokens, page, total - page)
-            if k < len(child.key) // ps:
-                child = self._split(child, k)
-            mine = list(device_pages[page:page + k])
-            if child.device is None:
-                child.device = mine  # host-only node: adopt the freshly computed pages
-                self.device_pages += k
-            elif child.device != mine:
-                duplicates.extend(p for p, q in zip(mine, child.device, strict=True) if p != q)
-            self._touch(child, stamp)
-            node = child
-            page += k
+        prev = after
+        for k, page in zip(keys, pages, strict=True):
+            slot = get(k)
+            if slot < 0:
+                slot = self._new(k, prev, t, page)
+                created.append(slot)
+            elif parent[slot] != prev:
+                raise RadixError(f"page key {k} is cached after another prefix: keys are not chained")
+            elif dev[slot] >= 0:
+                if dev[slot] != page:
+                    duplicates.append(page)
+            else:
+                self.set_device(slot, page)
+            stamp[slot] = t
+            prev = slot
+        if prev >= 0:
+            self.offer(prev)  # the chain's tip; nodes above it have a device child now
         return created, duplicates
 
-    def remove_leaf(self, node: Node) -> None:
-        """Unlink a childless node (its pages must already be released by the caller)."""
-        if node.children or node is self.root or node.lock_ref:
-            raise RadixError(f"cannot remove {node!r}: it has children, is the root, or is locked")
-        parent = node.parent
-        assert parent is not None
-        del parent.children[node.key[:self.page_size]]
-        node.alive = False
-        self.num_nodes -= 1
-        self.push_candidate(parent)
+    # -- locks ----------------------------------------------------------------------------------
+    def lock_path(self, slot: int) -> None:
+        lock, parent = self.lock, self.parent
+        while slot >= 0:
+            lock[slot] += 1
+            slot = parent[slot]
 
-    def set_device(self, node: Node, pages: list[int] | None) -> None:
-        """Record (or clear) a node's device pages, keeping the resident-page counter right."""
-        old = len(node.device) if node.device is not None else 0
-        new = len(pages) if pages is not None else 0
-        node.device = pages
-        self.device_pages += new - old
-        self.push_candidate(node)
-        if pages is None and node.parent is not None:
-            self.push_candidate(node.parent)
+    def unlock_path(self, slot: int) -> None:
+        lock, parent = self.lock, self.parent
+        while slot >= 0:
+            if lock[slot] <= 0:
+                raise RadixError(f"unlock of {self.info(slot)} below zero")
+            lock[slot] -= 1
+            if not lock[slot]:
+                self.offer(slot)
+            slot = parent[slot]
 
-    def set_host(self, node: Node, pages: list[int] | None) -> None:
-        old = len(node.host) if node.host is not None else 0
-        new = len(pages) if pages is not None else 0
-        node.host = pages
-        self.host_pages += new - old
-        self.push_candidate(node)
+    # -- eviction candidates ------------------------------------------------------------------
+    def candidate(self, slot: int, tier: int) -> bool:
+        if self.lock[slot]:
+            return False
+        if tier == DEVICE:
+            return self.dev[slot] >= 0 and not self.ndev[slot]
+        return (self.host[slot] >= 0 and not self.nhost[slot]
+                and (self.dev[slot] >= 0 or not self.nchild[slot]))
 
-    # -- locks ----------------------------------------------------------------------------
-    def lock(self, node: Node | None) -> None:
-        while node is not None and node is not self.root:
-            node.lock_ref += 1
-            node = node.parent
+    def offer(self, slot: int) -> None:
+        """Push ``slot`` to each tier's heap it is a candidate of, at its current priority."""
+        if self.lock[slot] or self.parent[slot] == -2:
+            return
+        dev = self.dev[slot] >= 0
+        tiers = [DEVICE] if dev and not self.ndev[slot] else []
+        if self.host[slot] >= 0 and not self.nhost[slot] and (dev or not self.nchild[slot]):
+            tiers.append(HOST)
+        if not tiers:
+            return
+        entry = (self.policy.priority(slot) << 32) | slot
+        for tier in tiers:
+            heap = self._heaps[tier]
+            heapq.heappush(heap, entry)
+            if len(heap) > self._rebuild_at[tier]:
+                self._rebuild()  # mostly stale entries: start again from the candidates
 
-    def unlock(self, node: Node | None) -> None:
-        while node is not None and node is not self.root:
-            if node.lock_ref <= 0:
-                raise RadixError(f"unlock of {node!r} below zero")
-            node.lock_ref -= 1
-            if node.lock_ref == 0:
-                self.push_candidate(node)
-            node = node.parent
+    def pop(self, tier: int) -> int:
+        """The tier's lowest-priority candidate (told to the policy as evicted), or -1."""
+        for attempt in range(2):
+            heap = self._heaps[tier]
+            while heap:
+                entry = heapq.heappop(heap)
+                slot = entry & _SLOT_MASK
+                if self.candidate(slot, tier) and self.policy.priority(slot) == entry >> 32:
+                    self.policy.evicted(slot)
+                    return slot
+            if attempt == 0:
+                self._rebuild()
+        return -1
 
-    # -- inspection -----------------------------------------------------------------------
-    def nodes(self) -> Iterator[Node]:
-        stack = [self.root]
-        while stack:
-            n = stack.pop()
-            yield n
-            stack.extend(n.children.values())
+    def _views(self) -> dict[str, np.ndarray]:
+        return {name: np.frombuffer(getattr(self, name), dtype=_DTYPES[code]) for name, code in _FIELDS}
+
+    def _rebuild(self) -> None:
+        """Both heaps from scratch: every candidate once, at its current priority."""
+        v = self._views()
+        free = v["lock"] == 0
+        masks = (free & (v["dev"] >= 0) & (v["ndev"] == 0),
+                 free & (v["host"] >= 0) & (v["nhost"] == 0) & ((v["dev"] >= 0) | (v["nchild"] == 0)))
+        del v
+        for tier, mask in enumerate(masks):
+            slots = np.flatnonzero(mask)
+            heap = [(p << 32) | s for p, s in zip(self.policy.priorities(slots), slots.tolist(),
+                                                   strict=True)]
+            heapq.heapify(heap)
+            self._heaps[tier][:] = heap
+            self._rebuild_at[tier] = 2 * len(heap) + 4096
+
+    # -- inspection -----------------------------------------------------------------------------
+    def info(self, slot: int) -> NodeInfo:
+        return NodeInfo(slot, self.key[slot], self.parent[slot], self.dev[slot], self.host[slot],
+                        self.lock[slot], self.stamp[slot], self.hits[slot], self.nchild[slot])
+
+    def slots(self) -> Iterator[int]:
+        """Live node slots (no particular order)."""
+        return iter(self._slot.items()[1].tolist())
+
+    def page_ids(self) -> tuple[list[int], list[int]]:
+        """Device and host page ids the tree holds."""
+        v = self._views()
+        return v["dev"][v["dev"] >= 0].tolist(), v["host"][v["host"] >= 0].tolist()
 
     def locked_pages(self) -> int:
         """Device pages of the tree held by running requests (not evictable)."""
-        return sum(len(n.device) for n in self.nodes()
-                   if n is not self.root and n.lock_ref and n.device is not None)
+        v = self._views()
+        return int(((v["lock"] > 0) & (v["dev"] >= 0)).sum())
 
     def check(self) -> None:
-        """Assert the structural invariants (tests call this after every operation)."""
-        ps = self.page_size
-        dev = host = count = 0
-        for n in self.nodes():
-            if n is self.root:
-                continue
-            count += 1
-            pages = len(n.key) // ps
-            assert n.alive, f"{n!r} is linked but marked dead"
-            assert len(n.key) % ps == 0 and pages > 0, f"{n!r}: key is not whole pages"
-            assert n.parent is not None and n.parent.children.get(n.key[:ps]) is n, f"{n!r}: bad link"
-            assert n.device is not None or n.host is not None, f"{n!r} is resident nowhere"
-            if n.device is not None:
-                assert len(n.device) == pages, f"{n!r}: {len(n.device)} device pages for {pages}"
-                assert n.parent is self.root or n.parent.device is not None, (
-                    f"{n!r} is on device but its parent is not (device residency must be prefix-closed)")
-                dev += pages
-            if n.host is not None:
-                assert len(n.host) == pages, f"{n!r}: {len(n.host)} host pages for {pages}"
-                host += pages
-            assert n.lock_ref >= 0, f"{n!r}: negative lock"
-            child_locks = sum(c.lock_ref for c in n.children.values())
-            assert n.lock_ref >= child_locks, f"{n!r}: lock below its children's ({child_locks})"
-        assert count == self.num_nodes, f"node count {count} != {self.num_nodes}"
-        assert dev == self.device_pages, f"device pages {dev} != counter {self.device_pages}"
-        assert host == self.host_pages, f"host pages {host} != counter {self.host_pages}"
-
-    def page_ids(self) -> tuple[list[int], list[int]]:
-        """Every device and host page id the tree holds (to check against the allocators)."""
-        dev: list[int] = []
-        host: list[int] = []
-        for n in self.nodes():
-            if n is self.root:
-                continue
-            dev.extend(n.device or ())
-            host.extend(n.host or ())
-        return dev, host
+        """Assert the invariants of the module docstring (tests, ``--check-every``)."""
+        v = self._views()
+        live = np.zeros(len(v["key"]), dtype=bool)
+        keys, slots = self._slot.items()
+        live[slots] = True
+        assert len(slots) == len(self._slot) == self.num_nodes == int((v["parent"] != -2).sum()), \
+            "node count"
+        assert np.array_equal(v["key"][slots], keys), "key table out of step with the nodes"
+        assert all(self._slot.get(k) == s for k, s in zip(keys.tolist(), slots.tolist(),
+                                                          strict=True)), "a key is not reachable"
+        dev, host, parent = v["dev"], v["host"], v["parent"]
+        assert not (live & (dev < 0) & (host < 0)).any(), "a node is resident nowhere"
+        assert not (~live & ((dev >= 0) | (host >= 0))).any(), "a dead slot holds pages"
+        has_parent = live & (parent >= 0)
+        assert live[parent[has_parent]].all(), "a node's parent is dead"
+        assert (dev[parent[has_parent & (dev >= 0)]] >= 0).all(), "device residency not prefix-closed"
+        n = len(live)
+        for field, mask in (("nchild", has_parent), ("ndev", has_parent & (dev >= 0)),
+                            ("nhost", has_parent & (host >= 0))):
+            want = np.bincount(parent[mask], minlength=n)
+            assert np.array_equal(v[field][live], want[live]), f"{field} counts out of step"
+        assert (v["lock"] >= 0).all(), "negative lock"
+        assert self.device_pages == int((dev >= 0).sum()), "device page count"
+        assert self.host_pages == int((host >= 0).sum()), "host page count"

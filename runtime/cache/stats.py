@@ -7,7 +7,9 @@ and the Prometheus exporter show as ``host_hit_ratio``).  Evictions are counted
 in *pages* (the unit that moves): ``device`` = pages that left the device tier
 (backed up to host or dropped), ``host`` = pages that left the host tier.
 Transfer bytes and seconds are not duplicated here: they are read from the
-controller's ``TransferStats`` when a snapshot is taken.
+controller's ``TransferStats`` when a snapshot is taken.  Pages moved per
+direction (``backup_pages`` d2h, ``load_pages`` h2d) are counted here in both
+modes, so a metadata-only replay prices them with the memory layer's bytes per page.
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ class CacheStats:
         """Everything, for the benchmark's JSON (counters, ratios, transfers)."""
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "transfer"}
         d.update(looked_up_tokens=self.looked_up_tokens, hit_ratio=self.hit_ratio,
-                 device_hit_ratio=self.device_hit_ratio, host_hit_ratio=self.host_hit_ratio)
+                 device_hit_ratio=self.device_hit_ratio, host_hit_ratio=self.host_hit_ratio,
+                 moved_pages={"d2h": self.backup_pages, "h2d": self.load_pages})
         d.update(self._transfer_fields())
         return d

@@ -148,15 +148,28 @@ def _render_transfer(args: argparse.Namespace) -> int:
 
 
 def _register_hicache(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("hicache", help="replay a chat trace: prefix-cache hits with HiCache vs device only vs an infinite cache")
+    from ..cache.eviction import DEFAULT_POLICY, POLICIES
+    from ..cache.mooncake import DEFAULT_BLOCK_TOKENS
+    from .common import DEFAULT_PAGE_SIZE
+
+    p = sub.add_parser("hicache", help="replay a trace: prefix-cache hits with HiCache vs device only vs "
+                                       "the Belady bound and an infinite cache")
     add_layout_args(p, default_model="tiny-v4")
+    # tokens traces: --page-size (default below); Mooncake traces: the page is a block
+    p.set_defaults(page_size=None, default_page_size=DEFAULT_PAGE_SIZE)
     p.add_argument("--trace", default=None, metavar="FILE",
-                   help="JSONL trace (docs/hicache.md); default: a generated multi-turn chat trace")
+                   help="JSONL trace, stagecache tokens or Mooncake format (docs/hicache.md); "
+                        "default: a generated multi-turn chat trace")
+    p.add_argument("--trace-format", choices=("auto", "tokens", "mooncake"), default="auto",
+                   help="format of --trace (default: detected from the first line)")
+    p.add_argument("--block-tokens", type=positive_int, default=DEFAULT_BLOCK_TOKENS,
+                   help=f"tokens per Mooncake hash id; one block = one page (default {DEFAULT_BLOCK_TOKENS})")
     p.add_argument("--skip-bad-lines", action="store_true",
                    help="skip malformed trace lines (reported) instead of refusing the whole file")
     p.add_argument("--save-trace", default=None, metavar="FILE", help="write the replayed trace as JSONL")
     p.add_argument("--requests", type=positive_int, default=None,
-                   help=f"requests to generate (default {bench_hicache.DEFAULT_REQUESTS}) or to take from --trace")
+                   help=f"requests to generate (default {bench_hicache.DEFAULT_REQUESTS}), or the first N "
+                        "of --trace (reading stops there)")
     p.add_argument("--seed", type=nonneg_int, default=0, help="seed of the generated trace (default 0)")
     p.add_argument("--think-time", type=nonneg_float, default=30.0, help="mean seconds between a session's turns (default %(default)s)")
     p.add_argument("--session-gap", type=nonneg_float, default=1.5, help="mean seconds between session starts (default %(default)s)")
@@ -167,6 +180,10 @@ def _register_hicache(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hicache-write-policy", "--write-policy", dest="write_policy",
                    choices=("write_back", "write_through", "write_through_selective"),
                    default="write_through", help="when device pages are copied to host (sglang's flag)")
+    p.add_argument("--eviction-policy", choices=tuple(POLICIES), default=DEFAULT_POLICY,
+                   help=f"which evictable page goes first, both tiers (default {DEFAULT_POLICY})")
+    p.add_argument("--metadata-only", action="store_true",
+                   help="no tensors: tree, tiers, eviction and counted transfers only (any capacity)")
     p.add_argument("--hicache-layout", choices=("layer_first", "page_first"), default="layer_first")
     p.add_argument("--concurrency", type=positive_int, default=4, help="requests in flight at once, their pages locked (default %(default)s)")
     p.add_argument("--stage", type=nonneg_int, action="append", default=None,
@@ -182,11 +199,16 @@ def _register_hicache(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_hicache(args: argparse.Namespace) -> int:
+    from ..bench import hicache_report
+    from ..errors import ConfigError
+
+    if args.verify and args.metadata_only:
+        raise ConfigError("--verify checks page bytes; --metadata-only has none: use one of them")
     res = bench_hicache.run_bench(args)
     if args.json:
         print(json.dumps(res, indent=2))
     else:
-        bench_hicache.print_table(res)
+        hicache_report.print_table(res)
     bad = res["summary"]["hicache"]["mismatches"] + res["summary"]["device_only"]["mismatches"]
     if bad:
         for mode in ("hicache", "device_only"):

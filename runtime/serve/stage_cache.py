@@ -45,11 +45,10 @@ class KvMismatchError(StageCacheError):
 
 def build_trace(trace: str | None, requests: int, seed: int) -> list[Any]:
     """The request stream every stage replays: a JSONL file (first ``requests``) or a generated one."""
-    from ..cache.traces import WorkloadConfig, generate, load_trace
+    from ..cache.traces import WorkloadConfig, generate, load_requests
 
     if trace:
-        reqs = list(load_trace(trace).requests)
-        return reqs[:requests] if requests else reqs
+        return list(load_requests(trace, limit=requests or None).requests)
     return generate(WorkloadConfig(seed=seed, requests=requests, **SERVE_WORKLOAD))
 
 

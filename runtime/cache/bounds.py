@@ -1,0 +1,97 @@
+"""What any cache could reach on a trace: the infinite-cache ceiling and the offline Belady bound.
+
+Both work on ``PageView`` s (``pages.py``), so they use exactly the cache's hit
+and keep rules and its page keys, whichever format the trace came in.
+
+* ``CeilingTracker`` -- every page ever kept stays reusable.  Incremental
+  (``observe`` one request at a time), so whoever drives a cache -- the bench,
+  ``serve``, a dashboard -- can show the hit rate so far next to the ceiling so far.
+* ``belady_hit_tokens`` -- one tier of ``capacity`` pages that, when full, evicts
+  the page whose next use is farthest in the future (Belady's MIN, with the
+  trace known in advance; ties: the deeper page first, so a prefix outlives its
+  extensions).  "Use" is a lookup that may match the page.  A block's next use
+  is never later than its extension's (equal key => equal prefix), so MIN keeps
+  prefixes whole.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Sequence
+
+from .pages import PageView
+
+
+class CeilingTracker:
+    """Hit tokens of an infinite cache, one request at a time (sequential order)."""
+
+    def __init__(self) -> None:
+        self.seen: set[int] = set()
+        self.requests = 0
+        self.input_tokens = 0
+        self.hit_tokens = 0
+
+    def observe(self, view: PageView) -> int:
+        """Account one request; returns its hit tokens."""
+        keys = view.keys.tolist()
+        seen = self.seen
+        hit = 0
+        limit = min(view.max_hit, len(keys))
+        while hit < limit and keys[hit] in seen:
+            hit += 1
+        seen.update(keys[:view.cacheable])
+        tokens = view.hit_tokens(hit)
+        self.requests += 1
+        self.input_tokens += view.input_len
+        self.hit_tokens += tokens
+        return tokens
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.input_tokens if self.input_tokens else 0.0
+
+
+def _next_uses(views: Sequence[PageView]) -> list[list[int]]:
+    """For each request and each page it keeps: the index of the next request that looks it up."""
+    never = len(views)
+    upcoming: dict[int, int] = {}
+    out: list[list[int]] = [[]] * len(views)
+    for i in range(len(views) - 1, -1, -1):
+        v = views[i]
+        keys = v.keys.tolist()
+        out[i] = [upcoming.get(k, never) for k in keys[:v.cacheable]]
+        for k in keys[:v.max_hit]:
+            upcoming[k] = i
+    return out
+
+
+def belady_hit_tokens(views: Sequence[PageView], capacity: int) -> int:
+    """Prompt tokens hit by Belady's MIN at ``capacity`` pages (see module docstring)."""
+    if capacity <= 0:
+        return 0
+    nxt = _next_uses(views)
+    cached: dict[int, tuple[int, int]] = {}  # key -> (next use, depth)
+    heap: list[tuple[int, int, int]] = []  # (-next use, -depth, key); stale entries skipped
+    total = 0
+    for i, v in enumerate(views):
+        keys = v.keys.tolist()
+        hit = 0
+        limit = min(v.max_hit, len(keys))
+        while hit < limit and keys[hit] in cached:
+            hit += 1
+        total += v.hit_tokens(hit)
+        for depth, (k, when) in enumerate(zip(keys[:v.cacheable], nxt[i], strict=True)):
+            cached[k] = (when, depth)
+            heapq.heappush(heap, (-when, -depth, k))
+        while len(cached) > capacity:
+            when, depth, k = heapq.heappop(heap)
+            if cached.get(k) == (-when, -depth):
+                del cached[k]
+        if len(heap) > 4 * capacity + 4096:
+            heap = [(-w, -d, k) for k, (w, d) in cached.items()]
+            heapq.heapify(heap)
+    return total
+
+
+def input_tokens(views: Iterable[PageView]) -> int:
+    return sum(v.input_len for v in views)

@@ -1,0 +1,97 @@
+"""What ``HiCache`` hands out and raises: request handles, prefix matches, out-of-pages errors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import StageCacheError
+from ..memory.allocator import OutOfPagesError
+from .pages import PageView
+
+
+class CacheOutOfPagesError(OutOfPagesError):
+    """No free device page and nothing evictable: every page is held by a running request."""
+
+    def __init__(self, stage: int, asked: int, free: int, total: int, cached: int, locked: int,
+                 in_flight: int):
+        self.stage, self.asked, self.free, self.total = stage, asked, free, total
+        self.cached, self.locked, self.in_flight = cached, locked, in_flight
+        self.name = f"stage {stage} device"
+        if asked > total:
+            why = f"more than the stage's {total} device pages: this request can never fit"
+        else:
+            why = (f"{cached} cached pages of which {locked} are locked by running requests, "
+                   f"{in_flight} pages being computed by running requests; nothing left to evict")
+        StageCacheError.__init__(
+            self, f"stage {stage} device: out of pages: asked for {asked}, {free} of {total} free; {why}")
+
+
+class HandleError(StageCacheError, RuntimeError):
+    """A handle used twice (finish after finish/abort) or with the wrong cache."""
+
+
+@dataclass(frozen=True, eq=False)
+class PrefixMatch:
+    """``match_prefix`` result: tokens hit per tier and the device pages now holding them."""
+
+    device_tokens: int  # already on device
+    host_tokens: int  # were on host only, loaded to device by this call
+    pages: tuple[int, ...]  # device page ids of the whole matched prefix, in order
+    last_node: int  # slot of the deepest matched node (-1: none)
+    locked: bool
+
+    @property
+    def tokens(self) -> int:
+        return self.device_tokens + self.host_tokens
+
+
+@dataclass(eq=False)
+class Handle:
+    """A running request on one stage: its pages, and what was reused."""
+
+    request: Any
+    view: PageView
+    keys: list[int]
+    path: list[int]  # slots of the matched prefix (locked while running)
+    device_hit_pages: int
+    host_hit_pages: int
+    prefix_pages: list[int]  # device page ids of the reused prefix (tree-owned, locked)
+    new_pages: list[int]  # device page ids for pages matched_pages.. (request-owned)
+    done: bool = field(default=False)
+
+    @property
+    def matched_pages(self) -> int:
+        return self.device_hit_pages + self.host_hit_pages
+
+    @property
+    def last_node(self) -> int:
+        return self.path[-1] if self.path else -1
+
+    @property
+    def input_len(self) -> int:
+        return self.view.input_len
+
+    @property
+    def pages(self) -> list[int]:
+        return self.prefix_pages + self.new_pages
+
+    @property
+    def hashes(self) -> np.ndarray:
+        """One key per page: what the KV writer seeds each page's bytes with."""
+        return self.view.keys
+
+    @property
+    def new_hashes(self) -> np.ndarray:
+        return self.view.keys[self.matched_pages:]
+
+    @property
+    def prefix_hashes(self) -> np.ndarray:
+        return self.view.keys[:self.matched_pages]
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """Prompt + answer token ids (synthesised for a block request, on demand)."""
+        return self.view.tokens if self.view.tokens is not None else self.request.tokens()
