@@ -62,7 +62,7 @@ def test_cross_stage_errors_in_json():
     (["--model", "tiny-v4", "--pp-size", "4", "--pp-partition", "3,3,3,4"], "sums to 13"),
     (["--model", "tiny-v4", "--pp-size", "4", "--page-size", "100"], "multiple of 128"),
     (["--model", "tiny-v4", "--pp-size", "4", "--fault", "bogus"], "unknown --fault 'bogus'"),
-    (["--model", "/nonexistent/config.json", "--pp-size", "1"], "cannot read model config"),
+    (["--model", "/nonexistent/config.json", "--pp-size", "1"], "model config '/nonexistent/config.json': cannot read"),
     (["--pp-size", "1"], "--model"),
 ])
 def test_bad_input_exits_2_with_one_line(args, needle):
