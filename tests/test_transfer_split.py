@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 import time
@@ -147,3 +148,19 @@ def test_split_reaches_stage_live_and_metrics():
             getattr(live.transfer_seconds, d))
         assert total("stagecache_transfers_total", direction=d) == 1
         assert total("stagecache_transfer_queue_wait_seconds_count", direction=d) == len(c.plan().kinds)
+
+
+def test_bench_transfer_split_cpu_json(capsys):
+    """``stagecache bench transfer-split``: the queued load waits, its DMA time does not grow, sums hold."""
+    from stagecache.runtime.cli.main import main
+
+    assert main(["bench", "transfer-split", "--device", "cpu", "--big-pages", "128", "--calls", "20"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    split, acc = report["split"], report["accounting"]
+    assert report["bench"] == "transfer-split" and split["path"] == "cpu"
+    assert split["behind"]["queue_us"] > 10 * split["alone"]["queue_us"]
+    assert split["kind_bytes_sum"] == split["bytes"]
+    assert set(split["kinds"]["d2h"]) == set(split["pool_kinds"])
+    assert acc["kinds"] == len(split["pool_kinds"])
+    assert {"record_split_us", "record_totals_us", "stamp_and_lock_us", "added_us", "call_with_stats_us",
+            "call_without_stats_us", "stats_ratio"} <= set(acc)

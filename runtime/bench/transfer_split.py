@@ -17,6 +17,7 @@ Two parts, one JSON report:
 from __future__ import annotations
 
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -77,12 +78,17 @@ def _behind(c: TransferController, cuda: bool, big: list[int], small: list[int])
         started.set()
         out["first"] = c.backup(big, big)
 
-    t = threading.Thread(target=long_backup)
-    t.start()
-    started.wait()
-    time.sleep(0.001)  # let the backup take the copy lock first
-    second = c.load(small, small)
-    t.join()
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(0.0002)  # hand the GIL over often: the load is called while the backup copies
+    try:
+        t = threading.Thread(target=long_backup)
+        t.start()
+        started.wait()
+        time.sleep(0.001)  # let the backup take the copy lock first
+        second = c.load(small, small)
+        t.join()
+    finally:
+        sys.setswitchinterval(switch)
     return out["first"], second
 
 
