@@ -114,18 +114,23 @@ def test_a_call_queued_behind_another_waits_for_its_copy():
 
 
 def test_fold_keeps_every_transfer(monkeypatch):
-    """Pending transfers fold into the split in batches; none is lost between two snapshots."""
+    """Pending transfers fold into the split in batches, grouped by the kinds they moved; none is lost."""
     monkeypatch.setattr(stats_module, "FOLD_EVERY", 7)
     stats = TransferStats()
-    kinds = (("swa", 3), ("c4", 1))
+    both, c4_only = (("swa", 3), ("c4", 1)), (("c4", 2),)
     for i in range(20):
-        stats.record("h2d", 4 * (i + 1), 0.001, i + 1, queue_seconds=0.0001, kinds=kinds)
+        kinds = (both, c4_only, tuple(list(both)))[i % 3]  # an equal tuple that is another object too
+        stats.record("h2d", sum(b for _, b in kinds) * (i + 1), 0.001, i + 1, queue_seconds=0.0001, kinds=kinds)
         if i == 11:
             stats.snapshot()
     snap = stats.snapshot()["h2d"]
-    assert snap["kinds"]["swa"]["moves"] == snap["kinds"]["c4"]["moves"] == 20
-    assert snap["kinds"]["swa"]["bytes"] + snap["kinds"]["c4"]["bytes"] == snap["bytes"] == 4 * 210
-    assert snap["kinds"]["swa"]["dma_seconds"] == pytest.approx(0.015)
+    swa, c4 = snap["kinds"]["swa"], snap["kinds"]["c4"]
+    n_both = sum(1 for i in range(20) if i % 3 != 1)
+    assert swa["moves"] == n_both and c4["moves"] == 20
+    assert swa["bytes"] + c4["bytes"] == snap["bytes"]
+    assert swa["dma_seconds"] == pytest.approx(0.001 * 0.75 * n_both)
+    assert c4["dma_seconds"] == pytest.approx(0.001 * (0.25 * n_both + 20 - n_both))
+    assert c4["queue_bucket_counts"][-1] == 20 and c4["queue_seconds"] == pytest.approx(0.002)
 
 
 def test_split_reaches_stage_live_and_metrics():

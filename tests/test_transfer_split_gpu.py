@@ -96,6 +96,8 @@ def test_gpu_queue_wait_counts_work_queued_on_the_callers_stream():
         pytest.skip("torch.cuda._sleep is not available in this torch")
     c, stats = controller(8)
     c.load([1], [1], blocking=True)
+    torch.cuda._sleep(1000)  # load the sleep kernel now: a lazy load would idle the stream between the events
+    torch.cuda.synchronize()
     before = torch.cuda.Event(enable_timing=True)
     after = torch.cuda.Event(enable_timing=True)
     before.record()

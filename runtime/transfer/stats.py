@@ -90,7 +90,8 @@ class _Kind:
 
 
 class _Direction:
-    __slots__ = ("bytes", "seconds", "count", "pages", "buckets", "queue_seconds", "kinds", "pending")
+    __slots__ = ("bytes", "seconds", "count", "pages", "buckets", "queue_seconds", "kinds", "kind_sets",
+                 "pending")
 
     def __init__(self) -> None:
         self.bytes = 0
@@ -100,8 +101,10 @@ class _Direction:
         self.buckets = [0] * (len(DURATION_BUCKETS) + 1)  # last = +Inf
         self.queue_seconds = 0.0  # each transfer's wait once (per kind: see _Kind)
         self.kinds: dict[str, _Kind] = {}
-        #: (queue s, DMA s, pages, kinds) not yet folded into ``kinds`` (see ``_fold``)
-        self.pending: list[tuple[float, float, int, tuple[tuple[str, int], ...]]] = []
+        #: id -> the kinds tuple pending transfers moved (a plan's tuple is one object, reused)
+        self.kind_sets: dict[int, tuple[tuple[str, int], ...]] = {}
+        #: queue s, DMA s, pages and kinds id of transfers not yet folded into ``kinds`` (``_fold``)
+        self.pending: tuple[list[float], list[float], list[int], list[int]] = ([], [], [], [])
 
 
 def _cumulative(counts: Any) -> list[int]:
@@ -111,32 +114,35 @@ def _cumulative(counts: Any) -> list[int]:
 def _fold(d: _Direction) -> None:
     """Fold the pending transfers into the per-kind split, a whole batch per kind set at once.
 
-    Appending a tuple is all a transfer pays for the split; the bucket search runs
-    here over arrays (once per ``snapshot`` or ``FOLD_EVERY`` transfers), so the
-    per-transfer cost stays flat however many kinds a stage has.
+    Four list appends are all a transfer pays for the split; grouping and the bucket
+    search run here over arrays (once per ``snapshot`` or ``FOLD_EVERY`` transfers),
+    so the per-transfer cost stays flat however many kinds a stage has.
     """
-    groups: dict[tuple[tuple[str, int], ...], list[tuple[float, float, int]]] = {}
-    for q, sec, pages, kinds in d.pending:
-        groups.setdefault(kinds, []).append((q, sec, pages))
-    d.pending = []
+    if not d.pending[0]:
+        return
+    queue, seconds, pages, ids = (np.asarray(x) for x in d.pending)
+    d.pending = ([], [], [], [])
     bounds = np.asarray(SPLIT_BUCKETS)
     size = len(SPLIT_BUCKETS) + 1
-    for kinds, rows in groups.items():
-        arr = np.asarray(rows, dtype=np.float64)
-        queue, seconds, pages = arr[:, 0], arr[:, 1], int(arr[:, 2].sum())
-        queue_counts = np.bincount(np.searchsorted(bounds, queue, side="left"), minlength=size)
+    for kid in np.unique(ids).tolist():
+        kinds = d.kind_sets[kid]
+        sel = ids == kid
+        q, sec, n = queue[sel], seconds[sel], int(sel.sum())
+        queue_counts = np.bincount(np.searchsorted(bounds, q, side="left"), minlength=size)
+        moved_pages, queue_sum = int(pages[sel].sum()), float(q.sum())
         per_page = sum(b for _, b in kinds)
         for kind, b in kinds:
             k = d.kinds.get(kind)
             if k is None:
                 k = d.kinds[kind] = _Kind()
-            shares = seconds * (b / per_page) if per_page else np.zeros_like(seconds)
-            k.bytes += b * pages
-            k.moves += len(rows)
-            k.queue_seconds += float(queue.sum())
+            shares = sec * (b / per_page) if per_page else np.zeros_like(sec)
+            k.bytes += b * moved_pages
+            k.moves += n
+            k.queue_seconds += queue_sum
             k.queue_buckets += queue_counts
             k.dma_seconds += float(shares.sum())
             k.dma_buckets += np.bincount(np.searchsorted(bounds, shares, side="left"), minlength=size)
+    d.kind_sets.clear()
 
 
 class TransferStats:
@@ -168,8 +174,15 @@ class TransferStats:
             d.buckets[slot] += 1
             d.queue_seconds += rec.queue_seconds
             if kinds:
-                d.pending.append((rec.queue_seconds, rec.seconds, rec.pages, kinds))
-                if len(d.pending) >= FOLD_EVERY:
+                kid = id(kinds)  # held in kind_sets until folded, so no other tuple can take the id
+                if kid not in d.kind_sets:
+                    d.kind_sets[kid] = kinds
+                q, sec, pages, ids = d.pending
+                q.append(rec.queue_seconds)
+                sec.append(rec.seconds)
+                pages.append(rec.pages)
+                ids.append(kid)
+                if len(ids) >= FOLD_EVERY:
                     _fold(d)
         return rec
 
