@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from stagecache.runtime.serve.live import StageLive
+from stagecache.runtime.serve.live import StageLive, TransferKind
 
 #: Labels of every per-stage family, in this order (sglang's vocabulary).
 STAGE_LABELS: tuple[str, ...] = ("model_name", "pp_rank", "tp_rank")
@@ -43,7 +43,8 @@ LABELS: dict[str, str] = {
     "pp_rank": "pipeline-parallel rank, i.e. the stage, 0-based (sglang's label)",
     "tp_rank": "tensor-parallel rank whose numbers these are; stagecache reports rank 0 "
                "(KV is replicated across TP) (sglang's label)",
-    "pool": "KV pool kind, named by the stage's own inventory (swa, c4, c128, ...)",
+    "pool": "KV pool kind, named by the stage's own inventory (swa, c4, c128, ...); on transfer "
+            "families `all` where the source reports no per-kind split (sglang hooks)",
     "tier": "memory tier: `device` or `host` (where pages or bytes live, where a prefix hit was found)",
     "direction": "host<->device copy direction: `d2h` (backup to host) or `h2d` (load from host)",
     "space": "page-id space: pages shared by every pool drawing on it (`device`, `host`)",
@@ -151,17 +152,59 @@ def _phase(s: StageLive) -> Samples:
     return [((), states)]
 
 
-def _histogram(s: StageLive, direction: str) -> tuple[list[tuple[str, float]], float]:
-    """Cumulative ``(le, count)`` buckets of one direction; only +Inf when none were reported."""
-    hist = s.transfer_seconds_buckets
-    counts = getattr(hist, direction)
-    total = getattr(s.transfer_count, direction)
+# -- transfers: queue wait vs DMA time, per direction and pool kind ----------------------------
+
+#: ``pool`` label of a source that reports transfers without a per-kind split (the sglang hooks):
+#: its direction totals, every kind of the stage together.
+UNSPLIT_POOL = "all"
+
+
+def _transfer_kinds(s: StageLive, direction: str) -> dict[str, TransferKind]:
+    """The direction's per-kind split; a source without one gets its totals as pool ``all``."""
+    kinds = getattr(s.transfer_split, direction)
+    if kinds or not (getattr(s.transfer_count, direction) or getattr(s.transfer_bytes, direction)):
+        return dict(kinds)
+    return {UNSPLIT_POOL: TransferKind(
+        bytes=getattr(s.transfer_bytes, direction), moves=getattr(s.transfer_count, direction),
+        queue_seconds=getattr(s.transfer_split.queue_seconds, direction),
+        dma_seconds=getattr(s.transfer_seconds, direction))}
+
+
+def _kind_buckets(le: list[float], counts: list[int], total: int) -> list[tuple[str, float]]:
+    """Cumulative ``(le, count)`` buckets; only +Inf when none were reported."""
     buckets: list[tuple[str, float]] = []
-    if counts and len(counts) == len(hist.le) + 1:
-        buckets = [(repr(float(b)), c) for b, c in zip(hist.le, counts[:-1], strict=True)]
+    if counts and len(counts) == len(le) + 1:
+        buckets = [(repr(float(b)), c) for b, c in zip(le, counts[:-1], strict=True)]
         total = counts[-1]
     buckets.append(("+Inf", total))
-    return buckets, getattr(s.transfer_seconds, direction)
+    return buckets
+
+
+def _per_kind(fn: Callable[[StageLive, TransferKind], Any]) -> Callable[[StageLive], Samples]:
+    return lambda s: [((d, pool), fn(s, k)) for d in DIRECTIONS
+                      for pool, k in sorted(_transfer_kinds(s, d).items())]
+
+
+TRANSFER_FAMILIES: tuple[Family, ...] = (
+    Family("stagecache_transfers_total", "counter",
+           "Device<->host transfers (calls); one transfer moves one or more pool kinds", ("direction",),
+           per(DIRECTIONS, lambda s, d: getattr(s.transfer_count, d))),
+    Family("stagecache_transfer_bytes_total", "counter",
+           "Bytes copied between device and host pools, by pool kind", ("direction", "pool"),
+           _per_kind(lambda s, k: k.bytes)),
+    Family("stagecache_transfer_queue_wait_seconds", "histogram",
+           "Seconds from a transfer's call until its copy started on the stream (CUDA events on GPU, "
+           "host clock on CPU); every pool kind the transfer moved observes the whole wait",
+           ("direction", "pool"),
+           _per_kind(lambda s, k: (_kind_buckets(s.transfer_split.le, k.queue_buckets, k.moves),
+                                   k.queue_seconds))),
+    Family("stagecache_transfer_dma_seconds", "histogram",
+           "Copy time of a transfer, start to finish (CUDA events on GPU, host clock on CPU), split over "
+           "the pool kinds it moved by bytes: rate(bytes_total) / rate(_sum) is the copy bandwidth",
+           ("direction", "pool"),
+           _per_kind(lambda s, k: (_kind_buckets(s.transfer_split.le, k.dma_buckets, k.moves),
+                                   k.dma_seconds))),
+)
 
 
 def _spaces(fn: Callable[[Any], float]) -> Callable[[StageLive], Samples]:
@@ -204,11 +247,7 @@ LIVE_FAMILIES: tuple[Family, ...] = (
     Family("stagecache_hicache_pages_total", "counter", "Pages HiCache backed up, loaded, dropped or "
            "did not back up (already on host)", ("operation",),
            lambda s: [((op,), getattr(s.cache_pages, f)) for f, op in HICACHE_OPERATIONS.items()]),
-    Family("stagecache_transfer_bytes_total", "counter", "Bytes copied between device and host pools",
-           ("direction",), per(DIRECTIONS, lambda s, d: getattr(s.transfer_bytes, d))),
-    Family("stagecache_transfer_duration_seconds", "histogram",
-           "Duration of one device<->host page transfer (_sum: seconds spent copying)", ("direction",),
-           per(DIRECTIONS, _histogram)),
+    *TRANSFER_FAMILIES,
     Family("stagecache_kv_verified_pages_total", "counter",
            "Host-loaded pages whose KV bytes were verified", samples=one(lambda s: s.kv_verified_pages)),
     Family("stagecache_computed_tokens_total", "counter",

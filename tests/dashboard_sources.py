@@ -68,6 +68,10 @@ class ScriptedRun:
                  stage_seconds=0.06 * e, bubble_seconds=0.02 * s * e)
         d["cache_tokens"] = {"device": 0, "host": int(RATIO[s] * lookups), "miss": lookups - int(RATIO[s] * lookups)}
         d["transfer_bytes"] = {"d2h": int(1e6 * (s + 1) * e), "h2d": int(5e5 * e)}
+        n = int(100 * e)  # transfers per direction: stage s waits (s + 1) ms per backup, 0.5 ms per load
+        d["transfer_count"] = {"d2h": n, "h2d": n}
+        d["transfer_seconds"] = {"d2h": 0.002 * n, "h2d": 0.001 * n}
+        d["transfer_split"] = {"queue_seconds": {"d2h": 0.001 * (s + 1) * n, "h2d": 0.0005 * n}}
         d["timeline"] = [ev for i in range(max(0, int(10 * e) - 20), int(10 * e))
                          for ev in self._events(s, i)]
         return d

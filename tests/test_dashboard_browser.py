@@ -35,7 +35,7 @@ CHROME_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                 "--window-size=1400,1000",
                 # offline: every name but the loopback fails to resolve, so a CDN can never load
                 "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1")
-N_LIVE_CHARTS = 5  # hit rate, tokens, transfer, bubble, timeline
+N_LIVE_CHARTS = 6  # hit rate, tokens, transfer, bubble, transfer split, timeline
 
 pytestmark = [
     pytest.mark.browser,
@@ -262,6 +262,11 @@ def test_a_run_goes_live_shows_rates_per_stage_and_timeline_then_done(driver, fr
         assert sorted(kinds["compute"]) == [f"stage {s}" for s in range(PP)]
         assert sorted(kinds["recv_wait"]) == [f"stage {s}" for s in range(1, PP)]
         assert _js(driver, "document.getElementById('chart-timeline')._fullLayout.xaxis.type") == "date"
+        # transfers: each stage's mean queue wait stacked under its DMA time, per direction
+        split = _js(driver, "document.getElementById('chart-transfer-split').data.map(t => t.y)")
+        assert split[0][0::2] == pytest.approx([0.001 * (s + 1) for s in range(PP)], rel=0.05)
+        assert split[0][1::2] == pytest.approx([0.0005] * PP, rel=0.05)
+        assert split[1] == pytest.approx([0.002, 0.001] * PP, rel=0.05)
         assert severe_console_messages(driver) == []
         screenshot(driver, "dashboard-live.png", tmp_path)
         source.phase = "done"

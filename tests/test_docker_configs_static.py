@@ -158,7 +158,9 @@ def test_dashboard_recording_rules_are_recorded_in_alerts_yml() -> None:
 def test_dashboard_shows_every_required_view() -> None:
     exprs = " ".join(dashboard_exprs(dashboard()).values())
     for metric in ("stagecache_prefix_hit_tokens_total", "stagecache_prefix_lookup_tokens_total",
-                   "stagecache_transfer_bytes_total", "stagecache_transfer_duration_seconds_bucket",
+                   "stagecache_transfer_bytes_total", "stagecache_transfer_queue_wait_seconds_bucket",
+                   "stagecache_transfer_queue_wait_seconds_sum", "stagecache_transfer_dma_seconds_sum",
+                   "stagecache_transfers_total",
                    "stagecache_stage_buffers", "stagecache_stage_expected_buffers",
                    "stagecache_stage_local_layers", "stagecache_stage_mapping_ok",
                    "stagecache_page_space_used_pages", "stagecache_page_space_usage_ratio",

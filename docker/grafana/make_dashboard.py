@@ -204,15 +204,17 @@ panels.append(panel(
          "stage {{pp_rank}} {{direction}}")],
     unit="Bps", custom=TS_CUSTOM, options=TS_OPTS))
 panels.append(panel(
-    "timeseries", "Transfer duration p50 / p99",
-    "From the stagecache_transfer_duration_seconds histogram, per direction.",
+    "timeseries", "Transfer queue wait p50 / p99, DMA time mean",
+    "Per direction: queue wait (a transfer's call until its copy starts on the stream) quantiles "
+    "from stagecache_transfer_queue_wait_seconds, and the mean DMA time (copy start to finish) of "
+    "a transfer from stagecache_transfer_dma_seconds_sum / stagecache_transfers_total.",
     (0, 42, 12, 9),
-    [tgt("histogram_quantile(0.5, " + rate("stagecache_transfer_duration_seconds_bucket",
-                                            "le, direction") + ")", "{{direction}} p50", "A"),
-     tgt("histogram_quantile(0.99, " + rate("stagecache_transfer_duration_seconds_bucket",
-                                             "le, direction") + ")", "{{direction}} p99", "B"),
-     tgt(f'{rate("stagecache_transfer_duration_seconds_sum", "direction")} / '
-         f'{rate("stagecache_transfer_duration_seconds_count", "direction")}', "{{direction}} mean", "C")],
+    [tgt("histogram_quantile(0.5, " + rate("stagecache_transfer_queue_wait_seconds_bucket",
+                                            "le, direction") + ")", "{{direction}} queue p50", "A"),
+     tgt("histogram_quantile(0.99, " + rate("stagecache_transfer_queue_wait_seconds_bucket",
+                                             "le, direction") + ")", "{{direction}} queue p99", "B"),
+     tgt(f'{rate("stagecache_transfer_dma_seconds_sum", "direction")} / '
+         f'{rate("stagecache_transfers_total", "direction")}', "{{direction}} DMA mean", "C")],
     unit="s", custom=TS_CUSTOM, options=TS_OPTS))
 panels.append(panel(
     "table", "Firing stagecache alerts",
@@ -276,6 +278,43 @@ panels.append(panel(
     (16, 70, 8, 8),
     [tgt(rate("stagecache_evicted_pages_total", "pp_rank, tier"), "stage {{pp_rank}} {{tier}}")],
     unit="short", custom=TS_CUSTOM, options=TS_OPTS))
+
+# -- transfers: queue wait vs DMA time, per stage and pool kind ----------------------------------
+panels.append(row("Transfers: queue wait vs DMA time, per pool kind", 78))
+_SPLIT = "pp_rank, direction"
+panels.append(panel(
+    "timeseries", "Queue wait vs DMA time per transfer, stage $pp_rank",
+    "Mean time of one transfer, stacked per direction: waiting (call until the copy starts on the "
+    "stream) under copying (DMA, start to finish). A growing queue part with a flat DMA part is a "
+    "queue (copies behind copies or behind the stage's compute), not a slow link. One panel per "
+    "selected stage.",
+    (0, 79, 24, 8),
+    [tgt(f'{rate("stagecache_transfer_queue_wait_seconds_sum", _SPLIT)} / '
+         f'{rate("stagecache_transfer_queue_wait_seconds_count", _SPLIT)}', "{{direction}} queue wait", "A"),
+     tgt(f'{rate("stagecache_transfer_dma_seconds_sum", _SPLIT)} / '
+         f'{rate("stagecache_transfers_total", _SPLIT)}', "{{direction}} DMA", "B")],
+    unit="s", custom={**TS_CUSTOM, "fillOpacity": 40}, options=TS_OPTS))
+panels[-1].update({"repeat": "pp_rank", "repeatDirection": "v", "maxPerRow": 1})
+panels[-1]["fieldConfig"]["overrides"] = [
+    {"matcher": {"id": "byRegexp", "options": f"^{d} .*"},
+     "properties": [{"id": "custom.stacking", "value": {"mode": "normal", "group": d}}]}
+    for d in ("d2h", "h2d")]
+panels.append(panel(
+    "timeseries", "Bytes/s by pool kind",
+    "rate of stagecache_transfer_bytes_total by direction and pool kind: which KV pools the host "
+    "tier traffic is made of (pool `all`: a source without a per-kind split).",
+    (0, 87, 12, 8),
+    [tgt(rate("stagecache_transfer_bytes_total", "direction, pool"), "{{direction}} {{pool}}")],
+    unit="Bps", custom={**TS_CUSTOM, "stacking": {"mode": "normal", "group": "A"}}, options=TS_OPTS))
+panels.append(panel(
+    "timeseries", "Copy bandwidth by pool kind",
+    "bytes / DMA seconds per stage, direction and pool kind (recording rule). A stage move copies "
+    "every kind in one launch whose DMA time is split by bytes, so there every kind shows the "
+    "launch's bandwidth; a kind moved on its own shows its own.",
+    (12, 87, 12, 8),
+    [tgt(f"stagecache:transfer_pool_bandwidth_bytes_per_second:rate1m{S}",
+         "stage {{pp_rank}} {{direction}} {{pool}}")],
+    unit="Bps", custom=TS_CUSTOM, options=TS_OPTS))
 
 dash = {
     "uid": "stagecache", "title": "stagecache: PP stage-local KV cache",

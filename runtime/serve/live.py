@@ -96,6 +96,37 @@ class DurationBuckets(_Model):
     h2d: list[int] = Field(default_factory=list)
 
 
+# -- transfers: queue wait vs DMA time per direction and pool kind -------------------------------
+
+
+class TransferKind(_Model):
+    """One (direction, pool kind) of a stage's transfers (the rule: ``runtime/transfer/stats.py``).
+
+    ``queue_seconds``: each transfer that moved the kind adds its whole wait (call to copy
+    start); ``dma_seconds``: the kind's byte share of each transfer's measured copy time, so
+    ``bytes / dma_seconds`` is the bandwidth.  Histograms are cumulative over
+    ``TransferSplit.le``, ``len(le) + 1`` entries, the last being +Inf (= ``moves``).
+    """
+
+    bytes: int = 0
+    moves: int = Field(0, description="transfers that moved this kind")
+    queue_seconds: float = 0.0
+    dma_seconds: float = 0.0
+    queue_buckets: list[int] = Field(default_factory=list)
+    dma_buckets: list[int] = Field(default_factory=list)
+
+
+class TransferSplit(_Model):
+    """Queue wait vs DMA time: per-transfer queue seconds by direction, and per pool kind."""
+
+    le: list[float] = Field(default_factory=list, description="histogram upper bounds (s)")
+    queue_seconds: Directions = Field(
+        default_factory=Directions, description="seconds transfers waited from the call to the "
+        "copy's start, each transfer once (DMA seconds: StageLive.transfer_seconds)")
+    d2h: dict[str, TransferKind] = Field(default_factory=dict)
+    h2d: dict[str, TransferKind] = Field(default_factory=dict)
+
+
 class CachePages(_Model):
     """Pages the stage's HiCache moved or lost, by reason."""
 
@@ -136,6 +167,9 @@ class StageLive(_Model):
         default_factory=Directions, description="derived, since start: transfer bytes / seconds "
         "(exporters and charts use rates of the counters)")
     transfer_seconds_buckets: DurationBuckets = Field(default_factory=DurationBuckets)
+    transfer_split: TransferSplit = Field(
+        default_factory=TransferSplit, description="queue wait vs DMA time, per direction and pool kind "
+        "(empty where the source reports no split)")
     page_spaces: dict[str, PageSpace] = Field(default_factory=dict)
     pool_bytes: dict[str, PoolBytes] = Field(default_factory=dict)
     cache_pages: CachePages = Field(default_factory=CachePages)

@@ -259,7 +259,24 @@ def transfer_live_fields(transfer_stats: Any) -> dict[str, Any]:
         "bandwidth_bytes_per_second": Directions(**{d: float(v["gbps"]) * 1e9 for d, v in per.items()}),
         "transfer_seconds_buckets": DurationBuckets(
             le=list(snap["buckets_s"]), **{d: list(v["bucket_counts"]) for d, v in per.items()}),
+        "transfer_split": transfer_split_field(snap),
     }
+
+
+def transfer_split_field(snap: dict[str, Any]) -> Any:
+    """The queue/DMA split of a ``TransferStats.snapshot()`` as ``StageLive.transfer_split``."""
+    from ..transfer.stats import DIRECTIONS
+    from .live import Directions, TransferKind, TransferSplit
+
+    def kinds(d: str) -> dict[str, TransferKind]:
+        return {k: TransferKind(bytes=v["bytes"], moves=v["moves"], queue_seconds=v["queue_seconds"],
+                                dma_seconds=v["dma_seconds"], queue_buckets=v["queue_bucket_counts"],
+                                dma_buckets=v["dma_bucket_counts"])
+                for k, v in snap[d]["kinds"].items()}
+
+    return TransferSplit(le=list(snap["split_buckets_s"]),
+                         queue_seconds=Directions(**{d: float(snap[d]["queue_seconds"]) for d in DIRECTIONS}),
+                         **{d: kinds(d) for d in DIRECTIONS})
 
 
 def build_stage_cache(worker: Any) -> StageCache:
