@@ -24,6 +24,7 @@ Everything here is pure (numbers in, a verdict out) except reading ``/proc/memin
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -109,7 +110,7 @@ class HostTierCheck:
     @property
     def warnings(self) -> tuple[str, ...]:
         return tuple(r for s, r in zip(self.statuses, self.reasons, strict=True)
-                     if s not in NOT_READY_STATUSES)
+                     if s != OK and s not in NOT_READY_STATUSES)
 
     @property
     def errors(self) -> tuple[str, ...]:
@@ -216,13 +217,15 @@ def largest_fitting(ok: Callable[[int], bool], lo: int, hi: int) -> int | None:
 def fitting_ratio(need: NeedFn, budget: int, pages: int, ratio: float) -> float | None:
     """Largest ``--hicache-ratio`` below ``ratio`` (in steps of 0.01) that fits, pages unchanged."""
     hi = int(round(ratio * 100)) - 1
-    k = largest_fitting(lambda k: _fits(need, budget, pages, k / 100), 1, hi)
+    lo = max(1, -(-100 // max(1, pages)))  # a ratio under 1/pages gives no host page at all
+    k = largest_fitting(lambda k: _fits(need, budget, pages, k / 100), lo, hi)
     return None if k is None else k / 100
 
 
 def fitting_pages(need: NeedFn, budget: int, pages: int, ratio: float, min_pages: int = 1) -> int | None:
     """Largest device-page count below ``pages`` (and >= ``min_pages``) that fits, ratio unchanged."""
-    return largest_fitting(lambda p: _fits(need, budget, p, ratio), min_pages, pages - 1)
+    lo = max(min_pages, math.ceil(1 / ratio) if ratio > 0 else min_pages)  # >= one host page
+    return largest_fitting(lambda p: _fits(need, budget, p, ratio), lo, pages - 1)
 
 
 def fit_advice(need: NeedFn, budget: int, pages: int, ratio: float, min_pages: int = 1,

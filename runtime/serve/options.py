@@ -127,7 +127,7 @@ def resolve_device(choice: str, pp_size: int) -> str:
 
 def check_host_memory(la: Any, device_pages: int, hicache_ratio: float, device: str,
                       request_slots: int = 4, min_device_pages: int = 1,
-                      pages_flag: str = "--device-pages") -> int:
+                      pages_flag: str = "--device-pages", mem: Any = None) -> int:
     """All stages share this host's RAM: their pools together must fit (a per-stage check cannot see it).
 
     Runs before any process starts or any pool exists.  Host (HiCache) pools always live in
@@ -135,7 +135,8 @@ def check_host_memory(la: Any, device_pages: int, hicache_ratio: float, device: 
     faulty build really allocates its buggy pools.  The error names ``--hicache-ratio`` and
     the size flag the user gave (``pages_flag``: ``--device-pages`` or ``--max-total-tokens``)
     with the largest values that fit, never fewer device pages than the trace needs
-    (``min_device_pages``).  Returns the bytes needed.
+    (``min_device_pages``).  ``mem``: a ``MemInfo`` to check against (default: this host's
+    /proc/meminfo now).  Returns the bytes needed.
     """
     from ..memory.pools import stage_plan
     from ..memory.ram_check import check_ram, stages_ram_need
@@ -151,4 +152,4 @@ def check_host_memory(la: Any, device_pages: int, hicache_ratio: float, device: 
     where = "device + host pools" if device == "cpu" else "host pools"
     scale = la.page_size if pages_flag == "--max-total-tokens" else 1
     return check_ram(need, device_pages, hicache_ratio, f"the {len(counts)} stages' {where} together",
-                     min_pages=min_device_pages, pages_flag=pages_flag, pages_scale=scale)
+                     min_pages=min_device_pages, pages_flag=pages_flag, pages_scale=scale, mem=mem)
