@@ -122,8 +122,6 @@ CASES = [
     ("check-pp-neg", ["check", "--model", "tiny-v4", "--pp-size", "-1"], "argument --pp-size: expected a positive integer"),
     # -- resource checks before any pool is allocated: real flags, values that fit -----------------
     ("serve-host-10tb", S("--hicache-ratio", "250000"), "lower --hicache-ratio to "),
-    ("serve-device-ram", S("--device-pages", "40000000000"), "lower --device-pages to "),
-    ("serve-tokens-ram", S("--max-total-tokens", "10000000000000"), "lower --max-total-tokens to "),
     ("bench-hicache-ram", ["bench", "hicache", "--requests", "8", "--device-pages", "4000000000"],
      "lower --device-pages to "),
     ("bench-transfer-ram", ["bench", "transfer", "--device", "cpu", "--mix-pages", "100000000",
