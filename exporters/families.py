@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from stagecache.runtime.memory.host_tier import HOST_TIER_STATUSES
 from stagecache.runtime.serve.live import StageLive, TransferKind
 
 #: Labels of every per-stage family, in this order (sglang's vocabulary).
@@ -55,6 +56,7 @@ LABELS: dict[str, str] = {
     "page_size": "tokens per KV page",
     "num_layers": "model layers over all stages",
     "stagecache_stage_phase": "a stage phase (state set): " + ", ".join(PHASES),
+    "stagecache_host_tier_status": "a host-tier status (state set): " + ", ".join(HOST_TIER_STATUSES),
 }
 
 #: Closed value sets, checked by the tests for every exposed sample.
@@ -269,6 +271,66 @@ LIVE_FAMILIES: tuple[Family, ...] = (
            "Activation bytes (with headers) received from the previous stage",
            samples=one(lambda s: s.activation_bytes_received)),
 )
+
+# -- host-tier sanity and pool occupancy (a stage's ``StageLive``) -----------------------------------
+
+
+def _host_tier_states(s: StageLive) -> Samples:
+    """Every known status, true where it holds; nothing before the stage has checked."""
+    if not s.host_tier.status:
+        return []
+    states = {st: st in s.host_tier.status for st in HOST_TIER_STATUSES}
+    states.update({st: True for st in s.host_tier.status})
+    return [((), states)]
+
+
+def _optional(value: int | None) -> Samples:
+    return [] if value is None else [((), value)]
+
+
+def _occupancy(unit: str, fn: Callable[[Any], float]) -> Callable[[StageLive], Samples]:
+    """One series per (pool, tier) of the stage's occupancy rows (``unit``: page, slot or any)."""
+    return lambda s: [((o.pool, o.tier), fn(o)) for o in s.pool_occupancy
+                      if unit in ("any", o.unit)]
+
+
+HOST_TIER_FAMILIES: tuple[Family, ...] = (
+    Family("stagecache_host_tier_status", "stateset",
+           "The stage's host-tier sanity (1 where a status holds): ok, smaller_than_device and "
+           "pin_refused (warnings, still ready), exceeds_ram (not ready)",
+           samples=_host_tier_states),
+    Family("stagecache_host_memory_available_bytes", "gauge",
+           "The host's MemAvailable at the stage's last check (re-read every few seconds)",
+           samples=lambda s: _optional(s.host_tier.mem_available_bytes)),
+    Family("stagecache_host_memory_reserve_bytes", "gauge",
+           "RAM the host tiers must leave available; below it the status is exceeds_ram",
+           samples=lambda s: _optional(s.host_tier.reserve_bytes)),
+)
+
+POOL_OCCUPANCY_FAMILIES: tuple[Family, ...] = (
+    Family("stagecache_pool_used_pages", "gauge",
+           "Pages in use in a paged pool kind's own page space (kinds of one page-id space show the "
+           "same count: do not sum over pools, sum stagecache_page_space_used_pages)",
+           ("pool", "tier"), _occupancy("page", lambda o: o.used)),
+    Family("stagecache_pool_capacity_pages", "gauge", "Pages a paged pool kind's own page space holds",
+           ("pool", "tier"), _occupancy("page", lambda o: o.capacity)),
+    Family("stagecache_pool_used_slots", "gauge",
+           "Request slots in use in a per-request pool kind (c128_state)",
+           ("pool", "tier"), _occupancy("slot", lambda o: o.used)),
+    Family("stagecache_pool_capacity_slots", "gauge", "Request slots a per-request pool kind holds",
+           ("pool", "tier"), _occupancy("slot", lambda o: o.capacity)),
+    Family("stagecache_pool_used_bytes", "gauge",
+           "Bytes of a pool kind's used pages or slots, all its buffers (the kind's own bytes: these "
+           "sum over pools; capacity is stagecache_pool_bytes)",
+           ("pool", "tier"), _occupancy("any", lambda o: o.used_bytes)),
+    Family("stagecache_pool_usage_ratio", "gauge", "Used / capacity units of a pool kind",
+           ("pool", "tier"), _occupancy("any", lambda o: o.used / o.capacity if o.capacity else 0.0)),
+    Family("stagecache_pool_peak_usage_ratio", "gauge",
+           "The most units of a pool kind in use at once since the stage started, / capacity",
+           ("pool", "tier"), _occupancy("any", lambda o: o.peak / o.capacity if o.capacity else 0.0)),
+)
+
+LIVE_FAMILIES += HOST_TIER_FAMILIES + POOL_OCCUPANCY_FAMILIES
 
 #: One stage's liveness, ``(StageHealth, Liveness)`` of ``serve.liveness``: /readyz's verdict.
 LIVENESS_FAMILIES: tuple[Family, ...] = (

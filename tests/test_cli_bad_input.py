@@ -120,6 +120,12 @@ CASES = [
     ("check-partition-word", ["check", "--model", "tiny-v4", "--pp-size", "2", "--pp-partition", "1,x"], "--pp-partition"),
     ("check-model-deep", ["check", "--model", "{deep}"], "nests 100000 levels deep"),
     ("check-pp-neg", ["check", "--model", "tiny-v4", "--pp-size", "-1"], "argument --pp-size: expected a positive integer"),
+    # -- resource checks before any pool is allocated: real flags, values that fit -----------------
+    ("serve-host-10tb", S("--hicache-ratio", "250000"), "lower --hicache-ratio to "),
+    ("bench-hicache-ram", ["bench", "hicache", "--requests", "8", "--device-pages", "4000000000"],
+     "lower --device-pages to "),
+    ("bench-transfer-ram", ["bench", "transfer", "--device", "cpu", "--mix-pages", "100000000",
+                            "--kind-mib"], "lower --mix-pages to "),
 ]
 
 

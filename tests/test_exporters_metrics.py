@@ -50,6 +50,17 @@ def live(stage: int, scale: int = 1) -> dict:
         stage_seconds=1.5, bubble_seconds=0.5, activation_bytes_sent=100 * (3 - stage),
         activation_bytes_received=100 * stage,
     )
+    # host-tier sanity and pool occupancy
+    d["host_tier"] = {"status": ["smaller_than_device"] if stage == 1 else ["ok"], "reasons": ["r"],
+                      "mem_available_bytes": 8 << 30, "reserve_bytes": 1 << 30}
+    d["pool_occupancy"] = [
+        {"pool": "swa", "tier": "device", "unit": "page", "used": 10, "capacity": 64, "peak": 12,
+         "used_bytes": 10 << 10, "capacity_bytes": 64 << 10},
+        {"pool": "swa", "tier": "host", "unit": "page", "used": 30, "capacity": 128, "peak": 30,
+         "used_bytes": 30 << 10, "capacity_bytes": 128 << 10},
+        {"pool": "c128_state", "tier": "device", "unit": "slot", "used": 0, "capacity": 4, "peak": 4,
+         "used_bytes": 0, "capacity_bytes": 4 << 12},
+    ]
     return d
 
 

@@ -198,7 +198,7 @@ def test_serve_killed_stage_stops_the_run_naming_it(tmp_path, free_port):
     (["--device-pages", "4"], "raise --device-pages"),
     (["--fault", "bogus"], "unknown --fault 'bogus'"),
     (["--pp-size", "13"], "larger than the model's 12 layers"),
-    (["--device-pages", "200000"], "of RAM together"),
+    (["--device-pages", "200000"], "pools together need"),
     (["--rate", "0.01"], "raise --dist-timeout or --rate"),
     (["--trace", "/nonexistent/trace.jsonl"], "no such file"),
 ])

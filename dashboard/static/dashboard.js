@@ -109,6 +109,7 @@
 
   function update(summary) {
     state.lastSummary = summary;
+    document.dispatchEvent(new CustomEvent("stagecache:summary", { detail: summary })); // occupancy.js
     if (pageStatus === "starting" && summary.status !== "starting") {
       window.location.reload(); // the report arrived: render table and maps once
       return;

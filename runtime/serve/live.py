@@ -136,6 +136,49 @@ class CachePages(_Model):
     backup_skipped: int = 0
 
 
+# -- host-tier sanity and pool occupancy (issue 19: points 5 and 6) ---------------------------------
+
+
+class HostTierLive(_Model):
+    """The stage's host-tier verdict (``memory.host_tier``), re-checked while it runs.
+
+    ``status`` lists every status that holds (``ok`` alone when none does); statuses in
+    ``memory.host_tier.NOT_READY_STATUSES`` make ``/readyz`` answer not ready.
+    """
+
+    status: list[str] = Field(default_factory=list,
+                              description="ok, smaller_than_device, pin_refused, exceeds_ram "
+                              "(empty: not checked yet)")
+    reasons: list[str] = Field(default_factory=list, description="one line per status")
+    ready: bool = Field(True, description="false when a status makes the run not ready")
+    pinned: bool = Field(False, description="host pages are pinned (page-locked) memory")
+    pin_error: str | None = Field(None, description="why pinned memory was refused")
+    device_pages: int = Field(0, description="pages of the device page-id space")
+    host_pages: int = Field(0, description="pages of the host page-id space")
+    host_bytes: int = Field(0, description="bytes of the stage's host tier")
+    mem_available_bytes: int | None = Field(None, description="the host's MemAvailable at the check")
+    mem_total_bytes: int | None = None
+    reserve_bytes: int | None = Field(None, description="RAM the host tiers must leave available")
+    checked_at: float = Field(0.0, description="unix time of the last /proc/meminfo read")
+
+
+class PoolOccupancy(_Model):
+    """One pool kind on one tier: units of its own space (pages, or request slots) and bytes.
+
+    Units are not to be summed across pools (kinds of one page-id space share its pages);
+    bytes are the kind's own and do sum.
+    """
+
+    pool: str
+    tier: str = Field(description="device or host")
+    unit: str = Field(description="page (paged kinds) or slot (per-request kinds)")
+    used: int = 0
+    capacity: int = 0
+    peak: int = Field(0, description="the most units in use at once since the stage started")
+    used_bytes: int = 0
+    capacity_bytes: int = 0
+
+
 class StageLive(_Model):
     """Everything one PP stage reports while it runs (``stage-<k>.json``)."""
 
@@ -182,6 +225,10 @@ class StageLive(_Model):
     activation_bytes_received: int = 0
     timeline: list[TimelineEvent] = Field(
         default_factory=list, description=f"the last {TIMELINE_EVENTS} pipeline spans, oldest first")
+    # host-tier sanity and pool occupancy
+    host_tier: HostTierLive = Field(default_factory=HostTierLive)
+    pool_occupancy: list[PoolOccupancy] = Field(
+        default_factory=list, description="every pool kind the stage holds, per tier")
 
     @property
     def bubble_fraction(self) -> float:

@@ -28,7 +28,14 @@ FAULTS: dict[str, str] = {
     "duplicate-compress-id": "two C128 layers of a stage share one compress id",
     "overlap": "stage 1 starts one layer early, so two stages own the same layer",
     "gap": "stage 1 starts one layer late, so a layer belongs to no stage",
+    # host-tier faults: only `serve` acts on them (the stage's host tier, not its layer map)
+    "pin-refused": "the stage asks for pinned host memory where it is refused (on a host without "
+    "CUDA, torch's own refusal): its host tier falls back to pageable memory (serve only)",
+    "host-ram-short": "after its first micro-batch the stage keeps all of the host's RAM in "
+    "reserve, as when the host runs short during the run (serve only)",
 }
+#: Faults of the host tier, acted on by a serving stage; every other fault shapes the pools.
+HOST_TIER_FAULTS: frozenset[str] = frozenset({"pin-refused", "host-ram-short"})
 
 
 @dataclass(frozen=True)
