@@ -266,7 +266,8 @@ def test_the_source_is_read_on_every_scrape():
     registry = make_registry(Growing())
     first = series_by_name(generate_latest(registry).decode())
     second = series_by_name(generate_latest(registry).decode())
-    assert sample_value(second, "stagecache_requests_total", pp_rank="0") > sample_value(first, "stagecache_requests_total", pp_rank="0")
+    name = "stagecache_requests_total"
+    assert sample_value(second, name, pp_rank="0") > sample_value(first, name, pp_rank="0")
 
 
 def test_stage_labels_are_sglangs():

@@ -22,6 +22,40 @@ from serve_helpers import SMALL, alive, read_json, run_phase, stage_pids, start,
 from stagecache.exporters.metrics import METRIC_NAMES
 
 
+def _check_stage_series(smp: dict[str, list], st: str) -> None:
+    """One stage's series after the SMALL trace: its map, requests, hits, transfers, pages, phase."""
+    assert sample_value(smp, "stagecache_stage_local_layers", pp_rank=st) == 3
+    assert sample_value(smp, "stagecache_stage_mapping_ok", pp_rank=st) == 1
+    assert sample_value(smp, "stagecache_stage_mapping_errors", pp_rank=st) == 0
+    assert sample_value(smp, "stagecache_stage_buffers", pp_rank=st, pool="swa") == 3
+    for pool in ("swa", "c4", "c128", "c4_state", "c128_state", "indexer"):
+        assert sample_value(smp, "stagecache_stage_buffers", pp_rank=st, pool=pool) == sample_value(
+            smp, "stagecache_stage_expected_buffers", pp_rank=st, pool=pool)
+    assert sample_value(smp, "stagecache_requests_total", pp_rank=st, model_name="tiny-v4") == 40
+    lookups = sample_value(smp, "stagecache_prefix_lookup_tokens_total", pp_rank=st)
+    hits = [sample_value(smp, "stagecache_prefix_hit_tokens_total", pp_rank=st, tier=t) for t in ("device", "host")]
+    assert all(h > 0 for h in hits) and sum(hits) < lookups  # device hits, host hits and misses
+    for d in ("d2h", "h2d"):
+        assert sample_value(smp, "stagecache_transfers_total", pp_rank=st, direction=d) > 0
+        # every pool kind the stage mirrors moved, queue wait and DMA time measured per kind
+        pools = {s.labels["pool"] for s in smp["stagecache_transfer_bytes_total"]
+                 if s.labels["pp_rank"] == st and s.labels["direction"] == d}
+        assert {"swa", "c4"} <= pools and "all" not in pools, pools
+        for pool in pools:
+            assert sample_value(smp, "stagecache_transfer_bytes_total", pp_rank=st, direction=d, pool=pool) > 0
+            assert sample_value(smp, "stagecache_transfer_dma_seconds_sum", pp_rank=st, direction=d, pool=pool) > 0
+            assert sample_value(smp, "stagecache_transfer_queue_wait_seconds_sum", pp_rank=st, direction=d,
+                                pool=pool) > 0
+    assert sample_value(smp, "stagecache_page_space_capacity_pages", pp_rank=st, space="device") == 24
+    assert sample_value(smp, "stagecache_page_space_used_pages", pp_rank=st, space="device") <= 24
+    assert sample_value(smp, "stagecache_pool_bytes", pp_rank=st, pool="swa", tier="host") == 2 * sample_value(
+        smp, "stagecache_pool_bytes", pp_rank=st, pool="swa", tier="device")
+    assert sample_value(smp, "stagecache_stage_busy_seconds_total", pp_rank=st) > 0
+    assert sample_value(smp, "stagecache_stage_phase", pp_rank=st, stagecache_stage_phase="done") == 1
+    if st != "0":  # activations flow 0 -> 1 -> 2 -> 3
+        assert sample_value(smp, "stagecache_activation_received_bytes_total", pp_rank=st) > 0
+
+
 def test_serve_pp4_metrics_match_the_run(tmp_path, free_port):
     run_dir, out = tmp_path / "run", tmp_path / "out.txt"
     proc = start([*SMALL, "--port", str(free_port), "--run-dir", str(run_dir),
@@ -41,42 +75,13 @@ def test_serve_pp4_metrics_match_the_run(tmp_path, free_port):
     for name in METRIC_NAMES:
         assert any(n == name or n.startswith(name + "_") for n in names), f"{name} missing from /metrics"
     for st in ("0", "1", "2", "3"):
-        assert sample_value(smp, "stagecache_stage_local_layers", pp_rank=st) == 3
-        assert sample_value(smp, "stagecache_stage_mapping_ok", pp_rank=st) == 1
-        assert sample_value(smp, "stagecache_stage_mapping_errors", pp_rank=st) == 0
-        assert sample_value(smp, "stagecache_stage_buffers", pp_rank=st, pool="swa") == 3
-        for pool in ("swa", "c4", "c128", "c4_state", "c128_state", "indexer"):
-            assert sample_value(smp, "stagecache_stage_buffers", pp_rank=st, pool=pool) == sample_value(
-                smp, "stagecache_stage_expected_buffers", pp_rank=st, pool=pool)
-        assert sample_value(smp, "stagecache_requests_total", pp_rank=st, model_name="tiny-v4") == 40
-        lookups = sample_value(smp, "stagecache_prefix_lookup_tokens_total", pp_rank=st)
-        hits = [sample_value(smp, "stagecache_prefix_hit_tokens_total", pp_rank=st, tier=t) for t in ("device", "host")]
-        assert all(h > 0 for h in hits) and sum(hits) < lookups  # device hits, host hits and misses
-        for d in ("d2h", "h2d"):
-            assert sample_value(smp, "stagecache_transfers_total", pp_rank=st, direction=d) > 0
-            # every pool kind the stage mirrors moved, queue wait and DMA time measured per kind
-            pools = {s.labels["pool"] for s in smp["stagecache_transfer_bytes_total"]
-                     if s.labels["pp_rank"] == st and s.labels["direction"] == d}
-            assert {"swa", "c4"} <= pools and "all" not in pools, pools
-            for pool in pools:
-                assert sample_value(smp, "stagecache_transfer_bytes_total", pp_rank=st, direction=d, pool=pool) > 0
-                assert sample_value(smp, "stagecache_transfer_dma_seconds_sum", pp_rank=st, direction=d, pool=pool) > 0
-                assert sample_value(smp, "stagecache_transfer_queue_wait_seconds_sum", pp_rank=st, direction=d,
-                             pool=pool) > 0
-        assert sample_value(smp, "stagecache_page_space_capacity_pages", pp_rank=st, space="device") == 24
-        assert sample_value(smp, "stagecache_page_space_used_pages", pp_rank=st, space="device") <= 24
-        assert sample_value(smp, "stagecache_pool_bytes", pp_rank=st, pool="swa", tier="host") == 2 * sample_value(
-            smp, "stagecache_pool_bytes", pp_rank=st, pool="swa", tier="device")
-        assert sample_value(smp, "stagecache_stage_busy_seconds_total", pp_rank=st) > 0
-        assert sample_value(smp, "stagecache_stage_phase", pp_rank=st, stagecache_stage_phase="done") == 1
-        if st != "0":  # activations flow 0 -> 1 -> 2 -> 3
-            assert sample_value(smp, "stagecache_activation_received_bytes_total", pp_rank=st) > 0
+        _check_stage_series(smp, st)
     assert sample_value(smp, "stagecache_activation_sent_bytes_total", pp_rank="0") == sample_value(
         smp, "stagecache_activation_received_bytes_total", pp_rank="1")
     assert sample_value(smp, "stagecache_activation_sent_bytes_total", pp_rank="3") == 0
     # every stage took the same cache decisions on the same stream
-    toks = {tuple(sample_value(smp, "stagecache_prefix_hit_tokens_total", pp_rank=st, tier=t) for t in ("device", "host"))
-            for st in ("0", "1", "2", "3")}
+    toks = {tuple(sample_value(smp, "stagecache_prefix_hit_tokens_total", pp_rank=st, tier=t)
+                  for t in ("device", "host")) for st in ("0", "1", "2", "3")}
     assert len(toks) == 1
     # stage 0 and 3 differ in layers, so in bytes moved per page: the numbers are per stage, not copies
     def moved(st: str) -> float:
