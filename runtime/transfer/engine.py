@@ -60,6 +60,8 @@ class EngineOptions:
     device_ids: bool = True
     #: Bytes per work item of small moves (fewer coarse items than the grid has warps).
     fine_chunk_bytes: int = kernels.FINE_CHUNK_BYTES
+    #: Start each warp-step on a 128-byte line of the host side (whole-line PCIe requests).
+    align_host: bool = True
 
 
 class _Launch:
@@ -173,7 +175,7 @@ class TritonEngine:
         t = torch.from_numpy(slot)
         table, geometry = launch.table_for(ids.count, self.warps)
         kernels.launch_stage_copy(launch.anchor, self._anchor, table, self._offset(t), geometry,
-                                  d2h, self.programs, self.options.num_warps)
+                                  d2h, self.programs, self.options.num_warps, self.options.align_host)
 
     def submit(self, d2h: bool, plans: list[Plan], ids: PageIds, per_layer: bool) -> tuple[Any, Any, list]:
         """Queue one launch per plan; returns (start, end, per-plan events when ``per_layer``).
@@ -259,7 +261,7 @@ class TritonEngine:
     def _launch(self, launch: _Launch, slot: int, size: int, d2h: bool) -> None:
         table, geometry = launch.table_for(size, self.warps)
         kernels.launch_stage_copy(launch.anchor, self._anchor, table, self._slots.offsets[slot],
-                                  geometry, d2h, self.programs, self.options.num_warps)
+                                  geometry, d2h, self.programs, self.options.num_warps, self.options.align_host)
 
     def _offset(self, t: Any) -> int:
         return (t.data_ptr() - self._anchor.data_ptr()) // 8
@@ -287,8 +289,9 @@ class TritonEngine:
         launch = _Launch(tables, self._anchor.view(getattr(torch, _WORD_DTYPES[tables[0][1].word])))
         if self.cuda:  # compile and load the kernel now, outside any capture (n = 0: no copy)
             zero = torch.zeros(1, dtype=torch.int64, device=self.device)
-            kernels.launch_stage_copy(launch.anchor, self._anchor, tables[0][0], self._offset(zero), tables[0][1],
-                                      d2h, self.programs, self.options.num_warps)
+            for table, geometry in tables:
+                kernels.launch_stage_copy(launch.anchor, self._anchor, table, self._offset(zero), geometry,
+                                          d2h, self.programs, self.options.num_warps, self.options.align_host)
             torch.cuda.current_stream(self.device).synchronize()  # ``zero`` must outlive the launch
         return launch
 

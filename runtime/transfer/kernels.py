@@ -65,6 +65,7 @@ if HAVE_TRITON:
         chunks,  # C
         STEP: tl.constexpr,  # words per warp-step: 32 x warps
         D2H: tl.constexpr,
+        LINE: tl.constexpr,  # words per 128-byte line of host memory (1: no alignment)
     ):
         ids = anchor64 + ids_off
         n = tl.load(ids)
@@ -100,11 +101,15 @@ if HAVE_TRITON:
             else:
                 src = host
                 dst = dev
-            w = 0
+            # steps start on a 128-byte line of the host side, so every PCIe request of a step
+            # covers whole lines but at the chunk's two ends (the anchor is line-aligned)
+            shift = host % LINE  # host offsets may be negative (host memory below the anchor)
+            w = -tl.where(shift < 0, shift + LINE, shift)
             while w < size:
-                mask = w + lanes < size
-                vals = tl.load(anchor + src + w + lanes, mask=mask, cache_modifier=".cg")
-                tl.store(anchor + dst + w + lanes, vals, mask=mask, cache_modifier=".cs")
+                pos = w + lanes
+                mask = (pos >= 0) & (pos < size)
+                vals = tl.load(anchor + src + pos, mask=mask, cache_modifier=".cg")
+                tl.store(anchor + dst + pos, vals, mask=mask, cache_modifier=".cs")
                 w += STEP
             item = nxt
             dev = ndev
@@ -165,7 +170,7 @@ def chunk_table(spans: Sequence[BufferSpan], anchor_addr: int, chunk_bytes: int 
 
 
 def launch_stage_copy(anchor, anchor64, table, ids_off: int, geometry: ChunkTable, d2h: bool, programs: int,
-                      num_warps: int = NUM_WARPS) -> None:
+                      num_warps: int = NUM_WARPS, align: bool = True) -> None:
     """Queue the one launch of a stage move on the current stream (no host sync, no allocation).
 
     ``anchor`` is a tensor whose dtype has ``geometry.word`` bytes and whose address the
@@ -176,5 +181,6 @@ def launch_stage_copy(anchor, anchor64, table, ids_off: int, geometry: ChunkTabl
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed; the Triton transfer engine is unavailable")
     _stage_copy_kernel[(max(1, programs),)](
-        anchor, anchor64, table, ids_off, geometry.chunks, STEP=32 * num_warps, D2H=d2h, num_warps=num_warps,
+        anchor, anchor64, table, ids_off, geometry.chunks, STEP=32 * num_warps, D2H=d2h,
+        LINE=128 // geometry.word if align else 1, num_warps=num_warps,
     )
