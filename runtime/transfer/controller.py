@@ -114,9 +114,10 @@ class TransferResult:
 
     def _finish(self) -> None:
         if self.seconds is None and self._end is not None:
-            self.seconds = self._start.elapsed_time(self._end) / 1e3
+            elapsed = self._engine.elapsed_ms
+            self.seconds = elapsed(self._start, self._end) / 1e3
             if self._reference is not None:
-                self.queue_seconds = max(0.0, host_time(self._reference, self._start) - self.called)
+                self.queue_seconds = max(0.0, host_time(self._reference, self._start, elapsed) - self.called)
             self._engine.recycle(self._start, self._end)
         stats, self._stats = self._stats, None
         if stats is not None:

@@ -49,11 +49,21 @@ class Runtime:
         lib.cudaEventRecord.argtypes = [vp, vp]
         lib.cudaGraphLaunch.argtypes = [vp, vp]
         lib.cudaMemcpyAsync.argtypes = [vp, vp, ctypes.c_size_t, ctypes.c_int, vp]
-        for fn in (lib.cudaEventRecord, lib.cudaGraphLaunch, lib.cudaMemcpyAsync):
+        lib.cudaEventElapsedTime.argtypes = [ctypes.POINTER(ctypes.c_float), vp, vp]
+        for fn in (lib.cudaEventRecord, lib.cudaGraphLaunch, lib.cudaMemcpyAsync, lib.cudaEventElapsedTime):
             fn.restype = ctypes.c_int
         self.event_record = lib.cudaEventRecord
         self.graph_launch = lib.cudaGraphLaunch
         self.memcpy_async = lib.cudaMemcpyAsync
+        self._elapsed = lib.cudaEventElapsedTime
+        self._ms = ctypes.c_float()
+        self._ms_ref = ctypes.byref(self._ms)
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        """Milliseconds between two finished timing events (torch ``Event``s), as ``elapsed_time``."""
+        if self._elapsed(self._ms_ref, start.cuda_event, end.cuda_event):
+            return start.elapsed_time(end)  # torch raises the runtime's error with its message
+        return self._ms.value
 
 
 _RUNTIME: list[Runtime | None] = []

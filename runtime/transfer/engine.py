@@ -242,6 +242,10 @@ class TritonEngine:
                 end.record()
         return start, end, events
 
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        """Milliseconds between two finished events (the bare runtime call where there is one)."""
+        return self._rt.elapsed_ms(start, end) if self._rt is not None else start.elapsed_time(end)
+
     def recycle(self, start: Any, end: Any) -> None:
         """Timing events of a finished transfer, for the next one (creating events costs ~25 us)."""
         if len(self._events) < 64:
