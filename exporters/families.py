@@ -24,7 +24,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from stagecache.runtime.serve.live import StageLive
+from stagecache.runtime.cache.insight import MISS_REASONS
+from stagecache.runtime.serve.agreement import KIND_NAMES, KINDS
+from stagecache.runtime.serve.live import SampledHistogram, StageLive
 
 #: Labels of every per-stage family, in this order (sglang's vocabulary).
 STAGE_LABELS: tuple[str, ...] = ("model_name", "pp_rank", "tp_rank")
@@ -54,11 +56,15 @@ LABELS: dict[str, str] = {
     "page_size": "tokens per KV page",
     "num_layers": "model layers over all stages",
     "stagecache_stage_phase": "a stage phase (state set): " + ", ".join(PHASES),
+    "kind": "stage-disagreement kind: " + "; ".join(f"`{k}`: {v}" for k, v in KINDS.items()),
+    "reason": "why prompt tokens missed a tier (docs/hicache.md, miss reasons): "
+              + ", ".join(f"`{r}`" for r in MISS_REASONS),
 }
 
 #: Closed value sets, checked by the tests for every exposed sample.
 LABEL_VALUES: dict[str, tuple[str, ...]] = {
     "tier": TIERS, "direction": DIRECTIONS, "operation": tuple(HICACHE_OPERATIONS.values()),
+    "kind": KIND_NAMES, "reason": MISS_REASONS,
 }
 
 Samples = Iterable[tuple[tuple[Any, ...], Any]]
@@ -230,6 +236,53 @@ LIVE_FAMILIES: tuple[Family, ...] = (
            "Activation bytes (with headers) received from the previous stage",
            samples=one(lambda s: s.activation_bytes_received)),
 )
+
+# -- cache insight and stage agreement (cache/insight.py, serve/agreement.py) -------------------
+
+
+def _sampled(name: str) -> Callable[[StageLive, str], tuple[list[tuple[str, float]], float]]:
+    """A tier's sampled histogram ``name`` as cumulative buckets; only +Inf when none kept."""
+    def samples(s: StageLive, tier: str) -> tuple[list[tuple[str, float]], float]:
+        h: SampledHistogram = getattr(getattr(s.insight, tier), name)
+        if h.counts and len(h.counts) == len(h.le) + 1:
+            return ([(repr(float(b)), c) for b, c in zip(h.le, h.counts[:-1], strict=True)]
+                    + [("+Inf", h.counts[-1])], h.sum)
+        return [("+Inf", 0)], 0.0
+    return samples
+
+
+def _miss_reasons(s: StageLive) -> Samples:
+    return [((t, r), s.insight.miss_tokens.get(t, {}).get(r, 0)) for t in TIERS for r in MISS_REASONS]
+
+
+_SAMPLED = " Sampled: the entries of every n-th lookup are watched (serve: every lookup)."
+
+CACHE_INSIGHT_FAMILIES: tuple[Family, ...] = (
+    Family("stagecache_stage_disagreements_total", "counter",
+           "Requests on which this stage reported another value than the one most stages agreed on "
+           "(rank 0 compares every stage's per-request record), by kind", ("kind",),
+           per(KIND_NAMES, lambda s, k: s.agreement.disagreements.get(k, 0))),
+    Family("stagecache_stage_compared_requests_total", "counter",
+           "Requests whose stage-agreement verdict this stage has applied",
+           samples=one(lambda s: s.agreement.compared_requests)),
+    Family("stagecache_prefix_miss_tokens_total", "counter",
+           "Prompt tokens a tier did not have, by reason (device: not on the device; host: found "
+           "nowhere, i.e. computed); per tier the reasons sum to its misses", ("tier", "reason"),
+           _miss_reasons),
+    Family("stagecache_cache_entry_lifetime_seconds", "histogram",
+           "Seconds a page stayed in a tier, insert (or load, backup) to eviction." + _SAMPLED,
+           ("tier",), per(TIERS, _sampled("lifetime"))),
+    Family("stagecache_cache_entry_idle_seconds", "histogram",
+           "Seconds between a page's last use and its eviction from a tier." + _SAMPLED,
+           ("tier",), per(TIERS, _sampled("idle"))),
+    Family("stagecache_cache_entry_reuse_gap_seconds", "histogram",
+           "Seconds between a page's previous use (hit or insert) and a hit on it in a tier."
+           + _SAMPLED, ("tier",), per(TIERS, _sampled("reuse_gap"))),
+    Family("stagecache_cache_seen_keys", "gauge",
+           "Keys of evicted pages the stage remembers, to tell an evicted page from a never-seen "
+           "one (miss reasons; bounded)", samples=one(lambda s: s.insight.seen_keys)),
+)
+LIVE_FAMILIES += CACHE_INSIGHT_FAMILIES
 
 #: One stage's liveness, ``(StageHealth, Liveness)`` of ``serve.liveness``: /readyz's verdict.
 LIVENESS_FAMILIES: tuple[Family, ...] = (

@@ -36,6 +36,8 @@ from ..transfer.stats import gbps
 DEFAULT_DEVICE_PAGES = 96
 DEFAULT_HICACHE_RATIO = 4.0
 DEFAULT_REQUESTS = 2000
+#: Lifetimes in a replay: the entries of every 64th lookup are watched (miss reasons are exact).
+DEFAULT_INSIGHT_SAMPLE = 64
 #: Bytes per direction of the same-run bandwidth measurement.
 BANDWIDTH_PROBE_BYTES = 32 << 20
 
@@ -199,8 +201,20 @@ def measure_bandwidth(la: Any, stage_map: Any, device: str) -> dict[str, float]:
 
 
 # -- runs -------------------------------------------------------------------------------------------
+def insight_config(args: argparse.Namespace, on: bool | None = None) -> Any:
+    """The replay's insight: lookups as the clock (trace time), or None (``--no-insight``)."""
+    from ..cache.insight import InsightConfig
+
+    if not (on if on is not None else not getattr(args, "no_insight", False)):
+        return None
+    return InsightConfig(clock="requests", sample_every=getattr(args, "insight_sample", 1),
+                         seen_keys=getattr(args, "seen_keys", 1 << 18))
+
+
 def _stats_row(cache: Any, result: Any, page_bytes: int, device_pages: int) -> dict[str, Any]:
     row = cache.stats.to_dict()
+    if cache.insight is not None:
+        row["insight"] = cache.insight.to_dict()
     row.update(device_pages=device_pages,
                host_pages=cache.host_alloc.num_pages if cache.host_alloc is not None else 0,
                token_page_bytes=page_bytes, replay=result.to_dict(),
@@ -209,7 +223,7 @@ def _stats_row(cache: Any, result: Any, page_bytes: int, device_pages: int) -> d
 
 
 def _payload_run(la: Any, stage_map: Any, reqs: Sequence[Any], args: argparse.Namespace,
-                 host: bool) -> dict[str, Any]:
+                 host: bool, insight: bool | None = None) -> dict[str, Any]:
     import torch
 
     from ..cache.hicache import HiCache
@@ -227,7 +241,7 @@ def _payload_run(la: Any, stage_map: Any, reqs: Sequence[Any], args: argparse.Na
         host_pools = HostPools(pools, hicache_ratio=args.hicache_ratio, layout=args.hicache_layout)
         controller = TransferController(pools, host_pools, TransferStats())
     cache = HiCache(pools, host_pools, controller, write_policy=args.write_policy,
-                    eviction_policy=args.eviction_policy)
+                    eviction_policy=args.eviction_policy, insight=insight_config(args, insight))
     writer = KvWriter(pools, seed=args.seed)
     result = replay(reqs, cache, writer, verify=args.verify, concurrency=args.concurrency,
                     check_every=args.check_every)
@@ -239,12 +253,13 @@ def _payload_run(la: Any, stage_map: Any, reqs: Sequence[Any], args: argparse.Na
 
 
 def _metadata_run(views: Sequence[Any], page_size: int, host_pages: int,
-                  args: argparse.Namespace) -> tuple[Any, Any]:
+                  args: argparse.Namespace, insight: bool | None = None) -> tuple[Any, Any]:
     from ..cache.hicache import HiCache
 
     cache = HiCache.metadata_only(page_size, args.device_pages, host_pages,
                                   write_policy=args.write_policy,
-                                  eviction_policy=args.eviction_policy)
+                                  eviction_policy=args.eviction_policy,
+                                  insight=insight_config(args, insight))
     result = replay(views, cache, concurrency=args.concurrency, check_every=args.check_every)
     return cache, result
 
@@ -265,6 +280,33 @@ def _run_modes(la: Any, stages: list[Any], reqs: list[Any], views: list[Any], ho
             modes[mode].append(_stats_row(cache, result, token_page_bytes(la, sm), args.device_pages))
         nodes[mode] = cache.tree.num_nodes
     return modes, nodes
+
+
+def insight_overhead(la: Any, stage: Any, reqs: list[Any], views: list[Any], host_pages: int,
+                     args: argparse.Namespace) -> dict[str, Any]:
+    """The HiCache replay again, ``--insight-overhead`` times with the insight and as many
+    without, alternating (so load on the machine hits both alike); the fastest of each.
+
+    Seconds are process CPU time of the replay alone (``replay()``'s loop), the same trace
+    and cache as the reported run; in payload mode on the first replayed stage.
+    """
+    import gc
+
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    for _ in range(args.insight_overhead):
+        for name, on in (("off", False), ("on", True)):
+            gc.collect()
+            t0 = time.process_time()
+            if args.metadata_only:
+                _metadata_run(views, la.page_size, host_pages, args, insight=on)
+            else:
+                _payload_run(la, stage, reqs, args, host=True, insight=on)
+            times[name].append(round(time.process_time() - t0, 4))
+    on, off = min(times["on"]), min(times["off"])
+    return {"repeats": args.insight_overhead, "clock": "process CPU seconds, whole replay",
+            "on_seconds": times["on"], "off_seconds": times["off"],
+            "ratio_on_vs_off": round(on / off, 4) if off else None,
+            "overhead_percent": round(100 * (on / off - 1), 2) if off else None}
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -311,8 +353,11 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         ceiling.observe(v)
     belady = belady_hit_tokens(views, host_pages)
     bounds_s = time.perf_counter() - t_bounds
+    overhead = (insight_overhead(la, stages[0], reqs, views, host_pages, args)
+                if getattr(args, "insight_overhead", 0) else None)
     return build_report(args, la, stages, modes, trace_info, ceiling, belady, host_pages, bandwidth,
-                        {"tree_nodes": nodes, "bounds_seconds": round(bounds_s, 3),
+                        {"insight_overhead": overhead,
+                         "tree_nodes": nodes, "bounds_seconds": round(bounds_s, 3),
                          "bandwidth_probe_seconds": round(bandwidth_s, 3),
                          "seconds": round(time.perf_counter() - t0, 2),
                          "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -28,7 +28,12 @@ FAULTS: dict[str, str] = {
     "duplicate-compress-id": "two C128 layers of a stage share one compress id",
     "overlap": "stage 1 starts one layer early, so two stages own the same layer",
     "gap": "stage 1 starts one layer late, so a layer belongs to no stage",
+    "radix-skew": "one stage's prefix cache (stage 1 unless @STAGE) loses the deepest page of "
+    "every 4th request it caches, so its radix tree drifts from the other stages' "
+    "(stage agreement: stagecache_stage_disagreements_total)",
 }
+#: Faults that change what a stage's cache does while serving, not how its pools are built.
+SERVE_FAULTS = ("radix-skew",)
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,8 @@ class Fault:
             return stage == self.stage
         if self.name == "missing-c4-state":  # the crash hit later stages
             return stage >= 1 or pp_size == 1
+        if self.name == "radix-skew":  # one stage drifts: all of them would drift alike
+            return stage == 1
         return True
 
 
@@ -59,7 +66,7 @@ def parse_faults(values: Iterable[str] | None, pp_size: int) -> tuple[Fault, ...
                 raise ConfigError(f"--fault {raw!r}: stage after '@' must be an integer") from None
             if not 0 <= stage < pp_size:
                 raise ConfigError(f"--fault {raw!r}: stage {stage} out of range for pp_size {pp_size}")
-        if name in ("overlap", "gap") and pp_size < 2:
+        if name in ("overlap", "gap", "radix-skew") and pp_size < 2:
             raise ConfigError(f"--fault {name} needs --pp-size >= 2")
         faults.append(Fault(name, stage))
     return tuple(faults)
