@@ -28,7 +28,7 @@ from stagecache.exporters.snapshot import SnapshotSource
 from stagecache.runtime.model.pool_kinds import KINDS
 from stagecache.runtime.serve.liveness import liveness_of
 
-from . import figures, live_figures
+from . import figures, live_figures, occupancy_figures
 from .caching import same_state, source_state
 from .models import (
     ErrorMessage,
@@ -103,6 +103,9 @@ def page_context(reader: Reader, title: str, window_s: float) -> dict[str, Any]:
         "layer_maps": [layer_map(reader, rep, s.stage) for s in rep.stages] if rep else [],
         "has_live_numbers": bool(live),
         "live_figures": {key: figures.to_json_dict(fig) for key, fig in figs.items()},
+        # host-tier status and pool occupancy (their own section; static/occupancy.js updates them)
+        "occupancy_figure": figures.to_json_dict(occupancy_figures.occupancy_figure(stage_ids, live)),
+        "host_tiers": occupancy_figures.host_tier_rows(stage_ids, live),
         "poll_ms": POLL_MS,
         "window_s": window_s,
         "n_bad_stages": sum(1 for s in rep.stages if not s.ok) if rep else 0,

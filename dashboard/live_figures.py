@@ -122,6 +122,34 @@ def tokens_figure(stage_ids: Sequence[int], rates: Sequence[StageRates], window_
     return fig
 
 
+# -- transfers: queue wait vs DMA time -----------------------------------------------------------
+#: (``StageRates`` field suffix, legend, colour) of the split's stacked bars, bottom first.
+SPLIT_BARS = (("queue_wait_s", "queue wait (call to copy start)", "#ff7f0e"),
+              ("dma_s", "DMA (copy start to finish)", "#1f77b4"))
+
+
+def transfer_split_figure(stage_ids: Sequence[int], rates: Sequence[StageRates], window_s: float,
+                          live: bool) -> go.Figure:
+    """Mean time of one transfer per stage and direction, stacked: its queue wait under its DMA.
+
+    One bar per (stage, direction); each point names its ``StageRates`` field in the trace's
+    ``meta.keys`` (the script restyles the bars from the polled rates).
+    """
+    by_stage = {r.stage: r for r in rates}
+    points = [(s, d) for s in stage_ids for d in ("d2h", "h2d")]
+    fig = go.Figure()
+    for suffix, name, colour in SPLIT_BARS:
+        keys = [f"{d}_{suffix}" for _, d in points]
+        ys = [getattr(by_stage[s], k) if s in by_stage else None for (s, _), k in zip(points, keys, strict=True)]
+        fig.add_trace(go.Bar(x=[f"stage {s} {d}" for s, d in points], y=ys, name=name,
+                             customdata=[s for s, _ in points], marker_color=colour, meta={"keys": keys},
+                             hovertemplate="%{x}: %{y:.3s}s<extra>" + name + "</extra>"))
+    _layout(fig, f"transfer time: queue wait vs DMA, mean per transfer (last {window_s:g} s)",
+            "seconds per transfer", live, tickformat="~s")
+    fig.update_layout(barmode="stack", xaxis=dict(type="category"))
+    return fig
+
+
 def timeline_data(stages: Sequence[StageLive], kind: str) -> dict[str, list]:
     """Bars of one span kind over every stage: start (``base``, ms), length (``x``, ms), row."""
     base, length, rows, mbs = [], [], [], []
@@ -161,5 +189,6 @@ def live_figures(stage_ids: Sequence[int], stages: Sequence[StageLive],
         "tokens": tokens_figure(stage_ids, rates, window_s, live),
         "transfer": transfer_figure(stage_ids, history, window_s, live),
         "bubble": bubble_figure(stage_ids, history, window_s, live),
+        "transfer-split": transfer_split_figure(stage_ids, rates, window_s, live),
         "timeline": timeline_figure(stage_ids, stages, live),
     }

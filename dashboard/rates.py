@@ -34,6 +34,11 @@ COUNTERS: dict[str, Callable[[StageLive], float]] = {
     "h2d_seconds": lambda s: s.transfer_seconds.h2d,
     "busy_seconds": lambda s: s.stage_seconds,
     "bubble_seconds": lambda s: s.bubble_seconds,
+    # transfers: queue wait vs DMA time (DMA seconds: *_seconds above)
+    "d2h_transfers": lambda s: s.transfer_count.d2h,
+    "h2d_transfers": lambda s: s.transfer_count.h2d,
+    "d2h_queue_seconds": lambda s: s.transfer_split.queue_seconds.d2h,
+    "h2d_queue_seconds": lambda s: s.transfer_split.queue_seconds.h2d,
 }
 NAMES = tuple(COUNTERS)
 
@@ -60,6 +65,12 @@ class StageRates(BaseModel):
     d2h_copy_bandwidth: float | None = Field(None, description="bytes / seconds spent copying")
     h2d_copy_bandwidth: float | None = None
     bubble_fraction: float | None = Field(None, description="bubble / (busy + bubble) seconds")
+    # transfers: mean time of one transfer in the window, queue wait vs DMA
+    d2h_queue_wait_s: float | None = Field(None, description="mean seconds from a transfer's call to its "
+                                           "copy's start")
+    d2h_dma_s: float | None = Field(None, description="mean seconds of a transfer's copy, start to finish")
+    h2d_queue_wait_s: float | None = None
+    h2d_dma_s: float | None = None
 
 
 def increase(values: Sequence[float]) -> float:
@@ -92,6 +103,8 @@ def rates_of(stage: int, times: Sequence[float], rows: Sequence[Sequence[float]]
         d2h_copy_bandwidth=_ratio(inc["d2h_bytes"], inc["d2h_seconds"]),
         h2d_copy_bandwidth=_ratio(inc["h2d_bytes"], inc["h2d_seconds"]),
         bubble_fraction=_ratio(inc["bubble_seconds"], inc["busy_seconds"] + inc["bubble_seconds"]),
+        **{f"{d}_{part}": _ratio(inc[f"{d}_{counter}"], inc[f"{d}_transfers"])
+           for d in ("d2h", "h2d") for part, counter in (("queue_wait_s", "queue_seconds"), ("dma_s", "seconds"))},
     )
 
 

@@ -20,13 +20,14 @@ Counters count since the stage started; any ratio or bandwidth is left to
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from stagecache.runtime.cache.insight import MISS_REASONS
-from stagecache.runtime.serve.agreement import KIND_NAMES, KINDS
-from stagecache.runtime.serve.live import SampledHistogram, StageLive
+from stagecache.runtime.memory.host_tier import HOST_TIER_STATUSES
+from stagecache.runtime.serve.live import StageLive, TransferKind
+
+from .family import Family, Samples, cumulative_buckets, one, per
+from .insight_families import CACHE_INSIGHT_FAMILIES, INSIGHT_LABEL_VALUES, INSIGHT_LABELS
 
 #: Labels of every per-stage family, in this order (sglang's vocabulary).
 STAGE_LABELS: tuple[str, ...] = ("model_name", "pp_rank", "tp_rank")
@@ -45,7 +46,8 @@ LABELS: dict[str, str] = {
     "pp_rank": "pipeline-parallel rank, i.e. the stage, 0-based (sglang's label)",
     "tp_rank": "tensor-parallel rank whose numbers these are; stagecache reports rank 0 "
                "(KV is replicated across TP) (sglang's label)",
-    "pool": "KV pool kind, named by the stage's own inventory (swa, c4, c128, ...)",
+    "pool": "KV pool kind, named by the stage's own inventory (swa, c4, c128, ...); on transfer "
+            "families `all` where the source reports no per-kind split (sglang hooks)",
     "tier": "memory tier: `device` or `host` (where pages or bytes live, where a prefix hit was found)",
     "direction": "host<->device copy direction: `d2h` (backup to host) or `h2d` (load from host)",
     "space": "page-id space: pages shared by every pool drawing on it (`device`, `host`)",
@@ -56,47 +58,15 @@ LABELS: dict[str, str] = {
     "page_size": "tokens per KV page",
     "num_layers": "model layers over all stages",
     "stagecache_stage_phase": "a stage phase (state set): " + ", ".join(PHASES),
-    "kind": "stage-disagreement kind: " + "; ".join(f"`{k}`: {v}" for k, v in KINDS.items()),
-    "reason": "why prompt tokens missed a tier (docs/hicache.md, miss reasons): "
-              + ", ".join(f"`{r}`" for r in MISS_REASONS),
+    "stagecache_host_tier_status": "a host-tier status (state set): " + ", ".join(HOST_TIER_STATUSES),
+    **INSIGHT_LABELS,
 }
 
 #: Closed value sets, checked by the tests for every exposed sample.
 LABEL_VALUES: dict[str, tuple[str, ...]] = {
     "tier": TIERS, "direction": DIRECTIONS, "operation": tuple(HICACHE_OPERATIONS.values()),
-    "kind": KIND_NAMES, "reason": MISS_REASONS,
+    **INSIGHT_LABEL_VALUES,
 }
-
-Samples = Iterable[tuple[tuple[Any, ...], Any]]
-
-
-@dataclass(frozen=True)
-class Family:
-    """One metric family: exposed ``name`` (counters end in ``_total``, info in ``_info``).
-
-    ``labels`` are the family's own label names (after ``STAGE_LABELS`` for
-    per-stage tables); ``samples(input)`` yields ``(label values, value)``:
-    a number, ``(buckets, sum)`` for a histogram, ``{state: bool}`` for a
-    state set, and 1 for an info family (its labels are the information).
-    """
-
-    name: str
-    kind: str
-    help: str
-    labels: tuple[str, ...] = ()
-    samples: Callable[[Any], Samples] = field(default=lambda _: (), compare=False, repr=False)
-
-
-def one(fn: Callable[[Any], Any]) -> Callable[[Any], Samples]:
-    """A family with one series per input (no labels of its own)."""
-    return lambda x: [((), fn(x))]
-
-
-def per(values: Iterable[str], fn: Callable[[Any, str], Any]) -> Callable[[Any], Samples]:
-    """One series per label value."""
-    values = tuple(values)
-    return lambda x: [((v,), fn(x, v)) for v in values]
-
 
 def _n(value: Any) -> float:
     return float(value) if isinstance(value, (int, float)) else 0.0
@@ -157,17 +127,49 @@ def _phase(s: StageLive) -> Samples:
     return [((), states)]
 
 
-def _histogram(s: StageLive, direction: str) -> tuple[list[tuple[str, float]], float]:
-    """Cumulative ``(le, count)`` buckets of one direction; only +Inf when none were reported."""
-    hist = s.transfer_seconds_buckets
-    counts = getattr(hist, direction)
-    total = getattr(s.transfer_count, direction)
-    buckets: list[tuple[str, float]] = []
-    if counts and len(counts) == len(hist.le) + 1:
-        buckets = [(repr(float(b)), c) for b, c in zip(hist.le, counts[:-1], strict=True)]
-        total = counts[-1]
-    buckets.append(("+Inf", total))
-    return buckets, getattr(s.transfer_seconds, direction)
+# -- transfers: queue wait vs DMA time, per direction and pool kind ----------------------------
+
+#: ``pool`` label of a source that reports transfers without a per-kind split (the sglang hooks):
+#: its direction totals, every kind of the stage together.
+UNSPLIT_POOL = "all"
+
+
+def _transfer_kinds(s: StageLive, direction: str) -> dict[str, TransferKind]:
+    """The direction's per-kind split; a source without one gets its totals as pool ``all``."""
+    kinds = getattr(s.transfer_split, direction)
+    if kinds or not (getattr(s.transfer_count, direction) or getattr(s.transfer_bytes, direction)):
+        return dict(kinds)
+    return {UNSPLIT_POOL: TransferKind(
+        bytes=getattr(s.transfer_bytes, direction), moves=getattr(s.transfer_count, direction),
+        queue_seconds=getattr(s.transfer_split.queue_seconds, direction),
+        dma_seconds=getattr(s.transfer_seconds, direction))}
+
+
+def _per_kind(fn: Callable[[StageLive, TransferKind], Any]) -> Callable[[StageLive], Samples]:
+    return lambda s: [((d, pool), fn(s, k)) for d in DIRECTIONS
+                      for pool, k in sorted(_transfer_kinds(s, d).items())]
+
+
+TRANSFER_FAMILIES: tuple[Family, ...] = (
+    Family("stagecache_transfers_total", "counter",
+           "Device<->host transfers (calls); one transfer moves one or more pool kinds", ("direction",),
+           per(DIRECTIONS, lambda s, d: getattr(s.transfer_count, d))),
+    Family("stagecache_transfer_bytes_total", "counter",
+           "Bytes copied between device and host pools, by pool kind", ("direction", "pool"),
+           _per_kind(lambda s, k: k.bytes)),
+    Family("stagecache_transfer_queue_wait_seconds", "histogram",
+           "Seconds from a transfer's call until its copy started on the stream (CUDA events on GPU, "
+           "host clock on CPU); every pool kind the transfer moved observes the whole wait",
+           ("direction", "pool"),
+           _per_kind(lambda s, k: (cumulative_buckets(s.transfer_split.le, k.queue_buckets, k.moves),
+                                   k.queue_seconds))),
+    Family("stagecache_transfer_dma_seconds", "histogram",
+           "Copy time of a transfer, start to finish (CUDA events on GPU, host clock on CPU), split over "
+           "the pool kinds it moved by bytes: rate(bytes_total) / rate(_sum) is the copy bandwidth",
+           ("direction", "pool"),
+           _per_kind(lambda s, k: (cumulative_buckets(s.transfer_split.le, k.dma_buckets, k.moves),
+                                   k.dma_seconds))),
+)
 
 
 def _spaces(fn: Callable[[Any], float]) -> Callable[[StageLive], Samples]:
@@ -210,11 +212,7 @@ LIVE_FAMILIES: tuple[Family, ...] = (
     Family("stagecache_hicache_pages_total", "counter", "Pages HiCache backed up, loaded, dropped or "
            "did not back up (already on host)", ("operation",),
            lambda s: [((op,), getattr(s.cache_pages, f)) for f, op in HICACHE_OPERATIONS.items()]),
-    Family("stagecache_transfer_bytes_total", "counter", "Bytes copied between device and host pools",
-           ("direction",), per(DIRECTIONS, lambda s, d: getattr(s.transfer_bytes, d))),
-    Family("stagecache_transfer_duration_seconds", "histogram",
-           "Duration of one device<->host page transfer (_sum: seconds spent copying)", ("direction",),
-           per(DIRECTIONS, _histogram)),
+    *TRANSFER_FAMILIES,
     Family("stagecache_kv_verified_pages_total", "counter",
            "Host-loaded pages whose KV bytes were verified", samples=one(lambda s: s.kv_verified_pages)),
     Family("stagecache_computed_tokens_total", "counter",
@@ -237,52 +235,66 @@ LIVE_FAMILIES: tuple[Family, ...] = (
            samples=one(lambda s: s.activation_bytes_received)),
 )
 
-# -- cache insight and stage agreement (cache/insight.py, serve/agreement.py) -------------------
+# -- host-tier sanity and pool occupancy (a stage's ``StageLive``) -----------------------------------
 
 
-def _sampled(name: str) -> Callable[[StageLive, str], tuple[list[tuple[str, float]], float]]:
-    """A tier's sampled histogram ``name`` as cumulative buckets; only +Inf when none kept."""
-    def samples(s: StageLive, tier: str) -> tuple[list[tuple[str, float]], float]:
-        h: SampledHistogram = getattr(getattr(s.insight, tier), name)
-        if h.counts and len(h.counts) == len(h.le) + 1:
-            return ([(repr(float(b)), c) for b, c in zip(h.le, h.counts[:-1], strict=True)]
-                    + [("+Inf", h.counts[-1])], h.sum)
-        return [("+Inf", 0)], 0.0
-    return samples
+def _host_tier_states(s: StageLive) -> Samples:
+    """Every known status, true where it holds; nothing before the stage has checked."""
+    if not s.host_tier.status:
+        return []
+    states = {st: st in s.host_tier.status for st in HOST_TIER_STATUSES}
+    states.update({st: True for st in s.host_tier.status})
+    return [((), states)]
 
 
-def _miss_reasons(s: StageLive) -> Samples:
-    return [((t, r), s.insight.miss_tokens.get(t, {}).get(r, 0)) for t in TIERS for r in MISS_REASONS]
+def _optional(value: int | None) -> Samples:
+    return [] if value is None else [((), value)]
 
 
-_SAMPLED = " Sampled: the entries of every n-th lookup are watched (serve: every lookup)."
+def _occupancy(unit: str, fn: Callable[[Any], float]) -> Callable[[StageLive], Samples]:
+    """One series per (pool, tier) of the stage's occupancy rows (``unit``: page, slot or any)."""
+    return lambda s: [((o.pool, o.tier), fn(o)) for o in s.pool_occupancy
+                      if unit in ("any", o.unit)]
 
-CACHE_INSIGHT_FAMILIES: tuple[Family, ...] = (
-    Family("stagecache_stage_disagreements_total", "counter",
-           "Requests on which this stage reported another value than the one most stages agreed on "
-           "(rank 0 compares every stage's per-request record), by kind", ("kind",),
-           per(KIND_NAMES, lambda s, k: s.agreement.disagreements.get(k, 0))),
-    Family("stagecache_stage_compared_requests_total", "counter",
-           "Requests whose stage-agreement verdict this stage has applied",
-           samples=one(lambda s: s.agreement.compared_requests)),
-    Family("stagecache_prefix_miss_tokens_total", "counter",
-           "Prompt tokens a tier did not have, by reason (device: not on the device; host: found "
-           "nowhere, i.e. computed); per tier the reasons sum to its misses", ("tier", "reason"),
-           _miss_reasons),
-    Family("stagecache_cache_entry_lifetime_seconds", "histogram",
-           "Seconds a page stayed in a tier, insert (or load, backup) to eviction." + _SAMPLED,
-           ("tier",), per(TIERS, _sampled("lifetime"))),
-    Family("stagecache_cache_entry_idle_seconds", "histogram",
-           "Seconds between a page's last use and its eviction from a tier." + _SAMPLED,
-           ("tier",), per(TIERS, _sampled("idle"))),
-    Family("stagecache_cache_entry_reuse_gap_seconds", "histogram",
-           "Seconds between a page's previous use (hit or insert) and a hit on it in a tier."
-           + _SAMPLED, ("tier",), per(TIERS, _sampled("reuse_gap"))),
-    Family("stagecache_cache_seen_keys", "gauge",
-           "Keys of evicted pages the stage remembers, to tell an evicted page from a never-seen "
-           "one (miss reasons; bounded)", samples=one(lambda s: s.insight.seen_keys)),
+
+HOST_TIER_FAMILIES: tuple[Family, ...] = (
+    Family("stagecache_host_tier_status", "stateset",
+           "The stage's host-tier sanity (1 where a status holds): ok, smaller_than_device and "
+           "pin_refused (warnings, still ready), exceeds_ram (not ready)",
+           samples=_host_tier_states),
+    Family("stagecache_host_memory_available_bytes", "gauge",
+           "The host's MemAvailable at the stage's last check (re-read every few seconds)",
+           samples=lambda s: _optional(s.host_tier.mem_available_bytes)),
+    Family("stagecache_host_memory_reserve_bytes", "gauge",
+           "RAM the host tiers must leave available; below it the status is exceeds_ram",
+           samples=lambda s: _optional(s.host_tier.reserve_bytes)),
 )
-LIVE_FAMILIES += CACHE_INSIGHT_FAMILIES
+
+POOL_OCCUPANCY_FAMILIES: tuple[Family, ...] = (
+    Family("stagecache_pool_used_pages", "gauge",
+           "Pages in use in a paged pool kind's own page space (kinds of one page-id space show the "
+           "same count: do not sum over pools, sum stagecache_page_space_used_pages)",
+           ("pool", "tier"), _occupancy("page", lambda o: o.used)),
+    Family("stagecache_pool_capacity_pages", "gauge", "Pages a paged pool kind's own page space holds",
+           ("pool", "tier"), _occupancy("page", lambda o: o.capacity)),
+    Family("stagecache_pool_used_slots", "gauge",
+           "Request slots in use in a per-request pool kind (c128_state)",
+           ("pool", "tier"), _occupancy("slot", lambda o: o.used)),
+    Family("stagecache_pool_capacity_slots", "gauge", "Request slots a per-request pool kind holds",
+           ("pool", "tier"), _occupancy("slot", lambda o: o.capacity)),
+    Family("stagecache_pool_used_bytes", "gauge",
+           "Bytes of a pool kind's used pages or slots, all its buffers (the kind's own bytes: these "
+           "sum over pools; capacity is stagecache_pool_bytes)",
+           ("pool", "tier"), _occupancy("any", lambda o: o.used_bytes)),
+    Family("stagecache_pool_usage_ratio", "gauge", "Used / capacity units of a pool kind",
+           ("pool", "tier"), _occupancy("any", lambda o: o.used / o.capacity if o.capacity else 0.0)),
+    Family("stagecache_pool_peak_usage_ratio", "gauge",
+           "The most units of a pool kind in use at once since the stage started, / capacity",
+           ("pool", "tier"), _occupancy("any", lambda o: o.peak / o.capacity if o.capacity else 0.0)),
+)
+
+
+LIVE_FAMILIES += HOST_TIER_FAMILIES + POOL_OCCUPANCY_FAMILIES + CACHE_INSIGHT_FAMILIES
 
 #: One stage's liveness, ``(StageHealth, Liveness)`` of ``serve.liveness``: /readyz's verdict.
 LIVENESS_FAMILIES: tuple[Family, ...] = (

@@ -32,6 +32,7 @@ class ScriptedRun:
 
     def __init__(self) -> None:
         self.phase = "starting"
+        self.device_used = 4  # device pages in use on every stage (the occupancy test moves it)
         self._report = expected_report([])
         self._t0 = 0.0
         self._elapsed = 0.0
@@ -68,8 +69,13 @@ class ScriptedRun:
                  stage_seconds=0.06 * e, bubble_seconds=0.02 * s * e)
         d["cache_tokens"] = {"device": 0, "host": int(RATIO[s] * lookups), "miss": lookups - int(RATIO[s] * lookups)}
         d["transfer_bytes"] = {"d2h": int(1e6 * (s + 1) * e), "h2d": int(5e5 * e)}
+        n = int(100 * e)  # transfers per direction: stage s waits (s + 1) ms per backup, 0.5 ms per load
+        d["transfer_count"] = {"d2h": n, "h2d": n}
+        d["transfer_seconds"] = {"d2h": 0.002 * n, "h2d": 0.001 * n}
+        d["transfer_split"] = {"queue_seconds": {"d2h": 0.001 * (s + 1) * n, "h2d": 0.0005 * n}}
         d["timeline"] = [ev for i in range(max(0, int(10 * e) - 20), int(10 * e))
                          for ev in self._events(s, i)]
+        d["host_tier"], d["pool_occupancy"] = host_tier(s), occupancy(s, self.device_used)
         return d
 
     def _events(self, s: int, i: int) -> list[dict]:
@@ -93,3 +99,35 @@ class LateReportSource:
 
     def stages(self):
         return {}
+
+
+# -- host tier and pool occupancy --------------------------------------------------------------
+#: stage -> its host-tier statuses: stage 1's host tier is smaller than its device tier, stage 3's
+#: host has run short of RAM, the others are ok
+HOST_TIER = {1: ["smaller_than_device"], 3: ["exceeds_ram"]}
+DEVICE_PAGES, HOST_PAGES, SLOTS = 16, 32, 4
+
+
+def host_tier(s: int) -> dict:
+    status = HOST_TIER.get(s, ["ok"])
+    return {"status": status, "reasons": [f"stage {s} host tier: {st} (scripted)" for st in status],
+            "ready": status != ["exceeds_ram"], "pinned": s != 2,
+            "mem_available_bytes": (512 << 20) if s == 3 else (8 << 30), "reserve_bytes": 1 << 30}
+
+
+def occupancy(s: int, device_used: int) -> list[dict]:
+    """Every pool kind on the device (c128_state in request slots), the host-cached kinds on the host."""
+    from stagecache.runtime.model.pool_kinds import KINDS
+
+    rows = []
+    for pool, kind in KINDS.items():
+        if kind.paged:
+            rows.append({"pool": pool, "tier": "device", "unit": "page", "used": device_used,
+                         "capacity": DEVICE_PAGES, "peak": device_used})
+        else:
+            rows.append({"pool": pool, "tier": "device", "unit": "slot", "used": 1, "capacity": SLOTS,
+                         "peak": SLOTS})
+        if kind.host_cached:
+            rows.append({"pool": pool, "tier": "host", "unit": "page", "used": 8 * (s + 1),
+                         "capacity": HOST_PAGES, "peak": 8 * (s + 1)})
+    return rows

@@ -70,12 +70,12 @@ CASES = [
                       "--host", "no-such-host.invalid"], "cannot bind the dashboard to no-such-host.invalid:0"),
     ("dist-host-wildcard", S("--dist-host", "0.0.0.0"), "--dist-host '0.0.0.0' is the wildcard address"),
     # -- model config files ----------------------------------------------------------------------
-    ("model-missing", S("--model", "{dir}/none.json"), "cannot read model config '{dir}/none.json': No such file"),
+    ("model-missing", S("--model", "{dir}/none.json"), "model config '{dir}/none.json': cannot read: No such file"),
     ("model-not-utf8", S("--model", "{latin1}"), "model config '{latin1}' is not UTF-8 text"),
     ("model-huge", S("--model", "{huge}"), "model config '{huge}' is larger than 1048576 bytes"),
     ("model-deep", S("--model", "{deep}"), "model config '{deep}' nests 100000 levels deep; expected at most 32"),
-    ("model-empty-dir", S("--model", "{emptydir}"), "cannot read model config '{emptydir}/config.json'"),
-    ("model-config-is-dir", S("--model", "{cfgdir}"), "cannot read model config '{cfgdir}/config.json': Is a directory"),
+    ("model-empty-dir", S("--model", "{emptydir}"), "model config '{emptydir}/config.json': cannot read"),
+    ("model-config-is-dir", S("--model", "{cfgdir}"), "model config '{cfgdir}/config.json': cannot read: Is a directory"),
     ("model-not-json", S("--model", "{notjson}"), "model config '{notjson}' is not valid JSON"),
     ("model-list", S("--model", "{listjson}"), "expected a JSON object, got list"),
     ("model-missing-field", S("--model", "{nofield}"), "missing required field 'num_hidden_layers'"),
@@ -114,12 +114,18 @@ CASES = [
     ("http-requests-neg", ["bench", "http", "--requests", "-5"], "argument --requests: expected a positive integer"),
     # -- dashboard and check ---------------------------------------------------------------------------
     ("dash-json-missing", ["dashboard", "--from-json", "{dir}/none.json"], "--from-json {dir}/none.json: cannot read"),
-    ("dash-json-not-utf8", ["dashboard", "--from-json", "{latin1}"], "--from-json {latin1}: not UTF-8 text"),
-    ("dash-json-huge", ["dashboard", "--from-json", "{hugereport}"], "--from-json {hugereport}: larger than"),
+    ("dash-json-not-utf8", ["dashboard", "--from-json", "{latin1}"], "--from-json {latin1} is not UTF-8 text"),
+    ("dash-json-huge", ["dashboard", "--from-json", "{hugereport}"], "--from-json {hugereport} is larger than"),
     ("dash-port-high", ["dashboard", "--from-check", "--model", "tiny-v4", "--port", "99999"], "argument --port: expected an integer >= 0 <= 65535"),
     ("check-partition-word", ["check", "--model", "tiny-v4", "--pp-size", "2", "--pp-partition", "1,x"], "--pp-partition"),
     ("check-model-deep", ["check", "--model", "{deep}"], "nests 100000 levels deep"),
     ("check-pp-neg", ["check", "--model", "tiny-v4", "--pp-size", "-1"], "argument --pp-size: expected a positive integer"),
+    # -- resource checks before any pool is allocated: real flags, values that fit -----------------
+    ("serve-host-10tb", S("--hicache-ratio", "250000"), "lower --hicache-ratio to "),
+    ("bench-hicache-ram", ["bench", "hicache", "--requests", "8", "--device-pages", "4000000000"],
+     "lower --device-pages to "),
+    ("bench-transfer-ram", ["bench", "transfer", "--device", "cpu", "--mix-pages", "100000000",
+                            "--kind-mib"], "lower --mix-pages to "),
 ]
 
 

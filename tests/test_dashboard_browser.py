@@ -35,7 +35,7 @@ CHROME_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                 "--window-size=1400,1000",
                 # offline: every name but the loopback fails to resolve, so a CDN can never load
                 "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1")
-N_LIVE_CHARTS = 5  # hit rate, tokens, transfer, bubble, timeline
+N_LIVE_CHARTS = 6  # hit rate, tokens, transfer, bubble, transfer split, timeline
 
 pytestmark = [
     pytest.mark.browser,
@@ -262,6 +262,11 @@ def test_a_run_goes_live_shows_rates_per_stage_and_timeline_then_done(driver, fr
         assert sorted(kinds["compute"]) == [f"stage {s}" for s in range(PP)]
         assert sorted(kinds["recv_wait"]) == [f"stage {s}" for s in range(1, PP)]
         assert _js(driver, "document.getElementById('chart-timeline')._fullLayout.xaxis.type") == "date"
+        # transfers: each stage's mean queue wait stacked under its DMA time, per direction
+        split = _js(driver, "document.getElementById('chart-transfer-split').data.map(t => t.y)")
+        assert split[0][0::2] == pytest.approx([0.001 * (s + 1) for s in range(PP)], rel=0.05)
+        assert split[0][1::2] == pytest.approx([0.0005] * PP, rel=0.05)
+        assert split[1] == pytest.approx([0.002, 0.001] * PP, rel=0.05)
         assert severe_console_messages(driver) == []
         screenshot(driver, "dashboard-live.png", tmp_path)
         source.phase = "done"
@@ -337,3 +342,41 @@ def test_starting_page_reloads_once_the_report_arrives(driver, free_port):
               timeout=20, what="the reload with the report's layer maps")
         assert len(driver.find_elements(By.CSS_SELECTOR, "tr.stage-row.error")) == PP
         assert severe_console_messages(driver) == []
+
+
+def test_host_tier_table_and_occupancy_heatmap_follow_the_stages(driver, free_port, tmp_path):
+    """Per stage: its host-tier status (red when not ready, orange for a warning) and a heatmap of
+    pool kind x tier -- the state, indexer and per-request pools included -- refilled every poll."""
+    from selenium.webdriver.common.by import By
+    from stagecache.dashboard.server import dashboard_in_thread
+
+    source = ScriptedRun()
+    with dashboard_in_thread(source, port=free_port) as url:
+        _go_running(driver, source, url + "/")
+        _wait(lambda: _js(driver, "window.stagecacheOccupancy.updates") >= 1, timeout=15,
+              what="the occupancy script's first update")
+        rows = driver.find_elements(By.CSS_SELECTOR, "#host-tier-table tr.host-tier-row")
+        cells = [r.find_element(By.CSS_SELECTOR, "td.host-tier-status") for r in rows]
+        assert [c.text for c in cells] == ["ok", "smaller_than_device", "ok", "exceeds_ram"]
+        assert [c.get_attribute("class").split()[-1] for c in cells] == ["ok", "warn", "ok", "bad"]
+        assert rows[3].find_element(By.CSS_SELECTOR, "td.host-tier-available").text == "512.0 MiB"
+        assert rows[2].find_element(By.CSS_SELECTOR, "td.host-tier-pinned").text == "no"
+        heat = "document.getElementById('chart-occupancy')"
+        labels = _js(driver, f"{heat}.data[0].y")
+        for label in ("C4 compress-state · device", "C4 indexer compress-state · host",
+                      "C4 indexer · device", "C128 compress-state · device"):
+            assert label in labels, labels
+        assert "C128 compress-state · host" not in labels  # per-request: never host-cached
+
+        def cell(label: str, stage: int):
+            i = labels.index(label)
+            return _js(driver, f"[{heat}.data[0].z[{i}][{stage}], {heat}.data[0].text[{i}][{stage}]]")
+
+        assert cell("C128 compress-state · device", 0) == [0.25, "1/4 slots"]
+        assert cell("SWA KV · host", 2) == [0.75, "24/32"]
+        assert cell("SWA KV · device", 1) == [0.25, "4/16"]
+        source.device_used = 12
+        _wait(lambda: cell("SWA KV · device", 1) == [0.75, "12/16"], timeout=15,
+              what="the heatmap to follow the stages' pages")
+        assert severe_console_messages(driver) == []
+        screenshot(driver, "dashboard-host-tier.png", tmp_path)

@@ -70,6 +70,9 @@ def exported_sample_names() -> set[str]:
         n.update(steps=3, requests=2, cache_tokens={"device": 10, "host": 30, "miss": 60},
                  transfer_bytes={"d2h": 4096, "h2d": 8192},
                  transfer_seconds={"d2h": 0.001, "h2d": 0.002}, transfer_count={"d2h": 1, "h2d": 2})
+        n.update(host_tier={"status": ["ok"], "mem_available_bytes": 1 << 33, "reserve_bytes": 1 << 30},
+                 pool_occupancy=[{"pool": p, "tier": "device", "unit": "slot" if p == "c128_state" else "page",
+                                  "capacity": 8} for p in POOLS])
         stages[k] = n
     registry = make_registry(StaticSource(report, stages))
     return {s.name for fam in registry.collect() for s in fam.samples}
@@ -158,11 +161,16 @@ def test_dashboard_recording_rules_are_recorded_in_alerts_yml() -> None:
 def test_dashboard_shows_every_required_view() -> None:
     exprs = " ".join(dashboard_exprs(dashboard()).values())
     for metric in ("stagecache_prefix_hit_tokens_total", "stagecache_prefix_lookup_tokens_total",
-                   "stagecache_transfer_bytes_total", "stagecache_transfer_duration_seconds_bucket",
+                   "stagecache_transfer_bytes_total", "stagecache_transfer_queue_wait_seconds_bucket",
+                   "stagecache_transfer_queue_wait_seconds_sum", "stagecache_transfer_dma_seconds_sum",
+                   "stagecache_transfers_total",
                    "stagecache_stage_buffers", "stagecache_stage_expected_buffers",
                    "stagecache_stage_local_layers", "stagecache_stage_mapping_ok",
                    "stagecache_page_space_used_pages", "stagecache_page_space_usage_ratio",
                    "stagecache_model_info", "stagecache_build_info", "stagecache_stage_phase"):
+        assert metric in exprs, f"no dashboard panel queries {metric}"
+    for metric in ("stagecache_host_tier_status", "stagecache_host_memory_available_bytes",
+                   "stagecache_pool_usage_ratio", "stagecache_pool_used_bytes"):  # host tier, occupancy
         assert metric in exprs, f"no dashboard panel queries {metric}"
     legends = " ".join(t.get("legendFormat", "") for p in panels(dashboard()) for t in p.get("targets", []))
     assert "{{direction}}" in legends and "{{tier}}" in legends and "{{pp_rank}}" in legends

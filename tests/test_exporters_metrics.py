@@ -22,6 +22,7 @@ from stagecache.exporters.snapshot import StageLive, StaticSource
 from stagecache.runtime.model.layer_map import build_layout
 from stagecache.runtime.model.pool_kinds import POOLS
 from stagecache.runtime.model.spec import load_spec
+from stagecache.runtime.serve.stage_cache import transfer_live_fields
 from stagecache.runtime.transfer.stats import TransferStats
 from stagecache.runtime.validation.faults import parse_faults
 from stagecache.runtime.validation.report import preflight
@@ -49,6 +50,17 @@ def live(stage: int, scale: int = 1) -> dict:
         stage_seconds=1.5, bubble_seconds=0.5, activation_bytes_sent=100 * (3 - stage),
         activation_bytes_received=100 * stage,
     )
+    # host-tier sanity and pool occupancy
+    d["host_tier"] = {"status": ["smaller_than_device"] if stage == 1 else ["ok"], "reasons": ["r"],
+                      "mem_available_bytes": 8 << 30, "reserve_bytes": 1 << 30}
+    d["pool_occupancy"] = [
+        {"pool": "swa", "tier": "device", "unit": "page", "used": 10, "capacity": 64, "peak": 12,
+         "used_bytes": 10 << 10, "capacity_bytes": 64 << 10},
+        {"pool": "swa", "tier": "host", "unit": "page", "used": 30, "capacity": 128, "peak": 30,
+         "used_bytes": 30 << 10, "capacity_bytes": 128 << 10},
+        {"pool": "c128_state", "tier": "device", "unit": "slot", "used": 0, "capacity": 4, "peak": 4,
+         "used_bytes": 0, "capacity_bytes": 4 << 12},
+    ]
     return d
 
 
@@ -125,7 +137,7 @@ def test_counters_for_everything_cumulative_gauges_for_states():
     for name in METRIC_NAMES:
         if name.endswith("_total"):
             assert types[name[: -len("_total")]] == "counter", name
-    assert types["stagecache_transfer_duration_seconds"] == "histogram"
+    assert types["stagecache_transfer_dma_seconds"] == types["stagecache_transfer_queue_wait_seconds"] == "histogram"
     cumulative = ("prefix_lookup_tokens", "prefix_hit_tokens", "transfer_bytes", "requests",
                   "evicted_pages", "bubble_seconds", "busy_seconds")
     for part in cumulative:
@@ -207,31 +219,47 @@ def test_live_values_per_stage_and_label():
     phases = {s.labels["stagecache_stage_phase"]: s.value for s in smp["stagecache_stage_phase"]
               if s.labels["pp_rank"] == "0"}
     assert phases["serving"] == 1 and sum(phases.values()) == 1
-    # without reported buckets the histogram still has the count (+Inf) and the sum
-    h = "stagecache_transfer_duration_seconds"
-    assert one(smp, h + "_count", pp_rank="0", direction="d2h") == 3
-    assert one(smp, h + "_bucket", pp_rank="0", direction="d2h", le="+Inf") == 3
-    assert one(smp, h + "_sum", pp_rank="0", direction="d2h") == 0.002
+    # a source without a per-kind split (the sglang hooks): its totals as pool "all", the
+    # histogram without buckets still has the count (+Inf) and the sum
+    h = "stagecache_transfer_dma_seconds"
+    assert one(smp, "stagecache_transfer_bytes_total", pp_rank="0", direction="h2d", pool="all") == 2048
+    assert one(smp, h + "_count", pp_rank="0", direction="d2h", pool="all") == 3
+    assert one(smp, h + "_bucket", pp_rank="0", direction="d2h", pool="all", le="+Inf") == 3
+    assert one(smp, h + "_sum", pp_rank="0", direction="d2h", pool="all") == 0.002
+    assert one(smp, "stagecache_transfers_total", pp_rank="0", direction="d2h") == 3
 
 
 def test_histogram_buckets_come_from_transfer_stats():
     stats = TransferStats()
+    kinds = (("swa", 3000), ("c4", 1000))  # DMA time split 3:1 by bytes
     for secs in (0.00005, 0.0003, 0.0003, 0.02, 3.0):
-        stats.record("d2h", 1000, secs, 1)
-    snap = stats.snapshot()
+        stats.record("d2h", 4000, secs, 1, queue_seconds=secs / 2, kinds=kinds)
     d = live(0)
-    d["transfer_count"] = {"d2h": 5, "h2d": 0}
-    d["transfer_seconds"] = {"d2h": snap["d2h"]["seconds"], "h2d": 0.0}
-    d["transfer_seconds_buckets"] = {"le": snap["buckets_s"], "d2h": snap["d2h"]["bucket_counts"],
-                                     "h2d": snap["h2d"]["bucket_counts"]}
+    d.update({k: v.model_dump() if hasattr(v, "model_dump") else v
+              for k, v in transfer_live_fields(stats).items()})
     smp = by_name(scrape(StaticSource(report(), {0: d})))
-    h = "stagecache_transfer_duration_seconds_bucket"
-    assert one(smp, h, pp_rank="0", direction="d2h", le="0.0001") == 1
-    assert one(smp, h, pp_rank="0", direction="d2h", le="0.0005") == 3
-    assert one(smp, h, pp_rank="0", direction="d2h", le="0.025") == 4
-    assert one(smp, h, pp_rank="0", direction="d2h", le="2.5") == 4
-    assert one(smp, h, pp_rank="0", direction="d2h", le="+Inf") == 5
-    assert one(smp, "stagecache_transfer_duration_seconds_count", pp_rank="0", direction="d2h") == 5
+    h = "stagecache_transfer_dma_seconds_bucket"
+    # swa's shares: 37.5 us, 225 us, 225 us, 15 ms, 2.25 s
+    assert one(smp, h, pp_rank="0", direction="d2h", pool="swa", le="5e-05") == 1
+    assert one(smp, h, pp_rank="0", direction="d2h", pool="swa", le="0.00025") == 3
+    assert one(smp, h, pp_rank="0", direction="d2h", pool="swa", le="0.025") == 4
+    assert one(smp, h, pp_rank="0", direction="d2h", pool="swa", le="2.5") == 5
+    # c4's shares: 12.5 us, 75 us, 75 us, 5 ms, 0.75 s
+    assert one(smp, h, pp_rank="0", direction="d2h", pool="c4", le="2.5e-05") == 1
+    assert one(smp, h, pp_rank="0", direction="d2h", pool="c4", le="0.0001") == 3
+    assert one(smp, h, pp_rank="0", direction="d2h", pool="c4", le="1.0") == 5
+    # queue wait: the whole wait for every kind (25 us, 150 us, 150 us, 10 ms, 1.5 s)
+    q = "stagecache_transfer_queue_wait_seconds_bucket"
+    for pool in ("swa", "c4"):
+        assert one(smp, q, pp_rank="0", direction="d2h", pool=pool, le="2.5e-05") == 1
+        assert one(smp, q, pp_rank="0", direction="d2h", pool=pool, le="0.01") == 4
+        assert one(smp, q, pp_rank="0", direction="d2h", pool=pool, le="+Inf") == 5
+    dma_sum = sum(one(smp, "stagecache_transfer_dma_seconds_sum", pp_rank="0", direction="d2h", pool=p)
+                  for p in ("swa", "c4"))
+    assert dma_sum == pytest.approx(0.00005 + 0.0003 + 0.0003 + 0.02 + 3.0)
+    assert one(smp, "stagecache_transfer_bytes_total", pp_rank="0", direction="d2h", pool="swa") == 15000
+    assert one(smp, "stagecache_transfers_total", pp_rank="0", direction="d2h") == 5
+    assert "all" not in {s.labels["pool"] for s in smp["stagecache_transfer_bytes_total"]}
 
 
 def test_the_source_is_read_on_every_scrape():

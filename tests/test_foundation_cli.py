@@ -62,7 +62,7 @@ def test_cross_stage_errors_in_json():
     (["--model", "tiny-v4", "--pp-size", "4", "--pp-partition", "3,3,3,4"], "sums to 13"),
     (["--model", "tiny-v4", "--pp-size", "4", "--page-size", "100"], "multiple of 128"),
     (["--model", "tiny-v4", "--pp-size", "4", "--fault", "bogus"], "unknown --fault 'bogus'"),
-    (["--model", "/nonexistent/config.json", "--pp-size", "1"], "cannot read model config"),
+    (["--model", "/nonexistent/config.json", "--pp-size", "1"], "model config '/nonexistent/config.json': cannot read"),
     (["--pp-size", "1"], "--model"),
 ])
 def test_bad_input_exits_2_with_one_line(args, needle):
@@ -70,3 +70,20 @@ def test_bad_input_exits_2_with_one_line(args, needle):
     assert r.returncode == 2
     assert needle in r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_bare_command_prints_usage_and_exits_2():
+    r = subprocess.run([sys.executable, "-m", "stagecache.runtime"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.startswith("usage: stagecache ")
+    assert "name a command (check, pools, serve, dashboard, bench)" in r.stderr
+
+
+def test_top_level_help_is_written_for_users():
+    r = subprocess.run([sys.executable, "-m", "stagecache.runtime", "--help"], capture_output=True,
+                       text=True, timeout=60)
+    text = " ".join(r.stdout.split())  # argparse wraps to the terminal width
+    assert r.returncode == 0
+    assert "stage-local KV cache for DeepSeek-V4" in text and "exit codes: 0 ok" in text
+    assert "``" not in r.stdout and "registered" not in r.stdout  # no developer docstring

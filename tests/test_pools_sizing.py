@@ -196,3 +196,22 @@ def test_cli_pools_bad_input_is_one_line_exit_2(capsys, argv, match):
     assert main(["pools", "--model", "deepseek-v4-flash", "--pp-size", "4", *argv]) == 2
     err = capsys.readouterr().err
     assert match in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_pools_host_tier_status_and_this_hosts_ram(capsys):
+    """Accounting only (nothing allocated): a host tier smaller than the device tier is flagged per
+    stage, and the host tiers of all stages are priced against this host's RAM with a ratio that fits."""
+    small = _pools_json(capsys, "--model", "deepseek-v4-flash", "--pp-size", "4", "--hicache-ratio", "0.5")
+    assert all(s["host_tier"]["status"] == ["smaller_than_device"] for s in small["stages"])
+    assert "512 host pages for 1024 device pages" in small["stages"][2]["host_tier"]["reasons"][0]
+    ok = _pools_json(capsys, "--model", "deepseek-v4-flash", "--pp-size", "4")
+    assert all(s["host_tier"]["status"] == ["ok"] for s in ok["stages"])
+    assert ok["this_host"]["host_bytes"] == ok["totals"]["host_bytes"]
+    huge = _pools_json(capsys, "--model", "deepseek-v4-flash", "--pp-size", "4", "--hicache-ratio", "1000")
+    host = huge["this_host"]
+    assert host["fits"] is False and host["advice"].startswith("lower --hicache-ratio to ")
+    fit = host["advice"].rsplit(" ", 1)[1]
+    again = _pools_json(capsys, "--model", "deepseek-v4-flash", "--pp-size", "4", "--hicache-ratio", fit)
+    assert again["totals"]["host_bytes"] <= host["mem_available_bytes"] - host["reserve_bytes"]
+    assert main(["pools", "--model", "deepseek-v4-flash", "--pp-size", "4", "--hicache-ratio", "0.5"]) == 0
+    assert "warning: stage 0 host tier: host tier smaller than the device tier" in capsys.readouterr().out

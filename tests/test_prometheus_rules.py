@@ -56,9 +56,13 @@ def test_alert_rules_have_the_required_alerts() -> None:
     groups = yaml.safe_load((DOCKER / "alerts.yml").read_text())["groups"]
     alerts = {r["alert"]: r for g in groups for r in g["rules"] if "alert" in r}
     assert "stagecache_stage_mapping_ok == 0" in alerts["StagecacheMappingError"]["expr"]
-    assert set(alerts) == {"StagecacheMappingError", "StagecacheBufferCountMismatch",
+    assert set(alerts) >= {"StagecacheMappingError", "StagecacheBufferCountMismatch",
                            "StagecacheStageFailed", "StagecacheHostHitRatioCollapse",
                            "StagecacheTransferBandwidthLow"}
+    # host-tier sanity: the not-ready status is critical, the warnings are warnings
+    assert 'stagecache_host_tier_status="exceeds_ram"' in alerts["StagecacheHostTierExceedsRam"]["expr"]
+    assert alerts["StagecacheHostTierExceedsRam"]["labels"]["severity"] == "critical"
+    assert "smaller_than_device|pin_refused" in alerts["StagecacheHostTierDegraded"]["expr"]
     assert "avg_over_time" in alerts["StagecacheHostHitRatioCollapse"]["expr"]
     assert "[30m]" in alerts["StagecacheHostHitRatioCollapse"]["expr"]
     assert "ceiling" in alerts["StagecacheTransferBandwidthLow"]["expr"]

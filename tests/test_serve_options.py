@@ -38,7 +38,7 @@ def test_sizes_and_hold_flags():
     (["--pp-partition", "3,3,3"], "has 3 entries, expected pp_size=4"),
     (["--fault", "gap", "--pp-size", "1"], "needs --pp-size >= 2"),
     (["--rate", "0.01"], "raise --dist-timeout or --rate"),
-    (["--device-pages", "500000"], "of RAM together"),
+    (["--device-pages", "500000"], "pools together need"),
 ])
 def test_bad_flags_are_config_errors(argv, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):

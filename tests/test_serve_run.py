@@ -67,9 +67,16 @@ def test_serve_pp4_metrics_match_the_run(tmp_path, free_port):
         hits = [value(smp, "stagecache_prefix_hit_tokens_total", pp_rank=st, tier=t) for t in ("device", "host")]
         assert all(h > 0 for h in hits) and sum(hits) < lookups  # device hits, host hits and misses
         for d in ("d2h", "h2d"):
-            assert value(smp, "stagecache_transfer_bytes_total", pp_rank=st, direction=d) > 0
-            assert value(smp, "stagecache_transfer_duration_seconds_count", pp_rank=st, direction=d) > 0
-            assert value(smp, "stagecache_transfer_duration_seconds_sum", pp_rank=st, direction=d) > 0
+            assert value(smp, "stagecache_transfers_total", pp_rank=st, direction=d) > 0
+            # every pool kind the stage mirrors moved, queue wait and DMA time measured per kind
+            pools = {s.labels["pool"] for s in smp["stagecache_transfer_bytes_total"]
+                     if s.labels["pp_rank"] == st and s.labels["direction"] == d}
+            assert {"swa", "c4"} <= pools and "all" not in pools, pools
+            for pool in pools:
+                assert value(smp, "stagecache_transfer_bytes_total", pp_rank=st, direction=d, pool=pool) > 0
+                assert value(smp, "stagecache_transfer_dma_seconds_sum", pp_rank=st, direction=d, pool=pool) > 0
+                assert value(smp, "stagecache_transfer_queue_wait_seconds_sum", pp_rank=st, direction=d,
+                             pool=pool) > 0
         assert value(smp, "stagecache_page_space_capacity_pages", pp_rank=st, space="device") == 24
         assert value(smp, "stagecache_page_space_used_pages", pp_rank=st, space="device") <= 24
         assert value(smp, "stagecache_pool_bytes", pp_rank=st, pool="swa", tier="host") == 2 * value(
@@ -86,8 +93,11 @@ def test_serve_pp4_metrics_match_the_run(tmp_path, free_port):
             for st in ("0", "1", "2", "3")}
     assert len(toks) == 1
     # stage 0 and 3 differ in layers, so in bytes moved per page: the numbers are per stage, not copies
-    assert value(smp, "stagecache_transfer_bytes_total", pp_rank="0", direction="d2h") != value(
-        smp, "stagecache_transfer_bytes_total", pp_rank="3", direction="d2h")
+    def moved(st: str) -> float:
+        return sum(s.value for s in smp["stagecache_transfer_bytes_total"]
+                   if s.labels["pp_rank"] == st and s.labels["direction"] == "d2h")
+
+    assert moved("0") != moved("3")
     # the dashboard's view of the same run: done, not live, and each stage's pipeline timeline
     assert live["run"]["phase"] == "done" and live["run"]["live"] is False
     kinds = {st["stage"]: {e["kind"] for e in st["timeline"]} for st in live["stages"]}
@@ -188,7 +198,7 @@ def test_serve_killed_stage_stops_the_run_naming_it(tmp_path, free_port):
     (["--device-pages", "4"], "raise --device-pages"),
     (["--fault", "bogus"], "unknown --fault 'bogus'"),
     (["--pp-size", "13"], "larger than the model's 12 layers"),
-    (["--device-pages", "200000"], "of RAM together"),
+    (["--device-pages", "200000"], "pools together need"),
     (["--rate", "0.01"], "raise --dist-timeout or --rate"),
     (["--trace", "/nonexistent/trace.jsonl"], "no such file"),
 ])

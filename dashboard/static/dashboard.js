@@ -49,9 +49,10 @@
     var gd = chart(id);
     if (!gd) return;
     var ys = gd.data.map(function (trace) {
-      return (trace.customdata || []).map(function (stage) {
+      return (trace.customdata || []).map(function (stage, j) {
         var r = byStage[stage];
-        return r ? r[trace.meta.key] : null;
+        var key = trace.meta.keys ? trace.meta.keys[j] : trace.meta.key; // per-point keys: one bar each
+        return r ? r[key] : null;
       });
     });
     Plotly.restyle(gd, { y: ys }, gd.data.map(function (_, i) { return i; }));
@@ -108,6 +109,7 @@
 
   function update(summary) {
     state.lastSummary = summary;
+    document.dispatchEvent(new CustomEvent("stagecache:summary", { detail: summary })); // occupancy.js
     if (pageStatus === "starting" && summary.status !== "starting") {
       window.location.reload(); // the report arrived: render table and maps once
       return;
@@ -124,6 +126,7 @@
     summary.rates.forEach(function (r) { byStage[r.stage] = r; });
     RATE_CHARTS.forEach(function (id) { extendRates(id, byStage, summary.time * 1000); });
     updateBars("chart-tokens", byStage);
+    updateBars("chart-transfer-split", byStage);
     updateTimeline(summary.stages);
   }
 

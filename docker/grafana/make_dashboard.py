@@ -204,15 +204,17 @@ panels.append(panel(
          "stage {{pp_rank}} {{direction}}")],
     unit="Bps", custom=TS_CUSTOM, options=TS_OPTS))
 panels.append(panel(
-    "timeseries", "Transfer duration p50 / p99",
-    "From the stagecache_transfer_duration_seconds histogram, per direction.",
+    "timeseries", "Transfer queue wait p50 / p99, DMA time mean",
+    "Per direction: queue wait (a transfer's call until its copy starts on the stream) quantiles "
+    "from stagecache_transfer_queue_wait_seconds, and the mean DMA time (copy start to finish) of "
+    "a transfer from stagecache_transfer_dma_seconds_sum / stagecache_transfers_total.",
     (0, 42, 12, 9),
-    [tgt("histogram_quantile(0.5, " + rate("stagecache_transfer_duration_seconds_bucket",
-                                            "le, direction") + ")", "{{direction}} p50", "A"),
-     tgt("histogram_quantile(0.99, " + rate("stagecache_transfer_duration_seconds_bucket",
-                                             "le, direction") + ")", "{{direction}} p99", "B"),
-     tgt(f'{rate("stagecache_transfer_duration_seconds_sum", "direction")} / '
-         f'{rate("stagecache_transfer_duration_seconds_count", "direction")}', "{{direction}} mean", "C")],
+    [tgt("histogram_quantile(0.5, " + rate("stagecache_transfer_queue_wait_seconds_bucket",
+                                            "le, direction") + ")", "{{direction}} queue p50", "A"),
+     tgt("histogram_quantile(0.99, " + rate("stagecache_transfer_queue_wait_seconds_bucket",
+                                             "le, direction") + ")", "{{direction}} queue p99", "B"),
+     tgt(f'{rate("stagecache_transfer_dma_seconds_sum", "direction")} / '
+         f'{rate("stagecache_transfers_total", "direction")}', "{{direction}} DMA mean", "C")],
     unit="s", custom=TS_CUSTOM, options=TS_OPTS))
 panels.append(panel(
     "table", "Firing stagecache alerts",
@@ -276,6 +278,110 @@ panels.append(panel(
     (16, 70, 8, 8),
     [tgt(rate("stagecache_evicted_pages_total", "pp_rank, tier"), "stage {{pp_rank}} {{tier}}")],
     unit="short", custom=TS_CUSTOM, options=TS_OPTS))
+
+# -- transfers: queue wait vs DMA time, per stage and pool kind ----------------------------------
+panels.append(row("Transfers: queue wait vs DMA time, per pool kind", 78))
+_SPLIT = "pp_rank, direction"
+panels.append(panel(
+    "timeseries", "Queue wait vs DMA time per transfer, stage $pp_rank",
+    "Mean time of one transfer, stacked per direction: waiting (call until the copy starts on the "
+    "stream) under copying (DMA, start to finish). A growing queue part with a flat DMA part is a "
+    "queue (copies behind copies or behind the stage's compute), not a slow link. One panel per "
+    "selected stage.",
+    (0, 79, 24, 8),
+    [tgt(f'{rate("stagecache_transfer_queue_wait_seconds_sum", _SPLIT)} / '
+         f'{rate("stagecache_transfer_queue_wait_seconds_count", _SPLIT)}', "{{direction}} queue wait", "A"),
+     tgt(f'{rate("stagecache_transfer_dma_seconds_sum", _SPLIT)} / '
+         f'{rate("stagecache_transfers_total", _SPLIT)}', "{{direction}} DMA", "B")],
+    unit="s", custom={**TS_CUSTOM, "fillOpacity": 40}, options=TS_OPTS))
+panels[-1].update({"repeat": "pp_rank", "repeatDirection": "v", "maxPerRow": 1})
+panels[-1]["fieldConfig"]["overrides"] = [
+    {"matcher": {"id": "byRegexp", "options": f"^{d} .*"},
+     "properties": [{"id": "custom.stacking", "value": {"mode": "normal", "group": d}}]}
+    for d in ("d2h", "h2d")]
+panels.append(panel(
+    "timeseries", "Bytes/s by pool kind",
+    "rate of stagecache_transfer_bytes_total by direction and pool kind: which KV pools the host "
+    "tier traffic is made of (pool `all`: a source without a per-kind split).",
+    (0, 87, 12, 8),
+    [tgt(rate("stagecache_transfer_bytes_total", "direction, pool"), "{{direction}} {{pool}}")],
+    unit="Bps", custom={**TS_CUSTOM, "stacking": {"mode": "normal", "group": "A"}}, options=TS_OPTS))
+panels.append(panel(
+    "timeseries", "Copy bandwidth by pool kind",
+    "bytes / DMA seconds per stage, direction and pool kind (recording rule). A stage move copies "
+    "every kind in one launch whose DMA time is split by bytes, so there every kind shows the "
+    "launch's bandwidth; a kind moved on its own shows its own.",
+    (12, 87, 12, 8),
+    [tgt(f"stagecache:transfer_pool_bandwidth_bytes_per_second:rate1m{S}",
+         "stage {{pp_rank}} {{direction}} {{pool}}")],
+    unit="Bps", custom=TS_CUSTOM, options=TS_OPTS))
+# -- host-tier sanity and pool occupancy (their own band of rows, from y=120) ------------------------
+HT = 120
+panels.append(row("Host tier and pool occupancy", HT))
+panels.append(panel(
+    "stat", "Host tier status per stage",
+    "stagecache_host_tier_status (a state set): the statuses that hold per stage. exceeds_ram "
+    "(MemAvailable under the reserve the host tiers must leave free) makes /readyz 503; "
+    "smaller_than_device (host pages < device pages) and pin_refused (pageable fallback) are "
+    "warnings in /readyz's detail.",
+    (0, HT + 1, 10, 6),
+    [tgt(f"max by (pp_rank, stagecache_host_tier_status) (stagecache_host_tier_status{S}) == 1",
+         "stage {{pp_rank}}: {{stagecache_host_tier_status}}")],
+    extra_defaults={"color": {"mode": "fixed", "fixedColor": "green"}},
+    options={**STAT_OPTS, "colorMode": "background", "textMode": "name"}))
+panels[-1]["fieldConfig"]["overrides"] = [
+    {"matcher": {"id": "byRegexp", "options": f".*{status}.*"},
+     "properties": [{"id": "color", "value": {"mode": "fixed", "fixedColor": colour}}]}
+    for status, colour in (("exceeds_ram", "red"), ("smaller_than_device", "orange"),
+                           ("pin_refused", "orange"))]
+panels.append(panel(
+    "timeseries", "Host RAM available vs reserve",
+    "stagecache_host_memory_available_bytes (MemAvailable, re-read by each stage every few "
+    "seconds) against stagecache_host_memory_reserve_bytes: below the reserve the host tier "
+    "status turns exceeds_ram.",
+    (10, HT + 1, 14, 6),
+    [tgt(f"max by (pp_rank) (stagecache_host_memory_available_bytes{S})", "stage {{pp_rank}} available", "A"),
+     tgt(f"max by (pp_rank) (stagecache_host_memory_reserve_bytes{S})", "stage {{pp_rank}} reserve", "B")],
+    unit="bytes", custom=TS_CUSTOM, options=TS_OPTS))
+panels.append(panel(
+    "table", "Pool occupancy per stage (pool kind x tier)",
+    "stagecache_pool_usage_ratio: used / capacity of each pool kind's own space (pages; request "
+    "slots for c128_state), device and host, with its peak. Ratios and pages are per pool: kinds "
+    "of one page-id space show the same pages, so never sum them over pools.",
+    (0, HT + 7, 14, 12),
+    [tgt(f"stagecache_pool_usage_ratio{S}", "", "A", instant=True, fmt="table"),
+     tgt(f"stagecache_pool_peak_usage_ratio{S}", "", "B", instant=True, fmt="table"),
+     tgt(f"stagecache_pool_used_bytes{S}", "", "C", instant=True, fmt="table")],
+    extra_defaults={"custom": {"align": "auto", "cellOptions": {"type": "auto"}}},
+    options={"showHeader": True, "sortBy": [{"displayName": "pp_rank", "desc": False}]},
+    transformations=[
+        {"id": "merge", "options": {}},
+        {"id": "organize", "options": {
+            "excludeByName": {"Time": True, "job": True, "instance": True, "deployment": True,
+                              "__name__": True, "tp_rank": True, "model_name": True},
+            "indexByName": {"pp_rank": 0, "pool": 1, "tier": 2, "Value #A": 3, "Value #B": 4,
+                            "Value #C": 5},
+            "renameByName": {"Value #A": "used", "Value #B": "peak", "Value #C": "used bytes"}}},
+    ]))
+panels[-1]["fieldConfig"]["overrides"] = [
+    {"matcher": {"id": "byName", "options": name},
+     "properties": [{"id": "unit", "value": "percentunit"}, {"id": "min", "value": 0},
+                    {"id": "max", "value": 1},
+                    {"id": "custom.cellOptions", "value": {"type": "gauge", "mode": "gradient"}},
+                    {"id": "thresholds", "value": {"mode": "absolute", "steps": [
+                        {"color": "green", "value": None}, {"color": "orange", "value": 0.8},
+                        {"color": "red", "value": 0.95}]}}]}
+    for name in ("used", "peak")] + [
+    {"matcher": {"id": "byName", "options": "used bytes"},
+     "properties": [{"id": "unit", "value": "bytes"}]}]
+panels.append(panel(
+    "timeseries", "Pool bytes used by tier",
+    "sum of stagecache_pool_used_bytes (each pool kind's own bytes: these sum) against "
+    "stagecache_pool_bytes (what the pools hold), per stage and tier.",
+    (14, HT + 7, 10, 12),
+    [tgt(f"sum by (pp_rank, tier) (stagecache_pool_used_bytes{S})", "stage {{pp_rank}} {{tier}} used", "A"),
+     tgt(f"sum by (pp_rank, tier) (stagecache_pool_bytes{S})", "stage {{pp_rank}} {{tier}} capacity", "B")],
+    unit="bytes", custom=TS_CUSTOM, options=TS_OPTS))
 
 dash = {
     "uid": "stagecache", "title": "stagecache: PP stage-local KV cache",

@@ -2,7 +2,7 @@
 # How docs/bench/transfer-h200.json is produced on a GPU machine with torch and Triton but no
 # package index: the package goes on the path through symlinks, and a small runner registers only
 # the `bench` subcommand (the full CLI also loads the dashboard, whose packages may be missing).
-# Usage: bash docs/bench/run-transfer-h200.sh [tests] [sweep] [bench]   (results under $OUT; `sweep`
+# Usage: bash docs/bench/run-transfer-h200.sh [tests] [sweep] [bench] [split]   (results under $OUT; `sweep`
 # times engine variants on a few cases and `bench` then runs the full grid with the best one)
 set -u
 export PYTHONUNBUFFERED=1
@@ -21,7 +21,7 @@ nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 for step in "$@"; do
   case $step in
-    tests) timeout 150 python3 -m pytest -q -p no:cacheprovider -x tests/test_kernels_gpu.py \
+    tests) timeout 150 python3 -m pytest -q -p no:cacheprovider -x tests/test_kernels_gpu.py tests/test_transfer_split_gpu.py \
              tests/test_kernels_interpret.py tests/test_controller_roundtrip.py tests/test_allocator_page.py \
              > "$OUT/pytest-gpu.log" 2>&1; echo "pytest rc=$?"; tail -3 "$OUT/pytest-gpu.log" ;;
     sweep) timeout 150 python3 /tmp/bench_main.py bench transfer --sweep --mix-pages 1 64 --kind-mib 64 \
@@ -47,6 +47,9 @@ PY
     bench) timeout 300 python3 /tmp/bench_main.py bench transfer $(cat /tmp/engine_flags 2>/dev/null) \
              --out "$OUT/transfer-h200.json" > "$OUT/transfer-h200.md" 2> "$OUT/bench.err"
            echo "bench rc=$?"; tail -2 "$OUT/bench.err"; sed -n '/^| case/,$p' "$OUT/transfer-h200.md" ;;
+    split) for m in "tiny-v4 2 128 128" "deepseek-v4-flash 4 256 64"; do set -- $m
+             timeout 90 python3 /tmp/bench_main.py bench transfer-split --model $1 --pp $2 --page-size $3 \
+               --big-pages $4 > "$OUT/transfer-split-$1.json" 2> "$OUT/split.err"; echo "split $1 rc=$?"; done ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -160,6 +160,27 @@ def token_page_bytes(la: Any, stage_map: Any) -> int:
     return per_page(kind_table(la.spec, la.page_size), stage_map.expected_buffers())
 
 
+def check_stage_ram(la: Any, stages: Sequence[Any], device_pages: int, hicache_ratio: float,
+                    device_in_ram: bool, min_pages: int) -> None:
+    """Before any pool exists: the largest stage's pools must fit this host's RAM.
+
+    The payload replay builds one stage's pools at a time (and frees them), so the
+    largest stage counts, not the sum; the error names --device-pages and
+    --hicache-ratio with values that fit.
+    """
+    from ..memory.pools import stage_plan
+    from ..memory.ram_check import check_ram, stages_ram_need
+    from ..model.pool_kinds import kind_table
+
+    table = kind_table(la.spec, la.page_size)
+    needs = [stages_ram_need(table, [{p: len(s) for p, s in stage_plan(
+        m, la.spec.compress_ratios, la.faults, la.layout.pp_size).items()}], 4, device_in_ram)
+        for m in stages]
+    where = "device + host pools" if device_in_ram else "host pools"
+    check_ram(lambda pages, r: max(n(pages, r) for n in needs), device_pages, hicache_ratio,
+              f"one stage's {where} (the largest of {len(stages)})", min_pages=min_pages)
+
+
 def measure_bandwidth(la: Any, stage_map: Any, device: str) -> dict[str, float]:
     """GB/s per direction of real page copies through the transfer controller, this run.
 
@@ -343,6 +364,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             raise ConfigError(f"--stage {s} out of range for --pp-size {la.layout.pp_size}")
     stages = [la.layout.stages[s] for s in (args.stage or range(la.layout.pp_size))]
     host_pages = host_pages_for(args.device_pages, args.hicache_ratio)
+    if not args.metadata_only:
+        check_stage_ram(la, stages, args.device_pages, args.hicache_ratio, dev.type == "cpu", longest)
     t_bw = time.perf_counter()
     bandwidth = measure_bandwidth(la, stages[0], args.device)  # first: its tensors are freed
     bandwidth_s = time.perf_counter() - t_bw

@@ -38,6 +38,7 @@ from ..transfer.engine import EngineOptions
 from ..transfer.plan import build_plan, mirrored_kinds
 from ..transfer.stats import gbps
 from . import transfer_peers as peers
+from .transfer_ram import case_slack, check_cases_ram
 from .transfer_report import MIB, PEERS, summary
 
 MIX_PAGES = (1, 4, 16, 64, 256)
@@ -175,7 +176,7 @@ class _Pages:
         import torch
 
         self.cuda = s.device.startswith("cuda")
-        slack = max(8, case.pages // 4)
+        slack = case_slack(case.pages)
         self.dp = StagePools(case.spec, case.stage, s.page_size, case.pages + slack, device=s.device,
                              kinds=case.kinds)
         self.hp = HostPools(self.dp, num_pages=case.pages + slack, layout=s.layout, pin_memory=self.cuda)
@@ -369,6 +370,7 @@ def run_bench(cases: list[Case], s: Settings, model: str) -> dict[str, Any]:
     """Every case, with progress on stderr; the report (JSON-ready)."""
     import torch
 
+    check_cases_ram(cases, s.page_size, not s.device.startswith("cuda"))
     report = environment(s.device) | {"bench": "transfer", "model": model, "page_size": s.page_size,
                                       "layout": s.layout, "engine": s.engine.__dict__, "rows": []}
     t0 = time.perf_counter()

@@ -33,6 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     bench_sub = p.add_subparsers(dest="bench", required=True, parser_class=type(p))
     _register_check(bench_sub)
     _register_transfer(bench_sub)
+    _register_transfer_split(bench_sub)
     _register_hicache(bench_sub)
     bench_http.register(bench_sub)
 
@@ -144,6 +145,38 @@ def _render_transfer(args: argparse.Namespace) -> int:
         raise ConfigError(f"--into {args.into}: {e}") from None
     with open(args.into, "w") as f:
         f.write(new)
+    return 0
+
+
+def _register_transfer_split(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("transfer-split", help="queue wait vs DMA time of a load alone and queued behind a long "
+                       "backup, and the per-call cost of recording them (JSON)")
+    p.add_argument("--model", default="tiny-v4", help="preset name or config.json (default %(default)s)")
+    p.add_argument("--pp", type=int_range(1, 4096), default=2, help="pipeline stages (default %(default)s)")
+    p.add_argument("--stage", type=nonneg_int, default=1, help="stage whose pools move (default %(default)s)")
+    p.add_argument("--page-size", type=positive_int, default=128, help="tokens per page (default %(default)s)")
+    p.add_argument("--big-pages", type=positive_int, default=128,
+                   help="pages of the long backup the small load queues behind (default %(default)s)")
+    p.add_argument("--calls", type=positive_int, default=200, help="calls per timed block (default %(default)s)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    p.set_defaults(func=_run_transfer_split)
+
+
+def _run_transfer_split(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..bench import transfer_split
+    from ..errors import ConfigError
+    from ..model.spec import load_spec
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is available here")
+    if not 0 <= args.stage < args.pp:
+        raise ConfigError(f"--stage {args.stage}: stages of --pp {args.pp} are 0..{args.pp - 1}")
+    settings = transfer_split.SplitSettings(device=device, pp=args.pp, stage=args.stage, page_size=args.page_size,
+                                            big_pages=args.big_pages, calls=args.calls)
+    print(json.dumps(transfer_split.run_bench(load_spec(args.model), settings), indent=2))
     return 0
 
 

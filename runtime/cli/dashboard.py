@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..bounded_io import read_bounded_text
 from ..errors import ConfigError
 from .common import add_layout_args, layout_from_args, port_number
 
@@ -52,20 +53,10 @@ def load_json_report(path: Path) -> dict[str, Any]:
     """A saved check report, validated: a clear one-line ConfigError for anything else."""
     from stagecache.dashboard.view import ReportShapeError, parse_report
 
+    text = read_bounded_text(path, MAX_REPORT_BYTES, f"--from-json {path}",
+                             "a `stagecache check --json` report")
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_REPORT_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(f"--from-json {path}: cannot read: {exc.strerror or exc}; expected a "
-                          "`stagecache check --json` report file") from None
-    if len(data) > MAX_REPORT_BYTES:
-        raise ConfigError(f"--from-json {path}: larger than {MAX_REPORT_BYTES} bytes; expected a "
-                          "`stagecache check --json` report")
-    try:
-        raw = json.loads(data.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"--from-json {path}: not UTF-8 text (byte {exc.start}); expected "
-                          "`stagecache check --json` output") from None
+        raw = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"--from-json {path}: not JSON (line {exc.lineno}: {exc.msg})") from None
     except RecursionError:

@@ -1,4 +1,4 @@
-"""``stagecache`` command line: one subcommand per module, registered here.
+"""The ``stagecache`` command: one subcommand per module, registered in ``build_parser``.
 
 Exit codes, the same for every command (docs/serve.md lists them with examples):
 
@@ -26,6 +26,15 @@ EXIT_BAD_INPUT = 2
 EXIT_INTERNAL = 3
 EXIT_BROKEN_PIPE = 141
 
+DESCRIPTION = (
+    "Check, size and run a pipeline-parallel, stage-local KV cache for DeepSeek-V4-style models. "
+    "Start with `stagecache check --model deepseek-v4-flash --pp-size 4` (is every PP stage's "
+    "layout valid?) or `stagecache serve` (a demo run with the dashboard)."
+)
+EPILOG = ("exit codes: 0 ok; 1 mapping errors found or a stage failed; 2 bad input; "
+          "3 internal error (a log file is named); 130/143 interrupted; 141 stdout closed. "
+          "`stagecache COMMAND --help` describes each command.")
+
 #: Subcommand modules; each has ``register(subparsers)`` and keeps heavy imports inside ``run``.
 COMMAND_MODULES = (
     "stagecache.runtime.cli.check",
@@ -42,7 +51,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="stagecache", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="stagecache", description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name in COMMAND_MODULES:
@@ -90,6 +99,11 @@ def _internal_error(command: str, exc: BaseException) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):  # a bare `stagecache`: what can I do here?
+        parser.print_usage(sys.stderr)
+        print("stagecache: error: name a command (check, pools, serve, dashboard, bench); "
+              "`stagecache --help` describes them", file=sys.stderr)
+        return EXIT_BAD_INPUT
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help / --version (0), a bad flag (2, one line from _Parser.error)

@@ -64,8 +64,42 @@ def accounting(args: argparse.Namespace) -> dict[str, Any]:
     return account(la.layout, args.page_size, options, la.faults)
 
 
+def this_host(args: argparse.Namespace, report: dict[str, Any]) -> dict[str, Any] | None:
+    """Would the host tiers of every stage fit *this* host's RAM?  (A planning hint: nothing
+    is allocated; sglang's host may be another machine.)  None where /proc/meminfo is missing."""
+    import dataclasses
+
+    from ..memory.accounting import SizingOptions, account
+    from ..memory.host_tier import fitting_ratio, ram_budget, read_meminfo
+    from ..validation.inputs import resolve_layout
+
+    mem = read_meminfo()
+    if mem is None:
+        return None
+    need = report["totals"]["host_bytes"]
+    out = {"mem_available_bytes": mem.available, "reserve_bytes": mem.reserve(), "host_bytes": need,
+           "fits": need <= ram_budget(mem), "advice": None}
+    if not out["fits"]:
+        la = resolve_layout(args.model, args.pp_size, args.tp_size, args.pp_partition, DSV4_PAGE_SIZE,
+                            args.fault)
+        ratio = report["sizing"]["hicache_ratio"]
+        base = SizingOptions(max_total_tokens=args.max_total_tokens, swa_ratio=args.swa_full_tokens_ratio,
+                             max_running_requests=args.max_running_requests,
+                             mem_budget_bytes=int(args.mem_budget_gb * GIB) if args.mem_budget_gb else None)
+
+        def host_bytes(_pages: int, r: float) -> int:
+            opts = dataclasses.replace(base, hicache_ratio=r)
+            return account(la.layout, args.page_size, opts, la.faults)["totals"]["host_bytes"]
+
+        fit = fitting_ratio(host_bytes, ram_budget(mem), report["stages"][0]["swa_device_pages"], ratio)
+        out["advice"] = (f"lower --hicache-ratio to {fit:g}" if fit is not None
+                         else "no --hicache-ratio fits this host")
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     report = accounting(args)
+    report["this_host"] = this_host(args, report)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -127,3 +161,12 @@ def print_accounting(report: dict[str, Any]) -> None:
     console.print(table)
     for note in report["notes"]:
         console.print(f"note: {note}")
+    for s in report["stages"]:
+        for status, reason in zip(s["host_tier"]["status"], s["host_tier"]["reasons"], strict=True):
+            if status != "ok":
+                console.print(f"warning: {reason}")
+    host = report.get("this_host")
+    if host is not None and not host["fits"]:
+        console.print(f"this host: the host tiers of all stages ({human(host['host_bytes'])}) would not "
+                      f"fit its {human(host['mem_available_bytes'] - host['reserve_bytes'])} of available "
+                      f"RAM above the reserve; {host['advice']}")

@@ -183,7 +183,7 @@ def _check_paths(args: argparse.Namespace) -> None:
 def options_from_args(args: argparse.Namespace) -> ServeOptions:
     """Validate every flag once, in the parent, so a bad value is exit 2 before any process starts."""
     from ..memory.sizing import pages_for_tokens
-    from ..serve.stage_cache import build_trace, check_trace_fits
+    from ..serve.stage_cache import build_trace, check_trace_fits, trace_device_pages
 
     _check_paths(args)
     la = layout_from_args(args)  # spec, partition, page size, faults: ConfigError on bad input
@@ -203,7 +203,9 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
             "in recv that long); raise --dist-timeout or --rate"
         )
     device = resolve_device(args.device, args.pp_size)
-    check_host_memory(la, device_pages, args.hicache_ratio, device)
+    check_host_memory(la, device_pages, args.hicache_ratio, device, request_slots=args.micro_batch,
+                      min_device_pages=trace_device_pages(trace, la.page_size, args.micro_batch),
+                      pages_flag="--device-pages" if args.max_total_tokens is None else "--max-total-tokens")
     partition = tuple(s.local_layers for s in la.layout.stages) if args.pp_partition else None
     hidden = args.hidden_size or model_hidden_size(args.model) or DEFAULT_HIDDEN
     if not args.hidden_size and device == "cpu":

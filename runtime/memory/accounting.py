@@ -17,6 +17,7 @@ from ..errors import ConfigError
 from ..model.layer_map import ModelLayout, StageLayerMap
 from ..model.pool_kinds import kind_table
 from ..validation.faults import Fault, buffer_plan
+from .host_tier import host_tier_check
 from .sizing import (
     DSV4_MAX_RUNNING_REQUESTS,
     DSV4_PAGE_SIZE,
@@ -94,8 +95,13 @@ def account(layout: ModelLayout, requested_page_size: int, options: SizingOption
     for m in layout.stages:
         counts = _stage_counts(layout, m, faults)
         rows = stage_accounts(table, m, budget, options.hicache_ratio, counts)
+        tier = host_tier_check(f"stage {m.stage} host tier",
+                               {r.pool: r.device_pages for r in rows if r.host_cached and r.buffers},
+                               {r.pool: r.host_pages for r in rows if r.host_cached and r.buffers},
+                               0, None)
         stages.append({
             "stage": m.stage, "start_layer": m.start, "end_layer": m.end, "local_layers": m.local_layers,
+            "host_tier": {"status": list(tier.statuses), "reasons": list(tier.reasons)},
             **budget.to_dict(), "device_pages": budget.full_pages, "swa_device_pages": budget.swa_pages,
             "host_pages": host_full, "swa_host_pages": host_swa,
             "token_page_bytes": token_page_bytes(table, counts),

@@ -55,6 +55,8 @@ class PageAllocator:
         #: The same bytes as a numpy array (shared memory, never resized): vectorised checks.
         self._used_np = np.frombuffer(self._used, dtype=np.uint8)
         self._lock = threading.Lock()
+        #: The most pages ever in use at once (occupancy's high-water mark).
+        self.peak_used = 0
 
     @property
     def num_free(self) -> int:
@@ -63,6 +65,11 @@ class PageAllocator:
     @property
     def num_used(self) -> int:
         return self.num_pages - len(self._free)
+
+    def used_below(self, limit: int) -> int:
+        """Allocated ids among ``0..limit-1``: the use of a pool whose own page space is
+        the first ``limit`` ids of this one (a kind sized by a smaller budget)."""
+        return int(self._used_np[:max(0, limit)].sum(dtype=np.int64))
 
     def is_allocated(self, page_id: int) -> bool:
         return _is_id(page_id) and 0 <= page_id < self.num_pages and bool(self._used[page_id])
@@ -77,6 +84,7 @@ class PageAllocator:
             ids = sorted(self._free.pop() for _ in range(n))  # ascending: host runs -> few DMAs
             for i in ids:
                 self._used[i] = 1
+            self.peak_used = max(self.peak_used, self.num_pages - len(self._free))
             return ids
 
     def free(self, ids: Iterable[int]) -> None:

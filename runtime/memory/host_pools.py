@@ -20,7 +20,17 @@ Two layouts, as in sglang's HiCache:
   back-ends and large DMAs).  ``buffers[pool][i]`` is then a strided view.
 
 Host pages are pinned (page-locked) when CUDA is present, so DMA and the
-zero-copy kernels can reach them.
+zero-copy kernels can reach them.  Pinning can be refused (``cudaHostAlloc``
+fails: a locked-memory limit, a host short of RAM).  The rule: when pinning is
+only the default (``pin_memory=None``) the tier falls back to pageable memory
+and records why (``pin_error``; the transfer controller then takes its torch
+path, and the stage's host-tier status says ``pin_refused``); when pinning was
+asked for (``pin_memory=True``, e.g. a benchmark of pinned copies) it refuses
+with a one-line error.  ``pin_fallback`` overrides the rule either way.
+
+Before any tensor is allocated the tier is checked against the host's RAM
+(``host_tier``: ``MemAvailable`` less a reserve), with a value of
+``--hicache-ratio`` that fits in the error.
 """
 
 from __future__ import annotations
@@ -28,7 +38,8 @@ from __future__ import annotations
 from ..errors import ConfigError, LayerNotOwnedError, StageMappingInvalid
 from ..model.pool_kinds import HOST_CACHED, KINDS, POOLS
 from .allocator import PageAllocator
-from .pools import StagePools, _fmt_bytes, _StageBuffers, host_available_bytes
+from .host_tier import fit_advice, fmt_bytes, ram_budget, read_meminfo
+from .pools import StagePools, _StageBuffers
 from .sizing import host_pages_for
 
 LAYOUTS = ("layer_first", "page_first")
@@ -46,6 +57,7 @@ class HostPools(_StageBuffers):
         layout: str = "layer_first",
         pin_memory: bool | None = None,
         allow_invalid: bool = False,
+        pin_fallback: bool | None = None,
     ):
         import torch
 
@@ -69,15 +81,17 @@ class HostPools(_StageBuffers):
         #: The host page-id space: pages of the full-token budget (every kind's, at swa ratio 1).
         self.num_pages = (num_pages if num_pages is not None
                           else host_pages_for(dp.num_pages, hicache_ratio, hicache_size_bytes))
-        self._check_fits(where)
+        self._check_fits(where, hicache_ratio, num_pages is not None)
+        fallback = pin_memory is None if pin_fallback is None else bool(pin_fallback)
         self.pinned = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
-        if self.pinned and not torch.cuda.is_available():
+        if self.pinned and not fallback and not torch.cuda.is_available():
             raise ConfigError(f"{where}: pin_memory=True needs CUDA, and none is available")
+        #: Why pinned memory was refused (None: it was not, or was not asked for).
+        self.pin_error: str | None = None
         self.buffers: dict[str, list[torch.Tensor | None]] = {}
         #: page_first: the one tensor of each pool kind, (num_pages, buffers, page_bytes).
         self.pool_tensors: dict[str, torch.Tensor] = {}
-        for pool in POOLS:
-            self.buffers[pool] = self._alloc(pool, torch)
+        self._alloc_all(where, torch, fallback)
         self.allocator = PageAllocator(self.num_pages, f"stage {self.stage_map.stage} host")
 
     def _kind_pages(self, where: str, num_pages: int | None, hicache_ratio: float | None,
@@ -90,14 +104,45 @@ class HostPools(_StageBuffers):
         units = self.device_pools.units
         return {p: host_pages_for(units[p], hicache_ratio, hicache_size_bytes) for p in self.kinds}
 
-    def _check_fits(self, where: str) -> None:
+    def _check_fits(self, where: str, hicache_ratio: float | None, by_pages: bool) -> None:
+        """The RAM rule of ``host_tier`` for this tier alone, before any tensor exists."""
         need = sum(self.pool_bytes().values())
-        avail = host_available_bytes()
-        if avail is not None and need > avail:
-            raise ConfigError(
-                f"{where}: {self.num_pages} host pages x {self.token_page_bytes()} B = {_fmt_bytes(need)} "
-                f"needed, only {_fmt_bytes(avail)} of host RAM available; lower --hicache-ratio"
-            )
+        mem = read_meminfo()
+        if mem is None or need <= ram_budget(mem):
+            return
+        per_page = self.token_page_bytes()
+        ratio = 2.0 if hicache_ratio is None else hicache_ratio
+        dev = self.device_pools.num_pages
+        if by_pages:  # sized by a page count, not by a ratio
+            fit = ram_budget(mem) // max(1, per_page)
+            hint = f"lower the host page count to {fit}" if fit else "free memory or use a larger host"
+        else:
+            hint = fit_advice(lambda pages, r: host_pages_for(pages, r) * per_page, ram_budget(mem),
+                              dev, ratio, pages_flag="--device-pages")
+        raise ConfigError(
+            f"{where}: {self.num_pages} host pages x {per_page} B = {fmt_bytes(need)} needed, only "
+            f"{fmt_bytes(ram_budget(mem))} of host RAM available ({fmt_bytes(mem.available)} less the "
+            f"reserve); {hint}"
+        )
+
+    def _alloc_all(self, where: str, torch, fallback: bool) -> None:
+        """Every buffer, pinned if asked; a refused pin falls back to pageable or refuses."""
+        try:
+            for pool in POOLS:
+                self.buffers[pool] = self._alloc(pool, torch)
+            return
+        except RuntimeError as exc:
+            if not self.pinned:
+                raise ConfigError(f"{where}: allocating {fmt_bytes(sum(self.pool_bytes().values()))} "
+                                  f"of host memory failed: {_first_line(exc)}") from None
+            error = _first_line(exc)
+        self.buffers.clear()
+        self.pool_tensors.clear()
+        if not fallback:
+            raise ConfigError(f"{where}: pinned host memory refused ({error}); pin_memory=True needs "
+                              "CUDA and enough pinnable RAM: lower --hicache-ratio") from None
+        self.pin_error, self.pinned = error, False
+        self._alloc_all(where, torch, fallback)
 
     def _alloc(self, pool: str, torch) -> list:
         slots = self.plan[pool]
@@ -143,3 +188,7 @@ class HostPools(_StageBuffers):
     def __repr__(self) -> str:
         return (f"HostPools(stage={self.stage_map.stage}, pages={self.num_pages}, layout={self.layout}, "
                 f"pinned={self.pinned})")
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]

@@ -31,11 +31,13 @@ from ..model.spec import ModelSpec
 from ..validation.checks import PoolInventory, validate_stage
 from ..validation.faults import Fault, buffer_plan
 from .allocator import PageAllocator
+from .host_tier import fitting_pages, fmt_bytes, ram_budget, read_meminfo
 from .sizing import TokenBudget, budget_bytes, runtime_budget
 
 
 def available_memory_bytes(device: Any) -> int | None:
-    """Free bytes where the pools would live: CUDA free memory, or the host's MemAvailable."""
+    """Bytes the pools may take where they would live: CUDA free memory, or on the host
+    ``MemAvailable`` less the RAM reserve (``host_tier.RAM_RESERVE_FRACTION``)."""
     import torch
 
     dev = torch.device(device)
@@ -43,20 +45,15 @@ def available_memory_bytes(device: Any) -> int | None:
         free, _total = torch.cuda.mem_get_info(dev)
         return int(free)
     if dev.type == "cpu":
-        return host_available_bytes()
+        mem = read_meminfo()
+        return None if mem is None else ram_budget(mem)
     return None  # meta and other devices: no limit we can know
 
 
 def host_available_bytes() -> int | None:
     """``MemAvailable`` from /proc/meminfo (None where there is no such file)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    mem = read_meminfo()
+    return None if mem is None else mem.available
 
 
 def _check_num_pages(num_pages: object, what: str) -> int:
@@ -65,12 +62,7 @@ def _check_num_pages(num_pages: object, what: str) -> int:
     return num_pages
 
 
-def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024
-    return f"{n} B"
+_fmt_bytes = fmt_bytes  # the one byte formatter (host_tier), under its historical name here
 
 
 def stage_plan(stage_map: StageLayerMap, ratios: Sequence[int], faults: Sequence[Fault] = (),
@@ -150,6 +142,9 @@ class StagePools(_StageBuffers):
             for pool in POOLS
         }
         self.allocator = PageAllocator(self.num_pages, f"stage {stage_map.stage} device")
+        #: Request slots of the per-request kinds (``c128_state``): one per request in flight.
+        self.slot_allocator = PageAllocator(self.budget.request_slots,
+                                            f"stage {stage_map.stage} request slots")
         problems = self.errors()
         if problems and not allow_invalid:
             raise StageMappingInvalid(problems)
@@ -158,10 +153,19 @@ class StagePools(_StageBuffers):
         need = self.planned_bytes()
         free = available_memory_bytes(self.device)
         if free is not None and need > free:
+            counts = {p: sum(slots) for p, slots in self.plan.items()}
+            request_slots = self.budget.request_slots
+
+            def need_for(pages: int, _ratio: float) -> int:
+                budget = runtime_budget(self.page_size, pages, 1.0, request_slots)
+                return budget_bytes(self.table, counts, budget)
+
+            fit = fitting_pages(need_for, free, self.num_pages, 1.0)
+            hint = (f"lower --device-pages to {fit} (--max-total-tokens to {fit * self.page_size})"
+                    if fit else "no page count fits: free memory or use a larger device")
             raise ConfigError(
                 f"{where}: {self.num_pages} pages x {self.token_page_bytes()} B per token page "
-                f"= {_fmt_bytes(need)} needed, only {_fmt_bytes(free)} free on {self.device}; "
-                "lower --max-total-tokens or --mem-budget-gb"
+                f"= {_fmt_bytes(need)} needed, only {_fmt_bytes(free)} free on {self.device}; {hint}"
             )
 
     # -- sizes -------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from ..bounded_io import read_bounded_text
 from ..errors import ConfigError
 
 #: Compress ratios DeepSeek V4 uses: 0 = SWA only, 4 = C4 (+indexer, state), 128 = C128.
@@ -127,23 +128,10 @@ def json_depth(text: str) -> int:
 
 
 def read_config_text(path: Path) -> str:
-    """A config file's text, read at most ``MAX_CONFIG_BYTES + 1`` bytes (never the whole of a
-    huge file or an endless stream), strict UTF-8; every failure is a one-line ``ConfigError``."""
-    where = f"model config {str(path)!r}"
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_CONFIG_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(f"cannot read {where}: {exc.strerror or exc}; expected a readable "
-                          "config.json") from None
-    if len(data) > MAX_CONFIG_BYTES:
-        raise ConfigError(f"{where} is larger than {MAX_CONFIG_BYTES} bytes; expected a "
-                          "Hugging Face config.json (a few KB)")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{where} is not UTF-8 text (byte {exc.start}: {exc.reason}); "
-                          "expected a JSON config.json") from None
+    """A config file's text, bounded to ``MAX_CONFIG_BYTES`` (never the whole of a huge file or
+    an endless stream), strict UTF-8; every failure is a one-line ``ConfigError``."""
+    return read_bounded_text(path, MAX_CONFIG_BYTES, f"model config {str(path)!r}",
+                             "a Hugging Face config.json (a few KB of JSON)")
 
 
 def load_config(model: str) -> tuple[dict[str, Any], str]:

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from . import run_dir as rd
 from .live import StageLive
@@ -29,6 +31,9 @@ class StageFile:
         self.path = path
         self._lock = threading.Lock()
         self._last: StageLive | None = None
+        #: Fields a beat recomputes (states that change while the main thread waits, such as
+        #: the host-tier verdict); None: a beat only re-stamps ``heartbeat_at``.
+        self.refresh: Callable[[], dict[str, Any]] | None = None
 
     def publish(self, live: StageLive) -> None:
         """Write new numbers (stamped as a heartbeat too: the main thread is evidently alive)."""
@@ -40,10 +45,14 @@ class StageFile:
 
     def beat(self) -> None:
         """Re-write the last numbers with a fresh ``heartbeat_at`` (nothing before the first publish)."""
+        try:
+            fresh = self.refresh() if self.refresh is not None else {}
+        except Exception:  # noqa: BLE001 - a failed refresh must never stop the beat
+            fresh = {}
         with self._lock:
             if self._last is None:
                 return
-            self._last = self._last.model_copy(update={"heartbeat_at": time.time()})
+            self._last = self._last.model_copy(update={**fresh, "heartbeat_at": time.time()})
             rd.write_text_atomic(self.path, self._last.model_dump_json())
 
 

@@ -96,6 +96,37 @@ class DurationBuckets(_Model):
     h2d: list[int] = Field(default_factory=list)
 
 
+# -- transfers: queue wait vs DMA time per direction and pool kind -------------------------------
+
+
+class TransferKind(_Model):
+    """One (direction, pool kind) of a stage's transfers (the rule: ``runtime/transfer/stats.py``).
+
+    ``queue_seconds``: each transfer that moved the kind adds its whole wait (call to copy
+    start); ``dma_seconds``: the kind's byte share of each transfer's measured copy time, so
+    ``bytes / dma_seconds`` is the bandwidth.  Histograms are cumulative over
+    ``TransferSplit.le``, ``len(le) + 1`` entries, the last being +Inf (= ``moves``).
+    """
+
+    bytes: int = 0
+    moves: int = Field(0, description="transfers that moved this kind")
+    queue_seconds: float = 0.0
+    dma_seconds: float = 0.0
+    queue_buckets: list[int] = Field(default_factory=list)
+    dma_buckets: list[int] = Field(default_factory=list)
+
+
+class TransferSplit(_Model):
+    """Queue wait vs DMA time: per-transfer queue seconds by direction, and per pool kind."""
+
+    le: list[float] = Field(default_factory=list, description="histogram upper bounds (s)")
+    queue_seconds: Directions = Field(
+        default_factory=Directions, description="seconds transfers waited from the call to the "
+        "copy's start, each transfer once (DMA seconds: StageLive.transfer_seconds)")
+    d2h: dict[str, TransferKind] = Field(default_factory=dict)
+    h2d: dict[str, TransferKind] = Field(default_factory=dict)
+
+
 class CachePages(_Model):
     """Pages the stage's HiCache moved or lost, by reason."""
 
@@ -103,6 +134,49 @@ class CachePages(_Model):
     load: int = 0
     dropped: int = 0
     backup_skipped: int = 0
+
+
+# -- host-tier sanity and pool occupancy (issue 19: points 5 and 6) ---------------------------------
+
+
+class HostTierLive(_Model):
+    """The stage's host-tier verdict (``memory.host_tier``), re-checked while it runs.
+
+    ``status`` lists every status that holds (``ok`` alone when none does); statuses in
+    ``memory.host_tier.NOT_READY_STATUSES`` make ``/readyz`` answer not ready.
+    """
+
+    status: list[str] = Field(default_factory=list,
+                              description="ok, smaller_than_device, pin_refused, exceeds_ram "
+                              "(empty: not checked yet)")
+    reasons: list[str] = Field(default_factory=list, description="one line per status")
+    ready: bool = Field(True, description="false when a status makes the run not ready")
+    pinned: bool = Field(False, description="host pages are pinned (page-locked) memory")
+    pin_error: str | None = Field(None, description="why pinned memory was refused")
+    device_pages: int = Field(0, description="pages of the device page-id space")
+    host_pages: int = Field(0, description="pages of the host page-id space")
+    host_bytes: int = Field(0, description="bytes of the stage's host tier")
+    mem_available_bytes: int | None = Field(None, description="the host's MemAvailable at the check")
+    mem_total_bytes: int | None = None
+    reserve_bytes: int | None = Field(None, description="RAM the host tiers must leave available")
+    checked_at: float = Field(0.0, description="unix time of the last /proc/meminfo read")
+
+
+class PoolOccupancy(_Model):
+    """One pool kind on one tier: units of its own space (pages, or request slots) and bytes.
+
+    Units are not to be summed across pools (kinds of one page-id space share its pages);
+    bytes are the kind's own and do sum.
+    """
+
+    pool: str
+    tier: str = Field(description="device or host")
+    unit: str = Field(description="page (paged kinds) or slot (per-request kinds)")
+    used: int = 0
+    capacity: int = 0
+    peak: int = Field(0, description="the most units in use at once since the stage started")
+    used_bytes: int = 0
+    capacity_bytes: int = 0
 
 
 # -- cache insight and stage agreement: why lookups missed, entry lifetimes, do stages agree ----
@@ -195,6 +269,9 @@ class StageLive(_Model):
         default_factory=Directions, description="derived, since start: transfer bytes / seconds "
         "(exporters and charts use rates of the counters)")
     transfer_seconds_buckets: DurationBuckets = Field(default_factory=DurationBuckets)
+    transfer_split: TransferSplit = Field(
+        default_factory=TransferSplit, description="queue wait vs DMA time, per direction and pool kind "
+        "(empty where the source reports no split)")
     page_spaces: dict[str, PageSpace] = Field(default_factory=dict)
     pool_bytes: dict[str, PoolBytes] = Field(default_factory=dict)
     cache_pages: CachePages = Field(default_factory=CachePages)
@@ -207,6 +284,11 @@ class StageLive(_Model):
     activation_bytes_received: int = 0
     timeline: list[TimelineEvent] = Field(
         default_factory=list, description=f"the last {TIMELINE_EVENTS} pipeline spans, oldest first")
+    # host-tier sanity and pool occupancy
+    host_tier: HostTierLive = Field(default_factory=HostTierLive)
+    pool_occupancy: list[PoolOccupancy] = Field(
+        default_factory=list, description="every pool kind the stage holds, per tier")
+    # cache insight and stage agreement
     insight: CacheInsightLive = Field(default_factory=CacheInsightLive)
     agreement: StageAgreement = Field(default_factory=StageAgreement)
 

@@ -5,10 +5,13 @@ Kubernetes separates three questions, and so does ``serve``:
 * liveness (``/healthz``): does the serving process answer?  Answering is the proof.
 * startup (``/startupz``): did startup validation pass?  The startup report says.
 * readiness (``/readyz``): can the pipeline take work *now*?  Every stage process
-  alive, its layer map valid, a heartbeat newer than the heartbeat timeout, and
-  the stages agreeing on their cache decisions: no more than ``--max-disagreements``
-  per-request disagreements (``agreement.py``) -- stages that disagree compute
-  on different prefixes, so their output cannot be trusted.
+  alive, its layer map valid, a heartbeat newer than the heartbeat timeout, a
+  host tier whose status is not one of ``memory.host_tier.NOT_READY_STATUSES``
+  (``exceeds_ram``), and the stages agreeing on their cache decisions: no more
+  than ``--max-disagreements`` per-request disagreements (``agreement.py``) --
+  stages that disagree compute on different prefixes, so their output cannot be
+  trusted.  The other host-tier statuses (``smaller_than_device``,
+  ``pin_refused``) are listed in ``warnings``: shown, still ready.
 
 A stage process beats from a thread of its own (``stage_worker.Heartbeat``), so a
 stage that waits in a collective still beats, while a stage that is stopped
@@ -24,6 +27,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..memory.host_tier import NOT_READY_STATUSES
 from .live import RunInfo, StageLive
 from .options import DEFAULT_HEARTBEAT_TIMEOUT_S, HEARTBEAT_INTERVAL_S
 
@@ -45,6 +49,8 @@ class StageHealth(BaseModel):
     heartbeat_age_s: float | None = None
     error: str | None = Field(None, description="the stage's own last error")
     reason: str | None = Field(None, description="why the stage is not up")
+    host_tier: list[str] = Field(default_factory=list,
+                                 description="the stage's host-tier statuses (empty: not checked)")
 
 
 class Liveness(BaseModel):
@@ -61,6 +67,8 @@ class Liveness(BaseModel):
     failed_at: float | None = None
     stages: list[StageHealth]
     reasons: list[str] = Field(description="why the run is not ready (empty when ready)")
+    warnings: list[str] = Field(default_factory=list,
+                                description="what is wrong but leaves the run ready (host tier)")
     time: float
     disagreements: int = Field(0, description="stage disagreements so far (every stage, kind)")
     max_disagreements: int | None = Field(
@@ -91,7 +99,8 @@ def stage_health(stage: int, live: StageLive | None, exit_code: int | None, now:
     age = max(0.0, now - beat) if beat is not None else None
     base = {"stage": stage, "pid": live.pid if live else None,
             "phase": live.phase if live else "unknown", "exit_code": exit_code,
-            "heartbeat_at": beat, "heartbeat_age_s": age, "error": live.error if live else None}
+            "heartbeat_at": beat, "heartbeat_age_s": age, "error": live.error if live else None,
+            "host_tier": list(live.host_tier.status) if live else []}
     if exit_code is not None:
         return StageHealth(**base, up=False, reason=f"process exited with code {exit_code}")
     if live is None:
@@ -136,12 +145,14 @@ def assess(run: RunInfo | None, startup: Mapping[str, Any] | None,
     if not health:
         reasons.append("no stage reports live numbers")
     reasons += [f"stage {h.stage}: {h.reason}" for h in health if not h.up]
+    tier_errors, warnings = host_tier_findings(stages, [h.stage for h in health if h.up])
+    reasons += tier_errors
     limit = run.max_disagreements if run is not None else None
     total, why = agreement_verdict([as_live(stages.get(k)) for k in ids], limit)
     if why:
         reasons.append(why)
     return Liveness(
-        ready=not reasons, phase=run.phase if run else "unknown", startup_ok=ok,
+        ready=not reasons, warnings=warnings, phase=run.phase if run else "unknown", startup_ok=ok,
         heartbeat_timeout_s=timeout, failure=run.failure if run else None,
         failed_stage=run.failed_stage if run else None, failed_at=run.failed_at if run else None,
         stages=health, reasons=reasons, time=now, disagreements=total, max_disagreements=limit,
@@ -165,6 +176,26 @@ def agreement_verdict(stages: list[StageLive | None], limit: int | None) -> tupl
               f"{', '.join(map(str, last.stages))}" if last else "")
     return total, (f"stages disagree: {total} disagreement(s) > --max-disagreements {limit} "
                    f"(by stage and kind: {per}){latest}")
+
+
+def host_tier_findings(stages: Mapping[int, Any], up: list[int]) -> tuple[list[str], list[str]]:
+    """(not-ready reasons, warnings) from the host-tier verdicts of the stages that are up.
+
+    A stage that is down already makes the run not ready; its last host-tier verdict
+    would only repeat a stale reading.
+    """
+    errors: list[str] = []
+    warnings: list[str] = []
+    for k in up:
+        live = as_live(stages.get(k))
+        if live is None:
+            continue
+        tier = live.host_tier
+        for status, reason in zip(tier.status, tier.reasons, strict=False):
+            if status == "ok":
+                continue
+            (warnings if tier.ready or status not in NOT_READY_STATUSES else errors).append(reason)
+    return errors, warnings
 
 
 def run_of(source: Any) -> RunInfo | None:

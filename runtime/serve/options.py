@@ -126,34 +126,31 @@ def resolve_device(choice: str, pp_size: int) -> str:
     return "cuda" if gpus >= pp_size else "cpu"
 
 
-def check_host_memory(la: Any, device_pages: int, hicache_ratio: float, device: str) -> None:
+def check_host_memory(la: Any, device_pages: int, hicache_ratio: float, device: str,
+                      request_slots: int = 4, min_device_pages: int = 1,
+                      pages_flag: str = "--device-pages", mem: Any = None) -> int:
     """All stages share this host's RAM: their pools together must fit (a per-stage check cannot see it).
 
-    Host (HiCache) pools always live in RAM; device pools too when running on CPU.
-    Counts include ``--fault`` plans, since a faulty build really allocates its buggy pools.
+    Runs before any process starts or any pool exists.  Host (HiCache) pools always live in
+    RAM; device pools too when running on CPU.  Counts include ``--fault`` plans, since a
+    faulty build really allocates its buggy pools.  The error names ``--hicache-ratio`` and
+    the size flag the user gave (``pages_flag``: ``--device-pages`` or ``--max-total-tokens``)
+    with the largest values that fit, never fewer device pages than the trace needs
+    (``min_device_pages``).  ``mem``: a ``MemInfo`` to check against (default: this host's
+    /proc/meminfo now).  Returns the bytes needed.
     """
-    from ..memory.pools import _fmt_bytes, host_available_bytes, stage_plan
-    from ..memory.sizing import budget_bytes, host_pages_for, runtime_budget
+    from ..memory.pools import stage_plan
+    from ..memory.ram_check import check_ram, stages_ram_need
     from ..model.pool_kinds import kind_table
     from ..validation.faults import apply_layout_faults
 
-    avail = host_available_bytes()
-    if avail is None:
-        return
-    host_pages = host_pages_for(device_pages, hicache_ratio)
     table = kind_table(la.spec, la.page_size)
-    budget = runtime_budget(la.page_size, device_pages, swa_ratio=1.0)  # the runtime's page space
     faulty = apply_layout_faults(la.layout, la.faults)
-    need = 0
-    for stage_map in faulty.stages:
-        plan = stage_plan(stage_map, la.spec.compress_ratios, la.faults, la.layout.pp_size)
-        counts = {pool: len(slots) for pool, slots in plan.items()}
-        need += budget_bytes(table, counts, budget, hicache_ratio, host=True)
-        need += budget_bytes(table, counts, budget) if device == "cpu" else 0
-    if need > avail:
-        where = "device + host pools" if device == "cpu" else "host pools"
-        raise ConfigError(
-            f"the {len(faulty.stages)} stages' {where} need {_fmt_bytes(need)} of RAM together "
-            f"({device_pages} device pages, {host_pages} host pages per stage), only "
-            f"{_fmt_bytes(avail)} available; lower --device-pages/--max-total-tokens or --hicache-ratio"
-        )
+    counts = [{pool: len(slots) for pool, slots in
+               stage_plan(m, la.spec.compress_ratios, la.faults, la.layout.pp_size).items()}
+              for m in faulty.stages]
+    need = stages_ram_need(table, counts, request_slots, device_in_ram=device == "cpu")
+    where = "device + host pools" if device == "cpu" else "host pools"
+    scale = la.page_size if pages_flag == "--max-total-tokens" else 1
+    return check_ram(need, device_pages, hicache_ratio, f"the {len(counts)} stages' {where} together",
+                     min_pages=min_device_pages, pages_flag=pages_flag, pages_scale=scale, mem=mem)

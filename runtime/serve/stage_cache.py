@@ -64,6 +64,14 @@ def request_pages(req: Any, page_size: int) -> int:
     return -(-(len(req.input_ids) + len(req.output_ids)) // page_size)
 
 
+def trace_device_pages(requests: Sequence[Any], page_size: int, micro_batch: int) -> int:
+    """Device pages the trace's largest micro-batch needs at once (a floor for any size advice)."""
+    from .pipeline import split_micro_batches
+
+    return max((sum(request_pages(r, page_size) for r in mb.requests)
+                for mb in split_micro_batches(requests, micro_batch)), default=1)
+
+
 def check_trace_fits(requests: Sequence[Any], page_size: int, device_pages: int, micro_batch: int) -> None:
     """Every micro-batch's requests must fit the device pages at once (they run together)."""
     from .pipeline import split_micro_batches
@@ -126,6 +134,7 @@ class StageCache:
         from ..memory.pools import StagePools
         from ..transfer.controller import TransferController
         from ..transfer.stats import TransferStats
+        from .host_tier_live import StageHostTier, host_tier_faults
 
         cfg = worker.cfg
         self.cfg = cfg
@@ -135,12 +144,18 @@ class StageCache:
         self.device = torch.device(cfg.torch_device)
         # allow_invalid: a faulty build must still report its real inventory to rank 0.
         # swa_ratio=1.0: the cache keeps one page-id space (SWA pages == full pages).
+        # request_slots: one per request of a micro-batch (the per-request c128_state kind).
         self.pools = StagePools(worker.spec, self.stage_map, cfg.opts.page_size, cfg.opts.device_pages,
                                 self.device, worker.faults, cfg.opts.pp_size, allow_invalid=True,
-                                swa_ratio=1.0)
+                                swa_ratio=1.0, request_slots=cfg.opts.micro_batch)
         self.valid = not self.pools.errors()
+        tier_faults = host_tier_faults(worker.faults, self.stage, cfg.opts.pp_size)
+        # pinning is the default on CUDA and falls back to pageable memory when refused
+        # (memory.host_pools); the pin-refused fault asks for it where it is refused
+        pin = True if "pin-refused" in tier_faults else None
         self.host = HostPools(self.pools, hicache_ratio=cfg.opts.hicache_ratio, layout=cfg.opts.hicache_layout,
-                              allow_invalid=True)
+                              allow_invalid=True, pin_memory=pin, pin_fallback=True)
+        self.host_tier = StageHostTier(self.pools, self.host, cfg.opts.hicache_write_policy, tier_faults)
         self.transfer_stats = TransferStats()
         self.cache = None
         self.writer = None
@@ -213,9 +228,17 @@ class StageCache:
 
     # -- one micro-batch ------------------------------------------------------------------------
     def work(self, mb: Any, act_in: Any | None) -> tuple[Any, int]:
+        assert self.cache is not None and self.writer is not None
+        slots = self.pools.slot_allocator.alloc(len(mb.requests))  # per-request state slots
+        try:
+            return self._work(mb, act_in)
+        finally:
+            self.pools.slot_allocator.free(slots)
+            self.host_tier.arm()
+
+    def _work(self, mb: Any, act_in: Any | None) -> tuple[Any, int]:
         from .pipeline import decision_digest
 
-        assert self.cache is not None and self.writer is not None
         ps = self.page_size
         backed: list[int] = []
         handles = self._begin_all(mb, backed)
@@ -257,6 +280,7 @@ class StageCache:
     # -- live numbers -----------------------------------------------------------------------------
     def live_fields(self) -> dict[str, Any]:
         """The cache, pool and transfer fields of this stage's ``StageLive``."""
+        from .host_tier_live import occupancy_live
         from .live import PageSpace, PoolBytes
 
         dev_bytes, host_bytes = self.pools.pool_bytes(), self.host.pool_bytes()
@@ -264,6 +288,8 @@ class StageCache:
         fields: dict[str, Any] = {
             "pool_bytes": {p: PoolBytes(device=int(dev_bytes[p]), host=int(host_bytes.get(p, 0)))
                            for p in kinds},
+            "host_tier": self.host_tier.live(),
+            "pool_occupancy": occupancy_live(self.pools, self.host),
         }
         if self.cache is None:
             return fields
@@ -328,7 +354,24 @@ def transfer_live_fields(transfer_stats: Any) -> dict[str, Any]:
         "bandwidth_bytes_per_second": Directions(**{d: float(v["gbps"]) * 1e9 for d, v in per.items()}),
         "transfer_seconds_buckets": DurationBuckets(
             le=list(snap["buckets_s"]), **{d: list(v["bucket_counts"]) for d, v in per.items()}),
+        "transfer_split": transfer_split_field(snap),
     }
+
+
+def transfer_split_field(snap: dict[str, Any]) -> Any:
+    """The queue/DMA split of a ``TransferStats.snapshot()`` as ``StageLive.transfer_split``."""
+    from ..transfer.stats import DIRECTIONS
+    from .live import Directions, TransferKind, TransferSplit
+
+    def kinds(d: str) -> dict[str, TransferKind]:
+        return {k: TransferKind(bytes=v["bytes"], moves=v["moves"], queue_seconds=v["queue_seconds"],
+                                dma_seconds=v["dma_seconds"], queue_buckets=v["queue_bucket_counts"],
+                                dma_buckets=v["dma_bucket_counts"])
+                for k, v in snap[d]["kinds"].items()}
+
+    return TransferSplit(le=list(snap["split_buckets_s"]),
+                         queue_seconds=Directions(**{d: float(snap[d]["queue_seconds"]) for d in DIRECTIONS}),
+                         **{d: kinds(d) for d in DIRECTIONS})
 
 
 def build_stage_cache(worker: Any) -> StageCache:

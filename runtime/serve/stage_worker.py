@@ -172,6 +172,8 @@ class StageWorker:
         from .stage_cache import build_stage_cache
 
         self.cache = build_stage_cache(self)
+        cache = self.cache  # the heartbeat re-checks the host tier while the stage waits
+        self.stage_file.refresh = lambda: {"host_tier": cache.host_tier.live()}
         inventory = self.cache.inventory()
         report_ok = self._startup(inventory)
         if not report_ok:

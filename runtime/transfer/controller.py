@@ -20,17 +20,27 @@ result carries events: ``wait(layer)`` makes the *current* stream wait for one
 layer (layer-by-layer loads overlap compute), ``synchronize()`` blocks the host.
 Stats are recorded once per transfer when it is known finished (``synchronize``,
 ``poll``, or a later transfer noticing), with GPU-measured seconds.
+
+Queue wait vs DMA time (``TransferResult.queue_seconds`` / ``seconds``): the call's
+host time is taken first thing.  On CUDA the copy's ``start`` event is put on the
+host clock through ``clock.EventClock`` (no sync), so the wait covers the
+controller's checks, the submission and everything queued ahead on the stream;
+DMA time is ``start`` to ``end``.  The synchronous engines copy one transfer at
+a time under a lock: a call made while another thread's copy runs waits there,
+and the wait ends when its own copy starts (host clock around the copy).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from ..memory.host_pools import HostPools
 from ..memory.pools import StagePools
+from .clock import EventClock, host_time
 from .engine import EngineOptions, TritonEngine
 from .fallback import CpuEngine, TorchEngine
 from .pages import PageChecker, PageIds, TransferError
@@ -43,16 +53,20 @@ __all__ = ["TransferController", "TransferError", "TransferResult"]
 class TransferResult:
     """One transfer; done at once on CPU, tracked by CUDA events on GPU."""
 
-    __slots__ = ("direction", "ids", "layers", "nbytes", "path", "seconds", "_start", "_end",
-                 "_layer_events", "_stats", "_engine")
+    __slots__ = ("direction", "ids", "layers", "nbytes", "path", "seconds", "queue_seconds", "_start", "_end",
+                 "_layer_events", "_stats", "_engine", "called", "_kinds", "_reference")
 
-    def __init__(self, direction: str, ids: PageIds, plan: Plan, path: str):
+    def __init__(self, direction: str, ids: PageIds, plan: Plan, path: str, called: float = 0.0):
         self.direction = direction
         self.ids = ids
         self.layers = plan.layers
         self.nbytes = plan.nbytes(ids.count)
         self.path = path
-        self.seconds: float | None = None
+        self.seconds: float | None = None  # DMA time: copy start to finish
+        self.queue_seconds = 0.0  # the call (``perf_counter`` ``called``) to the copy's start
+        self._kinds = plan.kinds
+        self.called = called  # perf_counter() when backup/load was called
+        self._reference: Any = None  # (event, host time) of the EventClock, on CUDA
         self._start: Any = None
         self._end: Any = None
         self._layer_events: dict[int, Any] = {}
@@ -101,10 +115,13 @@ class TransferResult:
     def _finish(self) -> None:
         if self.seconds is None and self._end is not None:
             self.seconds = self._start.elapsed_time(self._end) / 1e3
+            if self._reference is not None:
+                self.queue_seconds = max(0.0, host_time(self._reference, self._start) - self.called)
             self._engine.recycle(self._start, self._end)
         stats, self._stats = self._stats, None
         if stats is not None:
-            stats.record(self.direction, self.nbytes, self.seconds or 0.0, self.pages, len(self.layers), self.path)
+            stats.record(self.direction, self.nbytes, self.seconds or 0.0, self.pages, len(self.layers), self.path,
+                         self.queue_seconds, self._kinds)
 
     def __repr__(self) -> str:
         state = f"{self.seconds * 1e3:.3f} ms" if self.seconds is not None else "in flight"
@@ -115,7 +132,9 @@ class TransferController:
     """Moves token pages of one stage between its device pools and its host mirror.
 
     One controller per stage, driven from one thread (the stage's scheduler); the
-    ``TransferStats`` it records into may be read from any thread.
+    ``TransferStats`` it records into may be read from any thread.  On the
+    synchronous engines (CPU, torch) calls from several threads are serialised
+    (one copy at a time), and the time a call waited shows as its queue wait.
     """
 
     def __init__(self, device_pools: StagePools, host_pools: HostPools,
@@ -141,6 +160,8 @@ class TransferController:
             self.engine = CpuEngine(device_pools, host_pools)
         self.path: str = self.engine.path
         self._async = self.cuda and self.path == "triton"
+        self._copy_lock = threading.Lock()  # synchronous engines: one copy at a time
+        self._clock = EventClock(device_pools.device) if self._async else None
         self.checker = PageChecker(device_pools.stage_map.stage, device_pools.allocator, host_pools.allocator)
         self._plans: dict[tuple[Any, Any], Plan] = {(None, None): build_plan(device_pools, host_pools, None, None)}
         self._pending: list[TransferResult] = []
@@ -154,17 +175,19 @@ class TransferController:
         ``layers`` (global ids) and ``pools`` (kinds) narrow the selection; None = all.
         On CUDA the copy is asynchronous unless ``blocking``; see ``TransferResult``.
         """
+        called = time.perf_counter()
         ids = self.checker.check(device_pages, host_pages, "host")
         plan = self.plan(layers, pools)
-        return self._move("d2h", ids, plan, [plan], blocking)
+        return self._move("d2h", ids, plan, [plan], blocking, called)
 
     def load(self, host_pages: Sequence[int], device_pages: Sequence[int],
              layers: Sequence[int] | None = None, blocking: bool = False,
              pools: Sequence[str] | None = None) -> TransferResult:
         """Host -> device: copy ``host_pages[i]`` of every selected buffer to ``device_pages[i]``."""
+        called = time.perf_counter()
         ids = self.checker.check(device_pages, host_pages, "device")
         plan = self.plan(layers, pools)
-        return self._move("h2d", ids, plan, [plan], blocking)
+        return self._move("h2d", ids, plan, [plan], blocking, called)
 
     def load_layer_by_layer(self, host_pages: Sequence[int], device_pages: Sequence[int],
                             layers: Sequence[int] | None = None,
@@ -174,9 +197,11 @@ class TransferController:
         The forward pass calls ``result.wait(layer)`` before attention of that
         layer, so the copy of later layers overlaps compute of earlier ones.
         """
+        called = time.perf_counter()
         ids = self.checker.check(device_pages, host_pages, "device")
         plan = self.plan(layers, pools)
-        return self._move("h2d", ids, plan, [self.plan([g], pools) for g in plan.layers], False, per_layer=True)
+        return self._move("h2d", ids, plan, [self.plan([g], pools) for g in plan.layers], False, called,
+                          per_layer=True)
 
     def plan(self, layers: Sequence[int] | None = None, pools: Sequence[str] | None = None) -> Plan:
         """The (cached) buffer selection of ``layers`` x ``pools``; None = all."""
@@ -207,9 +232,9 @@ class TransferController:
 
     # -- engine -----------------------------------------------------------------------------
     def _move(self, direction: str, ids: PageIds, plan: Plan, steps: list[Plan], blocking: bool,
-              per_layer: bool = False) -> TransferResult:
+              called: float, per_layer: bool = False) -> TransferResult:
         """Run ``steps`` (the plan, or one plan per layer) on the engine; one result for all."""
-        result = TransferResult(direction, ids, plan, self.path)
+        result = TransferResult(direction, ids, plan, self.path, called)
         result._stats = self.stats
         if self._pending:
             self.poll()
@@ -219,12 +244,16 @@ class TransferController:
             result._finish()
             return result
         if not self._async:
-            t0 = time.perf_counter()
-            for step in steps:
-                self.engine.run(step, ids, direction == "d2h")
-            result.seconds = time.perf_counter() - t0
+            with self._copy_lock:  # a copy in progress on another thread: this call queues here
+                t0 = time.perf_counter()
+                for step in steps:
+                    self.engine.run(step, ids, direction == "d2h")
+                t1 = time.perf_counter()
+            result.seconds, result.queue_seconds = t1 - t0, t0 - called
             result._finish()
             return result
+        if self._clock is not None:
+            result._reference = self._clock.reference(called)
         result._start, result._end, events = self.engine.submit(direction == "d2h", steps, ids, per_layer)
         result._engine = self.engine
         if per_layer:

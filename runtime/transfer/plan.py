@@ -53,6 +53,17 @@ class Plan:
     def nbytes(self, pages: int) -> int:
         return self.page_bytes * pages
 
+    @cached_property
+    def kinds(self) -> tuple[tuple[str, int], ...]:
+        """``(pool kind, bytes of one token page over its selected buffers)``, in buffer order.
+
+        What ``TransferStats`` splits a transfer's bytes and DMA time by; computed once.
+        """
+        per: dict[str, int] = {}
+        for b in self.buffers:
+            per[b.pool] = per.get(b.pool, 0) + b.page_bytes
+        return tuple(per.items())
+
 
 def mirrored_kinds(dp: StagePools, hp: HostPools) -> tuple[str, ...]:
     """Pool kinds with at least one buffer on both sides (the kinds HiCache pages move)."""

@@ -30,10 +30,16 @@ FAULTS: dict[str, str] = {
     "gap": "stage 1 starts one layer late, so a layer belongs to no stage",
     "radix-skew": "one stage's prefix cache (stage 1 unless @STAGE) loses the deepest page of "
     "every 4th request it caches, so its radix tree drifts from the other stages' "
-    "(stage agreement: stagecache_stage_disagreements_total)",
+    "(stage agreement: stagecache_stage_disagreements_total; serve only)",
+    # host-tier faults: only `serve` acts on them (the stage's host tier, not its layer map)
+    "pin-refused": "the stage asks for pinned host memory where it is refused (on a host without "
+    "CUDA, torch's own refusal): its host tier falls back to pageable memory (serve only)",
+    "host-ram-short": "after its first micro-batch the stage keeps all of the host's RAM in "
+    "reserve, as when the host runs short during the run (serve only)",
 }
-#: Faults that change what a stage's cache does while serving, not how its pools are built.
-SERVE_FAULTS = ("radix-skew",)
+#: Faults of the host tier, acted on by a serving stage.  ``radix-skew`` acts on a serving
+#: stage's prefix cache (``serve.stage_cache``); every other fault shapes the pools.
+HOST_TIER_FAULTS: frozenset[str] = frozenset({"pin-refused", "host-ram-short"})
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,69 @@
+"""How full each pool kind of a stage is, on the device and in the host tier: read from the allocators.
+
+A stage's paged kinds share one page-id space per tier (``pools.py``), so a page
+count belongs to the space; but each kind has its *own* page space inside it --
+an SWA-budget kind can hold fewer pages than a full-budget one -- and the
+per-request kind (``c128_state``) counts request slots, not pages.  So per pool
+kind and tier this reports:
+
+* ``used`` / ``capacity`` / ``peak``: units of the kind's own space (pages, or request
+  slots), read from the allocator that hands them out.  Kinds of one space show the
+  same used count: these are *not* to be summed across pools (sum the page spaces);
+* ``used_bytes`` / ``capacity_bytes``: the kind's own bytes (units x page bytes x its
+  buffers).  Distinct memory per kind, so these *do* sum to the stage's bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..model.pool_kinds import KINDS, POOLS
+
+
+@dataclass(frozen=True)
+class Occupancy:
+    """One pool kind on one tier of one stage."""
+
+    pool: str
+    tier: str  # device | host
+    unit: str  # page | slot
+    used: int
+    capacity: int
+    peak: int  # the most units ever in use at once (the allocator's high-water mark)
+    unit_bytes: int  # one unit over every buffer of the kind
+
+    @property
+    def used_bytes(self) -> int:
+        return self.used * self.unit_bytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.capacity * self.unit_bytes
+
+    @property
+    def usage(self) -> float:
+        return self.used / self.capacity if self.capacity else 0.0
+
+
+def _row(pool: str, tier: str, capacity: int, allocator: Any, unit_bytes: int) -> Occupancy:
+    return Occupancy(pool, tier, "page" if KINDS[pool].paged else "slot",
+                     allocator.used_below(capacity), capacity, min(allocator.peak_used, capacity),
+                     unit_bytes)
+
+
+def stage_occupancy(pools: Any, host: Any | None = None) -> list[Occupancy]:
+    """Every pool kind the stage holds buffers of, device rows then host rows (display order)."""
+    rows = []
+    for p in POOLS:
+        n = sum(pools.plan.get(p, ()))
+        if not n:
+            continue
+        alloc = pools.allocator if KINDS[p].paged else pools.slot_allocator
+        rows.append(_row(p, "device", pools.units[p], alloc, n * pools.page_bytes(p)))
+    if host is not None:
+        for p in POOLS:
+            n = sum(host.plan.get(p, ()))
+            if n:
+                rows.append(_row(p, "host", host.kind_pages[p], host.allocator, n * host.page_bytes(p)))
+    return rows
