@@ -32,12 +32,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..transfer.stats import gbps
+from .insight_overhead import OVERHEAD_BUDGET_PERCENT, direct, insight_config, measure, timed
 
 DEFAULT_DEVICE_PAGES = 96
 DEFAULT_HICACHE_RATIO = 4.0
 DEFAULT_REQUESTS = 2000
-#: Lifetimes in a replay: the entries of every 64th lookup are watched (miss reasons are exact).
-DEFAULT_INSIGHT_SAMPLE = 64
 #: Bytes per direction of the same-run bandwidth measurement.
 BANDWIDTH_PROBE_BYTES = 32 << 20
 
@@ -47,6 +46,7 @@ BANDWIDTH_PROBE_BYTES = 32 << 20
 class ReplayResult:
     requests: int = 0
     seconds: float = 0.0
+    cpu_seconds: float = 0.0  # the replaying thread's CPU time (other processes' load not counted)
     pages_verified: int = 0
     bytes_verified: int = 0
     bytes_written: int = 0
@@ -56,6 +56,7 @@ class ReplayResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {"requests": self.requests, "seconds": round(self.seconds, 3),
+                "cpu_seconds": round(self.cpu_seconds, 6),
                 "pages_verified": self.pages_verified, "bytes_verified": self.bytes_verified,
                 "bytes_written": self.bytes_written, "stalls": self.stalls,
                 "mismatch_count": self.mismatch_count,
@@ -74,7 +75,7 @@ def replay(requests: Sequence[Any], cache: Any, writer: Any | None = None, verif
     from ..memory.allocator import OutOfPagesError
 
     out = ReplayResult()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     window: deque[Any] = deque()
     token_page_bytes = writer.pools.token_page_bytes() if writer is not None else 0
     for i, req in enumerate(requests):
@@ -107,6 +108,7 @@ def replay(requests: Sequence[Any], cache: Any, writer: Any | None = None, verif
     if check_every:
         cache.check()
     out.seconds = time.perf_counter() - t0
+    out.cpu_seconds = time.thread_time() - c0
     return out
 
 
@@ -222,16 +224,6 @@ def measure_bandwidth(la: Any, stage_map: Any, device: str) -> dict[str, float]:
 
 
 # -- runs -------------------------------------------------------------------------------------------
-def insight_config(args: argparse.Namespace, on: bool | None = None) -> Any:
-    """The replay's insight: lookups as the clock (trace time), or None (``--no-insight``)."""
-    from ..cache.insight import InsightConfig
-
-    if not (on if on is not None else not getattr(args, "no_insight", False)):
-        return None
-    return InsightConfig(clock="requests", sample_every=getattr(args, "insight_sample", 1),
-                         seen_keys=getattr(args, "seen_keys", 1 << 18))
-
-
 def _stats_row(cache: Any, result: Any, page_bytes: int, device_pages: int) -> dict[str, Any]:
     row = cache.stats.to_dict()
     if cache.insight is not None:
@@ -261,8 +253,8 @@ def _payload_run(la: Any, stage_map: Any, reqs: Sequence[Any], args: argparse.Na
 
         host_pools = HostPools(pools, hicache_ratio=args.hicache_ratio, layout=args.hicache_layout)
         controller = TransferController(pools, host_pools, TransferStats())
-    cache = HiCache(pools, host_pools, controller, write_policy=args.write_policy,
-                    eviction_policy=args.eviction_policy, insight=insight_config(args, insight))
+    cache = timed(HiCache(pools, host_pools, controller, write_policy=args.write_policy,
+                          eviction_policy=args.eviction_policy, insight=insight_config(args, insight)))
     writer = KvWriter(pools, seed=args.seed)
     result = replay(reqs, cache, writer, verify=args.verify, concurrency=args.concurrency,
                     check_every=args.check_every)
@@ -281,6 +273,8 @@ def _metadata_run(views: Sequence[Any], page_size: int, host_pages: int,
                                   write_policy=args.write_policy,
                                   eviction_policy=args.eviction_policy,
                                   insight=insight_config(args, insight))
+    if insight is None:  # a reported run: the insight times its own calls
+        timed(cache)
     result = replay(views, cache, concurrency=args.concurrency, check_every=args.check_every)
     return cache, result
 
@@ -303,31 +297,22 @@ def _run_modes(la: Any, stages: list[Any], reqs: list[Any], views: list[Any], ho
     return modes, nodes
 
 
-def insight_overhead(la: Any, stage: Any, reqs: list[Any], views: list[Any], host_pages: int,
-                     args: argparse.Namespace) -> dict[str, Any]:
-    """The HiCache replay again, ``--insight-overhead`` times with the insight and as many
-    without, alternating (so load on the machine hits both alike); the fastest of each.
+def _overhead(la: Any, views: list[Any], host_pages: int, args: argparse.Namespace,
+              modes: dict[str, list[dict[str, Any]]]) -> dict[str, Any] | None:
+    """What the insight costs the reported stage-0 replay (``insight_overhead.py``): its own
+    calls in that replay, and the paired metadata-only cross-check; None when off."""
+    row = modes["hicache"][0]
+    if "insight" not in row:
+        return None
+    out = {"method": "the insight's own calls in the reported stage-0 replay (perf_counter, timer "
+                     "cost included), as a share of that replay without them",
+           **direct(row), "budget_percent": OVERHEAD_BUDGET_PERCENT, "paired": None}
+    if getattr(args, "insight_overhead", 0):
+        def run(on: bool) -> float:
+            return _metadata_run(views, la.page_size, host_pages, args, insight=on)[1].cpu_seconds
 
-    Seconds are process CPU time of the replay alone (``replay()``'s loop), the same trace
-    and cache as the reported run; in payload mode on the first replayed stage.
-    """
-    import gc
-
-    times: dict[str, list[float]] = {"on": [], "off": []}
-    for _ in range(args.insight_overhead):
-        for name, on in (("off", False), ("on", True)):
-            gc.collect()
-            t0 = time.process_time()
-            if args.metadata_only:
-                _metadata_run(views, la.page_size, host_pages, args, insight=on)
-            else:
-                _payload_run(la, stage, reqs, args, host=True, insight=on)
-            times[name].append(round(time.process_time() - t0, 4))
-    on, off = min(times["on"]), min(times["off"])
-    return {"repeats": args.insight_overhead, "clock": "process CPU seconds, whole replay",
-            "on_seconds": times["on"], "off_seconds": times["off"],
-            "ratio_on_vs_off": round(on / off, 4) if off else None,
-            "overhead_percent": round(100 * (on / off - 1), 2) if off else None}
+        out["paired"] = measure(run, args.insight_overhead, row["replay"]["cpu_seconds"])
+    return out
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -376,8 +361,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         ceiling.observe(v)
     belady = belady_hit_tokens(views, host_pages)
     bounds_s = time.perf_counter() - t_bounds
-    overhead = (insight_overhead(la, stages[0], reqs, views, host_pages, args)
-                if getattr(args, "insight_overhead", 0) else None)
+    overhead = _overhead(la, views, host_pages, args, modes)
     return build_report(args, la, stages, modes, trace_info, ceiling, belady, host_pages, bandwidth,
                         {"insight_overhead": overhead,
                          "tree_nodes": nodes, "bounds_seconds": round(bounds_s, 3),

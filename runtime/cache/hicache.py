@@ -96,6 +96,17 @@ class HiCache:
         #: miss reasons and sampled lifetimes (``insight.py``); None: not kept
         self.insight = None if insight is None else CacheInsight(insight, stats, self.tree._slot)
 
+    @property
+    def insight(self) -> CacheInsight | None:
+        """Miss reasons and sampled lifetimes (``insight.py``); None: not kept."""
+        return self._insight
+
+    @insight.setter
+    def insight(self, value: CacheInsight | None) -> None:
+        self._insight = value
+        #: per tier, the watched slots (empty without an insight): the one test an evicted page costs
+        self._watch = value.watch if value is not None else ({}, {})
+
     # -- request flow -----------------------------------------------------------------------
     def begin(self, request: Any) -> Handle:
         """Match the prompt, load host hits to device, allocate the rest, lock the prefix.
@@ -187,8 +198,7 @@ class HiCache:
             self.dev_alloc.free(to_free)
         self.stats.computed_tokens += view.input_len + view.output_len - view.hit_tokens(m)
         if handle.sampled and created and self.insight is not None:
-            dev = self.tree.dev
-            self.insight.born(0, [dev[s] for s in created], created)
+            self.insight.born(0, created)
         if self.write_policy == "write_through" and self.host_alloc is not None and created:
             host = self.tree.host
             todo = [s for s in created if host[s] < 0]
@@ -228,7 +238,7 @@ class HiCache:
             self.tree.set_device(s, p)
         self.stats.load_pages += len(slots)
         if watch and self.insight is not None:
-            self.insight.born(0, pages, slots)
+            self.insight.born(0, slots)
 
     def _alloc_device(self, n: int) -> list[int]:
         """``n`` device pages: free ones first, then the pages of evicted nodes (handed over as is)."""
@@ -244,8 +254,6 @@ class HiCache:
                     break
                 taken.append(self._evict_device(victim))
         finally:
-            if taken and self.insight is not None:
-                self.insight.round_deaths(taken, self._pending, self.tree)
             self._flush()
         if free + len(taken) < n:
             if taken:
@@ -268,11 +276,15 @@ class HiCache:
         tree = self.tree
         page = tree.dev[slot]
         self.stats.device_evicted_pages += 1
+        written_back = False
         if tree.host[slot] < 0 and self.host_alloc is not None:
             host_page = self._host_page()
             if host_page >= 0:
                 tree.set_host(slot, host_page)
                 self._pending[host_page] = page
+                written_back = True
+        if slot in self._watch[0]:
+            self._insight.left_device(slot, written_back, tree.stamp)
         tree.set_device(slot, -1)
         if tree.host[slot] < 0:
             # Lost.  It has no children: a child would be host-only and unlocked, so the host
@@ -296,6 +308,8 @@ class HiCache:
         # its write-back copy is no longer wanted (nor ever made: a miss reason of its own)
         why = FROM_HOST if self._pending.pop(page, None) is None else WRITEBACK
         self.stats.host_evicted_pages += 1
+        if slot in self._watch[1]:
+            self._insight.died(1, slot, tree.stamp)
         tree.set_host(slot, -1)
         if tree.dev[slot] < 0:
             tree.remove(slot, why)
@@ -315,8 +329,8 @@ class HiCache:
             for s, h in reversed(list(zip(slots, hosts, strict=False))):
                 self.tree.set_host(s, h)  # deepest first: only the deepest becomes a candidate
             self.stats.backup_pages += len(hosts)
-            if self.insight is not None:
-                self.insight.backed_up(hosts, slots, watch, self.tree.stamp)
+            if watch and self.insight is not None:
+                self.insight.born(1, slots[:len(hosts)])
         return len(hosts)
 
     def discard(self, key: int) -> bool:
@@ -330,8 +344,7 @@ class HiCache:
             if page >= 0:
                 (tree.set_device if tier == 0 else tree.set_host)(slot, -1)
                 alloc.free([page])
-                if self.insight is not None:
-                    self.insight.watch[tier].pop(page, None)
+                self._watch[tier].pop(slot, None)
         tree.remove(slot, DROPPED)
         return True
 

@@ -36,9 +36,9 @@ lookup's own failed probe already names the reason of its first missed page.
 (insert to eviction), its idle time before eviction (last use to eviction),
 and the reuse gap (time since the page's previous use -- its previous hit or
 its insertion -- when a lookup hits it).  Births are sampled (every
-``sample_every``-th request or transfer call watches the entries it creates);
-the deaths of watched entries are caught exactly, per eviction round, by the
-device or host page they free.  Reuse gaps are taken on every
+``sample_every``-th request or transfer call watches the entries it creates, by
+tree slot); the deaths of watched entries are caught exactly where an entry
+leaves a tier (``HiCache`` tests the slot against the tier's watch).  Reuse gaps are taken on every
 ``sample_every``-th lookup.  The clock is ``seconds`` (``time.monotonic``,
 ``serve``) or ``requests`` (lookups begun: a replay's trace time).
 """
@@ -52,7 +52,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .keytable import EMPTY, GHOST, ghost_reason
+from .keytable import GHOST
 
 MISS_REASONS = ("never_seen", "evicted_from_device", "evicted_from_host", "dropped",
                 "writeback_pending", "partial_page_tail", "stage_disagreement")
@@ -183,9 +183,9 @@ class InsightClock:
 class CacheInsight:
     """One stage's miss-reason counters, seen keys and sampled lifetimes (``HiCache.insight``).
 
-    ``HiCache`` calls it from its own paths; everything here is per lookup, per
-    insert, per eviction round or per sampled entry -- never a pass over pages,
-    and never a call per evicted page.
+    ``HiCache`` calls it from its own paths; everything here is per lookup or per
+    sampled entry -- never a pass over pages, and never a call per evicted page
+    (an evicted page costs ``HiCache`` one dict membership test).
     """
 
     def __init__(self, cfg: InsightConfig | None = None, stats: Any = None, table: Any = None):
@@ -199,9 +199,11 @@ class CacheInsight:
         self.hittable = 0  # immediate lookups: prompt tokens a lookup may match, summed
         self.clock = InsightClock(cfg.clock)
         self._mark = self.clock.ticks.append
+        self._stamp_time = self.clock.times.append if self.clock.times is not None else None
         edges = BUCKETS[cfg.clock]
         self.hist = {(t, h): Histogram(edges) for t in range(len(INSIGHT_TIERS)) for h in HISTOGRAMS}
-        self.watch: tuple[dict[int, tuple[int, float]], dict[int, tuple[int, float]]] = ({}, {})
+        #: per tier, watched slot -> its birth; ``HiCache`` tests membership where an entry leaves
+        self.watch: tuple[dict[int, float], dict[int, float]] = ({}, {})
         self.every = cfg.sample_every
         self.defer = cfg.defer
         self.lookups = 0
@@ -220,28 +222,32 @@ class CacheInsight:
         counters (``miss_tokens``), so a lookup costs a few operations.
         """
         self._mark(tick)
-        if self.clock.times is not None:
-            self.clock.times.append(time.monotonic())
+        if self._stamp_time is not None:
+            self._stamp_time(time.monotonic())
         n = self.lookups = self.lookups + 1
         self.sampled = not n % self.every
         if not n & 255:
             self.clock.trim()
         if before is not None:
             self._reuse(before, match.device)
-        matched = len(match.path)
+        miss = match.miss
         if self.defer:
-            runs = _runs(keys, matched, limit, match.miss, self.table.get) if matched < limit else []
+            matched = len(match.path)
+            runs = _runs(keys, matched, limit, miss, self.table) if matched < limit else []
             return MissRecord(input_len, self.stats.page_size, matched, limit, runs)
         self.hittable += top
-        if match.miss <= GHOST:  # its first missed page was cached before (rare)
-            ps = self.stats.page_size
-            start = matched * ps
-            for end, reason in _runs(keys, matched, limit, match.miss, self.table.get):
-                if reason != NEVER:
-                    stop = min(end * ps, top)
-                    self.counts[reason] += stop - start
-                    start = stop
+        if miss <= GHOST:  # its first missed page was cached before
+            self._count_evicted(keys, len(match.path), limit, miss, top)
         return None
+
+    def _count_evicted(self, keys: list[int], matched: int, limit: int, miss: int, top: int) -> None:
+        """Immediate accounting: the tokens of the missed pages that were cached before."""
+        ps, counts = self.stats.page_size, self.counts
+        start = matched * ps
+        for end, reason in self.table.buried_runs(keys, matched, limit, miss)[0]:
+            stop = min(end * ps, top)
+            counts[reason] += stop - start
+            start = stop
 
     def account(self, record: MissRecord, agreed: int | None = None) -> None:
         """Count a deferred lookup, now that the stages' agreed prefix (pages) is known."""
@@ -256,45 +262,25 @@ class CacheInsight:
             (dev if i < device_pages else host).observe(now - at(s))
 
     # -- births and deaths (sampled entries) -------------------------------------------------------
-    def born(self, tier: int, pages: Iterable[int], slots: Iterable[int]) -> None:
+    def born(self, tier: int, slots: Iterable[int]) -> None:
+        """The entries ``slots`` entered ``tier`` on a sampled path: watch them."""
         watch, now = self.watch[tier], self.clock.now()
-        for page, slot in zip(pages, slots, strict=False):
+        for slot in slots:
             if len(watch) >= MAX_WATCHED:
                 return
-            watch[page] = (slot, now)
+            watch[slot] = now
 
-    def round_deaths(self, taken: list[int], pending: dict[int, int], tree: Any) -> None:
-        """An eviction round took device pages ``taken`` and host pages ``pending``: the
-        watched entries that held them died (host first: the round's write-backs are births)."""
-        watch_dev, watch_host = self.watch
-        # isdisjoint walks the round's pages (C); an intersection would copy the watch instead
-        if watch_host and pending and not watch_host.keys().isdisjoint(pending):
-            self._deaths(1, [p for p in pending if p in watch_host], tree.stamp)
-        if watch_dev and not watch_dev.keys().isdisjoint(taken):
-            now = self.clock.now()
-            for slot in self._deaths(0, [p for p in taken if p in watch_dev], tree.stamp):
-                h = tree.host[slot]  # written back this round: a host birth
-                if h >= 0 and h in pending and len(watch_host) < MAX_WATCHED:
-                    watch_host[h] = (slot, now)
+    def died(self, tier: int, slot: int, stamp: Any) -> None:
+        """Watched ``slot`` left ``tier`` (``HiCache`` checks ``slot in watch[tier]`` first)."""
+        now = self.clock.now()
+        self.hist[tier, "lifetime"].observe(now - self.watch[tier].pop(slot))
+        self.hist[tier, "idle"].observe(now - self.clock.at(stamp[slot]))
 
-    def backed_up(self, hosts: list[int], slots: list[int], watch: bool, stamp: Any) -> None:
-        """A backup took host pages ``hosts`` (deaths of watched holders) for ``slots`` (births)."""
-        watch_host = self.watch[1]
-        if watch_host and not watch_host.keys().isdisjoint(hosts):
-            self._deaths(1, [p for p in hosts if p in watch_host], stamp)
-        if watch:
-            self.born(1, hosts, slots)
-
-    def _deaths(self, tier: int, pages: Iterable[int], stamp: Any) -> list[int]:
-        watch, now, at = self.watch[tier], self.clock.now(), self.clock.at
-        life, idle = self.hist[tier, "lifetime"], self.hist[tier, "idle"]
-        died = []
-        for page in pages:
-            slot, born = watch.pop(page)
-            life.observe(now - born)
-            idle.observe(now - at(stamp[slot]))
-            died.append(slot)
-        return died
+    def left_device(self, slot: int, written_back: bool, stamp: Any) -> None:
+        """Watched ``slot`` left the device; a write-back copy made for it is a host birth."""
+        self.died(0, slot, stamp)
+        if written_back and len(self.watch[1]) < MAX_WATCHED:
+            self.watch[1][slot] = self.clock.now()
 
     # -- reports -------------------------------------------------------------------------------------
     def miss_tokens(self) -> dict[str, dict[str, int]]:
@@ -329,20 +315,13 @@ class CacheInsight:
                 "watched": {t: len(w) for t, w in zip(INSIGHT_TIERS, self.watch, strict=True)}}
 
 
-def _runs(keys: list[int], start: int, limit: int, first: int, get: Any) -> list[tuple[int, int]]:
+def _runs(keys: list[int], start: int, limit: int, first: int, table: Any) -> list[tuple[int, int]]:
     """Reasons of missed pages ``start..limit``: runs of evicted pages (one reason each, from
     their tombstones), then the never-seen rest (keys are prefix-closed: nothing after a
     never-seen page was cached).  ``first``: the key table's answer for ``keys[start]``."""
-    runs = []
-    v, j = first, start
-    code = ghost_reason(v) if v <= GHOST else NEVER
-    while code != NEVER:
-        j += 1
-        v = get(keys[j]) if j < limit else EMPTY
-        nxt = ghost_reason(v) if v <= GHOST else NEVER
-        if nxt != code:
-            runs.append((j, code))
-            code = nxt
+    if first > GHOST:
+        return [(limit, NEVER)]
+    runs, j = table.buried_runs(keys, start, limit, first)
     if j < limit:
         runs.append((limit, NEVER))
     return runs

@@ -104,6 +104,33 @@ class KeyTable:
         if self.size + self.ghosts >= self._limit:
             self._rebuild()
 
+    def buried_runs(self, keys: list[int], start: int, limit: int, first: int
+                    ) -> tuple[list[tuple[int, int]], int]:
+        """How the buried keys ``keys[start:]`` left, as runs ``[(end, reason), ...]``, up to the
+        first key that is not buried (or ``limit``), and that index.  ``first``: what ``get``
+        said of ``keys[start]`` (a tombstone).  One loop with the probe inlined: a lookup that
+        missed evicted pages walks them all (the cache insight's miss reasons)."""
+        tk, tv, mask, shift = self._keys, self._vals, self._mask, self._shift
+        runs: list[tuple[int, int]] = []
+        code = (GHOST - first) & 7
+        j = start + 1
+        while j < limit:
+            key = keys[j]
+            i = ((key * _GOLDEN) & _M64) >> shift
+            v = tv[i]
+            while v != -1 and tk[i] != key:
+                i = (i + 1) & mask
+                v = tv[i]
+            if v > GHOST:  # not buried: never seen, or forgotten
+                break
+            c = (GHOST - v) & 7
+            if c != code:
+                runs.append((j, code))
+                code = c
+            j += 1
+        runs.append((j, code))
+        return runs, j
+
     def pop(self, key: int) -> None:
         """Remove live ``key``, shifting its probe run (tombstones included) back over the hole."""
         keys, vals, mask, shift = self._keys, self._vals, self._mask, self._shift
