@@ -1,4 +1,4 @@
-"""Shared test fixtures: free loopback ports and the GPU skip rule."""
+"""Shared test fixtures: free loopback ports, one torch thread, and the GPU skip rule."""
 
 from __future__ import annotations
 
@@ -30,3 +30,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture
+def one_torch_thread():
+    """torch on one intra-op thread for the test, restored after: the suite runs on 2 shared
+    cores, and replays of many small page copies should not spread each copy over threads."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

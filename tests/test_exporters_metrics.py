@@ -7,6 +7,7 @@ import subprocess
 
 import pytest
 from live_helpers import blank_live
+from metric_samples import sample_value, series_by_name
 from prometheus_client import generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.parser import text_string_to_metric_families
@@ -68,22 +69,8 @@ def scrape(source) -> str:
     return generate_latest(make_registry(source)).decode()
 
 
-def by_name(text: str) -> dict[str, list]:
-    out: dict[str, list] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out.setdefault(s.name, []).append(s)
-    return out
-
-
-def one(smp, name, **labels) -> float:
-    hits = [s.value for s in smp.get(name, []) if all(s.labels.get(k) == v for k, v in labels.items())]
-    assert len(hits) == 1, (name, labels, hits)
-    return hits[0]
-
-
 def full_scrape() -> dict[str, list]:
-    return by_name(scrape(StaticSource(report(), {s: live(s) for s in range(4)})))
+    return series_by_name(scrape(StaticSource(report(), {s: live(s) for s in range(4)})))
 
 
 def test_every_family_is_exposed_with_sglang_stage_labels():
@@ -148,24 +135,24 @@ def test_counters_for_everything_cumulative_gauges_for_states():
 
 
 def test_startup_values_come_from_the_report():
-    smp = by_name(scrape(StaticSource(report(["global-swa"]))))
+    smp = series_by_name(scrape(StaticSource(report(["global-swa"]))))
     for st in "0123":
-        assert one(smp, "stagecache_stage_local_layers", pp_rank=st) == 3
-        assert one(smp, "stagecache_stage_buffers", pp_rank=st, pool="swa") == 12
-        assert one(smp, "stagecache_stage_expected_buffers", pp_rank=st, pool="swa") == 3
-        assert one(smp, "stagecache_stage_mapping_ok", pp_rank=st) == 0
-        assert one(smp, "stagecache_stage_mapping_errors", pp_rank=st) == 1
-    assert one(smp, "stagecache_startup_ok", model_name="tiny-v4") == 0
-    ok = by_name(scrape(StaticSource(report())))
-    assert one(ok, "stagecache_startup_ok") == 1
-    assert one(ok, "stagecache_stage_mapping_ok", pp_rank="1") == 1
-    assert one(ok, "stagecache_stage_buffers", pp_rank="1", pool="c128") == 2
+        assert sample_value(smp, "stagecache_stage_local_layers", pp_rank=st) == 3
+        assert sample_value(smp, "stagecache_stage_buffers", pp_rank=st, pool="swa") == 12
+        assert sample_value(smp, "stagecache_stage_expected_buffers", pp_rank=st, pool="swa") == 3
+        assert sample_value(smp, "stagecache_stage_mapping_ok", pp_rank=st) == 0
+        assert sample_value(smp, "stagecache_stage_mapping_errors", pp_rank=st) == 1
+    assert sample_value(smp, "stagecache_startup_ok", model_name="tiny-v4") == 0
+    ok = series_by_name(scrape(StaticSource(report())))
+    assert sample_value(ok, "stagecache_startup_ok") == 1
+    assert sample_value(ok, "stagecache_stage_mapping_ok", pp_rank="1") == 1
+    assert sample_value(ok, "stagecache_stage_buffers", pp_rank="1", pool="c128") == 2
 
 
 def test_build_and_model_info():
     from stagecache import runtime
 
-    smp = by_name(scrape(StaticSource(report())))
+    smp = series_by_name(scrape(StaticSource(report())))
     (build,) = smp["stagecache_build_info"]
     assert build.labels == {"version": runtime.__version__} and build.value == 1
     (model,) = smp["stagecache_model_info"]
@@ -179,9 +166,9 @@ def test_pool_names_come_from_the_data_not_a_fixed_list():
         s["buffers"]["c4_indexer_state"] = s["expected_buffers"]["c4_indexer_state"] = 2
     d = live(0)
     d["pool_bytes"]["c4_indexer_state"] = {"device": 5, "host": 6}
-    smp = by_name(scrape(StaticSource(rep, {0: d})))
-    assert one(smp, "stagecache_stage_buffers", pp_rank="2", pool="c4_indexer_state") == 2
-    assert one(smp, "stagecache_pool_bytes", pp_rank="0", pool="c4_indexer_state", tier="host") == 6
+    smp = series_by_name(scrape(StaticSource(rep, {0: d})))
+    assert sample_value(smp, "stagecache_stage_buffers", pp_rank="2", pool="c4_indexer_state") == 2
+    assert sample_value(smp, "stagecache_pool_bytes", pp_rank="0", pool="c4_indexer_state", tier="host") == 6
 
 
 def test_shared_page_space_is_counted_once():
@@ -189,44 +176,44 @@ def test_shared_page_space_is_counted_once():
     used = [s for s in smp["stagecache_page_space_used_pages"] if s.labels["pp_rank"] == "0"]
     assert {(s.labels["space"], s.labels["tier"], s.value) for s in used} == {
         ("device", "device", 10), ("host", "host", 30)}  # one series per space, not per pool
-    assert one(smp, "stagecache_page_space_capacity_pages", pp_rank="0", space="device") == 64
-    assert one(smp, "stagecache_page_space_usage_ratio", pp_rank="0", space="host") == 30 / 128
+    assert sample_value(smp, "stagecache_page_space_capacity_pages", pp_rank="0", space="device") == 64
+    assert sample_value(smp, "stagecache_page_space_usage_ratio", pp_rank="0", space="host") == 30 / 128
     pools = {(s.labels["pool"], s.labels["space"]) for s in smp["stagecache_pool_page_space_info"]
              if s.labels["pp_rank"] == "0"}
     assert pools == {(p, "device") for p in POOLS} | {("swa", "host"), ("c4", "host")}
 
 
 def test_no_report_yet_means_no_startup_samples_but_live_numbers_still_export():
-    smp = by_name(scrape(StaticSource(None, {2: live(2)})))
+    smp = series_by_name(scrape(StaticSource(None, {2: live(2)})))
     assert "stagecache_startup_ok" not in smp and "stagecache_stage_local_layers" not in smp
     assert "stagecache_model_info" not in smp and "stagecache_build_info" in smp
-    assert one(smp, "stagecache_prefix_hit_tokens_total", pp_rank="2", tier="host") == 300
+    assert sample_value(smp, "stagecache_prefix_hit_tokens_total", pp_rank="2", tier="host") == 300
 
 
 def test_live_values_per_stage_and_label():
-    smp = by_name(scrape(StaticSource(report(), {0: live(0), 1: live(1, scale=2)})))
-    assert one(smp, "stagecache_prefix_lookup_tokens_total", pp_rank="1") == 4000
-    assert one(smp, "stagecache_prefix_hit_tokens_total", pp_rank="1", tier="device") == 2000
-    assert one(smp, "stagecache_transfer_bytes_total", pp_rank="0", direction="h2d") == 2048
-    assert one(smp, "stagecache_pool_bytes", pp_rank="0", pool="swa", tier="host") == 2 << 20
-    assert one(smp, "stagecache_evicted_pages_total", pp_rank="0", tier="device") == 7
-    assert one(smp, "stagecache_hicache_pages_total", pp_rank="0", operation="backup_skip") == 3
-    assert one(smp, "stagecache_stage_bubble_seconds_total", pp_rank="1") == 0.5
-    assert one(smp, "stagecache_micro_batches_total", pp_rank="1") == 10
-    assert one(smp, "stagecache_activation_sent_bytes_total", pp_rank="0") == 300
-    assert one(smp, "stagecache_activation_received_bytes_total", pp_rank="1") == 100
-    assert one(smp, "stagecache_stage_planned_requests", pp_rank="0") == 64
+    smp = series_by_name(scrape(StaticSource(report(), {0: live(0), 1: live(1, scale=2)})))
+    assert sample_value(smp, "stagecache_prefix_lookup_tokens_total", pp_rank="1") == 4000
+    assert sample_value(smp, "stagecache_prefix_hit_tokens_total", pp_rank="1", tier="device") == 2000
+    assert sample_value(smp, "stagecache_transfer_bytes_total", pp_rank="0", direction="h2d") == 2048
+    assert sample_value(smp, "stagecache_pool_bytes", pp_rank="0", pool="swa", tier="host") == 2 << 20
+    assert sample_value(smp, "stagecache_evicted_pages_total", pp_rank="0", tier="device") == 7
+    assert sample_value(smp, "stagecache_hicache_pages_total", pp_rank="0", operation="backup_skip") == 3
+    assert sample_value(smp, "stagecache_stage_bubble_seconds_total", pp_rank="1") == 0.5
+    assert sample_value(smp, "stagecache_micro_batches_total", pp_rank="1") == 10
+    assert sample_value(smp, "stagecache_activation_sent_bytes_total", pp_rank="0") == 300
+    assert sample_value(smp, "stagecache_activation_received_bytes_total", pp_rank="1") == 100
+    assert sample_value(smp, "stagecache_stage_planned_requests", pp_rank="0") == 64
     phases = {s.labels["stagecache_stage_phase"]: s.value for s in smp["stagecache_stage_phase"]
               if s.labels["pp_rank"] == "0"}
     assert phases["serving"] == 1 and sum(phases.values()) == 1
     # a source without a per-kind split (the sglang hooks): its totals as pool "all", the
     # histogram without buckets still has the count (+Inf) and the sum
     h = "stagecache_transfer_dma_seconds"
-    assert one(smp, "stagecache_transfer_bytes_total", pp_rank="0", direction="h2d", pool="all") == 2048
-    assert one(smp, h + "_count", pp_rank="0", direction="d2h", pool="all") == 3
-    assert one(smp, h + "_bucket", pp_rank="0", direction="d2h", pool="all", le="+Inf") == 3
-    assert one(smp, h + "_sum", pp_rank="0", direction="d2h", pool="all") == 0.002
-    assert one(smp, "stagecache_transfers_total", pp_rank="0", direction="d2h") == 3
+    assert sample_value(smp, "stagecache_transfer_bytes_total", pp_rank="0", direction="h2d", pool="all") == 2048
+    assert sample_value(smp, h + "_count", pp_rank="0", direction="d2h", pool="all") == 3
+    assert sample_value(smp, h + "_bucket", pp_rank="0", direction="d2h", pool="all", le="+Inf") == 3
+    assert sample_value(smp, h + "_sum", pp_rank="0", direction="d2h", pool="all") == 0.002
+    assert sample_value(smp, "stagecache_transfers_total", pp_rank="0", direction="d2h") == 3
 
 
 def test_histogram_buckets_come_from_transfer_stats():
@@ -237,28 +224,28 @@ def test_histogram_buckets_come_from_transfer_stats():
     d = live(0)
     d.update({k: v.model_dump() if hasattr(v, "model_dump") else v
               for k, v in transfer_live_fields(stats).items()})
-    smp = by_name(scrape(StaticSource(report(), {0: d})))
+    smp = series_by_name(scrape(StaticSource(report(), {0: d})))
     h = "stagecache_transfer_dma_seconds_bucket"
     # swa's shares: 37.5 us, 225 us, 225 us, 15 ms, 2.25 s
-    assert one(smp, h, pp_rank="0", direction="d2h", pool="swa", le="5e-05") == 1
-    assert one(smp, h, pp_rank="0", direction="d2h", pool="swa", le="0.00025") == 3
-    assert one(smp, h, pp_rank="0", direction="d2h", pool="swa", le="0.025") == 4
-    assert one(smp, h, pp_rank="0", direction="d2h", pool="swa", le="2.5") == 5
+    assert sample_value(smp, h, pp_rank="0", direction="d2h", pool="swa", le="5e-05") == 1
+    assert sample_value(smp, h, pp_rank="0", direction="d2h", pool="swa", le="0.00025") == 3
+    assert sample_value(smp, h, pp_rank="0", direction="d2h", pool="swa", le="0.025") == 4
+    assert sample_value(smp, h, pp_rank="0", direction="d2h", pool="swa", le="2.5") == 5
     # c4's shares: 12.5 us, 75 us, 75 us, 5 ms, 0.75 s
-    assert one(smp, h, pp_rank="0", direction="d2h", pool="c4", le="2.5e-05") == 1
-    assert one(smp, h, pp_rank="0", direction="d2h", pool="c4", le="0.0001") == 3
-    assert one(smp, h, pp_rank="0", direction="d2h", pool="c4", le="1.0") == 5
+    assert sample_value(smp, h, pp_rank="0", direction="d2h", pool="c4", le="2.5e-05") == 1
+    assert sample_value(smp, h, pp_rank="0", direction="d2h", pool="c4", le="0.0001") == 3
+    assert sample_value(smp, h, pp_rank="0", direction="d2h", pool="c4", le="1.0") == 5
     # queue wait: the whole wait for every kind (25 us, 150 us, 150 us, 10 ms, 1.5 s)
     q = "stagecache_transfer_queue_wait_seconds_bucket"
     for pool in ("swa", "c4"):
-        assert one(smp, q, pp_rank="0", direction="d2h", pool=pool, le="2.5e-05") == 1
-        assert one(smp, q, pp_rank="0", direction="d2h", pool=pool, le="0.01") == 4
-        assert one(smp, q, pp_rank="0", direction="d2h", pool=pool, le="+Inf") == 5
-    dma_sum = sum(one(smp, "stagecache_transfer_dma_seconds_sum", pp_rank="0", direction="d2h", pool=p)
+        assert sample_value(smp, q, pp_rank="0", direction="d2h", pool=pool, le="2.5e-05") == 1
+        assert sample_value(smp, q, pp_rank="0", direction="d2h", pool=pool, le="0.01") == 4
+        assert sample_value(smp, q, pp_rank="0", direction="d2h", pool=pool, le="+Inf") == 5
+    dma_sum = sum(sample_value(smp, "stagecache_transfer_dma_seconds_sum", pp_rank="0", direction="d2h", pool=p)
                   for p in ("swa", "c4"))
     assert dma_sum == pytest.approx(0.00005 + 0.0003 + 0.0003 + 0.02 + 3.0)
-    assert one(smp, "stagecache_transfer_bytes_total", pp_rank="0", direction="d2h", pool="swa") == 15000
-    assert one(smp, "stagecache_transfers_total", pp_rank="0", direction="d2h") == 5
+    assert sample_value(smp, "stagecache_transfer_bytes_total", pp_rank="0", direction="d2h", pool="swa") == 15000
+    assert sample_value(smp, "stagecache_transfers_total", pp_rank="0", direction="d2h") == 5
     assert "all" not in {s.labels["pool"] for s in smp["stagecache_transfer_bytes_total"]}
 
 
@@ -277,9 +264,10 @@ def test_the_source_is_read_on_every_scrape():
             return {0: StageLive.model_validate(d)}
 
     registry = make_registry(Growing())
-    first = by_name(generate_latest(registry).decode())
-    second = by_name(generate_latest(registry).decode())
-    assert one(second, "stagecache_requests_total", pp_rank="0") > one(first, "stagecache_requests_total", pp_rank="0")
+    first = series_by_name(generate_latest(registry).decode())
+    second = series_by_name(generate_latest(registry).decode())
+    name = "stagecache_requests_total"
+    assert sample_value(second, name, pp_rank="0") > sample_value(first, name, pp_rank="0")
 
 
 def test_stage_labels_are_sglangs():

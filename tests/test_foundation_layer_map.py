@@ -23,13 +23,13 @@ def test_flash_stage1_maps_count_inside_the_stage():
     first = s1.layers[0]
     assert (first.local, first.global_id, first.compress_ratio) == (0, 10, 4)
     assert first.compress_layer_id == 0 and first.c4_state_id == 0  # not the global C4 index (4)
-    assert s1.c4_map == {0: 0, 2: 1, 4: 2, 6: 3, 8: 4, 10: 5}
-    assert s1.c128_map == {1: 0, 3: 1, 5: 2, 7: 3, 9: 4}
-    assert s1.c4_state_map == s1.c4_map
-    assert s1.swa_map == {i: i for i in range(11)}
+    assert s1.pool_map("c4") == {0: 0, 2: 1, 4: 2, 6: 3, 8: 4, 10: 5}
+    assert s1.pool_map("c128") == {1: 0, 3: 1, 5: 2, 7: 3, 9: 4}
+    assert s1.pool_map("c4_state") == s1.pool_map("c4")
+    assert s1.pool_map("swa") == {i: i for i in range(11)}
     assert s1.expected_buffers() == {"swa": 11, "c4": 6, "c128": 5, "c4_state": 6, "c128_state": 5, "indexer": 6,
                                      "c4_indexer_state": 6}
-    assert s1.pool_map("c4_indexer_state") == s1.c4_state_map  # the assembler's c4_state mapping
+    assert s1.pool_map("c4_indexer_state") == s1.pool_map("c4_state")  # the assembler's c4_state mapping
 
 
 def test_ratio0_layers_have_null_ids():

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from stagecache.runtime.bench.hicache import replay
 from stagecache.runtime.cache.bounds import CeilingTracker
 from stagecache.runtime.cache.hicache import HiCache
@@ -30,12 +29,7 @@ TRACE = WorkloadConfig(seed=11, requests=1200, system_prompts=3, system_prompt_l
                        think_time_s=20.0, session_gap_s=1.0)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.mark.parametrize("policy, layout", [("write_back", "layer_first"),

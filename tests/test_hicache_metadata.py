@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from mooncake_sample import write_sample
 from stagecache.runtime.bench.hicache import replay
 from stagecache.runtime.cache.hicache import HiCache
@@ -25,13 +24,7 @@ from stagecache.runtime.serve.stage_cache import build_trace
 from stagecache.runtime.transfer.controller import TransferController
 from stagecache.runtime.transfer.stats import TransferStats
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 from stagecache.runtime.cache.hicache import CacheOutOfPagesError, HandleError, HiCache
 from stagecache.runtime.cache.kv_writer import KvWriter, page_hashes
 from stagecache.runtime.cache.traces import Request
@@ -20,12 +19,7 @@ from stagecache.runtime.transfer.stats import TransferStats
 PS = 128
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make(device_pages=3, host_pages=16, policy="write_back", stage=2, layout="layer_first"):

@@ -100,7 +100,7 @@ def test_gpu_back_to_back_calls_reuse_the_ring_and_stay_ordered(monkeypatch):
     """More calls in flight than pinned slots, a call bigger than a slot, and a load right after
     the backup that writes its host pages: all on one stream, so every result is the latest."""
     monkeypatch.setattr(engine, "RING_SLOTS", 2)
-    monkeypatch.setattr(engine, "RING_PAGES", 4)
+    monkeypatch.setattr(engine, "SLOT_PAGES_MAX", 4)
     stage = build_layout(FLASH, 4).stages[1]
     dp, hp = filled(FLASH, stage, 256, 48, 64, "layer_first")
     c = TransferController(dp, hp, TransferStats())
@@ -115,7 +115,7 @@ def test_gpu_back_to_back_calls_reuse_the_ring_and_stay_ordered(monkeypatch):
         for pool in POOLS:
             for i, b in enumerate(dp.buffers[pool]):
                 assert torch.equal(b[dst], before[pool][i][src]), (pool, i)
-    big_src, big_host = rng.sample(range(48), 40), rng.sample(range(64), 40)  # > RING_PAGES: one-off slot
+    big_src, big_host = rng.sample(range(48), 40), rng.sample(range(64), 40)  # > SLOT_PAGES_MAX: ten pieces over two slots
     before = snapshot(dp)
     c.backup(big_src, big_host, blocking=True)
     for pool in POOLS:

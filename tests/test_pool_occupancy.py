@@ -3,8 +3,8 @@ real allocators and tensors; exported per pool and tier without double counting.
 
 from __future__ import annotations
 
+from metric_samples import sample_value, series_by_name
 from prometheus_client import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 from stagecache.exporters.metrics import make_registry
 from stagecache.exporters.snapshot import StaticSource
 from stagecache.runtime.memory.host_pools import HostPools
@@ -70,11 +70,7 @@ def test_swa_budget_kinds_have_their_own_smaller_page_space():
 
 def _scrape(live: StageLive) -> dict:
     text = generate_latest(make_registry(StaticSource(None, {1: live}))).decode()
-    out: dict = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out.setdefault(s.name, []).append(s)
-    return out
+    return series_by_name(text)
 
 
 def test_exported_per_pool_and_tier_bytes_sum_and_pages_do_not_double_count():
@@ -89,18 +85,13 @@ def test_exported_per_pool_and_tier_bytes_sum_and_pages_do_not_double_count():
                                                     pools=list(HOST_CACHED))})
     smp = _scrape(live)
 
-    def val(name, **labels):
-        hits = [s.value for s in smp[name] if all(s.labels[k] == v for k, v in labels.items())]
-        assert len(hits) == 1, (name, labels)
-        return hits[0]
-
-    assert val("stagecache_pool_used_pages", pool="c4_state", tier="device") == 6
-    assert val("stagecache_pool_capacity_pages", pool="indexer", tier="host") == 32
-    assert val("stagecache_pool_used_slots", pool="c128_state", tier="device") == 2
-    assert val("stagecache_pool_capacity_slots", pool="c128_state", tier="device") == 4
+    assert sample_value(smp, "stagecache_pool_used_pages", pool="c4_state", tier="device") == 6
+    assert sample_value(smp, "stagecache_pool_capacity_pages", pool="indexer", tier="host") == 32
+    assert sample_value(smp, "stagecache_pool_used_slots", pool="c128_state", tier="device") == 2
+    assert sample_value(smp, "stagecache_pool_capacity_slots", pool="c128_state", tier="device") == 4
     assert not [s for s in smp["stagecache_pool_used_pages"] if s.labels["pool"] == "c128_state"]
-    assert val("stagecache_pool_usage_ratio", pool="swa", tier="host") == 10 / 32
-    assert val("stagecache_pool_peak_usage_ratio", pool="c128_state", tier="device") == 0.5
+    assert sample_value(smp, "stagecache_pool_usage_ratio", pool="swa", tier="host") == 10 / 32
+    assert sample_value(smp, "stagecache_pool_peak_usage_ratio", pool="c128_state", tier="device") == 0.5
     # bytes are each kind's own: they sum to the stage's used KV bytes, computed from the tensors
     used_dev = sum(s.value for s in smp["stagecache_pool_used_bytes"] if s.labels["tier"] == "device")
     want = sum(_tensor_bytes(pools.buffers[p]) // pools.units[p] * (2 if p == "c128_state" else 6)
@@ -109,4 +100,4 @@ def test_exported_per_pool_and_tier_bytes_sum_and_pages_do_not_double_count():
     # pages: each pool repeats its space's count, so the space family is what sums
     per_pool = [s.value for s in smp["stagecache_pool_used_pages"] if s.labels["tier"] == "device"]
     assert set(per_pool) == {6.0} and len(per_pool) == 6
-    assert val("stagecache_page_space_used_pages", space="device", tier="device") == 6
+    assert sample_value(smp, "stagecache_page_space_used_pages", space="device", tier="device") == 6

@@ -17,25 +17,45 @@ import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from metric_samples import sample_value, series_by_name
 from serve_helpers import SMALL, alive, read_json, run_phase, stage_pids, start, stop, wait_for
 from stagecache.exporters.metrics import METRIC_NAMES
 from stagecache.runtime.cache.insight import MISS_REASONS
 from stagecache.runtime.serve.agreement import KIND_NAMES
 
 
-def samples(text: str) -> dict[str, list]:
-    out: dict[str, list] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out.setdefault(s.name, []).append(s)
-    return out
-
-
-def value(smp: dict[str, list], name: str, **labels) -> float:
-    hits = [s.value for s in smp.get(name, []) if all(s.labels.get(k) == v for k, v in labels.items())]
-    assert len(hits) == 1, f"{name}{labels}: {len(hits)} samples"
-    return hits[0]
+def _check_stage_series(smp: dict[str, list], st: str) -> None:
+    """One stage's series after the SMALL trace: its map, requests, hits, transfers, pages, phase."""
+    assert sample_value(smp, "stagecache_stage_local_layers", pp_rank=st) == 3
+    assert sample_value(smp, "stagecache_stage_mapping_ok", pp_rank=st) == 1
+    assert sample_value(smp, "stagecache_stage_mapping_errors", pp_rank=st) == 0
+    assert sample_value(smp, "stagecache_stage_buffers", pp_rank=st, pool="swa") == 3
+    for pool in ("swa", "c4", "c128", "c4_state", "c128_state", "indexer"):
+        assert sample_value(smp, "stagecache_stage_buffers", pp_rank=st, pool=pool) == sample_value(
+            smp, "stagecache_stage_expected_buffers", pp_rank=st, pool=pool)
+    assert sample_value(smp, "stagecache_requests_total", pp_rank=st, model_name="tiny-v4") == 40
+    lookups = sample_value(smp, "stagecache_prefix_lookup_tokens_total", pp_rank=st)
+    hits = [sample_value(smp, "stagecache_prefix_hit_tokens_total", pp_rank=st, tier=t) for t in ("device", "host")]
+    assert all(h > 0 for h in hits) and sum(hits) < lookups  # device hits, host hits and misses
+    for d in ("d2h", "h2d"):
+        assert sample_value(smp, "stagecache_transfers_total", pp_rank=st, direction=d) > 0
+        # every pool kind the stage mirrors moved, queue wait and DMA time measured per kind
+        pools = {s.labels["pool"] for s in smp["stagecache_transfer_bytes_total"]
+                 if s.labels["pp_rank"] == st and s.labels["direction"] == d}
+        assert {"swa", "c4"} <= pools and "all" not in pools, pools
+        for pool in pools:
+            assert sample_value(smp, "stagecache_transfer_bytes_total", pp_rank=st, direction=d, pool=pool) > 0
+            assert sample_value(smp, "stagecache_transfer_dma_seconds_sum", pp_rank=st, direction=d, pool=pool) > 0
+            assert sample_value(smp, "stagecache_transfer_queue_wait_seconds_sum", pp_rank=st, direction=d,
+                                pool=pool) > 0
+    assert sample_value(smp, "stagecache_page_space_capacity_pages", pp_rank=st, space="device") == 24
+    assert sample_value(smp, "stagecache_page_space_used_pages", pp_rank=st, space="device") <= 24
+    assert sample_value(smp, "stagecache_pool_bytes", pp_rank=st, pool="swa", tier="host") == 2 * sample_value(
+        smp, "stagecache_pool_bytes", pp_rank=st, pool="swa", tier="device")
+    assert sample_value(smp, "stagecache_stage_busy_seconds_total", pp_rank=st) > 0
+    assert sample_value(smp, "stagecache_stage_phase", pp_rank=st, stagecache_stage_phase="done") == 1
+    if st != "0":  # activations flow 0 -> 1 -> 2 -> 3
+        assert sample_value(smp, "stagecache_activation_received_bytes_total", pp_rank=st) > 0
 
 
 def test_serve_pp4_metrics_match_the_run(tmp_path, free_port):
@@ -52,47 +72,18 @@ def test_serve_pp4_metrics_match_the_run(tmp_path, free_port):
     finally:
         code = stop(proc)
     assert code == 0, out.read_text()
-    smp = samples(text)
+    smp = series_by_name(text)
     names = {n for n in smp}
     for name in METRIC_NAMES:
         assert any(n == name or n.startswith(name + "_") for n in names), f"{name} missing from /metrics"
     for st in ("0", "1", "2", "3"):
-        assert value(smp, "stagecache_stage_local_layers", pp_rank=st) == 3
-        assert value(smp, "stagecache_stage_mapping_ok", pp_rank=st) == 1
-        assert value(smp, "stagecache_stage_mapping_errors", pp_rank=st) == 0
-        assert value(smp, "stagecache_stage_buffers", pp_rank=st, pool="swa") == 3
-        for pool in ("swa", "c4", "c128", "c4_state", "c128_state", "indexer"):
-            assert value(smp, "stagecache_stage_buffers", pp_rank=st, pool=pool) == value(
-                smp, "stagecache_stage_expected_buffers", pp_rank=st, pool=pool)
-        assert value(smp, "stagecache_requests_total", pp_rank=st, model_name="tiny-v4") == 40
-        lookups = value(smp, "stagecache_prefix_lookup_tokens_total", pp_rank=st)
-        hits = [value(smp, "stagecache_prefix_hit_tokens_total", pp_rank=st, tier=t) for t in ("device", "host")]
-        assert all(h > 0 for h in hits) and sum(hits) < lookups  # device hits, host hits and misses
-        for d in ("d2h", "h2d"):
-            assert value(smp, "stagecache_transfers_total", pp_rank=st, direction=d) > 0
-            # every pool kind the stage mirrors moved, queue wait and DMA time measured per kind
-            pools = {s.labels["pool"] for s in smp["stagecache_transfer_bytes_total"]
-                     if s.labels["pp_rank"] == st and s.labels["direction"] == d}
-            assert {"swa", "c4"} <= pools and "all" not in pools, pools
-            for pool in pools:
-                assert value(smp, "stagecache_transfer_bytes_total", pp_rank=st, direction=d, pool=pool) > 0
-                assert value(smp, "stagecache_transfer_dma_seconds_sum", pp_rank=st, direction=d, pool=pool) > 0
-                assert value(smp, "stagecache_transfer_queue_wait_seconds_sum", pp_rank=st, direction=d,
-                             pool=pool) > 0
-        assert value(smp, "stagecache_page_space_capacity_pages", pp_rank=st, space="device") == 24
-        assert value(smp, "stagecache_page_space_used_pages", pp_rank=st, space="device") <= 24
-        assert value(smp, "stagecache_pool_bytes", pp_rank=st, pool="swa", tier="host") == 2 * value(
-            smp, "stagecache_pool_bytes", pp_rank=st, pool="swa", tier="device")
-        assert value(smp, "stagecache_stage_busy_seconds_total", pp_rank=st) > 0
-        assert value(smp, "stagecache_stage_phase", pp_rank=st, stagecache_stage_phase="done") == 1
-        if st != "0":  # activations flow 0 -> 1 -> 2 -> 3
-            assert value(smp, "stagecache_activation_received_bytes_total", pp_rank=st) > 0
-    assert value(smp, "stagecache_activation_sent_bytes_total", pp_rank="0") == value(
+        _check_stage_series(smp, st)
+    assert sample_value(smp, "stagecache_activation_sent_bytes_total", pp_rank="0") == sample_value(
         smp, "stagecache_activation_received_bytes_total", pp_rank="1")
-    assert value(smp, "stagecache_activation_sent_bytes_total", pp_rank="3") == 0
+    assert sample_value(smp, "stagecache_activation_sent_bytes_total", pp_rank="3") == 0
     # every stage took the same cache decisions on the same stream
-    toks = {tuple(value(smp, "stagecache_prefix_hit_tokens_total", pp_rank=st, tier=t) for t in ("device", "host"))
-            for st in ("0", "1", "2", "3")}
+    toks = {tuple(sample_value(smp, "stagecache_prefix_hit_tokens_total", pp_rank=st, tier=t)
+                  for t in ("device", "host")) for st in ("0", "1", "2", "3")}
     assert len(toks) == 1
     # stage 0 and 3 differ in layers, so in bytes moved per page: the numbers are per stage, not copies
     def moved(st: str) -> float:
@@ -152,7 +143,7 @@ def test_serve_global_swa_refuses_and_startupz_shows_errors(tmp_path, free_port)
 
     try:
         r = wait_for(failed_startupz, 80, "/startupz to report the failure", proc, out)
-        metrics = samples(httpx.get(f"{base}/metrics", timeout=10).text)
+        metrics = series_by_name(httpx.get(f"{base}/metrics", timeout=10).text)
         wait_for(lambda: "not serving traffic" in out.read_text(), 20, "the printed errors", proc, out)
     finally:
         code = stop(proc)
@@ -165,9 +156,9 @@ def test_serve_global_swa_refuses_and_startupz_shows_errors(tmp_path, free_port)
         assert f"[stage {s}] pool=swa expected=3 got=12" in text
     assert "SWA KV pool must be PP-stage-local" in text
     assert code == 1, text  # refused to serve
-    assert value(metrics, "stagecache_stage_mapping_ok", pp_rank="2") == 0
-    assert value(metrics, "stagecache_stage_buffers", pp_rank="2", pool="swa") == 12
-    assert value(metrics, "stagecache_startup_ok") == 0
+    assert sample_value(metrics, "stagecache_stage_mapping_ok", pp_rank="2") == 0
+    assert sample_value(metrics, "stagecache_stage_buffers", pp_rank="2", pool="swa") == 12
+    assert sample_value(metrics, "stagecache_startup_ok") == 0
     # no request was served by any stage
     assert all(s.value == 0 for s in metrics.get("stagecache_requests_total", []))
     assert stages["phase"] == "refused"

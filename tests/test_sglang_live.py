@@ -133,10 +133,10 @@ def _check_stage(spec_ratios, stage_map):
     # the assembler's resolution: the maps the host stack is built with
     m = hpa._resolve_deepseek_v4_layer_mappings(pool)
     assert m.transfer_layer_id_max == stage_map.local_layers
-    assert m.swa == stage_map.swa_map
-    assert m.c4 == stage_map.c4_map
-    assert m.c128 == stage_map.c128_map
-    assert m.c4_state == stage_map.c4_state_map
+    assert m.swa == stage_map.pool_map("swa")
+    assert m.c4 == stage_map.pool_map("c4")
+    assert m.c128 == stage_map.pool_map("c128")
+    assert m.c4_state == stage_map.pool_map("c4_state")
     assert m.c4_state_global_layers == [e.global_id for e in stage_map.pool_layers("c4_state")]
     # the real buffers: one per local layer of each kind
     assert len(pool.swa_kv_pool.kv_buffer) == stage_map.expected_buffers()["swa"]

@@ -18,12 +18,11 @@ gives the peers their best case.
 
 from __future__ import annotations
 
-import ctypes
-import glob
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from ..transfer.cudart import MEMCPY_DEFAULT, runtime
 
 try:
     import triton
@@ -69,45 +68,25 @@ def ceiling(dev_flat: Any, host_flat: Any) -> Technique:
     return Technique("ceiling", run, "one contiguous copy of the same bytes (pinned host memory on CUDA)")
 
 
-def _cudart() -> Any | None:
-    """The CUDA runtime torch already loaded (ctypes), or None."""
-    names = ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]
-    import torch
-
-    roots = [os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(torch.__file__))]
-    for root in roots:
-        names += sorted(glob.glob(os.path.join(root, "nvidia", "**", "libcudart.so*"), recursive=True))
-    for name in names:
-        try:
-            lib = ctypes.CDLL(name)
-        except OSError:
-            continue
-        lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
-                                        ctypes.c_void_p]
-        lib.cudaMemcpyAsync.restype = ctypes.c_int
-        return lib
-    return None
-
-
 def page_loop(pairs: list[tuple[Any, Any, int]], cuda: bool) -> Technique:
     """``pairs`` = (device row, host row, bytes) per page per buffer: tensors (rows) on CPU."""
     if cuda:
-        lib = _cudart()
-        if lib is not None:
+        rt = runtime()
+        if rt is not None:
             import torch
 
             addrs = [(d.data_ptr(), h.data_ptr(), nbytes) for d, h, nbytes in pairs]
-            memcpy = lib.cudaMemcpyAsync
+            memcpy = rt.memcpy_async
 
             def run_cuda(d2h: bool) -> None:
                 stream = torch.cuda.current_stream().cuda_stream
                 bad = 0
                 if d2h:
                     for d, h, nbytes in addrs:
-                        bad |= memcpy(h, d, nbytes, 4, stream)  # 4 = cudaMemcpyDefault
+                        bad |= memcpy(h, d, nbytes, MEMCPY_DEFAULT, stream)
                 else:
                     for d, h, nbytes in addrs:
-                        bad |= memcpy(d, h, nbytes, 4, stream)
+                        bad |= memcpy(d, h, nbytes, MEMCPY_DEFAULT, stream)
                 if bad:
                     raise RuntimeError("cudaMemcpyAsync failed in the page_loop peer")
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from .trace_fields import checked_keys, id_array, int_field, require, time_field
 from .workload import synthetic_tokens
 
 MOONCAKE_KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
@@ -107,37 +108,15 @@ class PrefixCheck:
             prev = k
 
 
-def _count(obj: dict, key: str, low: int, high: int, required: bool = True) -> int:
-    if key not in obj:
-        if required:
-            raise ValueError(f"missing required field {key!r}")
-        return low
-    v = obj[key]
-    if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
-        raise ValueError(f"field {key!r} = {v!r}: accepted: an integer in [{low}, {high}]")
-    return v
-
-
-def _ids(v: Any, expected: int, input_len: int, block_tokens: int) -> np.ndarray:
-    """``hash_ids`` as int64, checked as a whole (numpy), the slow path only to name the culprit."""
+def _ids(v: Any, expected: int, input_len: int, block_tokens: int, has_bool: bool) -> np.ndarray:
+    """``hash_ids`` as int64: a list of exactly one id per block, each in ``[0, 2**63)``."""
     if not isinstance(v, list):
         raise ValueError(f"field 'hash_ids' = {type(v).__name__}: accepted: a list of integers")
     if len(v) != expected:
         raise ValueError(
             f"field 'hash_ids' has {len(v)} ids for input_length {input_len}: accepted: exactly "
             f"ceil({input_len} / {block_tokens}) = {expected} (one per block; is --block-tokens right?)")
-    try:
-        arr = np.asarray(v)
-    except (ValueError, OverflowError):
-        arr = None
-    ok = arr is not None and arr.ndim == 1 and arr.dtype.kind in "iu"
-    if ok and len(arr) and (int(arr.min()) < 0 or int(arr.max()) >= ID_LIMIT):
-        ok = False
-    if not ok:
-        for i, x in enumerate(v):
-            if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < ID_LIMIT:
-                raise ValueError(f"field 'hash_ids[{i}]' = {x!r}: accepted: an integer in [0, 2**63)")
-    return arr.astype(np.int64, copy=False)
+    return id_array(v, "hash_ids", ID_LIMIT, "an integer in [0, 2**63)", np.int64, has_bool)
 
 
 def parse_mooncake(obj: Any, line: int, index: int, block_tokens: int, max_tokens: int,
@@ -148,30 +127,16 @@ def parse_mooncake(obj: Any, line: int, index: int, block_tokens: int, max_token
     1e9 costs nothing.  ``has_bool``: the raw line contains a JSON ``true`` or
     ``false``, so the id list gets the element-wise check (numpy reads ``true`` as 1).
     """
-    if not isinstance(obj, dict):
-        raise ValueError(f"a line is {type(obj).__name__}: accepted: a JSON object")
-    unknown = sorted(set(obj) - set(MOONCAKE_KEYS))
-    if unknown:
-        raise ValueError(f"unknown field(s) {', '.join(map(repr, unknown))}: accepted: "
-                         f"{', '.join(MOONCAKE_KEYS)}")
-    input_len = _count(obj, "input_length", 1, max_tokens)
-    output_len = _count(obj, "output_length", 0, max_tokens)
-    if "hash_ids" not in obj:
-        raise ValueError("missing required field 'hash_ids'")
-    raw = obj["hash_ids"]
-    expected = -(-input_len // block_tokens)
-    if has_bool and isinstance(raw, list):
-        for i, x in enumerate(raw):
-            if isinstance(x, bool):
-                raise ValueError(f"field 'hash_ids[{i}]' = {x!r}: accepted: an integer in [0, 2**63)")
-    ids = _ids(raw, expected, input_len, block_tokens)
-    ts = obj.get("timestamp", 0)
-    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not 0 <= ts < 1e15:
-        raise ValueError(f"field 'timestamp' = {ts!r}: accepted: milliseconds, a number in [0, 1e15)")
+    checked_keys(obj, MOONCAKE_KEYS)
+    require(obj, "input_length", "output_length", "hash_ids")
+    input_len = int_field(obj, "input_length", 1, max_tokens)
+    output_len = int_field(obj, "output_length", 0, max_tokens)
+    ids = _ids(obj["hash_ids"], -(-input_len // block_tokens), input_len, block_tokens, has_bool)
+    ts = time_field(obj, "timestamp", 1e15, "milliseconds, a number in [0, 1e15)")
     as_list = ids.tolist()
     why = prefix.conflict(as_list)
     if why:
         raise ValueError(why)
     prefix.record(as_list)
-    return BlockRequest(ids, input_len, output_len, block_tokens, float(ts) / 1000.0, line, index,
+    return BlockRequest(ids, input_len, output_len, block_tokens, ts / 1000.0, line, index,
                         vocab)

@@ -34,6 +34,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from .mooncake import DEFAULT_BLOCK_TOKENS, MOONCAKE_KEYS, BlockRequest, PrefixCheck, parse_mooncake
+from .trace_fields import checked_keys, id_array, int_field, require, time_field
 from .workload import TOKEN_LIMIT, Request, WorkloadConfig, generate, synthetic_tokens
 
 __all__ = ["FORMATS", "MAX_LINE_BYTES", "MAX_REQUEST_TOKENS", "BlockRequest", "Request", "Trace",
@@ -83,32 +84,14 @@ class Trace:
 
 
 # -- the tokens format ------------------------------------------------------------------------
-def _int_field(obj: dict, key: str, low: int, high: int = MAX_REQUEST_TOKENS) -> int:
-    v = obj[key]
-    if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
-        raise ValueError(f"field {key!r} = {v!r}: accepted: an integer in [{low}, {high}]")
-    return v
-
-
 def _ids_field(obj: dict, key: str, has_bool: bool) -> np.ndarray:
-    """A token id list as int32, validated as one array; element-wise only to name a bad one."""
+    """A token id list as int32, at most ``MAX_REQUEST_TOKENS`` ids, each in ``[0, 2**31)``."""
     v = obj[key]
     if not isinstance(v, list):
         raise ValueError(f"field {key!r} = {type(v).__name__}: accepted: a list of token ids")
     if len(v) > MAX_REQUEST_TOKENS:
         raise ValueError(f"field {key!r} has {len(v)} ids: accepted: at most {MAX_REQUEST_TOKENS}")
-    try:
-        arr = np.asarray(v) if v else np.empty(0, np.int64)
-    except (ValueError, OverflowError):
-        arr = None
-    ok = not has_bool and arr is not None and arr.ndim == 1 and arr.dtype.kind in "iu"
-    if ok and len(arr) and (int(arr.min()) < 0 or int(arr.max()) >= TOKEN_LIMIT):
-        ok = False
-    if not ok:
-        for i, t in enumerate(v):
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < TOKEN_LIMIT:
-                raise ValueError(f"field '{key}[{i}]' = {t!r}: accepted: a token id in [0, 2**31)")
-    return arr.astype(np.int32)
+    return id_array(v, key, TOKEN_LIMIT, "a token id in [0, 2**31)", np.int32, has_bool)
 
 
 class _Streams:
@@ -129,21 +112,14 @@ class _Streams:
 
 def parse_line(obj: Any, streams: _Streams, line: int, has_bool: bool = True) -> Request:
     """One decoded tokens-format line -> Request; ValueError with the reason otherwise."""
-    if not isinstance(obj, dict):
-        raise ValueError(f"a line is {type(obj).__name__}: accepted: a JSON object")
-    unknown = sorted(set(obj) - set(TRACE_KEYS))
-    if unknown:
-        raise ValueError(f"unknown field(s) {', '.join(map(repr, unknown))}: accepted: "
-                         f"{', '.join(TRACE_KEYS)}")
-    for key in ("session", "turn", "output_len"):
-        if key not in obj:
-            raise ValueError(f"missing required field {key!r}")
+    checked_keys(obj, TRACE_KEYS)
+    require(obj, "session", "turn", "output_len")
     session = obj["session"]
     if isinstance(session, bool) or not isinstance(session, (str, int)) or session == "":
         raise ValueError(f"field 'session' = {session!r}: accepted: a non-empty string or an integer")
     session = str(session)
-    turn = _int_field(obj, "turn", 0, 2**31 - 1)
-    out_len = _int_field(obj, "output_len", 0)
+    turn = int_field(obj, "turn", 0, 2**31 - 1)
+    out_len = int_field(obj, "output_len", 0, MAX_REQUEST_TOKENS)
     has_ids, has_len = "input_ids" in obj, "input_len" in obj
     if has_ids == has_len:
         raise ValueError("exactly one of 'input_ids' or 'input_len' is required")
@@ -152,7 +128,7 @@ def parse_line(obj: Any, streams: _Streams, line: int, has_bool: bool = True) ->
         if not len(input_ids):
             raise ValueError("field 'input_ids' = []: accepted: a non-empty list of token ids")
     else:
-        n = _int_field(obj, "input_len", 1)
+        n = int_field(obj, "input_len", 1, MAX_REQUEST_TOKENS)
         input_ids = streams.get(session, n + out_len)[:n]
     if "output_ids" in obj:
         output_ids = _ids_field(obj, "output_ids", has_bool)
@@ -163,10 +139,8 @@ def parse_line(obj: Any, streams: _Streams, line: int, has_bool: bool = True) ->
         output_ids = streams.get(session, len(input_ids) + out_len)[len(input_ids):]
     else:
         output_ids = synthetic_tokens(("output", session, turn), out_len, streams.vocab)
-    arrival = obj.get("arrival", 0.0)
-    if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or not 0 <= arrival < 1e12:
-        raise ValueError(f"field 'arrival' = {arrival!r}: accepted: seconds, a number in [0, 1e12)")
-    return Request(session, turn, input_ids, output_ids, float(arrival), line)
+    arrival = time_field(obj, "arrival", 1e12, "seconds, a number in [0, 1e12)")
+    return Request(session, turn, input_ids, output_ids, arrival, line)
 
 
 # -- format detection and the streaming reader ----------------------------------------------------

@@ -18,7 +18,7 @@ from ..bench import transfer as bench_transfer
 from ..model.pool_kinds import HOST_CACHED
 from . import bench_http
 from .common import (
-    add_layout_args,
+    add_layout_command,
     fault_spec,
     int_range,
     nonneg_float,
@@ -186,9 +186,8 @@ def _register_hicache(sub: argparse._SubParsersAction) -> None:
     from ..cache.mooncake import DEFAULT_BLOCK_TOKENS
     from .common import DEFAULT_PAGE_SIZE
 
-    p = sub.add_parser("hicache", help="replay a trace: prefix-cache hits with HiCache vs device only vs "
-                                       "the Belady bound and an infinite cache")
-    add_layout_args(p, default_model="tiny-v4")
+    p = add_layout_command(sub, "hicache", help="replay a trace: prefix-cache hits with HiCache vs device only "
+                                                "vs the Belady bound and an infinite cache", default_model="tiny-v4")
     # tokens traces: --page-size (default below); Mooncake traces: the page is a block
     p.set_defaults(page_size=None, default_page_size=DEFAULT_PAGE_SIZE)
     p.add_argument("--trace", default=None, metavar="FILE",

@@ -7,16 +7,12 @@ import json
 
 from ..model.pool_kinds import POOLS
 from ..validation.report import StartupReport, preflight
-from .common import add_layout_args, layout_from_args
+from .common import add_layout_command, layout_from_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "check",
-        help="validate every PP stage's layer map and pool sizes",
-        description="Exit 0: every stage valid; 1: mapping errors found; 2: bad input.",
-    )
-    add_layout_args(p)
+    p = add_layout_command(sub, "check", help="validate every PP stage's layer map and pool sizes",
+                           description="Exit 0: every stage valid; 1: mapping errors found; 2: bad input.")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=run)
 

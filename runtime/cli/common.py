@@ -108,6 +108,15 @@ def add_layout_args(p: argparse.ArgumentParser, default_model: str | None = None
                    "(repeatable): " + ", ".join(FAULTS))
 
 
+def add_layout_command(sub: argparse._SubParsersAction, name: str, help: str,
+                       description: str | None = None, default_model: str | None = None,
+                       ) -> argparse.ArgumentParser:
+    """A subcommand that works on one planned layout: its parser, the layout flags first."""
+    p = sub.add_parser(name, help=help, description=description)
+    add_layout_args(p, default_model)
+    return p
+
+
 def layout_from_args(args: argparse.Namespace) -> LayoutArgs:
     """The layout flags of ``add_layout_args`` as validated objects."""
     return resolve_layout(args.model, args.pp_size, args.tp_size, args.pp_partition,
@@ -115,7 +124,7 @@ def layout_from_args(args: argparse.Namespace) -> LayoutArgs:
 
 
 __all__ = [
-    "ConfigError", "LayoutArgs", "add_layout_args", "fault_spec", "float_range", "int_range",
+    "ConfigError", "LayoutArgs", "add_layout_args", "add_layout_command", "fault_spec", "float_range", "int_range",
     "layout_from_args", "nonneg_float", "nonneg_int", "nonneg_seconds", "port_number",
     "positive_float", "positive_int", "seconds",
 ]

@@ -8,23 +8,24 @@ own ``DeepSeekV4TokenToKVPool`` and HiCache assembler.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from typing import Any
 
-from ..memory.accounting import DEFAULT_MAX_TOTAL_TOKENS
+from ..memory.accounting import DEFAULT_MAX_TOTAL_TOKENS, SizingOptions, account
 from ..memory.sizing import DSV4_MAX_RUNNING_REQUESTS, DSV4_PAGE_SIZE
-from .common import add_layout_args, float_range, int_range, positive_float, positive_int
+from ..validation.inputs import LayoutArgs, resolve_layout
+from .common import add_layout_command, float_range, int_range, positive_float, positive_int
 
 GIB = 1 << 30
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "pools",
+    p = add_layout_command(
+        sub, "pools",
         help="what sglang allocates for every stage's device pools and host (HiCache) mirror",
         description="Per PP stage and pool kind: buffers, bytes per page, device and host pages and bytes.",
     )
-    add_layout_args(p)
     size = p.add_mutually_exclusive_group()
     size.add_argument("--max-total-tokens", type=positive_int, default=None,
                       help=f"full-attention tokens per stage (default {DEFAULT_MAX_TOTAL_TOKENS})")
@@ -45,33 +46,37 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def accounting(args: argparse.Namespace) -> dict[str, Any]:
-    """The whole report as a dict (also the --json output)."""
-    from ..memory.accounting import SizingOptions, account
-    from ..validation.inputs import resolve_layout
+def _gib(value: float | None) -> int | None:
+    return int(value * GIB) if value is not None else None
 
-    # sglang sizes DeepSeek-V4 with 256-token pages whatever --page-size says; the layout is
-    # checked against that page size, and the report says when it overrode the flag.
-    la = resolve_layout(args.model, args.pp_size, args.tp_size, args.pp_partition, DSV4_PAGE_SIZE, args.fault)
-    options = SizingOptions(
+
+def _layout(args: argparse.Namespace) -> LayoutArgs:
+    """sglang sizes DeepSeek-V4 with 256-token pages whatever --page-size says; the layout is
+    checked against that page size, and the report says when it overrode the flag."""
+    return resolve_layout(args.model, args.pp_size, args.tp_size, args.pp_partition, DSV4_PAGE_SIZE, args.fault)
+
+
+def _sizing(args: argparse.Namespace) -> SizingOptions:
+    return SizingOptions(
         max_total_tokens=args.max_total_tokens,
-        mem_budget_bytes=int(args.mem_budget_gb * GIB) if args.mem_budget_gb is not None else None,
+        mem_budget_bytes=_gib(args.mem_budget_gb),
         swa_ratio=args.swa_full_tokens_ratio,
         max_running_requests=args.max_running_requests,
         hicache_ratio=args.hicache_ratio,
-        hicache_size_bytes=int(args.hicache_size_gb * GIB) if args.hicache_size_gb is not None else None,
+        hicache_size_bytes=_gib(args.hicache_size_gb),
     )
-    return account(la.layout, args.page_size, options, la.faults)
+
+
+def accounting(args: argparse.Namespace) -> dict[str, Any]:
+    """The whole report as a dict (also the --json output)."""
+    la = _layout(args)
+    return account(la.layout, args.page_size, _sizing(args), la.faults)
 
 
 def this_host(args: argparse.Namespace, report: dict[str, Any]) -> dict[str, Any] | None:
     """Would the host tiers of every stage fit *this* host's RAM?  (A planning hint: nothing
     is allocated; sglang's host may be another machine.)  None where /proc/meminfo is missing."""
-    import dataclasses
-
-    from ..memory.accounting import SizingOptions, account
     from ..memory.host_tier import fitting_ratio, ram_budget, read_meminfo
-    from ..validation.inputs import resolve_layout
 
     mem = read_meminfo()
     if mem is None:
@@ -80,18 +85,14 @@ def this_host(args: argparse.Namespace, report: dict[str, Any]) -> dict[str, Any
     out = {"mem_available_bytes": mem.available, "reserve_bytes": mem.reserve(), "host_bytes": need,
            "fits": need <= ram_budget(mem), "advice": None}
     if not out["fits"]:
-        la = resolve_layout(args.model, args.pp_size, args.tp_size, args.pp_partition, DSV4_PAGE_SIZE,
-                            args.fault)
-        ratio = report["sizing"]["hicache_ratio"]
-        base = SizingOptions(max_total_tokens=args.max_total_tokens, swa_ratio=args.swa_full_tokens_ratio,
-                             max_running_requests=args.max_running_requests,
-                             mem_budget_bytes=int(args.mem_budget_gb * GIB) if args.mem_budget_gb else None)
+        la, base = _layout(args), _sizing(args)
 
         def host_bytes(_pages: int, r: float) -> int:
             opts = dataclasses.replace(base, hicache_ratio=r)
             return account(la.layout, args.page_size, opts, la.faults)["totals"]["host_bytes"]
 
-        fit = fitting_ratio(host_bytes, ram_budget(mem), report["stages"][0]["swa_device_pages"], ratio)
+        fit = fitting_ratio(host_bytes, ram_budget(mem), report["stages"][0]["swa_device_pages"],
+                            report["sizing"]["hicache_ratio"])
         out["advice"] = (f"lower --hicache-ratio to {fit:g}" if fit is not None
                          else "no --hicache-ratio fits this host")
     return out

@@ -9,7 +9,7 @@ sized by the global layer count, indexed with local ids by the host stack).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
@@ -47,7 +47,6 @@ class StageLayerMap:
     start: int
     end: int
     layers: tuple[LayerEntry, ...]
-    model_num_layers: int = field(default=0, compare=False)
 
     @property
     def local_layers(self) -> int:
@@ -62,29 +61,13 @@ class StageLayerMap:
 
     # -- maps (local -> index in a pool) ---------------------------------------------------
     @cached_property
-    def swa_map(self) -> dict[int, int]:
-        """SWA is per layer: local id -> local id (stage-local by construction)."""
-        return self.pool_map("swa")
-
-    @cached_property
-    def c4_map(self) -> dict[int, int]:
-        return self.pool_map("c4")
-
-    @cached_property
-    def c128_map(self) -> dict[int, int]:
-        return self.pool_map("c128")
-
-    @cached_property
-    def c4_state_map(self) -> dict[int, int]:
-        return self.pool_map("c4_state")
-
-    @cached_property
     def _pool_maps(self) -> dict[str, dict[int, int]]:
         return {k.name: {e.local: k.index_of(e) for e in self.layers if k.owns(e.compress_ratio)}
                 for k in KINDS.values()}
 
     def pool_map(self, pool: str) -> dict[int, int]:
-        """local layer id -> buffer index in ``pool``, for the layers that have one."""
+        """local layer id -> buffer index in ``pool``, for the layers that have one (``swa``:
+        every layer, local id -> local id; ``c4``/``c128``: the stage's layers of that ratio)."""
         return self._pool_maps[kind(pool).name]
 
     def pool_layers(self, pool: str) -> tuple[LayerEntry, ...]:
@@ -146,17 +129,21 @@ def build_stage_map(spec: ModelSpec, stage: int, start: int, end: int) -> StageL
             if ratio == 4:
                 c4_state_id = compress_id
         entries.append(LayerEntry(local, global_id, ratio, compress_id, c4_state_id))
-    return StageLayerMap(stage, start, end, tuple(entries), model_num_layers=spec.num_layers)
+    return StageLayerMap(stage, start, end, tuple(entries))
 
 
 @dataclass(frozen=True)
 class ModelLayout:
-    """The whole PP layout: spec, sizes and every stage's map, computed once."""
+    """The whole PP layout: spec, TP size and every stage's map, computed once."""
 
     spec: ModelSpec
-    pp_size: int
     tp_size: int
-    stages: tuple[StageLayerMap, ...]
+    stages: tuple[StageLayerMap, ...]  # one per PP rank, in rank order
+
+    @property
+    def pp_size(self) -> int:
+        """One stage map per PP rank, so the PP size is never a second, separate number."""
+        return len(self.stages)
 
     @property
     def slices(self) -> tuple[StageSlice, ...]:
@@ -171,4 +158,4 @@ def build_layout(
         raise ConfigError(f"--tp-size must be >= 1, got {tp_size}")
     slices = partition_layers(spec.num_layers, pp_size, partition)
     stages = tuple(build_stage_map(spec, s.stage, s.start, s.end) for s in slices)
-    return ModelLayout(spec, pp_size, tp_size, stages)
+    return ModelLayout(spec, tp_size, stages)

@@ -20,6 +20,7 @@ a few microseconds; a wait that short reads as about zero (and never below 0).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 #: Seconds between references (how long one clock pairing is trusted).
@@ -48,9 +49,13 @@ class EventClock:
         return self._event, self._host
 
 
-def host_time(reference: tuple[Any, float], event: Any) -> float:
-    """``event``'s time on the host clock (``perf_counter`` seconds); both events must be done."""
+def host_time(reference: tuple[Any, float], event: Any,
+              elapsed_ms: Callable[[Any, Any], float] | None = None) -> float:
+    """``event``'s time on the host clock (``perf_counter`` seconds); both events must be done.
+
+    ``elapsed_ms(a, b)`` measures between events (default: torch's ``elapsed_time``).
+    """
     ref, host = reference
     if not ref.query():  # recorded on an idle stream before ``event``: done but for a few us
         ref.synchronize()
-    return host + ref.elapsed_time(event) / 1e3
+    return host + (elapsed_ms(ref, event) if elapsed_ms else ref.elapsed_time(event)) / 1e3

@@ -114,9 +114,10 @@ class TransferResult:
 
     def _finish(self) -> None:
         if self.seconds is None and self._end is not None:
-            self.seconds = self._start.elapsed_time(self._end) / 1e3
+            elapsed = self._engine.elapsed_ms
+            self.seconds = elapsed(self._start, self._end) / 1e3
             if self._reference is not None:
-                self.queue_seconds = max(0.0, host_time(self._reference, self._start) - self.called)
+                self.queue_seconds = max(0.0, host_time(self._reference, self._start, elapsed) - self.called)
             self._engine.recycle(self._start, self._end)
         stats, self._stats = self._stats, None
         if stats is not None:
@@ -233,17 +234,20 @@ class TransferController:
     # -- engine -----------------------------------------------------------------------------
     def _move(self, direction: str, ids: PageIds, plan: Plan, steps: list[Plan], blocking: bool,
               called: float, per_layer: bool = False) -> TransferResult:
-        """Run ``steps`` (the plan, or one plan per layer) on the engine; one result for all."""
-        result = TransferResult(direction, ids, plan, self.path, called)
-        result._stats = self.stats
-        if self._pending:
-            self.poll()
+        """Run ``steps`` (the plan, or one plan per layer) on the engine; one result for all.
+
+        On CUDA the copy is queued first and the bookkeeping (the result, finishing earlier
+        transfers) follows while it runs: host work before the launch delays the copy itself.
+        """
         steps = [s for s in steps if s.buffers]
         if not ids.count or not steps:
-            result.seconds = 0.0
+            result = TransferResult(direction, ids, plan, self.path, called)
+            result._stats, result.seconds = self.stats, 0.0
             result._finish()
             return result
         if not self._async:
+            result = TransferResult(direction, ids, plan, self.path, called)
+            result._stats = self.stats
             with self._copy_lock:  # a copy in progress on another thread: this call queues here
                 t0 = time.perf_counter()
                 for step in steps:
@@ -252,12 +256,16 @@ class TransferController:
             result.seconds, result.queue_seconds = t1 - t0, t0 - called
             result._finish()
             return result
-        if self._clock is not None:
-            result._reference = self._clock.reference(called)
-        result._start, result._end, events = self.engine.submit(direction == "d2h", steps, ids, per_layer)
-        result._engine = self.engine
+        # the clock's reference precedes the start event (a new one is due at most twice a second)
+        reference = self._clock.reference(called) if self._clock is not None else None
+        start, end, events = self.engine.submit(direction == "d2h", steps, ids, per_layer)
+        result = TransferResult(direction, ids, plan, self.path, called)
+        result._stats, result._engine, result._start, result._end = self.stats, self.engine, start, end
+        result._reference = reference
         if per_layer:
             result._layer_events = {s.layers[0]: e for s, e in zip(steps, events, strict=True)}
+        if self._pending:
+            self.poll()
         if blocking:
             return result.synchronize()
         self._pending.append(result)

@@ -44,6 +44,8 @@ except ImportError:  # pragma: no cover - triton is a test/gpu dependency
 
 #: Bytes per work item (one chunk of one page of one buffer).
 CHUNK_BYTES = 8192
+#: Bytes per work item of small moves, which would not give every warp of the grid an item.
+FINE_CHUNK_BYTES = 1024
 #: Warps per program (each warp-step moves 32 consecutive words).
 NUM_WARPS = 1
 #: Programs per SM of the persistent grid (enough loads/stores in flight to cover PCIe latency).
@@ -63,6 +65,7 @@ if HAVE_TRITON:
         chunks,  # C
         STEP: tl.constexpr,  # words per warp-step: 32 x warps
         D2H: tl.constexpr,
+        LINE: tl.constexpr,  # words per 128-byte line of host memory (1: no alignment)
     ):
         ids = anchor64 + ids_off
         n = tl.load(ids)
@@ -70,27 +73,48 @@ if HAVE_TRITON:
         lanes = tl.arange(0, STEP)
         step = tl.num_programs(0)
         item = tl.program_id(0).to(tl.int64)
+        # the addresses of a program's next item are loaded while it copies the current one, so
+        # the latency of the table and id loads is paid once per program, not once per item
+        live = item < total
+        slot = item // chunks
+        row = table + (item - slot * chunks) * 5
+        dev = tl.load(row, mask=live, other=0) + tl.load(ids + 1 + slot, mask=live, other=0) * tl.load(
+            row + 2, mask=live, other=0)
+        host = tl.load(row + 1, mask=live, other=0) + tl.load(ids + 1 + n + slot, mask=live, other=0) * tl.load(
+            row + 3, mask=live, other=0)
+        size = tl.load(row + 4, mask=live, other=0)
         # while loops, not range(): loop bounds loaded from memory are 1-element arrays in
         # some Triton interpreters, which range() refuses
         while item < total:
-            slot = item // chunks
-            row = table + (item - slot * chunks) * 5
-            dev = tl.load(row) + tl.load(ids + 1 + slot) * tl.load(row + 2)
-            host = tl.load(row + 1) + tl.load(ids + 1 + n + slot) * tl.load(row + 3)
+            nxt = item + step
+            more = nxt < total
+            nslot = nxt // chunks
+            nrow = table + (nxt - nslot * chunks) * 5
+            ndev = tl.load(nrow, mask=more, other=0) + tl.load(ids + 1 + nslot, mask=more, other=0) * tl.load(
+                nrow + 2, mask=more, other=0)
+            nhost = tl.load(nrow + 1, mask=more, other=0) + tl.load(
+                ids + 1 + n + nslot, mask=more, other=0) * tl.load(nrow + 3, mask=more, other=0)
+            nsize = tl.load(nrow + 4, mask=more, other=0)
             if D2H:
                 src = dev
                 dst = host
             else:
                 src = host
                 dst = dev
-            size = tl.load(row + 4)
-            w = 0
+            # steps start on a 128-byte line of the host side, so every PCIe request of a step
+            # covers whole lines but at the chunk's two ends (the anchor is line-aligned)
+            shift = host % LINE  # host offsets may be negative (host memory below the anchor)
+            w = -tl.where(shift < 0, shift + LINE, shift)
             while w < size:
-                mask = w + lanes < size
-                vals = tl.load(anchor + src + w + lanes, mask=mask, cache_modifier=".cg")
-                tl.store(anchor + dst + w + lanes, vals, mask=mask, cache_modifier=".cs")
+                pos = w + lanes
+                mask = (pos >= 0) & (pos < size)
+                vals = tl.load(anchor + src + pos, mask=mask, cache_modifier=".cg")
+                tl.store(anchor + dst + pos, vals, mask=mask, cache_modifier=".cs")
                 w += STEP
-            item += step
+            item = nxt
+            dev = ndev
+            host = nhost
+            size = nsize
 
 
 @dataclass(frozen=True)
@@ -146,7 +170,7 @@ def chunk_table(spans: Sequence[BufferSpan], anchor_addr: int, chunk_bytes: int 
 
 
 def launch_stage_copy(anchor, anchor64, table, ids_off: int, geometry: ChunkTable, d2h: bool, programs: int,
-                      num_warps: int = NUM_WARPS) -> None:
+                      num_warps: int = NUM_WARPS, align: bool = True) -> None:
     """Queue the one launch of a stage move on the current stream (no host sync, no allocation).
 
     ``anchor`` is a tensor whose dtype has ``geometry.word`` bytes and whose address the
@@ -157,5 +181,6 @@ def launch_stage_copy(anchor, anchor64, table, ids_off: int, geometry: ChunkTabl
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed; the Triton transfer engine is unavailable")
     _stage_copy_kernel[(max(1, programs),)](
-        anchor, anchor64, table, ids_off, geometry.chunks, STEP=32 * num_warps, D2H=d2h, num_warps=num_warps,
+        anchor, anchor64, table, ids_off, geometry.chunks, STEP=32 * num_warps, D2H=d2h,
+        LINE=128 // geometry.word if align else 1, num_warps=num_warps,
     )

@@ -20,12 +20,16 @@ from .faults import Fault, parse_faults
 
 @dataclass(frozen=True)
 class LayoutArgs:
-    """A validated model spec, its PP layout, the page size and the planted faults."""
+    """A validated PP layout (with its model spec), the page size and the planted faults."""
 
-    spec: ModelSpec
     layout: ModelLayout
     page_size: int
     faults: tuple[Fault, ...]
+
+    @property
+    def spec(self) -> ModelSpec:
+        """The layout's spec (kept once, in the layout)."""
+        return self.layout.spec
 
 
 def resolve_layout(
@@ -40,4 +44,4 @@ def resolve_layout(
     spec = load_spec(model)
     page = check_page_size(spec, page_size)
     layout = build_layout(spec, pp_size, tp_size, parse_partition(pp_partition))
-    return LayoutArgs(spec, layout, page, parse_faults(faults, pp_size))
+    return LayoutArgs(layout, page, parse_faults(faults, pp_size))

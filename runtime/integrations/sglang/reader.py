@@ -144,7 +144,7 @@ def stage_map_from_pool(kvcache: Any, stage: int, num_layers: int) -> tuple[Stag
         c4_state_id = c4_seen if ratio == 4 else None
         c4_seen += ratio == 4
         entries.append(LayerEntry(local, global_id, ratio, cid if ratio in (4, 128) else None, c4_state_id))
-    return StageLayerMap(stage, start, end, tuple(entries), model_num_layers=num_layers), errors
+    return StageLayerMap(stage, start, end, tuple(entries)), errors
 
 
 def _buffers(pool: Any, attr: str) -> list | None:
@@ -287,7 +287,7 @@ def inspect_pools(
     cross = partition_findings(n, pp_size)
     by_stage = {v.stage_map.stage: v for v in views}
     if sorted(by_stage) == list(range(pp_size)) and len(views) == pp_size:
-        layout = ModelLayout(spec, pp_size, tp_size, tuple(by_stage[i].stage_map for i in range(pp_size)))
+        layout = ModelLayout(spec, tp_size, tuple(by_stage[i].stage_map for i in range(pp_size)))
         report = build_report(layout, [by_stage[i].inventory for i in range(pp_size)], page)
         stages = tuple(
             StageReport(r.stage_map, r.buffers, r.expected, r.errors + by_stage[r.stage_map.stage].findings)
