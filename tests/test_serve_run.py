@@ -110,12 +110,12 @@ def _insight_of_a_clean_run(smp: dict[str, list]) -> None:
     """Stage agreement and miss reasons of a clean run: every request compared, no stage ever
     disagrees, and per stage and tier the reasons sum exactly to the misses."""
     for st in ("0", "1", "2", "3"):
-        assert all(value(smp, "stagecache_stage_disagreements_total", pp_rank=st, kind=k) == 0
+        assert all(sample_value(smp, "stagecache_stage_disagreements_total", pp_rank=st, kind=k) == 0
                    for k in KIND_NAMES)
-        assert value(smp, "stagecache_stage_compared_requests_total", pp_rank=st) == 40
-        hits = {t: value(smp, "stagecache_prefix_hit_tokens_total", pp_rank=st, tier=t) for t in ("device", "host")}
-        misses = value(smp, "stagecache_prefix_lookup_tokens_total", pp_rank=st) - sum(hits.values())
-        reasons = {t: {r: value(smp, "stagecache_prefix_miss_tokens_total", pp_rank=st, tier=t, reason=r)
+        assert sample_value(smp, "stagecache_stage_compared_requests_total", pp_rank=st) == 40
+        hits = {t: sample_value(smp, "stagecache_prefix_hit_tokens_total", pp_rank=st, tier=t) for t in ("device", "host")}
+        misses = sample_value(smp, "stagecache_prefix_lookup_tokens_total", pp_rank=st) - sum(hits.values())
+        reasons = {t: {r: sample_value(smp, "stagecache_prefix_miss_tokens_total", pp_rank=st, tier=t, reason=r)
                        for r in MISS_REASONS} for t in ("device", "host")}
         assert sum(reasons["host"].values()) == misses > 0
         assert sum(reasons["device"].values()) == misses + hits["host"]
@@ -123,9 +123,9 @@ def _insight_of_a_clean_run(smp: dict[str, list]) -> None:
         assert reasons["host"]["stage_disagreement"] == 0 and reasons["host"]["never_seen"] > 0
         # lifetimes: device pages were evicted, and both tiers were hit again
         for name in ("lifetime", "idle"):
-            assert value(smp, f"stagecache_cache_entry_{name}_seconds_count", pp_rank=st, tier="device") > 0
+            assert sample_value(smp, f"stagecache_cache_entry_{name}_seconds_count", pp_rank=st, tier="device") > 0
         for tier in ("device", "host"):
-            assert value(smp, "stagecache_cache_entry_reuse_gap_seconds_count", pp_rank=st, tier=tier) > 0
+            assert sample_value(smp, "stagecache_cache_entry_reuse_gap_seconds_count", pp_rank=st, tier=tier) > 0
 
 
 def test_serve_global_swa_refuses_and_startupz_shows_errors(tmp_path, free_port):

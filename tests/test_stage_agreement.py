@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
+from metric_samples import series_by_name
 from serve_helpers import SMALL, run_phase, start, stop, wait_for
 from stagecache.runtime.model.layer_map import build_layout
 from stagecache.runtime.model.spec import load_spec
@@ -101,10 +101,6 @@ def test_readyz_fails_above_the_threshold_naming_the_count_and_the_limit():
 
 
 # -- a real serve with one skewed stage ------------------------------------------------------------
-def _samples(text: str, name: str) -> list:
-    return [s for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name]
-
-
 def _get(url: str) -> httpx.Response | None:
     try:
         return httpx.get(url, timeout=5)
@@ -138,7 +134,7 @@ def test_a_skewed_stage_is_counted_alerted_and_makes_the_run_not_ready(tmp_path:
                              "--max-disagreements 0 (by stage and kind: {2: {"), reason
     # only stage 2 disagrees, and it does on matched prefixes
     counts = {(s.labels["pp_rank"], s.labels["kind"]): s.value
-              for s in _samples(metrics, "stagecache_stage_disagreements_total")}
+              for s in series_by_name(metrics)["stagecache_stage_disagreements_total"]}
     assert set(counts) == {(str(k), kind) for k in range(4) for kind in KIND_NAMES}
     assert counts["2", "matched_prefix"] > 0
     assert all(v == 0 for (st, _), v in counts.items() if st != "2")
