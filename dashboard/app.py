@@ -28,7 +28,7 @@ from stagecache.exporters.snapshot import SnapshotSource
 from stagecache.runtime.model.pool_kinds import KINDS
 from stagecache.runtime.serve.liveness import liveness_of
 
-from . import figures, live_figures, occupancy_figures
+from . import figures, insight_figures, live_figures, occupancy_figures
 from .caching import same_state, source_state
 from .models import (
     ErrorMessage,
@@ -89,8 +89,9 @@ def page_context(reader: Reader, title: str, window_s: float) -> dict[str, Any]:
     live = reader.stages()
     stage_ids = [s.stage for s in rep.stages] if rep else [s.stage for s in live]
     history = reader.history
-    figs = live_figures.live_figures(stage_ids, live, history.rates(window_s),
-                                     history.series(window_s), window_s)
+    series = history.series(window_s)
+    figs = live_figures.live_figures(stage_ids, live, history.rates(window_s), series, window_s)
+    figs["miss-reasons"] = insight_figures.miss_reasons_figure(stage_ids, series, window_s, bool(live))
     pools = stage_pools(rep.stages[0]) if rep and rep.stages else []
     liveness = liveness_of(reader.source, time.time())
     return {
@@ -106,6 +107,8 @@ def page_context(reader: Reader, title: str, window_s: float) -> dict[str, Any]:
         # host-tier status and pool occupancy (their own section; static/occupancy.js updates them)
         "occupancy_figure": figures.to_json_dict(occupancy_figures.occupancy_figure(stage_ids, live)),
         "host_tiers": occupancy_figures.host_tier_rows(stage_ids, live),
+        # stage agreement (static/insight.js updates it); the miss-reasons chart is in live_figures
+        "agreement": insight_figures.agreement_view(live, liveness.max_disagreements),
         "poll_ms": POLL_MS,
         "window_s": window_s,
         "n_bad_stages": sum(1 for s in rep.stages if not s.ok) if rep else 0,

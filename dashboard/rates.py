@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from itertools import pairwise
 
 from pydantic import BaseModel, Field
+from stagecache.runtime.cache.insight import MISS_REASONS
 from stagecache.runtime.serve.live import StageLive
 
 #: Counter name -> how to read it from a ``StageLive``.  Add a counter here to chart its rate.
@@ -39,6 +40,9 @@ COUNTERS: dict[str, Callable[[StageLive], float]] = {
     "h2d_transfers": lambda s: s.transfer_count.h2d,
     "d2h_queue_seconds": lambda s: s.transfer_split.queue_seconds.d2h,
     "h2d_queue_seconds": lambda s: s.transfer_split.queue_seconds.h2d,
+    # why prompt tokens missed the device tier, by reason (cache insight)
+    **{f"miss_{r}": (lambda s, r=r: s.insight.miss_tokens.get("device", {}).get(r, 0))
+       for r in MISS_REASONS},
 }
 NAMES = tuple(COUNTERS)
 
@@ -71,6 +75,9 @@ class StageRates(BaseModel):
     d2h_dma_s: float | None = Field(None, description="mean seconds of a transfer's copy, start to finish")
     h2d_queue_wait_s: float | None = None
     h2d_dma_s: float | None = None
+    miss_reasons: dict[str, float] | None = Field(
+        None, description="tokens/s that missed the device tier, by miss reason (found on host: "
+        "evicted_from_device)")
 
 
 def increase(values: Sequence[float]) -> float:
@@ -105,6 +112,7 @@ def rates_of(stage: int, times: Sequence[float], rows: Sequence[Sequence[float]]
         bubble_fraction=_ratio(inc["bubble_seconds"], inc["busy_seconds"] + inc["bubble_seconds"]),
         **{f"{d}_{part}": _ratio(inc[f"{d}_{counter}"], inc[f"{d}_transfers"])
            for d in ("d2h", "h2d") for part, counter in (("queue_wait_s", "queue_seconds"), ("dma_s", "seconds"))},
+        miss_reasons={r: per_s[f"miss_{r}"] for r in MISS_REASONS},
     )
 
 

@@ -20,12 +20,14 @@ Counters count since the stage started; any ratio or bandwidth is left to
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from stagecache.runtime.memory.host_tier import HOST_TIER_STATUSES
 from stagecache.runtime.serve.live import StageLive, TransferKind
+
+from .family import Family, Samples, cumulative_buckets, one, per
+from .insight_families import CACHE_INSIGHT_FAMILIES, INSIGHT_LABEL_VALUES, INSIGHT_LABELS
 
 #: Labels of every per-stage family, in this order (sglang's vocabulary).
 STAGE_LABELS: tuple[str, ...] = ("model_name", "pp_rank", "tp_rank")
@@ -57,43 +59,14 @@ LABELS: dict[str, str] = {
     "num_layers": "model layers over all stages",
     "stagecache_stage_phase": "a stage phase (state set): " + ", ".join(PHASES),
     "stagecache_host_tier_status": "a host-tier status (state set): " + ", ".join(HOST_TIER_STATUSES),
+    **INSIGHT_LABELS,
 }
 
 #: Closed value sets, checked by the tests for every exposed sample.
 LABEL_VALUES: dict[str, tuple[str, ...]] = {
     "tier": TIERS, "direction": DIRECTIONS, "operation": tuple(HICACHE_OPERATIONS.values()),
+    **INSIGHT_LABEL_VALUES,
 }
-
-Samples = Iterable[tuple[tuple[Any, ...], Any]]
-
-
-@dataclass(frozen=True)
-class Family:
-    """One metric family: exposed ``name`` (counters end in ``_total``, info in ``_info``).
-
-    ``labels`` are the family's own label names (after ``STAGE_LABELS`` for
-    per-stage tables); ``samples(input)`` yields ``(label values, value)``:
-    a number, ``(buckets, sum)`` for a histogram, ``{state: bool}`` for a
-    state set, and 1 for an info family (its labels are the information).
-    """
-
-    name: str
-    kind: str
-    help: str
-    labels: tuple[str, ...] = ()
-    samples: Callable[[Any], Samples] = field(default=lambda _: (), compare=False, repr=False)
-
-
-def one(fn: Callable[[Any], Any]) -> Callable[[Any], Samples]:
-    """A family with one series per input (no labels of its own)."""
-    return lambda x: [((), fn(x))]
-
-
-def per(values: Iterable[str], fn: Callable[[Any, str], Any]) -> Callable[[Any], Samples]:
-    """One series per label value."""
-    values = tuple(values)
-    return lambda x: [((v,), fn(x, v)) for v in values]
-
 
 def _n(value: Any) -> float:
     return float(value) if isinstance(value, (int, float)) else 0.0
@@ -172,16 +145,6 @@ def _transfer_kinds(s: StageLive, direction: str) -> dict[str, TransferKind]:
         dma_seconds=getattr(s.transfer_seconds, direction))}
 
 
-def _kind_buckets(le: list[float], counts: list[int], total: int) -> list[tuple[str, float]]:
-    """Cumulative ``(le, count)`` buckets; only +Inf when none were reported."""
-    buckets: list[tuple[str, float]] = []
-    if counts and len(counts) == len(le) + 1:
-        buckets = [(repr(float(b)), c) for b, c in zip(le, counts[:-1], strict=True)]
-        total = counts[-1]
-    buckets.append(("+Inf", total))
-    return buckets
-
-
 def _per_kind(fn: Callable[[StageLive, TransferKind], Any]) -> Callable[[StageLive], Samples]:
     return lambda s: [((d, pool), fn(s, k)) for d in DIRECTIONS
                       for pool, k in sorted(_transfer_kinds(s, d).items())]
@@ -198,13 +161,13 @@ TRANSFER_FAMILIES: tuple[Family, ...] = (
            "Seconds from a transfer's call until its copy started on the stream (CUDA events on GPU, "
            "host clock on CPU); every pool kind the transfer moved observes the whole wait",
            ("direction", "pool"),
-           _per_kind(lambda s, k: (_kind_buckets(s.transfer_split.le, k.queue_buckets, k.moves),
+           _per_kind(lambda s, k: (cumulative_buckets(s.transfer_split.le, k.queue_buckets, k.moves),
                                    k.queue_seconds))),
     Family("stagecache_transfer_dma_seconds", "histogram",
            "Copy time of a transfer, start to finish (CUDA events on GPU, host clock on CPU), split over "
            "the pool kinds it moved by bytes: rate(bytes_total) / rate(_sum) is the copy bandwidth",
            ("direction", "pool"),
-           _per_kind(lambda s, k: (_kind_buckets(s.transfer_split.le, k.dma_buckets, k.moves),
+           _per_kind(lambda s, k: (cumulative_buckets(s.transfer_split.le, k.dma_buckets, k.moves),
                                    k.dma_seconds))),
 )
 
@@ -330,7 +293,8 @@ POOL_OCCUPANCY_FAMILIES: tuple[Family, ...] = (
            ("pool", "tier"), _occupancy("any", lambda o: o.peak / o.capacity if o.capacity else 0.0)),
 )
 
-LIVE_FAMILIES += HOST_TIER_FAMILIES + POOL_OCCUPANCY_FAMILIES
+
+LIVE_FAMILIES += HOST_TIER_FAMILIES + POOL_OCCUPANCY_FAMILIES + CACHE_INSIGHT_FAMILIES
 
 #: One stage's liveness, ``(StageHealth, Liveness)`` of ``serve.liveness``: /readyz's verdict.
 LIVENESS_FAMILIES: tuple[Family, ...] = (

@@ -76,6 +76,8 @@ class ScriptedRun:
         d["timeline"] = [ev for i in range(max(0, int(10 * e) - 20), int(10 * e))
                          for ev in self._events(s, i)]
         d["host_tier"], d["pool_occupancy"] = host_tier(s), occupancy(s, self.device_used)
+        d["insight"]["miss_tokens"] = miss_tokens(s, d["cache_tokens"])
+        d["agreement"] = agreement(s, e, self._t0)
         return d
 
     def _events(self, s: int, i: int) -> list[dict]:
@@ -131,3 +133,26 @@ def occupancy(s: int, device_used: int) -> list[dict]:
             rows.append({"pool": pool, "tier": "host", "unit": "page", "used": 8 * (s + 1),
                          "capacity": HOST_PAGES, "peak": 8 * (s + 1)})
     return rows
+
+
+# -- cache insight and stage agreement -----------------------------------------------------------
+#: stage 2 drifts: it disagrees on the matched prefix of every 4th request (one per second)
+SKEWED_STAGE = 2
+
+
+def miss_tokens(s: int, tokens: dict) -> dict:
+    """Device-tier misses by reason: host hits were evicted from device, a quarter of the rest is
+    the partial-page tail, the skewed stage books another quarter as stage_disagreement."""
+    miss = tokens["miss"]
+    tail = miss // 4
+    skew = miss // 4 if s == SKEWED_STAGE else 0
+    host = {"never_seen": miss - tail - skew, "partial_page_tail": tail, "stage_disagreement": skew}
+    return {"host": host, "device": {**host, "evicted_from_device": tokens["host"]}}
+
+
+def agreement(s: int, e: float, t0: float) -> dict:
+    n = int(e)  # disagreements so far: one a second
+    recent = [{"time": t0 + i, "micro_batch": 2 * i, "request": f"session-{i}/1", "kind": "matched_prefix",
+               "stages": [SKEWED_STAGE], "agreed": 3, "values": [3, 3, 2, 3]} for i in range(n)]
+    return {"disagreements": {"matched_prefix": n if s == SKEWED_STAGE else 0},
+            "compared_requests": 4 * n, "recent": recent[-50:] if s == 0 else []}

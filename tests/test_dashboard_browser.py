@@ -26,7 +26,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-from dashboard_sources import MODEL, PP, RATIO, LateReportSource, ScriptedRun, expected_report
+from dashboard_sources import (
+    MODEL,
+    PP,
+    RATIO,
+    SKEWED_STAGE,
+    LateReportSource,
+    ScriptedRun,
+    expected_report,
+)
 
 CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if os.path.exists("/usr/bin/chromium") else None)
 DOCS_IMG = Path(__file__).resolve().parent.parent / "docs" / "img"
@@ -35,7 +43,7 @@ CHROME_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                 "--window-size=1400,1000",
                 # offline: every name but the loopback fails to resolve, so a CDN can never load
                 "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1")
-N_LIVE_CHARTS = 6  # hit rate, tokens, transfer, bubble, transfer split, timeline
+N_LIVE_CHARTS = 7  # hit rate, tokens, transfer, bubble, transfer split, timeline, miss reasons
 
 pytestmark = [
     pytest.mark.browser,
@@ -380,3 +388,37 @@ def test_host_tier_table_and_occupancy_heatmap_follow_the_stages(driver, free_po
               what="the heatmap to follow the stages' pages")
         assert severe_console_messages(driver) == []
         screenshot(driver, "dashboard-host-tier.png", tmp_path)
+
+
+def test_stage_agreement_panel_and_miss_reasons_follow_the_stages(driver, free_port, tmp_path):
+    """The disagreement count and the recent disagreements (request, stages, values) refill from
+    every poll; the miss-reasons chart stacks each stage's device misses by reason over time."""
+    from selenium.webdriver.common.by import By
+    from stagecache.dashboard.server import dashboard_in_thread
+
+    source = ScriptedRun()
+    with dashboard_in_thread(source, port=free_port) as url:
+        _go_running(driver, source, url + "/?window=3")
+        _wait(lambda: int(driver.find_element(By.ID, "agreement-total").text) >= 3, timeout=20,
+              what="three disagreements counted")
+        assert _js(driver, "window.stagecacheInsight.updates") >= 1
+        assert driver.find_element(By.ID, "stage-agreement").get_attribute("class") == "warn"
+        kinds = driver.find_elements(By.CSS_SELECTOR, "#agreement-kinds td.agreement-kind.bad")
+        assert {c.find_element(By.XPATH, "..").get_attribute("data-stage") for c in kinds} == {str(SKEWED_STAGE)}
+        rows = _js(driver, "Array.from(document.querySelectorAll('#agreement-table tr.disagreement'))"
+                           ".map(tr => Array.from(tr.cells).map(td => td.textContent))")  # one snapshot
+        assert len(rows) >= 3 and rows[0][2:] == [f"session-{len(rows) - 1}/1", "matched_prefix",
+                                                   str(SKEWED_STAGE), "3", "3 / 3 / 2 / 3"]
+        assert driver.find_element(By.ID, "agreement-none").get_attribute("hidden")
+        chart = "document.getElementById('chart-miss-reasons').data"
+        _wait(lambda: _js(driver, f"{chart}.every(t => t.y.filter(v => v !== null).length >= 3)"),
+              timeout=20, what="three points on every stage's reasons")
+        last = _js(driver, f"Object.fromEntries({chart}.map(t => [t.meta.stage + ' ' + t.meta.key,"
+                           " t.y[t.y.length - 1]]))")
+        for s in range(PP):  # 1000 lookups/s per stage: the stack is the device misses
+            stack = sum(v for k, v in last.items() if k.startswith(f"{s} "))
+            assert stack == pytest.approx(1000, rel=0.05), (s, last)
+            assert last[f"{s} miss_reasons.evicted_from_device"] == pytest.approx(1000 * RATIO[s], rel=0.05)
+            assert (last[f"{s} miss_reasons.stage_disagreement"] > 0) == (s == SKEWED_STAGE)
+        assert severe_console_messages(driver) == []
+        screenshot(driver, "dashboard-insight.png", tmp_path)

@@ -172,6 +172,11 @@ def test_dashboard_shows_every_required_view() -> None:
     for metric in ("stagecache_host_tier_status", "stagecache_host_memory_available_bytes",
                    "stagecache_pool_usage_ratio", "stagecache_pool_used_bytes"):  # host tier, occupancy
         assert metric in exprs, f"no dashboard panel queries {metric}"
+    for metric in ("stagecache_stage_disagreements_total", "stagecache_prefix_miss_tokens_total",
+                   "stagecache_cache_entry_lifetime_seconds_bucket",
+                   "stagecache_cache_entry_idle_seconds_bucket",
+                   "stagecache_cache_entry_reuse_gap_seconds_bucket"):  # cache insight
+        assert metric in exprs, f"no dashboard panel queries {metric}"
     legends = " ".join(t.get("legendFormat", "") for p in panels(dashboard()) for t in p.get("targets", []))
     assert "{{direction}}" in legends and "{{tier}}" in legends and "{{pp_rank}}" in legends
     assert "{{stage}}" not in legends and "$stage" not in exprs  # sglang's label names only

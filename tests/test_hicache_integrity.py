@@ -77,6 +77,38 @@ def test_bench_command_json(capsys, tmp_path):
     for row in out["per_stage"]["hicache"]:
         assert row["device_hit_tokens"] + row["host_hit_tokens"] + row["miss_tokens"] == \
             out["trace"]["input_tokens"]
+        # miss reasons: per tier they sum exactly to the misses (host: computed; device: + host hits)
+        reasons = row["insight"]["miss_tokens"]
+        assert sum(reasons["host"].values()) == row["miss_tokens"]
+        assert sum(reasons["device"].values()) == row["miss_tokens"] + row["host_hit_tokens"]
+        assert reasons["host"]["never_seen"] > 0 and reasons["host"]["stage_disagreement"] == 0
+        assert row["insight"]["histograms"]["device"]["lifetime"]["counts"][-1] > 0
+    # what the insight costs the replay, measured in the same run (the figure: the bench, not here)
+    ov, stage0 = out["insight_overhead"], out["per_stage"]["hicache"][0]
+    assert ov["insight_seconds"] == stage0["insight"]["own_seconds"] > 0
+    assert ov["calls"] == stage0["insight"]["timed_calls"] >= 80  # a lookup per request at least
+    assert ov["replay_seconds"] == stage0["replay"]["seconds"] and ov["budget_percent"] == 1.0
+    assert ov["overhead_percent"] == pytest.approx(
+        100 * ov["insight_seconds"] / (ov["replay_seconds"] - ov["insight_seconds"]), abs=0.01)
+    pair = ov["paired"]
+    assert pair["repeats"] == 31 and pair["replay_seconds"] == stage0["replay"]["cpu_seconds"]
+    assert pair["metadata_on_seconds"] > 0 and pair["metadata_off_seconds"] > 0
+    assert pair["overhead_percent"] == pytest.approx(
+        100 * pair["insight_seconds"] / (pair["replay_seconds"] - pair["insight_seconds"]), abs=0.01)
+
+
+def test_bench_without_insight_keeps_none_and_refuses_to_measure_it(capsys):
+    argv = ["bench", "hicache", "--requests", "30", "--pp-size", "1", "--page-size", "128",
+            "--metadata-only", "--no-insight", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["insight_overhead"] is None and "insight" not in out["per_stage"]["hicache"][0]
+    assert main([*argv[:-2], "--insight-overhead", "0", "--json"]) == 0  # insight on, no pairs
+    ov = json.loads(capsys.readouterr().out)["insight_overhead"]
+    assert ov["paired"] is None and ov["insight_seconds"] > 0
+    assert main([*argv, "--insight-overhead", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--insight-overhead compares runs with and without the insight" in err and err.count("\n") == 1
 
 
 def test_bench_refuses_a_malformed_trace_before_replay(capsys, tmp_path):

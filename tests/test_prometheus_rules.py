@@ -66,6 +66,9 @@ def test_alert_rules_have_the_required_alerts() -> None:
     assert "avg_over_time" in alerts["StagecacheHostHitRatioCollapse"]["expr"]
     assert "[30m]" in alerts["StagecacheHostHitRatioCollapse"]["expr"]
     assert "ceiling" in alerts["StagecacheTransferBandwidthLow"]["expr"]
+    # stage agreement: any disagreement is critical (the stages' KV cannot be trusted)
+    assert "stagecache_stage_disagreements_total" in alerts["StagecacheStageDisagreement"]["expr"]
+    assert alerts["StagecacheStageDisagreement"]["labels"]["severity"] == "critical"
     for name, rule in alerts.items():
         assert rule["labels"]["severity"] in ("critical", "warning"), name
         assert rule["annotations"]["summary"], name
@@ -101,6 +104,8 @@ def test_every_alert_has_a_firing_and_a_silent_case() -> None:
          "StagecacheBufferCountMismatch"),
         ("< 0.5 * avg_over_time", "< 0.01 * avg_over_time", "StagecacheHostHitRatioCollapse"),
         ("vector(55e9)", "vector(15e9)", "StagecacheTransferBandwidthLow"),
+        ("increase(stagecache_stage_disagreements_total[5m]) > 0",
+         "increase(stagecache_stage_disagreements_total[5m]) > 10", "StagecacheStageDisagreement"),
     ],
 )
 def test_alert_unit_tests_catch_a_broken_threshold(tmp_path: Path, original: str, mutant: str,

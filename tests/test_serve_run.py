@@ -20,6 +20,8 @@ import pytest
 from metric_samples import sample_value, series_by_name
 from serve_helpers import SMALL, alive, read_json, run_phase, stage_pids, start, stop, wait_for
 from stagecache.exporters.metrics import METRIC_NAMES
+from stagecache.runtime.cache.insight import MISS_REASONS
+from stagecache.runtime.serve.agreement import KIND_NAMES
 
 
 def _check_stage_series(smp: dict[str, list], st: str) -> None:
@@ -89,6 +91,7 @@ def test_serve_pp4_metrics_match_the_run(tmp_path, free_port):
                    if s.labels["pp_rank"] == st and s.labels["direction"] == "d2h")
 
     assert moved("0") != moved("3")
+    _insight_of_a_clean_run(smp)
     # the dashboard's view of the same run: done, not live, and each stage's pipeline timeline
     assert live["run"]["phase"] == "done" and live["run"]["live"] is False
     kinds = {st["stage"]: {e["kind"] for e in st["timeline"]} for st in live["stages"]}
@@ -101,6 +104,28 @@ def test_serve_pp4_metrics_match_the_run(tmp_path, free_port):
     snap = read_json(run_dir / "snapshot.json")
     assert snap["startup"]["ok"] is True and set(snap["stages"]) == {"0", "1", "2", "3"}
     assert len(pids) == 4 and not any(alive(p) for p in pids)
+
+
+def _insight_of_a_clean_run(smp: dict[str, list]) -> None:
+    """Stage agreement and miss reasons of a clean run: every request compared, no stage ever
+    disagrees, and per stage and tier the reasons sum exactly to the misses."""
+    for st in ("0", "1", "2", "3"):
+        assert all(sample_value(smp, "stagecache_stage_disagreements_total", pp_rank=st, kind=k) == 0
+                   for k in KIND_NAMES)
+        assert sample_value(smp, "stagecache_stage_compared_requests_total", pp_rank=st) == 40
+        hits = {t: sample_value(smp, "stagecache_prefix_hit_tokens_total", pp_rank=st, tier=t) for t in ("device", "host")}
+        misses = sample_value(smp, "stagecache_prefix_lookup_tokens_total", pp_rank=st) - sum(hits.values())
+        reasons = {t: {r: sample_value(smp, "stagecache_prefix_miss_tokens_total", pp_rank=st, tier=t, reason=r)
+                       for r in MISS_REASONS} for t in ("device", "host")}
+        assert sum(reasons["host"].values()) == misses > 0
+        assert sum(reasons["device"].values()) == misses + hits["host"]
+        assert reasons["device"]["evicted_from_device"] == hits["host"] > 0
+        assert reasons["host"]["stage_disagreement"] == 0 and reasons["host"]["never_seen"] > 0
+        # lifetimes: device pages were evicted, and both tiers were hit again
+        for name in ("lifetime", "idle"):
+            assert sample_value(smp, f"stagecache_cache_entry_{name}_seconds_count", pp_rank=st, tier="device") > 0
+        for tier in ("device", "host"):
+            assert sample_value(smp, "stagecache_cache_entry_reuse_gap_seconds_count", pp_rank=st, tier=tier) > 0
 
 
 def test_serve_global_swa_refuses_and_startupz_shows_errors(tmp_path, free_port):

@@ -9,7 +9,7 @@
   var windowS = Number(body.dataset.windowS) || 10;
   var pageStatus = body.dataset.status;
   var MAX_POINTS = 600; // 10 min of history at 1 s
-  var RATE_CHARTS = ["chart-hit-rate", "chart-transfer", "chart-bubble"];
+  var RATE_CHARTS = ["chart-hit-rate", "chart-transfer", "chart-bubble", "chart-miss-reasons"];
   var plotConfig = { displaylogo: false, displayModeBar: false, responsive: true };
   var state = { polls: 0, failures: 0, phase: body.dataset.phase, lastSummary: null, cleared: false };
   window.stagecacheDashboard = state; // read by the browser test and handy in devtools
@@ -33,6 +33,10 @@
     return gd && gd.data ? gd : null;
   }
 
+  function pick(r, key) { // a StageRates field, or a dotted path into one (miss_reasons.never_seen)
+    return key.split(".").reduce(function (v, k) { return v === null || v === undefined ? null : v[k]; }, r);
+  }
+
   function extendRates(id, byStage, t) {
     var gd = chart(id);
     if (!gd) return;
@@ -40,7 +44,7 @@
     gd.data.forEach(function (trace, i) {
       var r = trace.meta && byStage[trace.meta.stage];
       if (!r) return;
-      idx.push(i); xs.push([t]); ys.push([r[trace.meta.key]]);
+      idx.push(i); xs.push([t]); ys.push([pick(r, trace.meta.key)]);
     });
     if (idx.length) Plotly.extendTraces(gd, { x: xs, y: ys }, idx, MAX_POINTS);
   }
@@ -103,7 +107,9 @@
   function clearEmptyState() {
     state.cleared = true;
     Object.keys(liveFigures).forEach(function (key) {
-      Plotly.relayout("chart-" + key, { annotations: [], "xaxis.showticklabels": true });
+      var meta = liveFigures[key].layout.meta, update = { annotations: [] };
+      update[((meta && meta.tick_axis) || "xaxis") + ".showticklabels"] = true; // subplots: the bottom axis
+      Plotly.relayout("chart-" + key, update);
     });
   }
 

@@ -16,65 +16,11 @@ import json
 import sys
 from pathlib import Path
 
+from insight_panels import insight_panels
+from panels import (DS, GREEN_RED, HOST, RED_GREEN, STAT_OPTS, TS_CUSTOM, TS_OPTS, S, panel, rate, row,
+                    tgt)
+
 OUT = Path(__file__).resolve().parent / "dashboards" / "stagecache.json"
-
-DS = {"type": "prometheus", "uid": "stagecache-prometheus"}
-S = '{pp_rank=~"$pp_rank"}'
-HOST = '{tier="host",pp_rank=~"$pp_rank"}'
-_id = [0]
-
-
-def nid():
-    _id[0] += 1
-    return _id[0]
-
-
-def tgt(expr, legend="", ref="A", instant=False, fmt="time_series"):
-    t = {"datasource": DS, "refId": ref, "expr": expr, "legendFormat": legend or "__auto",
-         "range": not instant, "instant": instant, "format": fmt}
-    return t
-
-
-def panel(kind, title, desc, grid, targets, unit=None, extra_defaults=None, options=None,
-          custom=None, transformations=None):
-    defaults = {"color": {"mode": "palette-classic"}, "mappings": [],
-                "thresholds": {"mode": "absolute", "steps": [{"color": "green", "value": None}]}}
-    if unit:
-        defaults["unit"] = unit
-    if custom:
-        defaults["custom"] = custom
-    defaults.update(extra_defaults or {})
-    p = {"id": nid(), "type": kind, "title": title, "description": desc, "datasource": DS,
-         "gridPos": dict(zip("xywh", grid, strict=True)), "targets": targets,
-         "fieldConfig": {"defaults": defaults, "overrides": []}, "options": options or {}}
-    if transformations:
-        p["transformations"] = transformations
-    return p
-
-
-def row(title, y):
-    return {"id": nid(), "type": "row", "title": title, "collapsed": False, "panels": [],
-            "gridPos": {"x": 0, "y": y, "w": 24, "h": 1}}
-
-
-TS_CUSTOM = {"drawStyle": "line", "lineWidth": 2, "fillOpacity": 10, "showPoints": "never",
-             "spanNulls": False, "axisSoftMin": 0}
-TS_OPTS = {"legend": {"displayMode": "table", "placement": "right", "showLegend": True,
-                      "calcs": ["lastNotNull"]},
-           "tooltip": {"mode": "multi", "sort": "desc"}}
-STAT_OPTS = {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
-             "colorMode": "background", "graphMode": "none", "justifyMode": "auto",
-             "orientation": "auto", "textMode": "value_and_name", "wideLayout": True}
-RED_GREEN = {"mode": "absolute", "steps": [{"color": "red", "value": None}, {"color": "green", "value": 1}]}
-GREEN_RED = {"mode": "absolute", "steps": [{"color": "green", "value": None}, {"color": "red", "value": 1}]}
-
-RI = "[$__rate_interval]"
-
-
-def rate(metric, by="pp_rank", sel=S):
-    """sum by (...) of rate() of a counter, over Grafana's rate interval."""
-    return f"sum by ({by}) (rate({metric}{sel}{RI}))"
-
 
 panels = [row("Startup validation: does every stage's pool match its local layers?", 0)]
 panels.append(panel(
@@ -382,6 +328,8 @@ panels.append(panel(
     [tgt(f"sum by (pp_rank, tier) (stagecache_pool_used_bytes{S})", "stage {{pp_rank}} {{tier}} used", "A"),
      tgt(f"sum by (pp_rank, tier) (stagecache_pool_bytes{S})", "stage {{pp_rank}} {{tier}} capacity", "B")],
     unit="bytes", custom=TS_CUSTOM, options=TS_OPTS))
+# -- stage agreement, miss reasons and tier lifetimes (their own band of rows, from y=140) --------
+panels += insight_panels(140)
 
 dash = {
     "uid": "stagecache", "title": "stagecache: PP stage-local KV cache",

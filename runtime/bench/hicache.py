@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..transfer.stats import gbps
+from .insight_overhead import OVERHEAD_BUDGET_PERCENT, direct, insight_config, measure, timed
 
 DEFAULT_DEVICE_PAGES = 96
 DEFAULT_HICACHE_RATIO = 4.0
@@ -45,6 +46,7 @@ BANDWIDTH_PROBE_BYTES = 32 << 20
 class ReplayResult:
     requests: int = 0
     seconds: float = 0.0
+    cpu_seconds: float = 0.0  # the replaying thread's CPU time (other processes' load not counted)
     pages_verified: int = 0
     bytes_verified: int = 0
     bytes_written: int = 0
@@ -54,6 +56,7 @@ class ReplayResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {"requests": self.requests, "seconds": round(self.seconds, 3),
+                "cpu_seconds": round(self.cpu_seconds, 6),
                 "pages_verified": self.pages_verified, "bytes_verified": self.bytes_verified,
                 "bytes_written": self.bytes_written, "stalls": self.stalls,
                 "mismatch_count": self.mismatch_count,
@@ -72,7 +75,7 @@ def replay(requests: Sequence[Any], cache: Any, writer: Any | None = None, verif
     from ..memory.allocator import OutOfPagesError
 
     out = ReplayResult()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     window: deque[Any] = deque()
     token_page_bytes = writer.pools.token_page_bytes() if writer is not None else 0
     for i, req in enumerate(requests):
@@ -105,6 +108,7 @@ def replay(requests: Sequence[Any], cache: Any, writer: Any | None = None, verif
     if check_every:
         cache.check()
     out.seconds = time.perf_counter() - t0
+    out.cpu_seconds = time.thread_time() - c0
     return out
 
 
@@ -222,6 +226,8 @@ def measure_bandwidth(la: Any, stage_map: Any, device: str) -> dict[str, float]:
 # -- runs -------------------------------------------------------------------------------------------
 def _stats_row(cache: Any, result: Any, page_bytes: int, device_pages: int) -> dict[str, Any]:
     row = cache.stats.to_dict()
+    if cache.insight is not None:
+        row["insight"] = cache.insight.to_dict()
     row.update(device_pages=device_pages,
                host_pages=cache.host_alloc.num_pages if cache.host_alloc is not None else 0,
                token_page_bytes=page_bytes, replay=result.to_dict(),
@@ -230,7 +236,7 @@ def _stats_row(cache: Any, result: Any, page_bytes: int, device_pages: int) -> d
 
 
 def _payload_run(la: Any, stage_map: Any, reqs: Sequence[Any], args: argparse.Namespace,
-                 host: bool) -> dict[str, Any]:
+                 host: bool, insight: bool | None = None) -> dict[str, Any]:
     import torch
 
     from ..cache.hicache import HiCache
@@ -247,8 +253,8 @@ def _payload_run(la: Any, stage_map: Any, reqs: Sequence[Any], args: argparse.Na
 
         host_pools = HostPools(pools, hicache_ratio=args.hicache_ratio, layout=args.hicache_layout)
         controller = TransferController(pools, host_pools, TransferStats())
-    cache = HiCache(pools, host_pools, controller, write_policy=args.write_policy,
-                    eviction_policy=args.eviction_policy)
+    cache = timed(HiCache(pools, host_pools, controller, write_policy=args.write_policy,
+                          eviction_policy=args.eviction_policy, insight=insight_config(args, insight)))
     writer = KvWriter(pools, seed=args.seed)
     result = replay(reqs, cache, writer, verify=args.verify, concurrency=args.concurrency,
                     check_every=args.check_every)
@@ -260,12 +266,15 @@ def _payload_run(la: Any, stage_map: Any, reqs: Sequence[Any], args: argparse.Na
 
 
 def _metadata_run(views: Sequence[Any], page_size: int, host_pages: int,
-                  args: argparse.Namespace) -> tuple[Any, Any]:
+                  args: argparse.Namespace, insight: bool | None = None) -> tuple[Any, Any]:
     from ..cache.hicache import HiCache
 
     cache = HiCache.metadata_only(page_size, args.device_pages, host_pages,
                                   write_policy=args.write_policy,
-                                  eviction_policy=args.eviction_policy)
+                                  eviction_policy=args.eviction_policy,
+                                  insight=insight_config(args, insight))
+    if insight is None:  # a reported run: the insight times its own calls
+        timed(cache)
     result = replay(views, cache, concurrency=args.concurrency, check_every=args.check_every)
     return cache, result
 
@@ -286,6 +295,24 @@ def _run_modes(la: Any, stages: list[Any], reqs: list[Any], views: list[Any], ho
             modes[mode].append(_stats_row(cache, result, token_page_bytes(la, sm), args.device_pages))
         nodes[mode] = cache.tree.num_nodes
     return modes, nodes
+
+
+def _overhead(la: Any, views: list[Any], host_pages: int, args: argparse.Namespace,
+              modes: dict[str, list[dict[str, Any]]]) -> dict[str, Any] | None:
+    """What the insight costs the reported stage-0 replay (``insight_overhead.py``): its own
+    calls in that replay, and the paired metadata-only cross-check; None when off."""
+    row = modes["hicache"][0]
+    if "insight" not in row:
+        return None
+    out = {"method": "the insight's own calls in the reported stage-0 replay (perf_counter, timer "
+                     "cost included), as a share of that replay without them",
+           **direct(row), "budget_percent": OVERHEAD_BUDGET_PERCENT, "paired": None}
+    if getattr(args, "insight_overhead", 0):
+        def run(on: bool) -> float:
+            return _metadata_run(views, la.page_size, host_pages, args, insight=on)[1].cpu_seconds
+
+        out["paired"] = measure(run, args.insight_overhead, row["replay"]["cpu_seconds"])
+    return out
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -334,8 +361,10 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         ceiling.observe(v)
     belady = belady_hit_tokens(views, host_pages)
     bounds_s = time.perf_counter() - t_bounds
+    overhead = _overhead(la, views, host_pages, args, modes)
     return build_report(args, la, stages, modes, trace_info, ceiling, belady, host_pages, bandwidth,
-                        {"tree_nodes": nodes, "bounds_seconds": round(bounds_s, 3),
+                        {"insight_overhead": overhead,
+                         "tree_nodes": nodes, "bounds_seconds": round(bounds_s, 3),
                          "bandwidth_probe_seconds": round(bandwidth_s, 3),
                          "seconds": round(time.perf_counter() - t0, 2),
                          "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

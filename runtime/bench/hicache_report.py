@@ -146,3 +146,11 @@ def print_table(res: dict[str, Any]) -> None:
         + (f"{hi['pages_verified'] + s['device_only']['pages_verified']} reused pages verified; "
            if res["verify"] else "not verified (--verify); ")
         + f"{res['seconds']} s, peak RSS {res['peak_rss_mib']} MiB")
+    ov = res.get("insight_overhead")
+    if ov and ov["overhead_percent"] is not None:
+        pair = ov["paired"]
+        con.print(f"cache insight (miss reasons, lifetimes): {ov['insight_seconds'] * 1000:.1f} ms of a "
+                  f"{ov['replay_seconds']:.2f} s replay = {ov['overhead_percent']:.2f} % (budget "
+                  f"{ov['budget_percent']:g} %)"
+                  + (f"; paired metadata replays: {pair['overhead_percent']:.2f} % (median of "
+                     f"{pair['repeats']})" if pair and pair["overhead_percent"] is not None else ""))

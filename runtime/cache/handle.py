@@ -61,6 +61,8 @@ class Handle:
     prefix_pages: list[int]  # device page ids of the reused prefix (tree-owned, locked)
     new_pages: list[int]  # device page ids for pages matched_pages.. (request-owned)
     done: bool = field(default=False)
+    sampled: bool = field(default=False)  # the insight watches what this request caches
+    misses: Any = field(default=None)  # its MissRecord when the insight defers accounting
 
     @property
     def matched_pages(self) -> int:

@@ -32,6 +32,7 @@ from ..errors import ConfigError
 from ..memory.allocator import OutOfPagesError, PageAllocator
 from .eviction import DEFAULT_POLICY, make_policy
 from .handle import CacheOutOfPagesError, Handle, HandleError, PrefixMatch
+from .insight import DEFAULT_INSIGHT, DROPPED, FROM_HOST, WRITEBACK, CacheInsight, InsightConfig
 from .kv_writer import page_hashes
 from .pages import page_view
 from .radix import DEVICE, HOST, RadixTree
@@ -48,7 +49,7 @@ class HiCache:
     def __init__(self, pools: Any, host_pools: Any | None = None, controller: Any | None = None,
                  write_policy: str = "write_back", stats: CacheStats | None = None,
                  selective_threshold: int = 2, hash_salt: int = 0,
-                 eviction_policy: str = DEFAULT_POLICY):
+                 eviction_policy: str = DEFAULT_POLICY, insight: InsightConfig | None = DEFAULT_INSIGHT):
         if host_pools is not None and controller is None:
             raise ConfigError("a host tier needs a transfer controller (device<->host copies)")
         if host_pools is not None and host_pools.page_size != pools.page_size:
@@ -60,24 +61,25 @@ class HiCache:
         stats = stats if stats is not None else CacheStats(stage, pools.page_size, transfer=transfer)
         self._setup(pools.page_size, stage, pools.allocator,
                     host_pools.allocator if host_pools is not None else None,
-                    write_policy, stats, selective_threshold, hash_salt, eviction_policy)
+                    write_policy, stats, selective_threshold, hash_salt, eviction_policy, insight)
 
     @classmethod
     def metadata_only(cls, page_size: int, device_pages: int, host_pages: int = 0, stage: int = 0,
                       write_policy: str = "write_back", eviction_policy: str = DEFAULT_POLICY,
-                      selective_threshold: int = 2, hash_salt: int = 0) -> HiCache:
+                      selective_threshold: int = 2, hash_salt: int = 0,
+                      insight: InsightConfig | None = DEFAULT_INSIGHT) -> HiCache:
         """The same cache without tensors: page ids, tree, tiers and counted copies only."""
         self = cls.__new__(cls)
         self.pools = self.host_pools = self.controller = None
         dev = PageAllocator(device_pages, f"stage {stage} device")
         host = PageAllocator(host_pages, f"stage {stage} host") if host_pages else None
         self._setup(page_size, stage, dev, host, write_policy, CacheStats(stage, page_size),
-                    selective_threshold, hash_salt, eviction_policy)
+                    selective_threshold, hash_salt, eviction_policy, insight)
         return self
 
     def _setup(self, page_size: int, stage: int, dev_alloc: Any, host_alloc: Any | None,
                write_policy: str, stats: CacheStats, selective_threshold: int, hash_salt: int,
-               eviction_policy: str) -> None:
+               eviction_policy: str, insight: InsightConfig | None) -> None:
         if write_policy not in WRITE_POLICIES:
             raise ConfigError(f"unknown --hicache-write-policy {write_policy!r}; "
                               f"policies are {', '.join(WRITE_POLICIES)}")
@@ -86,10 +88,24 @@ class HiCache:
         self.write_policy, self.selective_threshold = write_policy, selective_threshold
         self.hash_salt = hash_salt
         self.stats = stats
-        self.tree = RadixTree(make_policy(eviction_policy))
+        self.tree = RadixTree(make_policy(eviction_policy),
+                              ghosts=insight.seen_keys if insight is not None else 0)
         self.eviction_policy = eviction_policy
         self._in_flight: dict[int, Handle] = {}
         self._pending: dict[int, int] = {}  # host page -> device page: write-back copies not yet made
+        #: miss reasons and sampled lifetimes (``insight.py``); None: not kept
+        self.insight = None if insight is None else CacheInsight(insight, stats, self.tree._slot)
+
+    @property
+    def insight(self) -> CacheInsight | None:
+        """Miss reasons and sampled lifetimes (``insight.py``); None: not kept."""
+        return self._insight
+
+    @insight.setter
+    def insight(self, value: CacheInsight | None) -> None:
+        self._insight = value
+        #: per tier, the watched slots (empty without an insight): the one test an evicted page costs
+        self._watch = value.watch if value is not None else ({}, {})
 
     # -- request flow -----------------------------------------------------------------------
     def begin(self, request: Any) -> Handle:
@@ -100,7 +116,9 @@ class HiCache:
         """
         view = page_view(request, self.page_size, self.hash_salt)
         keys = view.keys.tolist()
-        match = self._match_and_load(keys, view.max_hit)  # locked from here
+        ins = self.insight
+        before = [] if ins is not None and ins.sampled else None
+        match = self._match_and_load(keys, view.max_hit, before)  # locked from here
         try:
             new_pages = self._alloc_device(len(keys) - match.pages)
         except OutOfPagesError:
@@ -112,6 +130,12 @@ class HiCache:
         self.stats.record_lookup(hit_dev, hit - hit_dev, view.input_len - hit)
         handle = Handle(request, view, keys, match.path, match.device, match.host,
                         [dev[s] for s in match.path], new_pages)
+        if ins is not None:
+            if before is not None:
+                handle.sampled = True
+            limit = view.max_hit
+            handle.misses = ins.lookup(keys, match, limit, view.hit_tokens(limit), view.input_len,
+                                       self.tree.clock, before)
         self._in_flight[id(handle)] = handle
         return handle
 
@@ -138,27 +162,31 @@ class HiCache:
         if match.locked:
             self.tree.unlock_path(match.last_node)
 
-    def _match_and_load(self, keys: list[int], limit: int) -> Any:
-        """Match, lock the path, load its host run to device; unlocked again on failure."""
+    def _match_and_load(self, keys: list[int], limit: int, before: list[int] | None = None) -> Any:
+        """Match, lock the path, load its host run to device; unlocked again on failure.
+
+        ``before`` (a sampled lookup): gets the path's old stamps; what it loads is watched.
+        """
         tree = self.tree
-        match = tree.match(keys, limit, offer=False)
+        match = tree.match(keys, limit, offer=False, before=before)
         tree.lock_path(match.last)
         try:
             if match.host:
-                self._load(match.path[match.device:])
+                self._load(match.path[match.device:], before is not None)
             if self.write_policy == "write_through_selective" and self.host_alloc is not None:
                 host, hits, limit_hits = tree.host, tree.hits, self.selective_threshold
                 hot = [s for s in match.path if host[s] < 0 and hits[s] >= limit_hits]
                 if hot:
-                    self._backup(hot)
+                    self._backup(hot, before is not None)
         except OutOfPagesError:
             tree.unlock_path(match.last)
             self.stats.out_of_pages_errors += 1
             raise
         return match
 
-    def finish(self, handle: Handle) -> None:
-        """Cache the request's keepable pages, free the rest, back up (write-through), unlock."""
+    def finish(self, handle: Handle) -> int:
+        """Cache the request's keepable pages, free the rest, back up (write-through), unlock;
+        returns how many pages it newly cached."""
         self._take(handle)
         view, m = handle.view, handle.matched_pages
         keep = view.cacheable
@@ -169,11 +197,14 @@ class HiCache:
         if to_free:
             self.dev_alloc.free(to_free)
         self.stats.computed_tokens += view.input_len + view.output_len - view.hit_tokens(m)
+        if handle.sampled and created and self.insight is not None:
+            self.insight.born(0, created)
         if self.write_policy == "write_through" and self.host_alloc is not None and created:
             host = self.tree.host
             todo = [s for s in created if host[s] < 0]
-            self.stats.backup_skipped_pages += len(todo) - self._backup(todo)
+            self.stats.backup_skipped_pages += len(todo) - self._backup(todo, handle.sampled)
         self.tree.unlock_path(handle.last_node)
+        return len(created)
 
     def abort(self, handle: Handle) -> None:
         """Give back a request's pages without caching anything (a failed forward pass)."""
@@ -198,7 +229,7 @@ class HiCache:
         else:
             _ordered(self.controller.load(src, dst))
 
-    def _load(self, slots: list[int]) -> None:
+    def _load(self, slots: list[int], watch: bool = False) -> None:
         host = self.tree.host
         src = [host[s] for s in slots]
         pages = self._alloc_device(len(slots))
@@ -206,6 +237,8 @@ class HiCache:
         for s, p in zip(slots, pages, strict=True):
             self.tree.set_device(s, p)
         self.stats.load_pages += len(slots)
+        if watch and self.insight is not None:
+            self.insight.born(0, slots)
 
     def _alloc_device(self, n: int) -> list[int]:
         """``n`` device pages: free ones first, then the pages of evicted nodes (handed over as is)."""
@@ -243,17 +276,21 @@ class HiCache:
         tree = self.tree
         page = tree.dev[slot]
         self.stats.device_evicted_pages += 1
+        written_back = False
         if tree.host[slot] < 0 and self.host_alloc is not None:
             host_page = self._host_page()
             if host_page >= 0:
                 tree.set_host(slot, host_page)
                 self._pending[host_page] = page
+                written_back = True
+        if slot in self._watch[0]:
+            self._insight.left_device(slot, written_back, tree.stamp)
         tree.set_device(slot, -1)
         if tree.host[slot] < 0:
             # Lost.  It has no children: a child would be host-only and unlocked, so the host
             # tier could have evicted one (or its own leaf) to make room for this copy.
             self.stats.dropped_pages += 1
-            tree.remove(slot)
+            tree.remove(slot, DROPPED)
         return page
 
     def _host_page(self) -> int:
@@ -268,14 +305,17 @@ class HiCache:
         """Drop ``slot``'s host copy; its page stays allocated and goes to the caller."""
         tree = self.tree
         page = tree.host[slot]
-        self._pending.pop(page, None)  # its write-back copy is no longer wanted
+        # its write-back copy is no longer wanted (nor ever made: a miss reason of its own)
+        why = FROM_HOST if self._pending.pop(page, None) is None else WRITEBACK
         self.stats.host_evicted_pages += 1
+        if slot in self._watch[1]:
+            self._insight.died(1, slot, tree.stamp)
         tree.set_host(slot, -1)
         if tree.dev[slot] < 0:
-            tree.remove(slot)
+            tree.remove(slot, why)
         return page
 
-    def _backup(self, slots: list[int]) -> int:
+    def _backup(self, slots: list[int], watch: bool = False) -> int:
         """Copy device nodes to host (shallow first, one transfer); returns how many made it."""
         hosts: list[int] = []
         for _ in slots:
@@ -289,7 +329,24 @@ class HiCache:
             for s, h in reversed(list(zip(slots, hosts, strict=False))):
                 self.tree.set_host(s, h)  # deepest first: only the deepest becomes a candidate
             self.stats.backup_pages += len(hosts)
+            if watch and self.insight is not None:
+                self.insight.born(1, slots[:len(hosts)])
         return len(hosts)
+
+    def discard(self, key: int) -> bool:
+        """Lose one cached page from both tiers (an unlocked leaf): what ``--fault radix-skew``
+        does to one stage; False when the page is not such a leaf."""
+        tree = self.tree
+        slot = tree.slot_of(key)
+        if slot < 0 or tree.lock[slot] or tree.nchild[slot]:
+            return False
+        for tier, page, alloc in ((0, tree.dev[slot], self.dev_alloc), (1, tree.host[slot], self.host_alloc)):
+            if page >= 0:
+                (tree.set_device if tier == 0 else tree.set_host)(slot, -1)
+                alloc.free([page])
+                self._watch[tier].pop(slot, None)
+        tree.remove(slot, DROPPED)
+        return True
 
     # -- inspection -------------------------------------------------------------------------
     def in_flight(self) -> list[Handle]:

@@ -69,13 +69,16 @@ class NodeInfo:
 
 
 class Match:
-    """A lookup's matched path (slots, root side first): ``device`` leading pages on device."""
+    """A lookup's matched path (slots, root side first): ``device`` leading pages on device;
+    ``miss``: what the key table said of the first key not matched (-1: never cached or
+    forgotten, <= ``keytable.GHOST``: a buried key; 0: none, the whole limit matched)."""
 
-    __slots__ = ("path", "device")
+    __slots__ = ("path", "device", "miss")
 
-    def __init__(self, path: list[int], device: int):
+    def __init__(self, path: list[int], device: int, miss: int = 0):
         self.path = path
         self.device = device
+        self.miss = miss
 
     @property
     def pages(self) -> int:
@@ -93,8 +96,10 @@ class Match:
 class RadixTree:
     """The tree, its locks and its eviction candidates; tier *policy* lives in ``hicache``."""
 
-    def __init__(self, policy: EvictionPolicy | None = None):
-        self._slot = KeyTable()
+    def __init__(self, policy: EvictionPolicy | None = None, ghosts: int = 0):
+        #: ``ghosts`` > 0: removed keys stay in the key table as tombstones with how they left
+        #: (the newest ``ghosts`` of them; ``keytable.py``) -- the cache insight's miss reasons
+        self._slot = KeyTable(max_ghosts=ghosts)
         for name, code in _FIELDS:
             setattr(self, name, array(code))
         self._free = array("i")
@@ -143,14 +148,26 @@ class RadixTree:
         self.policy.on_new(slot)
         return slot
 
+    @property
+    def clock(self) -> int:
+        """The logical time of the last lookup or insert (what ``stamp`` holds)."""
+        return self._clock
+
     def slot_of(self, key: int) -> int:
         return self._slot.get(key)
 
-    def remove(self, slot: int) -> None:
-        """Unlink a childless, unlocked node that is no longer resident on either tier."""
+    def remove(self, slot: int, why: int = 0) -> int:
+        """Unlink a childless, unlocked node that is no longer resident on either tier; its key.
+
+        ``why`` (0..7): how it left, kept in its tombstone when the tree keeps ghosts.
+        """
         if self.nchild[slot] or self.lock[slot] or self.dev[slot] >= 0 or self.host[slot] >= 0:
             raise RadixError(f"cannot remove {self.info(slot)}: it has children, is locked or resident")
-        self._slot.pop(self.key[slot])
+        key = self.key[slot]
+        if self._slot.max_ghosts:
+            self._slot.bury(key, why)
+        else:
+            self._slot.pop(key)
         parent = self.parent[slot]
         self.parent[slot] = -2  # dead (never a candidate: dev and host are -1)
         self._free.append(slot)
@@ -158,6 +175,7 @@ class RadixTree:
         if parent >= 0:
             self.nchild[parent] -= 1
             self.offer(parent)
+        return key
 
     def set_device(self, slot: int, page: int) -> None:
         """Record (``page >= 0``) or clear (``-1``) a node's device page, keeping the counts right."""
@@ -187,17 +205,21 @@ class RadixTree:
         self.offer(slot)
 
     # -- lookups and inserts ------------------------------------------------------------------
-    def match(self, keys: list[int], limit: int, offer: bool = True) -> Match:
+    def match(self, keys: list[int], limit: int, offer: bool = True,
+              before: list[int] | None = None) -> Match:
         """Longest cached prefix of ``keys`` (at most ``limit`` pages); marks it used.
 
         ``offer=False`` when the caller locks the path right away (its unlock offers).
+        ``before``: filled with the path's last-use stamps as they were (reuse gaps).
         """
         get, parent = self._slot.get, self.parent
         path: list[int] = []
         prev = -1
+        miss = 0
         for k in keys[:limit]:
             slot = get(k)
             if slot < 0:
+                miss = slot
                 break
             if parent[slot] != prev:
                 raise RadixError(f"page key {k} is cached after another prefix: keys are not chained")
@@ -205,6 +227,8 @@ class RadixTree:
             prev = slot
         t = self._tick()
         stamp, hits, dev, touched = self.stamp, self.hits, self.dev, self.policy.touched
+        if before is not None:
+            before.extend([stamp[s] for s in path])
         device = len(path)
         for i, slot in enumerate(path):
             stamp[slot] = t
@@ -216,7 +240,7 @@ class RadixTree:
         if offer:
             for slot in path:
                 self.offer(slot)
-        return Match(path, device)
+        return Match(path, device, miss)
 
     def insert(self, after: int, keys: list[int], pages: list[int], path: list[int] = ()
                ) -> tuple[list[int], list[int]]:

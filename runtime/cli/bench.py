@@ -13,6 +13,7 @@ import sys
 
 from ..bench import check as bench_check
 from ..bench import hicache as bench_hicache
+from ..bench import insight_overhead
 from ..bench import transfer as bench_transfer
 from ..model.pool_kinds import HOST_CACHED
 from . import bench_http
@@ -226,6 +227,17 @@ def _register_hicache(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--verify", action="store_true", help="check every reused page byte for byte")
     p.add_argument("--check-every", type=nonneg_int, default=0, metavar="N",
                    help="check tree invariants and page accounting every N requests")
+    p.add_argument("--no-insight", action="store_true",
+                   help="keep no miss reasons or lifetimes (docs/hicache.md, cache insight)")
+    p.add_argument("--insight-sample", type=positive_int, default=insight_overhead.DEFAULT_INSIGHT_SAMPLE,
+                   metavar="K", help="lifetimes: watch the entries of every K-th lookup (default "
+                   "%(default)s; miss reasons are exact whatever K)")
+    p.add_argument("--seen-keys", type=positive_int, default=1 << 18, metavar="N",
+                   help="evicted keys remembered to tell them from never-seen ones (default %(default)s)")
+    p.add_argument("--insight-overhead", type=int_range(0, 200), metavar="R", default=None,
+                   help="what the insight costs the replay: R pairs of metadata-only replays with and "
+                   "without it, the median difference as a share of the replay time (default "
+                   f"{insight_overhead.DEFAULT_OVERHEAD_REPEATS}; 0: not measured)")
     p.add_argument("--json", action="store_true", help="print the full JSON result instead of the table")
     p.set_defaults(func=_run_hicache)
 
@@ -236,6 +248,11 @@ def _run_hicache(args: argparse.Namespace) -> int:
 
     if args.verify and args.metadata_only:
         raise ConfigError("--verify checks page bytes; --metadata-only has none: use one of them")
+    if args.no_insight and args.insight_overhead:
+        raise ConfigError("--insight-overhead compares runs with and without the insight; "
+                          "--no-insight turns it off: use one of them")
+    if args.insight_overhead is None:
+        args.insight_overhead = 0 if args.no_insight else insight_overhead.DEFAULT_OVERHEAD_REPEATS
     res = bench_hicache.run_bench(args)
     if args.json:
         print(json.dumps(res, indent=2))

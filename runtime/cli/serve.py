@@ -146,6 +146,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    default=DEFAULT_HEARTBEAT_TIMEOUT_S, metavar="S",
                    help="a stage whose last heartbeat is older is not ready (/readyz 503, "
                    f"stagecache_stage_up 0); default {DEFAULT_HEARTBEAT_TIMEOUT_S:g} s")
+    p.add_argument("--max-disagreements", type=nonneg_int, default=0, metavar="N",
+                   help="more per-request stage disagreements than N (every stage and kind: "
+                   "matched prefix, loaded, backed up, completion) make the run not ready "
+                   "(/readyz 503); the run goes on and the dashboard lists them (default 0)")
     p.add_argument("--exit-on-error", action="store_true",
                    help="exit 1 as soon as startup validation fails or a stage fails (default: keep "
                    "the dashboard and /metrics up, showing the failure, until Ctrl-C)")
@@ -219,6 +223,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         exit_after_run=args.exit_after_run, startup_timeout=args.startup_timeout,
         dist_timeout=args.dist_timeout, json=args.json, dist_host=dist_host,
         dist_interface=dist_interface, heartbeat_timeout=args.heartbeat_timeout,
+        max_disagreements=args.max_disagreements,
     )
 
 

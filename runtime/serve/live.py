@@ -179,6 +179,65 @@ class PoolOccupancy(_Model):
     capacity_bytes: int = 0
 
 
+# -- cache insight and stage agreement: why lookups missed, entry lifetimes, do stages agree ----
+
+
+class SampledHistogram(_Model):
+    """A sampled histogram: ``le`` upper bounds, cumulative ``counts`` (the last is +Inf), ``sum``."""
+
+    le: list[float] = Field(default_factory=list)
+    counts: list[int] = Field(default_factory=list)
+    sum: float = 0.0
+
+
+class TierLifetimes(_Model):
+    """One tier's sampled histograms (``CacheInsightLive.clock`` units)."""
+
+    lifetime: SampledHistogram = Field(default_factory=SampledHistogram,
+                                       description="insert to eviction")
+    idle: SampledHistogram = Field(default_factory=SampledHistogram,
+                                   description="last use to eviction")
+    reuse_gap: SampledHistogram = Field(default_factory=SampledHistogram,
+                                        description="previous use to a hit in this tier")
+
+
+class CacheInsightLive(_Model):
+    """Why the stage's lookups missed, and how long its entries live (``cache/insight.py``)."""
+
+    clock: str = Field("seconds", description="unit of the histograms: seconds or requests")
+    sample_every: int = Field(1, description="lifetimes: every n-th lookup's entries are watched")
+    miss_tokens: dict[str, dict[str, int]] = Field(
+        default_factory=dict, description="tier -> miss reason -> tokens; per tier the reasons "
+        "sum to the tier's misses (device: not on device; host: found nowhere)")
+    device: TierLifetimes = Field(default_factory=TierLifetimes)
+    host: TierLifetimes = Field(default_factory=TierLifetimes)
+    seen_keys: int = Field(0, description="keys of evicted pages remembered (miss reasons)")
+    seen_bytes: int = Field(0, description="bytes those remembered keys take")
+    skewed_pages: int = Field(0, description="pages lost on purpose (--fault radix-skew)")
+
+
+class Disagreement(_Model):
+    """One request on which some stages reported another value than the others (rank 0)."""
+
+    time: float = Field(description="unix time rank 0 compared the records")
+    micro_batch: int
+    request: str = Field(description="session/turn")
+    kind: str = Field(description="matched_prefix, loaded, backed_up or completion")
+    stages: list[int] = Field(description="the stages whose value is not the agreed one")
+    agreed: int = Field(description="the value most stages reported")
+    values: list[int] = Field(description="every stage's value, by stage")
+
+
+class StageAgreement(_Model):
+    """Do the stages agree, request by request (``serve/agreement.py``)."""
+
+    disagreements: dict[str, int] = Field(
+        default_factory=dict, description="kind -> requests on which this stage disagreed")
+    compared_requests: int = Field(0, description="requests whose verdict this stage has applied")
+    recent: list[Disagreement] = Field(
+        default_factory=list, description="rank 0 only: the latest disagreements, oldest first")
+
+
 class StageLive(_Model):
     """Everything one PP stage reports while it runs (``stage-<k>.json``)."""
 
@@ -229,6 +288,9 @@ class StageLive(_Model):
     host_tier: HostTierLive = Field(default_factory=HostTierLive)
     pool_occupancy: list[PoolOccupancy] = Field(
         default_factory=list, description="every pool kind the stage holds, per tier")
+    # cache insight and stage agreement
+    insight: CacheInsightLive = Field(default_factory=CacheInsightLive)
+    agreement: StageAgreement = Field(default_factory=StageAgreement)
 
     @property
     def bubble_fraction(self) -> float:
@@ -257,5 +319,7 @@ class RunInfo(_Model):
     pids: dict[int, int | None] = Field(default_factory=dict)
     exit_codes: dict[int, int | None] = Field(default_factory=dict)
     heartbeat_timeout_s: float = Field(5.0, description="a stage with an older heartbeat is down")
+    max_disagreements: int | None = Field(
+        None, description="more stage disagreements than this fail /readyz (--max-disagreements)")
     started_at: float = 0.0
     time: float = Field(0.0, description="unix time the parent last wrote this file")

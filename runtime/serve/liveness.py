@@ -5,9 +5,12 @@ Kubernetes separates three questions, and so does ``serve``:
 * liveness (``/healthz``): does the serving process answer?  Answering is the proof.
 * startup (``/startupz``): did startup validation pass?  The startup report says.
 * readiness (``/readyz``): can the pipeline take work *now*?  Every stage process
-  alive, its layer map valid, a heartbeat newer than the heartbeat timeout, and a
+  alive, its layer map valid, a heartbeat newer than the heartbeat timeout, a
   host tier whose status is not one of ``memory.host_tier.NOT_READY_STATUSES``
-  (``exceeds_ram``).  The other host-tier statuses (``smaller_than_device``,
+  (``exceeds_ram``), and the stages agreeing on their cache decisions: no more
+  than ``--max-disagreements`` per-request disagreements (``agreement.py``) --
+  stages that disagree compute on different prefixes, so their output cannot be
+  trusted.  The other host-tier statuses (``smaller_than_device``,
   ``pin_refused``) are listed in ``warnings``: shown, still ready.
 
 A stage process beats from a thread of its own (``stage_worker.Heartbeat``), so a
@@ -67,6 +70,9 @@ class Liveness(BaseModel):
     warnings: list[str] = Field(default_factory=list,
                                 description="what is wrong but leaves the run ready (host tier)")
     time: float
+    disagreements: int = Field(0, description="stage disagreements so far (every stage, kind)")
+    max_disagreements: int | None = Field(
+        None, description="more than this many is not ready (serve --max-disagreements)")
 
 
 def as_live(value: Any) -> StageLive | None:
@@ -141,12 +147,35 @@ def assess(run: RunInfo | None, startup: Mapping[str, Any] | None,
     reasons += [f"stage {h.stage}: {h.reason}" for h in health if not h.up]
     tier_errors, warnings = host_tier_findings(stages, [h.stage for h in health if h.up])
     reasons += tier_errors
+    limit = run.max_disagreements if run is not None else None
+    total, why = agreement_verdict([as_live(stages.get(k)) for k in ids], limit)
+    if why:
+        reasons.append(why)
     return Liveness(
         ready=not reasons, warnings=warnings, phase=run.phase if run else "unknown", startup_ok=ok,
         heartbeat_timeout_s=timeout, failure=run.failure if run else None,
         failed_stage=run.failed_stage if run else None, failed_at=run.failed_at if run else None,
-        stages=health, reasons=reasons, time=now,
+        stages=health, reasons=reasons, time=now, disagreements=total, max_disagreements=limit,
     )
+
+
+def agreement_verdict(stages: list[StageLive | None], limit: int | None) -> tuple[int, str | None]:
+    """Disagreements over every stage and kind, and why that is too many (None: it is not).
+
+    Without a limit (a source with no serving parent) nothing fails readiness.
+    """
+    live = [s for s in stages if s is not None]
+    total = sum(n for s in live for n in s.agreement.disagreements.values())
+    if limit is None or total <= limit:
+        return total, None
+    per = {s.stage: {k: n for k, n in s.agreement.disagreements.items() if n} for s in live}
+    per = {k: v for k, v in per.items() if v}
+    recent = [r for s in live for r in s.agreement.recent]
+    last = max(recent, key=lambda r: r.time, default=None)
+    latest = (f"; latest: request {last.request}, {last.kind}, stage(s) "
+              f"{', '.join(map(str, last.stages))}" if last else "")
+    return total, (f"stages disagree: {total} disagreement(s) > --max-disagreements {limit} "
+                   f"(by stage and kind: {per}){latest}")
 
 
 def host_tier_findings(stages: Mapping[int, Any], up: list[int]) -> tuple[list[str], list[str]]:

@@ -65,6 +65,7 @@ class ServeOptions:
     dist_host: str = "127.0.0.1"  # resolved IP literal the rendezvous and data plane bind
     dist_interface: str = "lo"  # the interface carrying dist_host (gloo/nccl SOCKET_IFNAME)
     heartbeat_timeout: float = 5.0  # a stage with an older heartbeat is not ready / not up
+    max_disagreements: int = 0  # more stage disagreements than this: not ready (agreement.py)
 
 
 @dataclass(frozen=True)

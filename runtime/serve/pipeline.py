@@ -19,16 +19,19 @@ Every span is also kept in a bounded ring of recent events (``timeline()``:
 kind, wall-clock start, seconds, micro-batch), so the dashboard can draw each
 stage's timeline and show *where* the pipeline waits.
 
-Each activation is preceded by a 4-integer header ``[index, rows, digest,
-idle_us]``: the receiver checks the index (ordering), takes the shape from
+Each activation is preceded by a 5-integer header ``[index, rows, digest,
+idle_us, words]``: the receiver checks the index (ordering), takes the shape from
 ``rows``, and compares ``digest`` -- a hash of the prefix-cache decisions the
 sender made for that micro-batch -- with its own.  ``idle_us`` is how long the
 micro-batch waited for its requests to *arrive* (``serve --rate``) upstream:
 that part of a downstream wait is no work to do, not a bubble, so it is booked
 as ``idle_seconds`` instead.  Stages run their own caches over the same
-request stream, so a different digest means the stages' caches diverged, which
-is reported with both stages and the micro-batch instead of silently producing
-wrong KV.
+request stream, so a different digest means the stages' caches diverged.
+Without an ``Agreement`` that is an error naming both stages and the
+micro-batch; with one (``serve``), ``words`` int64 words follow the header --
+the stages' per-request records and rank 0's verdicts (``agreement.py``) -- the
+last stage returns the records with the credit, and a disagreement is counted
+and shown while the run goes on.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from typing import Any
 from ..errors import StageCacheError
 from .live import TIMELINE_EVENTS, TimelineEvent
 
-HEADER_LEN = 4
+HEADER_LEN = 5
 
 
 class PipelineError(StageCacheError):
@@ -161,7 +164,8 @@ StageWork = Callable[[MicroBatch, Any], "tuple[Any, int]"]
 class StagePipe:
     """One stage's side of the pipeline: send/recv activations and credits, timed."""
 
-    def __init__(self, rank: int, pp_size: int, hidden: int, device: Any, window: int | None = None):
+    def __init__(self, rank: int, pp_size: int, hidden: int, device: Any, window: int | None = None,
+                 agreement: Any | None = None):
         import torch
         import torch.distributed as dist
 
@@ -172,6 +176,8 @@ class StagePipe:
         self.clock = PipelineClock()
         self._pending: list[Any] = []  # outstanding isend works, oldest first
         self._in_flight = 0
+        self.agreement = agreement  # per-request records and verdicts (agreement.Agreement)
+        self._owed: deque[MicroBatch] = deque()  # stage 0: micro-batches whose credit is owed
 
     @property
     def first(self) -> bool:
@@ -206,9 +212,13 @@ class StagePipe:
                 self._recv_credit()
 
     def _recv_credit(self) -> None:
-        credit = self.torch.zeros(1, dtype=self.torch.int64, device=self.device)
+        mb = self._owed.popleft()
+        size = self.agreement.credit_words(mb) if self.agreement is not None else 1
+        credit = self.torch.zeros(size, dtype=self.torch.int64, device=self.device)
         self._wait(lambda: self.dist.recv(credit, self.pp_size - 1), "credit_wait")
         self._in_flight -= 1
+        if self.agreement is not None:
+            self.agreement.on_credit(mb, credit.tolist())
 
     def _recv_activation(self, mb: MicroBatch) -> tuple[Any, int, float]:
         torch = self.torch
@@ -216,25 +226,35 @@ class StagePipe:
         t0 = time.perf_counter()
         self._wait(lambda: self.dist.recv(header, self.rank - 1), "recv_wait")
         waited = time.perf_counter() - t0
-        index, rows, digest, idle_us = (int(v) for v in header.tolist())
+        index, rows, digest, idle_us, nwords = (int(v) for v in header.tolist())
         self.clock.rebook_as_idle(waited, idle_us / 1e6)
         if index != mb.index:
             raise PipelineError(
                 f"stage {self.rank}: expected micro-batch {mb.index} from stage {self.rank - 1}, "
                 f"got {index}"
             )
+        words = torch.zeros(nwords, dtype=torch.int64, device=self.device)
+        if nwords:
+            self._wait(lambda: self.dist.recv(words, self.rank - 1), "recv_wait")
+        if self.agreement is not None:
+            self.agreement.upstream(mb, words.tolist())
         act = torch.empty((rows, self.hidden), dtype=torch.float32, device=self.device)
         self._wait(lambda: self.dist.recv(act, self.rank - 1), "recv_wait")
-        self.clock.activation_bytes_received += act.numel() * act.element_size() + header.numel() * 8
+        self.clock.activation_bytes_received += (act.numel() * act.element_size()
+                                                 + (header.numel() + nwords) * 8)
         return act, digest, idle_us / 1e6
 
     def _send_activation(self, mb: MicroBatch, act: Any, digest: int, idle: float) -> None:
         torch = self.torch
-        header = torch.tensor([mb.index, act.shape[0], digest, int(idle * 1e6)], dtype=torch.int64,
-                              device=self.device)
+        words = self.agreement.downstream(mb) if self.agreement is not None else []
+        header = torch.tensor([mb.index, act.shape[0], digest, int(idle * 1e6), len(words)],
+                              dtype=torch.int64, device=self.device)
         self._isend(header, self.rank + 1)
+        if words:
+            self._isend(torch.tensor(words, dtype=torch.int64, device=self.device), self.rank + 1)
         self._isend(act.contiguous(), self.rank + 1)
-        self.clock.activation_bytes_sent += act.numel() * act.element_size() + header.numel() * 8
+        self.clock.activation_bytes_sent += (act.numel() * act.element_size()
+                                             + (header.numel() + len(words)) * 8)
 
     # -- one micro-batch --------------------------------------------------------------------------
     def step(self, mb: MicroBatch, work: StageWork, arrival_idle: float = 0.0) -> int:
@@ -256,7 +276,7 @@ class StagePipe:
         t0 = time.perf_counter()
         act_out, digest = work(mb, act_in)
         self.clock.busy(time.perf_counter() - t0, t0)
-        if upstream_digest is not None and upstream_digest != digest:
+        if upstream_digest is not None and upstream_digest != digest and self.agreement is None:
             raise PipelineError(
                 f"stage {self.rank}: prefix-cache decisions for micro-batch {mb.index} differ from "
                 f"stage {self.rank - 1} (digest {digest:#x} vs {upstream_digest:#x}): the stages' "
@@ -266,7 +286,9 @@ class StagePipe:
             self._send_activation(mb, act_out, digest, idle)
             if self.first:
                 self._in_flight += 1
+                self._owed.append(mb)
         elif not self.first:
-            self._isend(self.torch.ones(1, dtype=self.torch.int64, device=self.device), 0)
+            words = self.agreement.credit(mb) if self.agreement is not None else [1]
+            self._isend(self.torch.tensor(words, dtype=self.torch.int64, device=self.device), 0)
         self.clock.micro_batches += 1
         return digest

@@ -14,8 +14,11 @@ Per micro-batch, on every stage, in the same order::
     finish(request) for each request  # insert into the radix tree; write-through backups (d2h)
 
 The stages hold different layers (different pools and bytes) but the same
-page-id space size, so their cache decisions are identical; the decision
-digest in the pipeline header proves it per micro-batch.
+page-id space size, so their cache decisions are identical.  Each stage records,
+per request, what it matched, loaded, backed up and cached; the records travel
+with the pipeline's messages to rank 0, which compares them (``agreement.py``).
+A lookup's miss reasons wait for that verdict: the pages this stage matched
+below the stages' agreed prefix are ``stage_disagreement`` misses.
 """
 
 from __future__ import annotations
@@ -26,7 +29,12 @@ from typing import Any
 
 import numpy as np
 
+from ..cache.insight import InsightConfig
 from ..errors import ConfigError, StageCacheError
+
+#: ``serve`` keeps its cache insight on the wall clock, every event sampled (a forward pass dwarfs
+#: it), with miss reasons deferred until the stages' agreed prefix is known (``agreement.py``).
+SERVE_INSIGHT = InsightConfig(clock="seconds", sample_every=1, defer=True)
 
 #: The generated trace of ``serve`` (multi-turn chat, sized for a CPU demo of tiny-v4).
 SERVE_WORKLOAD = {
@@ -155,8 +163,9 @@ class StageCache:
             self.controller = TransferController(self.pools, self.host, self.transfer_stats)
             self.stats = CacheStats(self.stage, cfg.opts.page_size, transfer=self.transfer_stats)
             self.cache = HiCache(self.pools, self.host, self.controller, cfg.opts.hicache_write_policy,
-                                 stats=self.stats)
+                                 stats=self.stats, insight=SERVE_INSIGHT)
             self.writer = KvWriter(self.pools)
+        self._agreement_setup(worker)
         self.compute = LayerCompute([e.global_id for e in self.stage_map.layers], cfg.opts.hidden_size,
                                     self.device)
         self.verified_pages = 0
@@ -168,6 +177,54 @@ class StageCache:
 
     def load_trace(self) -> list[Any]:
         return build_trace(self.cfg.opts.trace, self.cfg.opts.requests, self.cfg.opts.seed)
+
+    def _agreement_setup(self, worker: Any) -> None:
+        """Stage agreement (``agreement.py``) and the ``radix-skew`` fault that tests it."""
+        from .agreement import Agreement
+
+        self.agreement = Agreement(self.stage, self.cfg.opts.pp_size, self._on_verdict,
+                                   describe=lambda req: f"{req.session}/{req.turn}")
+        self._misses: dict[int, list[Any]] = {}  # micro-batch -> deferred miss records
+        self.skew = any(f.name == "radix-skew" and f.hits(self.stage, self.cfg.opts.pp_size)
+                        for f in worker.faults)
+        self.skewed_pages = 0
+        self._finished = 0
+
+    def _on_verdict(self, index: int, agreed: list[int]) -> None:
+        """The stages' verdict on a micro-batch: book its deferred miss reasons."""
+        records = self._misses.pop(index, ())
+        if self.cache is not None and self.cache.insight is not None:
+            for rec, pages in zip(records, agreed, strict=False):
+                if rec is not None:
+                    self.cache.insight.account(rec, pages)
+
+    def _begin_all(self, mb: Any, backed: list[int]) -> list[Any]:
+        """``begin`` every request (all aborted if one fails), counting each one's backups."""
+        handles = []
+        try:
+            for req in mb.requests:
+                before = self.stats.backup_pages
+                handles.append(self.cache.begin(req))
+                backed.append(self.stats.backup_pages - before)
+        except Exception:
+            for h in handles:
+                self.cache.abort(h)
+            raise
+        return handles
+
+    def _finish_all(self, mb: Any, handles: list[Any], backed: list[int]) -> None:
+        """``finish`` every request; its record goes to the stage agreement."""
+        records = []
+        for h, b in zip(handles, backed, strict=True):
+            before = self.stats.backup_pages
+            cached = self.cache.finish(h)
+            records.append((h.device_hit_pages, h.host_hit_pages, b + self.stats.backup_pages - before,
+                            cached, 1))
+            self._finished += 1
+            if self.skew and self._finished % 4 == 0 and h.view.cacheable:
+                self.skewed_pages += self.cache.discard(int(h.keys[h.view.cacheable - 1]))
+        self._misses[mb.index] = [h.misses for h in handles]
+        self.agreement.local(mb.index, records)
 
     # -- one micro-batch ------------------------------------------------------------------------
     def work(self, mb: Any, act_in: Any | None) -> tuple[Any, int]:
@@ -183,14 +240,8 @@ class StageCache:
         from .pipeline import decision_digest
 
         ps = self.page_size
-        handles = []
-        try:
-            for req in mb.requests:
-                handles.append(self.cache.begin(req))
-        except Exception:
-            for h in handles:
-                self.cache.abort(h)
-            raise
+        backed: list[int] = []
+        handles = self._begin_all(mb, backed)
         decisions = []
         computed = []
         try:
@@ -210,8 +261,7 @@ class StageCache:
             for h in handles:
                 self.cache.abort(h)
             raise
-        for h in handles:
-            self.cache.finish(h)
+        self._finish_all(mb, handles, backed)
         return act_out, decision_digest(decisions)
 
     def _verify_loaded(self, h: Any) -> None:
@@ -250,6 +300,7 @@ class StageCache:
                               pools=[p for p in kinds if host_bytes.get(p)]),
         }
         fields.update(cache_live_fields(self.stats))
+        fields.update(insight_live_fields(self.cache.insight, self.agreement, self.skewed_pages))
         fields.update(transfer_live_fields(self.transfer_stats))
         fields["kv_verified_pages"] = self.verified_pages
         fields["computed_rows"] = self.computed_rows
@@ -269,6 +320,24 @@ def cache_live_fields(stats: Any) -> dict[str, Any]:
                                   dropped=stats.dropped_pages,
                                   backup_skipped=stats.backup_skipped_pages),
     }
+
+
+def insight_live_fields(insight: Any, agreement: Any, skewed_pages: int = 0) -> dict[str, Any]:
+    """Miss reasons, sampled lifetimes and stage agreement as ``StageLive`` fields."""
+    from .live import CacheInsightLive, Disagreement, StageAgreement
+
+    out: dict[str, Any] = {}
+    if insight is not None:
+        d = insight.to_dict()
+        out["insight"] = CacheInsightLive(
+            clock=d["clock"], sample_every=d["sample_every"], miss_tokens=d["miss_tokens"],
+            seen_keys=d["seen_keys"], seen_bytes=d["seen_bytes"], skewed_pages=skewed_pages,
+            **d["histograms"])
+    if agreement is not None:
+        out["agreement"] = StageAgreement(
+            disagreements=dict(agreement.disagreements), compared_requests=agreement.compared_requests,
+            recent=[Disagreement(**r) for r in agreement.recent])
+    return out
 
 
 def transfer_live_fields(transfer_stats: Any) -> dict[str, Any]:

@@ -260,7 +260,7 @@ class StageWorker:
         self.total_micro_batches = len(mbs)
         self.total_requests = len(requests)
         self.pipe = StagePipe(self.rank, cfg.opts.pp_size, cfg.opts.hidden_size, cfg.torch_device,
-                              window=cfg.in_flight)
+                              window=cfg.in_flight, agreement=self.cache.agreement)
         t0 = time.perf_counter()
         self.publish(force=True)
         for mb in mbs:
@@ -271,6 +271,19 @@ class StageWorker:
             self.requests_done += len(mb.requests)
             self.publish()
         self._call(self.pipe.drain)
+        self._final_verdicts()
+
+    def _final_verdicts(self) -> None:
+        """Rank 0's verdicts on the last micro-batches came with credits after its last send:
+        one broadcast hands them to every stage (the stage agreement, ``agreement.py``)."""
+        import torch.distributed as dist
+
+        agreement = self.cache.agreement
+        if self.cfg.opts.pp_size < 2:
+            return
+        owed: list[Any] = [agreement.owed() if self.rank == 0 else None]
+        self._call(lambda: dist.broadcast_object_list(owed, src=0))
+        agreement.take_verdicts(owed[0], forward=False)
 
     def _pace(self, t0: float, mb: Any) -> float:
         """Open-loop arrivals: micro-batch i may start once its last request has arrived."""

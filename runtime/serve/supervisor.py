@@ -96,6 +96,7 @@ class Supervisor:
             pids={p.rank: p.pid for p in self.procs},
             exit_codes={p.rank: p.exitcode for p in self.procs},
             heartbeat_timeout_s=self.opts.heartbeat_timeout, started_at=self.started_at,
+            max_disagreements=self.opts.max_disagreements,
             time=time.time(),
         )
 
@@ -279,7 +280,10 @@ def summarize(opts: ServeOptions, sup: Supervisor, wall: float) -> dict[str, Any
         s = stages[k]
         row = s.model_dump(mode="json", include=SUMMARY_FIELDS)
         row.update(exit_code=sup.exit_codes.get(k), layers=[s.start_layer, s.end_layer],
-                   bubble_fraction=s.bubble_fraction)
+                   bubble_fraction=s.bubble_fraction,
+                   disagreements=dict(s.agreement.disagreements),
+                   compared_requests=s.agreement.compared_requests,
+                   miss_tokens=s.insight.miss_tokens)
         rows.append(row)
     steps = max((r["steps"] for r in rows), default=0)
     return {

@@ -28,13 +28,17 @@ FAULTS: dict[str, str] = {
     "duplicate-compress-id": "two C128 layers of a stage share one compress id",
     "overlap": "stage 1 starts one layer early, so two stages own the same layer",
     "gap": "stage 1 starts one layer late, so a layer belongs to no stage",
+    "radix-skew": "one stage's prefix cache (stage 1 unless @STAGE) loses the deepest page of "
+    "every 4th request it caches, so its radix tree drifts from the other stages' "
+    "(stage agreement: stagecache_stage_disagreements_total; serve only)",
     # host-tier faults: only `serve` acts on them (the stage's host tier, not its layer map)
     "pin-refused": "the stage asks for pinned host memory where it is refused (on a host without "
     "CUDA, torch's own refusal): its host tier falls back to pageable memory (serve only)",
     "host-ram-short": "after its first micro-batch the stage keeps all of the host's RAM in "
     "reserve, as when the host runs short during the run (serve only)",
 }
-#: Faults of the host tier, acted on by a serving stage; every other fault shapes the pools.
+#: Faults of the host tier, acted on by a serving stage.  ``radix-skew`` acts on a serving
+#: stage's prefix cache (``serve.stage_cache``); every other fault shapes the pools.
 HOST_TIER_FAULTS: frozenset[str] = frozenset({"pin-refused", "host-ram-short"})
 
 
@@ -48,6 +52,8 @@ class Fault:
             return stage == self.stage
         if self.name == "missing-c4-state":  # the crash hit later stages
             return stage >= 1 or pp_size == 1
+        if self.name == "radix-skew":  # one stage drifts: all of them would drift alike
+            return stage == 1
         return True
 
 
@@ -66,7 +72,7 @@ def parse_faults(values: Iterable[str] | None, pp_size: int) -> tuple[Fault, ...
                 raise ConfigError(f"--fault {raw!r}: stage after '@' must be an integer") from None
             if not 0 <= stage < pp_size:
                 raise ConfigError(f"--fault {raw!r}: stage {stage} out of range for pp_size {pp_size}")
-        if name in ("overlap", "gap") and pp_size < 2:
+        if name in ("overlap", "gap", "radix-skew") and pp_size < 2:
             raise ConfigError(f"--fault {name} needs --pp-size >= 2")
         faults.append(Fault(name, stage))
     return tuple(faults)

@@ -1,0 +1,128 @@
+"""What the cache insight (miss reasons, sampled lifetimes) costs a HiCache replay.
+
+Two measurements, both in every ``stagecache bench hicache`` run:
+
+**Its own calls, in the reported replay.**  The reported runs keep a
+``TimedInsight``: the insight, timing each of its calls (lookup, verdict, births,
+deaths, backups) on ``perf_counter``, timer cost included.  Their sum against the
+replay they ran in is the overhead the bench reports: a few milliseconds against
+seconds, so load on the machine moves it by a small fraction of itself.
+
+**The whole cost, paired.**  The insight touches metadata only: page keys, tree slots, stamps and the key
+table's tombstones, never a tensor.  A metadata-only replay of the same trace
+makes the same cache calls (the same decisions; the payload run adds the KV
+writes and copies), so the difference of its CPU time with and without the
+insight is what the insight costs, measured without the tensor work's noise.
+
+``measure`` replays the metadata-only cache ``repeats`` times with the insight and
+as many times without, in pairs whose order alternates (so load on the machine,
+and whatever the first replay of a pair leaves behind, falls on both alike), on the calling thread's CPU clock (time taken by other processes is
+not counted).  The insight's seconds are the median of the paired differences;
+the overhead divides them by the reported run's own replay time without them.
+This includes what the calls leave out (tombstones in the key table instead of
+removed keys, the lookup's extra arguments), but one pair on a shared machine
+can be off by tens of milliseconds: the median of many pairs keeps the figure to
+a few tenths of a percent, a cross-check of the first.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..cache.insight import CacheInsight
+
+#: Lifetimes in a replay: the entries of every 64th lookup are watched (miss reasons are exact).
+DEFAULT_INSIGHT_SAMPLE = 64
+#: Pairs of metadata-only replays (with, without) of the overhead measurement.
+DEFAULT_OVERHEAD_REPEATS = 31
+#: What the insight may cost the default bench's replay.
+OVERHEAD_BUDGET_PERCENT = 1.0
+
+
+def insight_config(args: Any, on: bool | None = None) -> Any:
+    """The replay's insight: lookups as the clock (trace time), or None (``--no-insight``)."""
+    from ..cache.insight import InsightConfig
+
+    if not (on if on is not None else not getattr(args, "no_insight", False)):
+        return None
+    return InsightConfig(clock="requests",
+                         sample_every=getattr(args, "insight_sample", DEFAULT_INSIGHT_SAMPLE),
+                         seen_keys=getattr(args, "seen_keys", 1 << 18))
+
+
+#: The insight's entry points ``HiCache`` calls.
+TIMED_CALLS = ("lookup", "account", "born", "died", "left_device")
+
+
+def _timed(name: str) -> Callable[..., Any]:
+    base = getattr(CacheInsight, name)
+
+    def call(self: Any, *args: Any) -> Any:
+        t0 = time.perf_counter()
+        out = base(self, *args)
+        self.own_seconds += time.perf_counter() - t0
+        self.timed_calls += 1
+        return out
+    call.__name__ = name
+    return call
+
+
+class TimedInsight(CacheInsight):
+    """``CacheInsight`` that times its own calls (``own_seconds``, ``timed_calls``)."""
+
+    own_seconds = 0.0
+    timed_calls = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**super().to_dict(), "own_seconds": round(self.own_seconds, 6),
+                "timed_calls": self.timed_calls}
+
+
+for _name in TIMED_CALLS:
+    setattr(TimedInsight, _name, _timed(_name))
+
+
+def timed(cache: Any) -> Any:
+    """``cache`` with its insight (if any) replaced by a fresh ``TimedInsight``, before a replay."""
+    ins = cache.insight
+    if ins is not None:
+        cache.insight = TimedInsight(ins.cfg, ins.stats, ins.table)
+    return cache
+
+
+def direct(row: dict[str, Any]) -> dict[str, Any]:
+    """The insight's own time in a reported replay (``row``: its ``_stats_row``)."""
+    own, replay = row["insight"]["own_seconds"], row["replay"]["seconds"]
+    without = replay - own
+    return {"insight_seconds": own, "calls": row["insight"]["timed_calls"], "replay_seconds": replay,
+            "ratio_on_vs_off": round(replay / without, 5) if without > 0 else None,
+            "overhead_percent": round(100 * own / without, 3) if without > 0 else None}
+
+
+def measure(run: Callable[[bool], float], repeats: int, replay_seconds: float) -> dict[str, Any]:
+    """``run(on)``: one metadata-only replay's CPU seconds; ``replay_seconds``: the reported
+    run's replay (with the insight), which the overhead is a share of."""
+    on_s: list[float] = []
+    off_s: list[float] = []
+    for i in range(repeats):
+        order = ((False, off_s), (True, on_s))
+        for on, out in order if i % 2 else order[::-1]:  # ABBA: neither always runs second
+            gc.collect()
+            out.append(run(on))
+    cost = statistics.median(a - b for a, b in zip(on_s, off_s, strict=True))
+    without = replay_seconds - cost
+    return {
+        "method": "median of paired metadata-only replays (with - without insight), thread CPU "
+                  "seconds, as a share of the reported replay without that cost",
+        "repeats": repeats,
+        "metadata_on_seconds": round(statistics.median(on_s), 4),
+        "metadata_off_seconds": round(statistics.median(off_s), 4),
+        "insight_seconds": round(cost, 6),
+        "replay_seconds": round(replay_seconds, 6),
+        "ratio_on_vs_off": round(replay_seconds / without, 4) if without > 0 else None,
+        "overhead_percent": round(100 * cost / without, 3) if without > 0 else None,
+    }

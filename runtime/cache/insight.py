@@ -1,0 +1,327 @@
+"""Why a lookup missed, and how long cache entries live: one stage's cache insight.
+
+Outcome counters (device hit / host hit / miss) say *what* happened; this says
+*why*, per tier, and how long entries live there.
+
+**Miss reasons.**  Every prompt token a lookup does not find in a tier gets
+exactly one reason, so per tier the reasons sum to that tier's misses:
+
+* device tier -- tokens not found on the device (host hits + misses);
+* host tier -- tokens found nowhere (what the forward pass computes).
+
+Reasons (``MISS_REASONS``):
+
+* ``never_seen`` -- the page was not cached before (within what ``SeenKeys`` remembers);
+* ``evicted_from_device`` -- device tier only: the page left the device and was
+  found on host (these are exactly the host hits);
+* ``evicted_from_host`` -- the page was cached, and its host copy was evicted;
+* ``dropped`` -- the page left the device with no host copy (no host tier, or no
+  host page could be freed);
+* ``writeback_pending`` -- the page left the device and its write-back to host
+  was still pending when the host tier evicted the copy it was going to;
+* ``partial_page_tail`` -- prompt tokens past the last page a lookup may match:
+  the part of the prompt that does not fill a page (and, for token requests,
+  the last prompt token, which is always computed): never cacheable;
+* ``stage_disagreement`` -- under ``serve``: the pages between what this stage
+  matched and the longer prefix the stages agreed on (``serve/agreement.py``).
+
+A missed page is classified by its chained key: keys are prefix-closed (a key
+can only have been cached if its prefix was), so the missed pages of a lookup
+are a run of evicted pages followed by never-seen ones.  The tree's key table
+remembers evicted keys: a removed key leaves a tombstone holding how it left
+(``keytable.py``; the newest ``InsightConfig.seen_keys`` survive), so the
+lookup's own failed probe already names the reason of its first missed page.
+
+**Lifetimes.**  Per tier, three sampled histograms: an entry's lifetime
+(insert to eviction), its idle time before eviction (last use to eviction),
+and the reuse gap (time since the page's previous use -- its previous hit or
+its insertion -- when a lookup hits it).  Births are sampled (every
+``sample_every``-th request or transfer call watches the entries it creates, by
+tree slot); the deaths of watched entries are caught exactly where an entry
+leaves a tier (``HiCache`` tests the slot against the tier's watch).  Reuse gaps are taken on every
+``sample_every``-th lookup.  The clock is ``seconds`` (``time.monotonic``,
+``serve``) or ``requests`` (lookups begun: a replay's trace time).
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from array import array
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .keytable import GHOST
+
+MISS_REASONS = ("never_seen", "evicted_from_device", "evicted_from_host", "dropped",
+                "writeback_pending", "partial_page_tail", "stage_disagreement")
+NEVER, FROM_DEVICE, FROM_HOST, DROPPED, WRITEBACK, TAIL, DISAGREE = range(len(MISS_REASONS))
+INSIGHT_TIERS = ("device", "host")
+CLOCKS = ("seconds", "requests")
+#: Histogram upper bounds per clock (Prometheus ``le``); +Inf is implied.
+BUCKETS: dict[str, tuple[float, ...]] = {
+    "seconds": (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+                600.0, 1800.0, 3600.0),
+    "requests": (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768,
+                 65536),
+}
+HISTOGRAMS = ("lifetime", "idle", "reuse_gap")
+#: Entries watched at once per tier (a birth is not sampled while the tier's watch is full).
+MAX_WATCHED = 4096
+#: Clock marks kept (one per lookup); older ticks read as the oldest mark kept.
+MAX_MARKS = 1 << 20
+
+
+@dataclass(frozen=True)
+class InsightConfig:
+    """How a ``HiCache`` keeps its insight (``None`` instead of a config: no insight at all)."""
+
+    clock: str = "requests"
+    sample_every: int = 1  # 1: every lookup and every transfer call is sampled
+    seen_keys: int = 1 << 18  # tombstones of evicted keys kept (the newest) by the key table
+    defer: bool = False  # lookups return their miss record; the caller accounts it (serve)
+
+    def __post_init__(self) -> None:
+        if self.clock not in CLOCKS:
+            raise ValueError(f"insight clock {self.clock!r}: accepted: {', '.join(CLOCKS)}")
+        if self.sample_every < 1 or self.seen_keys < 1:
+            raise ValueError("insight sample_every and seen_keys must be >= 1")
+
+
+#: What a ``HiCache`` keeps unless told otherwise: every lookup sampled, clock in lookups.
+DEFAULT_INSIGHT = InsightConfig()
+
+
+class Histogram:
+    """A fixed-bucket histogram (non-cumulative counts; ``snapshot`` makes them cumulative)."""
+
+    __slots__ = ("edges", "counts", "sum")
+
+    def __init__(self, edges: Sequence[float]):
+        self.edges = tuple(edges)
+        self.counts = [0] * (len(self.edges) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.edges, value)] += 1
+        self.sum += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def cumulative(self) -> list[int]:
+        out, total = [], 0
+        for c in self.counts:
+            total += c
+            out.append(total)
+        return out
+
+
+class MissRecord:
+    """One lookup's misses, kept until the stages' agreed prefix is known (``defer``)."""
+
+    __slots__ = ("input_len", "page_size", "matched", "limit", "runs")
+
+    def __init__(self, input_len: int, page_size: int, matched: int, limit: int,
+                 runs: list[tuple[int, int]]):
+        self.input_len, self.page_size = input_len, page_size
+        self.matched, self.limit, self.runs = matched, limit, runs  # runs: (end page, reason)
+
+    def tokens(self, pages: int) -> int:
+        return min(pages * self.page_size, self.input_len)
+
+    def reasons(self, agreed: int | None = None) -> Iterable[tuple[int, int]]:
+        """``(reason, tokens)`` of the host-tier misses; pages below ``agreed`` that this
+        stage missed are ``stage_disagreement``."""
+        tok = self.tokens
+        yield TAIL, self.input_len - tok(self.limit)
+        start = self.matched
+        if agreed is not None and agreed > start:
+            cut = min(agreed, self.limit)
+            yield DISAGREE, tok(cut) - tok(start)
+            start = cut
+        for end, reason in self.runs:
+            if end > start:
+                yield reason, tok(end) - tok(start)
+                start = end
+
+
+class InsightClock:
+    """Maps the tree's logical ticks to the insight clock, one mark per lookup."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.ticks = array("q")
+        self.times: array | None = array("d") if kind == "seconds" else None
+        self.offset = 0  # lookups forgotten from the front (requests clock)
+
+    def trim(self) -> None:
+        if len(self.ticks) > MAX_MARKS:
+            half = len(self.ticks) // 2
+            del self.ticks[:half]
+            if self.times is not None:
+                del self.times[:half]
+            self.offset += half
+
+    def now(self) -> float:
+        """Seconds now, or the index of the latest lookup (a death during a lookup's own
+        allocation reads the lookup before it: the requests clock resolves one lookup)."""
+        if self.times is not None:
+            return time.monotonic()
+        return self.offset + len(self.ticks) - 1
+
+    def at(self, tick: int) -> float:
+        """Clock value of the last lookup at or before ``tick`` (the oldest mark if older)."""
+        i = max(0, bisect.bisect_right(self.ticks, tick) - 1)
+        if self.times is not None:
+            return self.times[i] if self.times else time.monotonic()
+        return self.offset + i
+
+
+class CacheInsight:
+    """One stage's miss-reason counters, seen keys and sampled lifetimes (``HiCache.insight``).
+
+    ``HiCache`` calls it from its own paths; everything here is per lookup or per
+    sampled entry -- never a pass over pages, and never a call per evicted page
+    (an evicted page costs ``HiCache`` one dict membership test).
+    """
+
+    def __init__(self, cfg: InsightConfig | None = None, stats: Any = None, table: Any = None):
+        cfg = cfg or InsightConfig()
+        self.cfg = cfg
+        self.stats = stats  # the cache's CacheStats: hits and misses per lookup
+        self.table = table  # the tree's KeyTable (tombstones of evicted keys)
+        #: host tier, tokens found nowhere by reason: counted explicitly for evicted pages (and,
+        #: deferred, for everything); otherwise never_seen and the tail are what remains
+        self.counts = [0] * len(MISS_REASONS)
+        self.hittable = 0  # immediate lookups: prompt tokens a lookup may match, summed
+        self.clock = InsightClock(cfg.clock)
+        self._mark = self.clock.ticks.append
+        self._stamp_time = self.clock.times.append if self.clock.times is not None else None
+        edges = BUCKETS[cfg.clock]
+        self.hist = {(t, h): Histogram(edges) for t in range(len(INSIGHT_TIERS)) for h in HISTOGRAMS}
+        #: per tier, watched slot -> its birth; ``HiCache`` tests membership where an entry leaves
+        self.watch: tuple[dict[int, float], dict[int, float]] = ({}, {})
+        self.every = cfg.sample_every
+        self.defer = cfg.defer
+        self.lookups = 0
+        self.sampled = True  # is the next lookup sampled (reuse gaps, births of what it caches)
+
+    # -- per lookup --------------------------------------------------------------------------------
+    def lookup(self, keys: list[int], match: Any, limit: int, top: int, input_len: int, tick: int,
+               before: list[int] | None) -> MissRecord | None:
+        """Account one lookup: ``match`` (``radix.Match``) found some of its ``limit``
+        matchable pages; ``top``: the prompt tokens those ``limit`` pages cover; ``tick``: the
+        tree's clock at the match; ``before``: the matched path's old stamps when this lookup
+        was sampled.  Deferred: returns its ``MissRecord``.
+
+        Immediate accounting only classifies missed pages that were cached before (rare):
+        ``never_seen`` and ``partial_page_tail`` follow from the cache's own hit and miss
+        counters (``miss_tokens``), so a lookup costs a few operations.
+        """
+        self._mark(tick)
+        if self._stamp_time is not None:
+            self._stamp_time(time.monotonic())
+        n = self.lookups = self.lookups + 1
+        self.sampled = not n % self.every
+        if not n & 255:
+            self.clock.trim()
+        if before is not None:
+            self._reuse(before, match.device)
+        miss = match.miss
+        if self.defer:
+            matched = len(match.path)
+            runs = _runs(keys, matched, limit, miss, self.table) if matched < limit else []
+            return MissRecord(input_len, self.stats.page_size, matched, limit, runs)
+        self.hittable += top
+        if miss <= GHOST:  # its first missed page was cached before
+            self._count_evicted(keys, len(match.path), limit, miss, top)
+        return None
+
+    def _count_evicted(self, keys: list[int], matched: int, limit: int, miss: int, top: int) -> None:
+        """Immediate accounting: the tokens of the missed pages that were cached before."""
+        ps, counts = self.stats.page_size, self.counts
+        start = matched * ps
+        for end, reason in self.table.buried_runs(keys, matched, limit, miss)[0]:
+            stop = min(end * ps, top)
+            counts[reason] += stop - start
+            start = stop
+
+    def account(self, record: MissRecord, agreed: int | None = None) -> None:
+        """Count a deferred lookup, now that the stages' agreed prefix (pages) is known."""
+        counts = self.counts
+        for reason, tokens in record.reasons(agreed):
+            counts[reason] += tokens
+
+    def _reuse(self, stamps: list[int], device_pages: int) -> None:
+        now, at = self.clock.now(), self.clock.at
+        dev, host = self.hist[0, "reuse_gap"], self.hist[1, "reuse_gap"]
+        for i, s in enumerate(stamps):
+            (dev if i < device_pages else host).observe(now - at(s))
+
+    # -- births and deaths (sampled entries) -------------------------------------------------------
+    def born(self, tier: int, slots: Iterable[int]) -> None:
+        """The entries ``slots`` entered ``tier`` on a sampled path: watch them."""
+        watch, now = self.watch[tier], self.clock.now()
+        for slot in slots:
+            if len(watch) >= MAX_WATCHED:
+                return
+            watch[slot] = now
+
+    def died(self, tier: int, slot: int, stamp: Any) -> None:
+        """Watched ``slot`` left ``tier`` (``HiCache`` checks ``slot in watch[tier]`` first)."""
+        now = self.clock.now()
+        self.hist[tier, "lifetime"].observe(now - self.watch[tier].pop(slot))
+        self.hist[tier, "idle"].observe(now - self.clock.at(stamp[slot]))
+
+    def left_device(self, slot: int, written_back: bool, stamp: Any) -> None:
+        """Watched ``slot`` left the device; a write-back copy made for it is a host birth."""
+        self.died(0, slot, stamp)
+        if written_back and len(self.watch[1]) < MAX_WATCHED:
+            self.watch[1][slot] = self.clock.now()
+
+    # -- reports -------------------------------------------------------------------------------------
+    def miss_tokens(self) -> dict[str, dict[str, int]]:
+        """Per tier, reason -> tokens (device: not on device; host: found nowhere)."""
+        counts, s = list(self.counts), self.stats
+        if not self.defer:  # what immediate lookups did not classify explicitly
+            within = self.hittable - s.device_hit_tokens - s.host_hit_tokens
+            counts[NEVER] = within - counts[FROM_HOST] - counts[DROPPED] - counts[WRITEBACK]
+            counts[TAIL] = s.miss_tokens - within
+        host = dict(zip(MISS_REASONS, counts, strict=True))
+        return {"device": dict(host, evicted_from_device=s.host_hit_tokens), "host": host}
+
+    def histograms(self) -> dict[str, dict[str, dict[str, Any]]]:
+        return {tier: {name: {"le": list(h.edges), "counts": h.cumulative(), "sum": h.sum}
+                       for name in HISTOGRAMS for h in (self.hist[t, name],)}
+                for t, tier in enumerate(INSIGHT_TIERS)}
+
+    def seen(self) -> dict[str, int]:
+        """The evicted keys remembered: tombstones in the key table, and what they cost there
+        (12 bytes per table slot; the table is kept 35-70 % full of live keys and tombstones)."""
+        t = self.table
+        used = t.size + t.ghosts
+        return {"seen_keys": t.ghosts, "seen_keys_capacity": self.cfg.seen_keys,
+                "seen_bytes": round(t.nbytes() * t.ghosts / used) if used else 0,
+                "forgotten_keys": t.forgotten}
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything, for the bench JSON and the stage's live numbers."""
+        return {"clock": self.cfg.clock, "sample_every": self.every, "lookups": self.lookups,
+                "miss_tokens": self.miss_tokens(), "histograms": self.histograms(),
+                **self.seen(),
+                "watched": {t: len(w) for t, w in zip(INSIGHT_TIERS, self.watch, strict=True)}}
+
+
+def _runs(keys: list[int], start: int, limit: int, first: int, table: Any) -> list[tuple[int, int]]:
+    """Reasons of missed pages ``start..limit``: runs of evicted pages (one reason each, from
+    their tombstones), then the never-seen rest (keys are prefix-closed: nothing after a
+    never-seen page was cached).  ``first``: the key table's answer for ``keys[start]``."""
+    if first > GHOST:
+        return [(limit, NEVER)]
+    runs, j = table.buried_runs(keys, start, limit, first)
+    if j < limit:
+        runs.append((limit, NEVER))
+    return runs
