@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from stagecache.runtime.model.pool_kinds import KINDS, POOLS
 
 from .models import (
@@ -66,31 +66,24 @@ def pool_statuses(stage: StageReportModel) -> list[PoolStatus]:
     return out
 
 
+def _shared(source: BaseModel, target: type[BaseModel]) -> dict:
+    """The fields ``target`` takes over from ``source`` unchanged (same name, same meaning)."""
+    return {k: getattr(source, k) for k in target.model_fields if k in type(source).model_fields}
+
+
 def stage_row(stage: StageReportModel) -> StageRow:
-    return StageRow(
-        stage=stage.stage,
-        start_layer=stage.start_layer,
-        end_layer=stage.end_layer,
-        local_layers=stage.local_layers,
-        pools=pool_statuses(stage),
-        ok=stage.ok,
-        status="OK" if stage.ok else "; ".join(e.message for e in stage.errors),
-        errors=stage.errors,
-    )
+    """A report stage as a table row; its pools flagged and its errors joined for the status."""
+    return StageRow(**_shared(stage, StageRow) | {
+        "pools": pool_statuses(stage),
+        "status": "OK" if stage.ok else "; ".join(e.message for e in stage.errors),
+    })
 
 
 def stages_response(report: StartupReportModel) -> StagesResponse:
-    return StagesResponse(
-        model=report.model,
-        num_layers=report.num_layers,
-        pp_size=report.pp_size,
-        tp_size=report.tp_size,
-        page_size=report.page_size,
-        faults=report.faults,
-        ok=report.ok,
-        stages=[stage_row(s) for s in report.stages],
-        cross_stage_errors=report.errors,
-    )
+    return StagesResponse(**_shared(report, StagesResponse) | {
+        "stages": [stage_row(s) for s in report.stages],
+        "cross_stage_errors": report.errors,
+    })
 
 
 def cell_index(pool: str, entry: LayerEntryModel) -> tuple[bool, int | None]:

@@ -21,6 +21,7 @@ Counters count since the stage started; any ratio or bandwidth is left to
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from operator import attrgetter
 from typing import Any
 
 from stagecache.runtime.memory.host_tier import HOST_TIER_STATUSES
@@ -176,6 +177,23 @@ def _spaces(fn: Callable[[Any], float]) -> Callable[[StageLive], Samples]:
     return lambda s: [((name, sp.tier), fn(sp)) for name, sp in sorted(s.page_spaces.items())]
 
 
+#: Counters that are one ``StageLive`` field each: (family, field, help).
+FIELD_COUNTERS = (
+    ("stagecache_kv_verified_pages_total", "kv_verified_pages", "Host-loaded pages whose KV bytes were verified"),
+    ("stagecache_computed_tokens_total", "computed_rows",
+     "Tokens the stage computed (activation rows through its layers)"),
+    ("stagecache_stage_busy_seconds_total", "stage_seconds",
+     "Seconds the stage spent on its own work (cache, KV writes, transfers, layer compute)"),
+    ("stagecache_stage_bubble_seconds_total", "bubble_seconds",
+     "Seconds the stage waited on a peer (activation, credit, send drain): the pipeline bubble"),
+    ("stagecache_stage_idle_seconds_total", "idle_seconds",
+     "Seconds the stage waited for requests to arrive, not counted as bubble"),
+    ("stagecache_activation_sent_bytes_total", "activation_bytes_sent",
+     "Activation bytes (with headers) sent to the next stage"),
+    ("stagecache_activation_received_bytes_total", "activation_bytes_received",
+     "Activation bytes (with headers) received from the previous stage"),
+)
+
 LIVE_FAMILIES: tuple[Family, ...] = (
     # states
     Family("stagecache_stage_phase", "stateset",
@@ -213,26 +231,7 @@ LIVE_FAMILIES: tuple[Family, ...] = (
            "did not back up (already on host)", ("operation",),
            lambda s: [((op,), getattr(s.cache_pages, f)) for f, op in HICACHE_OPERATIONS.items()]),
     *TRANSFER_FAMILIES,
-    Family("stagecache_kv_verified_pages_total", "counter",
-           "Host-loaded pages whose KV bytes were verified", samples=one(lambda s: s.kv_verified_pages)),
-    Family("stagecache_computed_tokens_total", "counter",
-           "Tokens the stage computed (activation rows through its layers)",
-           samples=one(lambda s: s.computed_rows)),
-    Family("stagecache_stage_busy_seconds_total", "counter",
-           "Seconds the stage spent on its own work (cache, KV writes, transfers, layer compute)",
-           samples=one(lambda s: s.stage_seconds)),
-    Family("stagecache_stage_bubble_seconds_total", "counter",
-           "Seconds the stage waited on a peer (activation, credit, send drain): the pipeline bubble",
-           samples=one(lambda s: s.bubble_seconds)),
-    Family("stagecache_stage_idle_seconds_total", "counter",
-           "Seconds the stage waited for requests to arrive, not counted as bubble",
-           samples=one(lambda s: s.idle_seconds)),
-    Family("stagecache_activation_sent_bytes_total", "counter",
-           "Activation bytes (with headers) sent to the next stage",
-           samples=one(lambda s: s.activation_bytes_sent)),
-    Family("stagecache_activation_received_bytes_total", "counter",
-           "Activation bytes (with headers) received from the previous stage",
-           samples=one(lambda s: s.activation_bytes_received)),
+    *(Family(name, "counter", text, samples=one(attrgetter(attr))) for name, attr, text in FIELD_COUNTERS),
 )
 
 # -- host-tier sanity and pool occupancy (a stage's ``StageLive``) -----------------------------------

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import socket
+import tempfile
+from collections.abc import Iterator
 
 import pytest
+from browser_support import CHROME_FLAGS, CHROMIUM
 
 
 def _cuda_available() -> bool:
@@ -42,3 +47,26 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def driver() -> Iterator[object]:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    driver_path = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+    assert os.path.exists(driver_path), "chromium is installed but chromedriver is not (apt: chromium-driver)"
+    profile = tempfile.mkdtemp(prefix="stagecache-chromium-")
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for flag in CHROME_FLAGS:
+        opts.add_argument(flag)
+    opts.add_argument(f"--user-data-dir={profile}")
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
+    drv = webdriver.Chrome(options=opts, service=Service(driver_path))
+    drv.set_page_load_timeout(60)
+    try:
+        yield drv
+    finally:
+        drv.quit()
+        shutil.rmtree(profile, ignore_errors=True)

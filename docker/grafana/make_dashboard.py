@@ -17,8 +17,21 @@ import sys
 from pathlib import Path
 
 from insight_panels import insight_panels
-from panels import (DS, GREEN_RED, HOST, RED_GREEN, STAT_OPTS, TS_CUSTOM, TS_OPTS, S, panel, rate, row,
-                    tgt)
+from panels import (
+    DS,
+    GREEN_RED,
+    HOST,
+    RED_GREEN,
+    STAT_OPTS,
+    TS_CUSTOM,
+    TS_OPTS,
+    S,
+    merged_table,
+    panel,
+    rate,
+    row,
+    tgt,
+)
 
 OUT = Path(__file__).resolve().parent / "dashboards" / "stagecache.json"
 
@@ -46,26 +59,14 @@ panels.append(panel(
     extra_defaults={"min": 0, "decimals": 0},
     options={"orientation": "horizontal", "displayMode": "basic", "showUnfilled": True,
              "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}}))
-panels.append(panel(
-    "table", "Buffers vs expected, per stage and pool",
+panels.append(merged_table(
+    "Buffers vs expected, per stage and pool",
     "Actual buffers a stage allocated per pool (stagecache_stage_buffers) next to what its local "
     "layers require (stagecache_stage_expected_buffers). diff != 0 is the PP + HiCache bug family.",
     (0, 6, 14, 10),
-    [tgt(f"stagecache_stage_buffers{S}", "", "A", instant=True, fmt="table"),
-     tgt(f"stagecache_stage_expected_buffers{S}", "", "B", instant=True, fmt="table"),
-     tgt(f"stagecache_stage_buffers{S} - stagecache_stage_expected_buffers{S}", "", "C",
-         instant=True, fmt="table")],
-    extra_defaults={"custom": {"align": "auto", "cellOptions": {"type": "auto"}}},
-    options={"showHeader": True, "sortBy": [{"displayName": "pp_rank", "desc": False}]},
-    transformations=[
-        {"id": "merge", "options": {}},
-        {"id": "organize", "options": {
-            "excludeByName": {"Time": True, "job": True, "instance": True, "deployment": True,
-                              "__name__": True, "tp_rank": True},
-            "indexByName": {"model_name": 0, "pp_rank": 1, "pool": 2, "Value #A": 3, "Value #B": 4,
-                            "Value #C": 5},
-            "renameByName": {"Value #A": "buffers", "Value #B": "expected", "Value #C": "diff"}}},
-    ]))
+    [(f"stagecache_stage_buffers{S}", "buffers"), (f"stagecache_stage_expected_buffers{S}", "expected"),
+     (f"stagecache_stage_buffers{S} - stagecache_stage_expected_buffers{S}", "diff")],
+    ("model_name", "pp_rank", "pool")))
 panels[-1]["fieldConfig"]["overrides"] = [{
     "matcher": {"id": "byName", "options": "diff"},
     "properties": [{"id": "custom.cellOptions", "value": {"type": "color-background"}},
@@ -289,26 +290,15 @@ panels.append(panel(
     [tgt(f"max by (pp_rank) (stagecache_host_memory_available_bytes{S})", "stage {{pp_rank}} available", "A"),
      tgt(f"max by (pp_rank) (stagecache_host_memory_reserve_bytes{S})", "stage {{pp_rank}} reserve", "B")],
     unit="bytes", custom=TS_CUSTOM, options=TS_OPTS))
-panels.append(panel(
-    "table", "Pool occupancy per stage (pool kind x tier)",
+panels.append(merged_table(
+    "Pool occupancy per stage (pool kind x tier)",
     "stagecache_pool_usage_ratio: used / capacity of each pool kind's own space (pages; request "
     "slots for c128_state), device and host, with its peak. Ratios and pages are per pool: kinds "
     "of one page-id space show the same pages, so never sum them over pools.",
     (0, HT + 7, 14, 12),
-    [tgt(f"stagecache_pool_usage_ratio{S}", "", "A", instant=True, fmt="table"),
-     tgt(f"stagecache_pool_peak_usage_ratio{S}", "", "B", instant=True, fmt="table"),
-     tgt(f"stagecache_pool_used_bytes{S}", "", "C", instant=True, fmt="table")],
-    extra_defaults={"custom": {"align": "auto", "cellOptions": {"type": "auto"}}},
-    options={"showHeader": True, "sortBy": [{"displayName": "pp_rank", "desc": False}]},
-    transformations=[
-        {"id": "merge", "options": {}},
-        {"id": "organize", "options": {
-            "excludeByName": {"Time": True, "job": True, "instance": True, "deployment": True,
-                              "__name__": True, "tp_rank": True, "model_name": True},
-            "indexByName": {"pp_rank": 0, "pool": 1, "tier": 2, "Value #A": 3, "Value #B": 4,
-                            "Value #C": 5},
-            "renameByName": {"Value #A": "used", "Value #B": "peak", "Value #C": "used bytes"}}},
-    ]))
+    [(f"stagecache_pool_usage_ratio{S}", "used"), (f"stagecache_pool_peak_usage_ratio{S}", "peak"),
+     (f"stagecache_pool_used_bytes{S}", "used bytes")],
+    ("pp_rank", "pool", "tier"), hide=("model_name",)))
 panels[-1]["fieldConfig"]["overrides"] = [
     {"matcher": {"id": "byName", "options": name},
      "properties": [{"id": "unit", "value": "percentunit"}, {"id": "min", "value": 0},

@@ -62,3 +62,23 @@ RI = "[$__rate_interval]"
 def rate(metric, by="pp_rank", sel=S):
     """sum by (...) of rate() of a counter, over Grafana's rate interval."""
     return f"sum by ({by}) (rate({metric}{sel}{RI}))"
+
+
+def merged_table(title, desc, grid, columns, keys, hide=()):
+    """A table of instant queries merged on their labels: ``columns`` = (expr, column name) each,
+    ``keys`` = the label columns shown first, ``hide`` = labels hidden besides the usual ones."""
+    refs = [chr(ord("A") + i) for i in range(len(columns))]
+    exclude = dict.fromkeys(("Time", "job", "instance", "deployment", "__name__", "tp_rank", *hide), True)
+    index = {k: i for i, k in enumerate((*keys, *(f"Value #{r}" for r in refs)))}
+    return panel(
+        "table", title, desc, grid,
+        [tgt(expr, "", ref, instant=True, fmt="table") for (expr, _), ref in zip(columns, refs, strict=True)],
+        extra_defaults={"custom": {"align": "auto", "cellOptions": {"type": "auto"}}},
+        options={"showHeader": True, "sortBy": [{"displayName": "pp_rank", "desc": False}]},
+        transformations=[
+            {"id": "merge", "options": {}},
+            {"id": "organize", "options": {
+                "excludeByName": exclude, "indexByName": index,
+                "renameByName": {f"Value #{r}": name for (_, name), r in zip(columns, refs, strict=True)}}},
+        ])
+

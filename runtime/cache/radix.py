@@ -35,6 +35,7 @@ import heapq
 from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -179,27 +180,21 @@ class RadixTree:
 
     def set_device(self, slot: int, page: int) -> None:
         """Record (``page >= 0``) or clear (``-1``) a node's device page, keeping the counts right."""
-        old = self.dev[slot]
-        self.dev[slot] = page
-        if (old >= 0) != (page >= 0):
-            step = 1 if page >= 0 else -1
-            self.device_pages += step
-            parent = self.parent[slot]
-            if parent >= 0:
-                self.ndev[parent] += step
-                if step < 0:
-                    self.offer(parent)
-        self.offer(slot)
+        self._set_tier(slot, page, self.dev, self.ndev, "device_pages")
 
     def set_host(self, slot: int, page: int) -> None:
-        old = self.host[slot]
-        self.host[slot] = page
+        """The same for the node's host page."""
+        self._set_tier(slot, page, self.host, self.nhost, "host_pages")
+
+    def _set_tier(self, slot: int, page: int, pages: Any, child_counts: Any, total: str) -> None:
+        old = pages[slot]
+        pages[slot] = page
         if (old >= 0) != (page >= 0):
             step = 1 if page >= 0 else -1
-            self.host_pages += step
+            setattr(self, total, getattr(self, total) + step)
             parent = self.parent[slot]
             if parent >= 0:
-                self.nhost[parent] += step
+                child_counts[parent] += step
                 if step < 0:
                     self.offer(parent)
         self.offer(slot)

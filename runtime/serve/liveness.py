@@ -23,13 +23,15 @@ run directory holds and the clock -- nothing here is stored -- so ``/readyz``,
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..memory.host_tier import NOT_READY_STATUSES
 from .live import RunInfo, StageLive
 from .options import DEFAULT_HEARTBEAT_TIMEOUT_S, HEARTBEAT_INTERVAL_S
+
+M = TypeVar("M", bound=BaseModel)
 
 __all__ = ["DEFAULT_HEARTBEAT_TIMEOUT_S", "HEARTBEAT_INTERVAL_S", "Liveness", "StageHealth",
            "assess", "liveness_of", "run_of"]
@@ -75,15 +77,20 @@ class Liveness(BaseModel):
         None, description="more than this many is not ready (serve --max-disagreements)")
 
 
-def as_live(value: Any) -> StageLive | None:
-    """A source's stage entry as a ``StageLive`` (third-party sources may hand out dicts);
-    an entry that does not validate counts as no report."""
-    if value is None or isinstance(value, StageLive):
+def validated(model: type[M], value: Any) -> M | None:
+    """``value`` as ``model`` (third-party sources may hand out plain mappings); a value that
+    does not validate counts as no report."""
+    if value is None or isinstance(value, model):
         return value
     try:
-        return StageLive.model_validate(value)
+        return model.model_validate(value)
     except ValueError:
         return None
+
+
+def as_live(value: Any) -> StageLive | None:
+    """A source's stage entry as a ``StageLive`` (None when missing or invalid)."""
+    return validated(StageLive, value)
 
 
 def last_beat(live: StageLive) -> float | None:
@@ -205,13 +212,7 @@ def run_of(source: Any) -> RunInfo | None:
     here, and one that does not validate counts as no record.
     """
     run = getattr(source, "run", None)
-    value = run() if callable(run) else None
-    if value is None or isinstance(value, RunInfo):
-        return value
-    try:
-        return RunInfo.model_validate(value)
-    except ValueError:
-        return None
+    return validated(RunInfo, run() if callable(run) else None)
 
 
 def liveness_of(source: Any, now: float) -> Liveness:
