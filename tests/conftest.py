@@ -9,7 +9,6 @@ import tempfile
 from collections.abc import Iterator
 
 import pytest
-from browser_support import CHROME_FLAGS, CHROMIUM
 
 
 def _cuda_available() -> bool:
@@ -51,6 +50,10 @@ def one_torch_thread():
 
 @pytest.fixture(scope="module")
 def driver() -> Iterator[object]:
+    from browser_support import (  # selenium and the dashboard: browser tests only
+        CHROME_FLAGS,
+        CHROMIUM,
+    )
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
