@@ -11,20 +11,23 @@ whole stage move is one launch:
   of the buffer bases, page strides and chunk lengths), so a 512 KiB state page
   is spread over many warps while a 1 KiB C128 page is one item;
 * work item ``i`` of ``n * C`` copies chunk ``i % C`` of page slot ``i // C``;
-  one warp per item walks it in steps of 32 consecutive words, so every load and
-  store instruction of the warp covers one contiguous 256-byte span (what PCIe
-  writes to pinned host memory need: partial-sector writes ran at a tenth of the
-  link speed on the H200);
+  one warp per item walks it in steps of 32 consecutive words that start on a
+  128-byte line of the host side, so every load and store instruction of the
+  warp covers one contiguous span of whole lines but at the chunk's two ends
+  (what PCIe requests to pinned host memory need: partial-sector writes ran at
+  a tenth of the link speed on the H200);
 * a persistent grid (a fixed number of one-warp programs per SM) walks the items,
-  and the page count ``n`` and the ids are read from a pinned slot, not passed as
-  arguments, so a launch for a given slot is identical for every call and is
+  each program loading its next item's addresses while it copies the current
+  one, and the page count ``n`` and the ids are read from an id slot, not passed
+  as arguments, so a launch for a given slot is identical for every call and is
   captured once in a CUDA graph.
 
-The id slot holds ``[n, device ids..., host ids...]``; host pages are pinned and
-read/written in place through unified addressing (zero-copy), so there is no
-staging buffer, no id upload and no second copy.  Addresses are word offsets from
-one anchor tensor.  Bytes are moved as integer words, so copies are bit-exact
-whatever the bytes encode.  Runs on CPU tensors under ``TRITON_INTERPRET=1`` (tests).
+The id slot holds ``[n, device ids..., host ids...]`` (on the device: the engine
+copies it there inside the same graph); host pages are pinned and read/written
+in place through unified addressing (zero-copy), so there is no staging buffer
+and no second copy.  Addresses are word offsets from one anchor tensor.  Bytes
+are moved as integer words, so copies are bit-exact whatever the bytes encode.
+Runs on CPU tensors under ``TRITON_INTERPRET=1`` (tests).
 """
 
 from __future__ import annotations
