@@ -74,8 +74,8 @@ def _register_transfer(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--layout", choices=["layer_first", "page_first"], default="layer_first",
                    help="host pool memory layout (default %(default)s)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    p.add_argument("--min-reps", type=positive_int, default=None, help="timed calls at least (cpu 1, cuda 10)")
-    p.add_argument("--max-reps", type=positive_int, default=None, help="timed calls at most (cpu 3, cuda 100)")
+    p.add_argument("--min-reps", type=positive_int, default=None, help="timed calls at least (cpu 3, cuda 10)")
+    p.add_argument("--max-reps", type=positive_int, default=None, help="timed calls at most (cpu 40, cuda 100)")
     p.add_argument("--budget", type=positive_float, default=None,
                    help="seconds of timed calls per technique (cpu 0.1, cuda 0.3)")
     p.add_argument("--seed", type=nonneg_int, default=0, help="seed of the scattered page pattern (default 0)")
@@ -113,7 +113,7 @@ def _run_transfer(args: argparse.Namespace) -> int:
     cases = bench_transfer.grid(base, args.pp, args.stage, args.page_size, args.layers, mix, kind_mib, args.kind)
     settings = bench_transfer.Settings(
         device=device, page_size=args.page_size, layout=args.layout, seed=args.seed,
-        min_reps=args.min_reps or (10 if cuda else 1), max_reps=args.max_reps or (100 if cuda else 3),
+        min_reps=args.min_reps or (10 if cuda else 3), max_reps=args.max_reps or (100 if cuda else 40),
         budget_s=args.budget if args.budget is not None else (0.3 if cuda else 0.1), sweep=args.sweep,
         engine=bench_transfer.engine_options(args.chunk_bytes, args.programs_per_sm, args.num_warps))
     report = bench_transfer.run_bench(cases, settings, base.name)
