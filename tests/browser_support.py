@@ -39,9 +39,15 @@ MARKS = [
 
 
 def _wait(predicate, timeout: float = 30.0, what: str = "condition"):
+    """Poll ``predicate`` until truthy; an element the page re-rendered mid-read is read again."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
     deadline = time.monotonic() + timeout
     while True:
-        value = predicate()
+        try:
+            value = predicate()
+        except StaleElementReferenceException:
+            value = None
         if value:
             return value
         if time.monotonic() > deadline:
