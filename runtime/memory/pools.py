@@ -50,19 +50,10 @@ def available_memory_bytes(device: Any) -> int | None:
     return None  # meta and other devices: no limit we can know
 
 
-def host_available_bytes() -> int | None:
-    """``MemAvailable`` from /proc/meminfo (None where there is no such file)."""
-    mem = read_meminfo()
-    return None if mem is None else mem.available
-
-
 def _check_num_pages(num_pages: object, what: str) -> int:
     if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0:
         raise ConfigError(f"{what}: number of pages must be a positive integer, got {num_pages!r}")
     return num_pages
-
-
-_fmt_bytes = fmt_bytes  # the one byte formatter (host_tier), under its historical name here
 
 
 def stage_plan(stage_map: StageLayerMap, ratios: Sequence[int], faults: Sequence[Fault] = (),
@@ -165,7 +156,7 @@ class StagePools(_StageBuffers):
                     if fit else "no page count fits: free memory or use a larger device")
             raise ConfigError(
                 f"{where}: {self.num_pages} pages x {self.token_page_bytes()} B per token page "
-                f"= {_fmt_bytes(need)} needed, only {_fmt_bytes(free)} free on {self.device}; {hint}"
+                f"= {fmt_bytes(need)} needed, only {fmt_bytes(free)} free on {self.device}; {hint}"
             )
 
     # -- sizes -------------------------------------------------------------------------------
