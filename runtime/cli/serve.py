@@ -69,10 +69,13 @@ class _Stop(Exception):
         super().__init__(signal.Signals(signum).name)
 
 
-def _install_signal_handlers() -> dict[int, Any]:
+def _install_signal_handlers(fired: list[int]) -> dict[int, Any]:
     """SIGINT/SIGTERM raise ``_Stop`` once; repeats (a second Ctrl-C, ``timeout`` forwarding the
-    signal) are ignored so the cleanup that the first one started is never interrupted."""
-    fired = []
+    signal) are ignored so the cleanup that the first one started is never interrupted.
+
+    ``fired`` gets the signal: a library that catches the ``_Stop`` raised inside it and raises
+    its own error instead (pydantic's JSON serializer does) is still read as the stop.
+    """
 
     def handler(signum: int, frame: Any) -> None:
         if fired:
@@ -363,7 +366,8 @@ def serve(opts: ServeOptions) -> int:
     run_dir, own, lock = _prepare_run_dir(opts, console)
     sup = Supervisor(opts, run_dir, log=lambda text: console.print(text, markup=False))
     r = _Run(opts, console, run_dir, own, lock, sup)
-    old_handlers = _install_signal_handlers()
+    fired: list[int] = []
+    old_handlers = _install_signal_handlers(fired)
     try:
         if opts.dashboard:
             _start_dashboard(r)
@@ -374,13 +378,22 @@ def serve(opts: ServeOptions) -> int:
             sup.start()
             with Progress(opts, console) as progress:
                 phase = sup.supervise(progress)
-        except _Stop as stop:
-            r.code = _interrupted(r, stop)
+        except Exception as exc:
+            r.code = _interrupted(r, _stop_of(exc, fired))
             return r.code
         r.code = _finished(r, phase)
         return r.code
-    except _Stop as stop:  # interrupted before the stages started
-        r.code = 130 if stop.signum == signal.SIGINT else 143
+    except Exception as exc:  # interrupted before the stages started
+        r.code = 130 if _stop_of(exc, fired).signum == signal.SIGINT else 143
         return r.code
     finally:
         _close(r, old_handlers)
+
+
+def _stop_of(exc: Exception, fired: list[int]) -> _Stop:
+    """The ``_Stop`` an exception stands for, or the exception itself when no signal came."""
+    if isinstance(exc, _Stop):
+        return exc
+    if fired:
+        return _Stop(fired[0])
+    raise exc
