@@ -91,7 +91,8 @@ def test_bench_command_json(capsys, tmp_path):
     assert ov["overhead_percent"] == pytest.approx(
         100 * ov["insight_seconds"] / (ov["replay_seconds"] - ov["insight_seconds"]), abs=0.01)
     pair = ov["paired"]
-    assert pair["repeats"] == 31 and pair["replay_seconds"] == stage0["replay"]["cpu_seconds"]
+    assert 3 <= pair["repeats"] <= 31  # 31 pairs at most, fewer once 5 s are spent
+    assert pair["replay_seconds"] == stage0["replay"]["cpu_seconds"]
     assert pair["metadata_on_seconds"] > 0 and pair["metadata_off_seconds"] > 0
     assert pair["overhead_percent"] == pytest.approx(
         100 * pair["insight_seconds"] / (pair["replay_seconds"] - pair["insight_seconds"]), abs=0.01)

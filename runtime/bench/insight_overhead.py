@@ -39,6 +39,8 @@ from ..cache.insight import CacheInsight
 DEFAULT_INSIGHT_SAMPLE = 64
 #: Pairs of metadata-only replays (with, without) of the overhead measurement.
 DEFAULT_OVERHEAD_REPEATS = 31
+#: Wall seconds the paired check may take (it stops adding pairs after that, three at least).
+PAIRED_BUDGET_S = 5.0
 #: What the insight may cost the default bench's replay.
 OVERHEAD_BUDGET_PERCENT = 1.0
 
@@ -103,12 +105,21 @@ def direct(row: dict[str, Any]) -> dict[str, Any]:
             "overhead_percent": round(100 * own / without, 3) if without > 0 else None}
 
 
-def measure(run: Callable[[bool], float], repeats: int, replay_seconds: float) -> dict[str, Any]:
+def measure(run: Callable[[bool], float], repeats: int, replay_seconds: float,
+            budget_s: float = PAIRED_BUDGET_S) -> dict[str, Any]:
     """``run(on)``: one metadata-only replay's CPU seconds; ``replay_seconds``: the reported
-    run's replay (with the insight), which the overhead is a share of."""
+    run's replay (with the insight), which the overhead is a share of.
+
+    At most ``repeats`` pairs, and no new pair once ``budget_s`` wall seconds are spent (after
+    the first three): a whole public trace takes seconds per replay, and the check must not
+    turn a 10-second bench into minutes.  ``repeats`` in the result is the pairs run.
+    """
     on_s: list[float] = []
     off_s: list[float] = []
+    t0 = time.perf_counter()
     for i in range(repeats):
+        if i >= 3 and time.perf_counter() - t0 > budget_s:
+            break
         order = ((False, off_s), (True, on_s))
         for on, out in order if i % 2 else order[::-1]:  # ABBA: neither always runs second
             gc.collect()
@@ -118,7 +129,7 @@ def measure(run: Callable[[bool], float], repeats: int, replay_seconds: float) -
     return {
         "method": "median of paired metadata-only replays (with - without insight), thread CPU "
                   "seconds, as a share of the reported replay without that cost",
-        "repeats": repeats,
+        "repeats": len(on_s),
         "metadata_on_seconds": round(statistics.median(on_s), 4),
         "metadata_off_seconds": round(statistics.median(off_s), 4),
         "insight_seconds": round(cost, 6),
