@@ -6,6 +6,7 @@ write the screenshots to docs/img/ for docs/dashboard.md.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -13,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -53,6 +55,17 @@ def _wait(predicate, timeout: float = 30.0, what: str = "condition"):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def cli_dashboard(port: int, *extra: str) -> Iterator[subprocess.Popen]:
+    """A ``stagecache dashboard --from-check`` subprocess for the block, stopped after it."""
+    proc = start_cli_dashboard(port, *extra)
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
 
 
 def start_cli_dashboard(port: int, *extra: str) -> subprocess.Popen:

@@ -22,6 +22,7 @@ from browser_support import (
     N_LIVE_CHARTS,
     _wait,
     badge,
+    cli_dashboard,
     go_running,
     js,
     load,
@@ -29,7 +30,6 @@ from browser_support import (
     phase_is,
     screenshot,
     severe_console_messages,
-    start_cli_dashboard,
 )
 from dashboard_sources import (
     PP,
@@ -45,8 +45,7 @@ pytestmark = MARKS
 def test_preflight_page_draws_one_layer_map_per_stage(driver, free_port, tmp_path):
     from selenium.webdriver.common.by import By
 
-    proc = start_cli_dashboard(free_port)
-    try:
+    with cli_dashboard(free_port):
         load(driver, f"http://127.0.0.1:{free_port}/")
         maps = driver.find_elements(By.CSS_SELECTOR, ".layer-map.js-plotly-plot")
         assert len(maps) == PP
@@ -66,16 +65,12 @@ def test_preflight_page_draws_one_layer_map_per_stage(driver, free_port, tmp_pat
         assert driver.execute_script("return window.stagecacheDashboard.failures") == 0
         assert severe_console_messages(driver) == []
         screenshot(driver, "dashboard.png", tmp_path)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 def test_fault_page_shows_every_error_row_and_red_pool(driver, free_port, tmp_path):
     from selenium.webdriver.common.by import By
 
-    proc = start_cli_dashboard(free_port, "--fault", "global-swa")
-    try:
+    with cli_dashboard(free_port, "--fault", "global-swa"):
         load(driver, f"http://127.0.0.1:{free_port}/")
         assert len(driver.find_elements(By.CSS_SELECTOR, ".layer-map.js-plotly-plot")) == PP
         rows = driver.find_elements(By.CSS_SELECTOR, "#stage-table tr.stage-row.error")
@@ -97,9 +92,6 @@ def test_fault_page_shows_every_error_row_and_red_pool(driver, free_port, tmp_pa
         assert "stage(s) invalid" in driver.find_element(By.ID, "overall").text
         assert severe_console_messages(driver) == []
         screenshot(driver, "dashboard-fault.png", tmp_path)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 
@@ -166,9 +158,8 @@ def test_a_failed_run_says_so_and_is_not_live(driver, free_port, tmp_path):
 def test_api_docs_work_offline_from_the_apps_own_assets(driver, free_port):
     from selenium.webdriver.common.by import By
 
-    proc = start_cli_dashboard(free_port)
     base = f"http://127.0.0.1:{free_port}"
-    try:
+    with cli_dashboard(free_port):
         spec = httpx.get(base + "/openapi.json", timeout=10).json()
         n_ops = sum(len(ops) for ops in spec["paths"].values())
         driver.get("about:blank")
@@ -190,9 +181,6 @@ def test_api_docs_work_offline_from_the_apps_own_assets(driver, free_port):
         assert any(u.endswith("redoc.standalone.js") for u in redoc[0].values())
         console = severe_console_messages(driver)
         assert all("cdn.redoc.ly" in m for m in console), console  # only the refused attribution logo
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 def test_starting_page_reloads_once_the_report_arrives(driver, free_port):

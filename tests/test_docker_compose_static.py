@@ -18,22 +18,15 @@ from typing import Any
 
 import pytest
 import yaml
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    tomllib = pytest.importorskip("tomli", reason="Python 3.10 needs tomli to read pyproject.toml")
-
-ROOT = Path(__file__).resolve().parents[1]
-DOCKER = ROOT / "docker"
-DASHBOARD = DOCKER / "grafana" / "dashboards" / "stagecache.json"
-DATASOURCES = DOCKER / "grafana" / "provisioning" / "datasources" / "prometheus.yml"
-DASHBOARD_PROVIDERS = DOCKER / "grafana" / "provisioning" / "dashboards" / "stagecache.yml"
-
-
-def load_yaml(path: Path) -> Any:
-    return yaml.safe_load(path.read_text())
-
+from docker_files import (
+    DASHBOARD,
+    DASHBOARD_PROVIDERS,
+    DATASOURCES,
+    DOCKER,
+    ROOT,
+    load_yaml,
+    tomllib,
+)
 
 # ---------------------------------------------------------------- what the exporter exposes
 

@@ -13,31 +13,13 @@ import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
-import pytest
-import yaml
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    tomllib = pytest.importorskip("tomli", reason="Python 3.10 needs tomli to read pyproject.toml")
-
-ROOT = Path(__file__).resolve().parents[1]
-DOCKER = ROOT / "docker"
-DASHBOARD = DOCKER / "grafana" / "dashboards" / "stagecache.json"
-DATASOURCES = DOCKER / "grafana" / "provisioning" / "datasources" / "prometheus.yml"
-DASHBOARD_PROVIDERS = DOCKER / "grafana" / "provisioning" / "dashboards" / "stagecache.yml"
+from docker_files import DASHBOARD, DATASOURCES, DOCKER, load_yaml
 
 METRIC_RE = re.compile(r"\bstagecache_[a-z0-9_]+")
 RECORDED_RE = re.compile(r"\bstagecache:[a-zA-Z0-9_:]+")
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
-
-
-def load_yaml(path: Path) -> Any:
-    return yaml.safe_load(path.read_text())
-
 
 # ---------------------------------------------------------------- what the exporter exposes
 
