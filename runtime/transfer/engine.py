@@ -76,10 +76,10 @@ class _Launch:
         self.tables, self.anchor = tables, anchor
         self.graphs: dict[tuple[int, int], tuple[Any, int]] = {}  # -> (graph, raw exec handle or 0)
 
-    def table_for(self, pages: int, programs: int) -> tuple[Any, kernels.ChunkTable]:
+    def table_for(self, pages: int, warps: int) -> tuple[Any, kernels.ChunkTable]:
         """The fine table when the coarse one would give fewer work items than the grid has warps."""
         coarse = self.tables[0]
-        return self.tables[-1] if pages * coarse[1].chunks < programs else coarse
+        return self.tables[-1] if pages * coarse[1].chunks < warps else coarse
 
 
 def bucket(pages: int, cap: int) -> int:
@@ -180,8 +180,8 @@ class TritonEngine:
     def submit(self, d2h: bool, plans: list[Plan], ids: PageIds, per_layer: bool) -> tuple[Any, Any, list]:
         """Queue one launch per plan; returns (start, end, per-plan events when ``per_layer``).
 
-        A move of more pages than a slot holds is queued in slot-sized pieces, each guarding
-        its slot with an event of its own, so a later piece may reuse the slot once it ran.
+        A move of more pages than a slot holds is queued in slot-sized pieces, each recording
+        its slot's guard event, so a later piece may reuse the slot once the earlier one ran.
         """
         import torch
 
@@ -199,10 +199,7 @@ class TritonEngine:
     def _submit_fast(self, launch: _Launch, ids: PageIds, d2h: bool, start: Any, end: Any) -> tuple[Any, Any, list]:
         """The common move (whole selection, one slot): three runtime calls on the caller's stream."""
         slot = self._slots.fill(ids.device, ids.host)
-        size = bucket(ids.count, self._slots.pages)
-        entry = launch.graphs.get((slot, size))
-        if entry is None:
-            entry = launch.graphs[(slot, size)] = self._capture(launch, slot, size, d2h)
+        entry = self._graph(launch, slot, bucket(ids.count, self._slots.pages), d2h)
         rt, stream = self._rt, cudart.raw_stream(self.device)
         assert rt is not None
         bad = rt.event_record(start.cuda_event, stream)
@@ -257,10 +254,14 @@ class TritonEngine:
             self._slots.upload(slot, size)
             self._launch(launch, slot, size, d2h)
             return
+        self._graph(launch, slot, size, d2h)[0].replay()
+
+    def _graph(self, launch: _Launch, slot: int, size: int, d2h: bool) -> tuple[Any, int]:
+        """The (graph, raw exec handle) of a slot and size bucket, captured on first use."""
         entry = launch.graphs.get((slot, size))
         if entry is None:
             entry = launch.graphs[(slot, size)] = self._capture(launch, slot, size, d2h)
-        entry[0].replay()
+        return entry
 
     def _launch(self, launch: _Launch, slot: int, size: int, d2h: bool) -> None:
         table, geometry = launch.table_for(size, self.warps)

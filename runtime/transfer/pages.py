@@ -101,16 +101,18 @@ class PageChecker:
         for ids, alloc in ((dev, self.allocators["device"]), (host, self.allocators["host"])):
             if ids.view(np.uint64).max() >= alloc.num_pages or not alloc.all_allocated(ids):
                 return False
-        out = dev if dest == "device" else host
-        pos = self._positions_for(out.shape[0])
-        marks = self._marks[dest]
-        marks[out] = pos
-        return bool((marks[out] == pos).all())
+        return not self._repeated(dest, dev if dest == "device" else host).any()
 
-    def _positions_for(self, n: int) -> np.ndarray:
+    def _repeated(self, side: str, ids: np.ndarray) -> np.ndarray:
+        """Mask of the ids listed more than once, without sorting: each position is written into
+        its page's slot, and a position that does not read back lost to a later duplicate."""
+        n = ids.shape[0]
         if self._positions.shape[0] < n:
             self._positions = np.arange(max(n, 2 * self._positions.shape[0]), dtype=np.int64)
-        return self._positions[:n]
+        pos = self._positions[:n]
+        marks = self._marks[side]
+        marks[ids] = pos
+        return marks[ids] != pos
 
     def _small_ok(self, dev: list[int], host: list[int], dest: str) -> bool:
         """The common move of a few pages: every check on Python lists, True when all pass."""
@@ -120,15 +122,11 @@ class PageChecker:
         out = dev if dest == "device" else host
         return len(out) < 2 or len(set(out)) == len(out)
 
+    # -- only once a check above failed: find what is wrong and say it ----------------------
     def _check_side(self, side: str, ids: np.ndarray) -> None:
         alloc = self.allocators[side]
         n = alloc.num_pages
-        if ids.shape[0] <= SMALL:
-            lst = ids.tolist()
-            lo, hi = min(lst), max(lst)
-        else:
-            lo, hi = ids.min(), ids.max()
-        if lo < 0 or hi >= n:
+        if ids.min() < 0 or ids.max() >= n:
             bad = ids[(ids < 0) | (ids >= n)].tolist()
             raise TransferError(
                 f"stage {self.stage}: {side} page id(s) {bad[:8]}{'...' if len(bad) > 8 else ''} "
@@ -142,13 +140,7 @@ class PageChecker:
             )
 
     def _check_unique(self, side: str, ids: np.ndarray) -> None:
-        n = ids.shape[0]
-        if n < 2 or (n <= SMALL and len(set(ids.tolist())) == n):
-            return
-        pos = self._positions_for(n)
-        marks = self._marks[side]
-        marks[ids] = pos
-        lost = marks[ids] != pos
+        lost = self._repeated(side, ids)
         if lost.any():
             dup = sorted(set(ids[lost].tolist()))
             raise TransferError(
