@@ -85,8 +85,12 @@ def test_bench_command_json(capsys, tmp_path):
         assert row["insight"]["histograms"]["device"]["lifetime"]["counts"][-1] > 0
     # what the insight costs the replay, measured in the same run (the figure: the bench, not here)
     ov, stage0 = out["insight_overhead"], out["per_stage"]["hicache"][0]
-    assert ov["insight_seconds"] == stage0["insight"]["own_seconds"] > 0
+    assert ov["timed_seconds"] == stage0["insight"]["own_seconds"] > 0
     assert ov["calls"] == stage0["insight"]["timed_calls"] >= 80  # a lookup per request at least
+    # the timer's own cost per call is measured (a timed no-op) and taken off, never below zero
+    assert 0 < ov["timer_floor_us"] < 50
+    assert ov["insight_seconds"] == pytest.approx(
+        max(0.0, ov["timed_seconds"] - ov["calls"] * ov["timer_floor_us"] / 1e6), abs=2e-6)
     assert ov["replay_seconds"] == stage0["replay"]["seconds"] and ov["budget_percent"] == 1.0
     assert ov["overhead_percent"] == pytest.approx(
         100 * ov["insight_seconds"] / (ov["replay_seconds"] - ov["insight_seconds"]), abs=0.01)
@@ -96,6 +100,7 @@ def test_bench_command_json(capsys, tmp_path):
     assert pair["metadata_on_seconds"] > 0 and pair["metadata_off_seconds"] > 0
     assert pair["overhead_percent"] == pytest.approx(
         100 * pair["insight_seconds"] / (pair["replay_seconds"] - pair["insight_seconds"]), abs=0.01)
+    assert pair["spread_percent"] >= 0 and pair["conclusive"] == (pair["spread_percent"] < 1.0)
 
 
 def test_bench_without_insight_keeps_none_and_refuses_to_measure_it(capsys):

@@ -151,6 +151,9 @@ def print_table(res: dict[str, Any]) -> None:
         pair = ov["paired"]
         con.print(f"cache insight (miss reasons, lifetimes): {ov['insight_seconds'] * 1000:.1f} ms of a "
                   f"{ov['replay_seconds']:.2f} s replay = {ov['overhead_percent']:.2f} % (budget "
-                  f"{ov['budget_percent']:g} %)"
+                  f"{ov['budget_percent']:g} %; {ov['timed_seconds'] * 1000:.1f} ms as timed, less "
+                  f"{ov['timer_floor_us']:.2f} us of timer per call)"
                   + (f"; paired metadata replays: {pair['overhead_percent']:.2f} % (median of "
-                     f"{pair['repeats']})" if pair and pair["overhead_percent"] is not None else ""))
+                     f"{pair['repeats']}, pairs spread +/- {pair['spread_percent']:.2f} %"
+                     + ("" if pair["conclusive"] else ": inconclusive, noise above the budget")
+                     + ")" if pair and pair["overhead_percent"] is not None else ""))

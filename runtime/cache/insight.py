@@ -38,39 +38,25 @@ and the reuse gap (time since the page's previous use -- its previous hit or
 its insertion -- when a lookup hits it).  Births are sampled (every
 ``sample_every``-th request or transfer call watches the entries it creates, by
 tree slot); the deaths of watched entries are caught exactly where an entry
-leaves a tier (``HiCache`` tests the slot against the tier's watch).  Reuse gaps are taken on every
-``sample_every``-th lookup.  The clock is ``seconds`` (``time.monotonic``,
-``serve``) or ``requests`` (lookups begun: a replay's trace time).
-"""
+leaves a tier (``HiCache`` tests the slot against the tier's watch).  Reuse gaps are taken on
+every ``sample_every``-th lookup.  The clock is ``seconds`` (``time.monotonic``, ``serve``) or
+``requests`` (lookups begun: a replay's trace time).  Observations are logged on the hot path
+and folded into the histograms with numpy (``lifetimes.py``)."""
 
 from __future__ import annotations
 
-import bisect
-import time
-from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from .keytable import GHOST
+from .lifetimes import CLOCKS, INSIGHT_TIERS, InsightClock, Lifetimes
 
 MISS_REASONS = ("never_seen", "evicted_from_device", "evicted_from_host", "dropped",
                 "writeback_pending", "partial_page_tail", "stage_disagreement")
 NEVER, FROM_DEVICE, FROM_HOST, DROPPED, WRITEBACK, TAIL, DISAGREE = range(len(MISS_REASONS))
-INSIGHT_TIERS = ("device", "host")
-CLOCKS = ("seconds", "requests")
-#: Histogram upper bounds per clock (Prometheus ``le``); +Inf is implied.
-BUCKETS: dict[str, tuple[float, ...]] = {
-    "seconds": (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
-                600.0, 1800.0, 3600.0),
-    "requests": (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768,
-                 65536),
-}
-HISTOGRAMS = ("lifetime", "idle", "reuse_gap")
 #: Entries watched at once per tier (a birth is not sampled while the tier's watch is full).
 MAX_WATCHED = 4096
-#: Clock marks kept (one per lookup); older ticks read as the oldest mark kept.
-MAX_MARKS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -91,32 +77,6 @@ class InsightConfig:
 
 #: What a ``HiCache`` keeps unless told otherwise: every lookup sampled, clock in lookups.
 DEFAULT_INSIGHT = InsightConfig()
-
-
-class Histogram:
-    """A fixed-bucket histogram (non-cumulative counts; ``snapshot`` makes them cumulative)."""
-
-    __slots__ = ("edges", "counts", "sum")
-
-    def __init__(self, edges: Sequence[float]):
-        self.edges = tuple(edges)
-        self.counts = [0] * (len(self.edges) + 1)
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.edges, value)] += 1
-        self.sum += value
-
-    @property
-    def count(self) -> int:
-        return sum(self.counts)
-
-    def cumulative(self) -> list[int]:
-        out, total = [], 0
-        for c in self.counts:
-            total += c
-            out.append(total)
-        return out
 
 
 class MissRecord:
@@ -148,38 +108,6 @@ class MissRecord:
                 start = end
 
 
-class InsightClock:
-    """Maps the tree's logical ticks to the insight clock, one mark per lookup."""
-
-    def __init__(self, kind: str):
-        self.kind = kind
-        self.ticks = array("q")
-        self.times: array | None = array("d") if kind == "seconds" else None
-        self.offset = 0  # lookups forgotten from the front (requests clock)
-
-    def trim(self) -> None:
-        if len(self.ticks) > MAX_MARKS:
-            half = len(self.ticks) // 2
-            del self.ticks[:half]
-            if self.times is not None:
-                del self.times[:half]
-            self.offset += half
-
-    def now(self) -> float:
-        """Seconds now, or the index of the latest lookup (a death during a lookup's own
-        allocation reads the lookup before it: the requests clock resolves one lookup)."""
-        if self.times is not None:
-            return time.monotonic()
-        return self.offset + len(self.ticks) - 1
-
-    def at(self, tick: int) -> float:
-        """Clock value of the last lookup at or before ``tick`` (the oldest mark if older)."""
-        i = max(0, bisect.bisect_right(self.ticks, tick) - 1)
-        if self.times is not None:
-            return self.times[i] if self.times else time.monotonic()
-        return self.offset + i
-
-
 class CacheInsight:
     """One stage's miss-reason counters, seen keys and sampled lifetimes (``HiCache.insight``).
 
@@ -198,10 +126,8 @@ class CacheInsight:
         self.counts = [0] * len(MISS_REASONS)
         self.hittable = 0  # immediate lookups: prompt tokens a lookup may match, summed
         self.clock = InsightClock(cfg.clock)
-        self._mark = self.clock.ticks.append
-        self._stamp_time = self.clock.times.append if self.clock.times is not None else None
-        edges = BUCKETS[cfg.clock]
-        self.hist = {(t, h): Histogram(edges) for t in range(len(INSIGHT_TIERS)) for h in HISTOGRAMS}
+        self._mark = self.clock.mark
+        self.lifetimes = Lifetimes(self.clock)
         #: per tier, watched slot -> its birth; ``HiCache`` tests membership where an entry leaves
         self.watch: tuple[dict[int, float], dict[int, float]] = ({}, {})
         self.every = cfg.sample_every
@@ -222,22 +148,19 @@ class CacheInsight:
         counters (``miss_tokens``), so a lookup costs a few operations.
         """
         self._mark(tick)
-        if self._stamp_time is not None:
-            self._stamp_time(time.monotonic())
         n = self.lookups = self.lookups + 1
         self.sampled = not n % self.every
         if not n & 255:
-            self.clock.trim()
+            self.lifetimes.trim_clock()
         if before is not None:
-            self._reuse(before, match.device)
-        miss = match.miss
+            self.lifetimes.reuse(before, match.device)
         if self.defer:
             matched = len(match.path)
-            runs = _runs(keys, matched, limit, miss, self.table) if matched < limit else []
+            runs = _runs(keys, matched, limit, match.miss, self.table) if matched < limit else []
             return MissRecord(input_len, self.stats.page_size, matched, limit, runs)
         self.hittable += top
-        if miss <= GHOST:  # its first missed page was cached before
-            self._count_evicted(keys, len(match.path), limit, miss, top)
+        if match.miss <= GHOST:  # its first missed page was cached before
+            self._count_evicted(keys, len(match.path), limit, match.miss, top)
         return None
 
     def _count_evicted(self, keys: list[int], matched: int, limit: int, miss: int, top: int) -> None:
@@ -255,12 +178,6 @@ class CacheInsight:
         for reason, tokens in record.reasons(agreed):
             counts[reason] += tokens
 
-    def _reuse(self, stamps: list[int], device_pages: int) -> None:
-        now, at = self.clock.now(), self.clock.at
-        dev, host = self.hist[0, "reuse_gap"], self.hist[1, "reuse_gap"]
-        for i, s in enumerate(stamps):
-            (dev if i < device_pages else host).observe(now - at(s))
-
     # -- births and deaths (sampled entries) -------------------------------------------------------
     def born(self, tier: int, slots: Iterable[int]) -> None:
         """The entries ``slots`` entered ``tier`` on a sampled path: watch them."""
@@ -272,15 +189,13 @@ class CacheInsight:
 
     def died(self, tier: int, slot: int, stamp: Any) -> None:
         """Watched ``slot`` left ``tier`` (``HiCache`` checks ``slot in watch[tier]`` first)."""
-        now = self.clock.now()
-        self.hist[tier, "lifetime"].observe(now - self.watch[tier].pop(slot))
-        self.hist[tier, "idle"].observe(now - self.clock.at(stamp[slot]))
+        _death(self, tier, slot, stamp)
 
     def left_device(self, slot: int, written_back: bool, stamp: Any) -> None:
         """Watched ``slot`` left the device; a write-back copy made for it is a host birth."""
-        self.died(0, slot, stamp)
+        now = _death(self, 0, slot, stamp)
         if written_back and len(self.watch[1]) < MAX_WATCHED:
-            self.watch[1][slot] = self.clock.now()
+            self.watch[1][slot] = now
 
     # -- reports -------------------------------------------------------------------------------------
     def miss_tokens(self) -> dict[str, dict[str, int]]:
@@ -294,9 +209,7 @@ class CacheInsight:
         return {"device": dict(host, evicted_from_device=s.host_hit_tokens), "host": host}
 
     def histograms(self) -> dict[str, dict[str, dict[str, Any]]]:
-        return {tier: {name: {"le": list(h.edges), "counts": h.cumulative(), "sum": h.sum}
-                       for name in HISTOGRAMS for h in (self.hist[t, name],)}
-                for t, tier in enumerate(INSIGHT_TIERS)}
+        return self.lifetimes.snapshot()
 
     def seen(self) -> dict[str, int]:
         """The evicted keys remembered: tombstones in the key table, and what they cost there
@@ -313,6 +226,16 @@ class CacheInsight:
                 "miss_tokens": self.miss_tokens(), "histograms": self.histograms(),
                 **self.seen(),
                 "watched": {t: len(w) for t, w in zip(INSIGHT_TIERS, self.watch, strict=True)}}
+
+
+def _death(ins: CacheInsight, tier: int, slot: int, stamp: Any) -> float:
+    """Observe the lifetime and idle time of watched ``slot`` leaving ``tier``; returns now.
+
+    A function, not a method: ``left_device`` calls it, and a subclass that times the entry
+    points (the bench's) must not count a death twice."""
+    now = ins.clock.now()
+    ins.lifetimes.death(tier, now, ins.watch[tier].pop(slot), stamp[slot])
+    return now
 
 
 def _runs(keys: list[int], start: int, limit: int, first: int, table: Any) -> list[tuple[int, int]]:
