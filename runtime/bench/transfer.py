@@ -10,8 +10,9 @@ Per grid point and direction every technique (``transfer_peers``: the contiguous
 ceiling, the per-page loop, the warp-per-item kernel; and stagecache) is first
 checked byte-exact on poisoned destinations, then timed: the median wall time
 from the call to the device being idle again, same clock for all.  stagecache's
-per-call overhead (host time from the call until its work is queued, taken with
-the device idle) is reported on its own.  Progress goes to stderr.
+per-call overhead (host time from the call until its work is queued, and until
+the call returns, taken with the device idle) is reported on its own.  Progress
+goes to stderr.
 """
 
 from __future__ import annotations
@@ -54,9 +55,9 @@ def kind_mib(cuda: bool) -> list[float]:
     """Default one-kind sizes; on CPU without 256 MiB (for the same reason)."""
     return list(KIND_MIB if cuda else KIND_MIB[:-1])
 #: Engine variants ``--sweep`` times on every grid point (stagecache only).
-SWEEP = (EngineOptions(), EngineOptions(device_ids=False), EngineOptions(graphs=False), EngineOptions(chunk_bytes=4096),
-         EngineOptions(chunk_bytes=16384), EngineOptions(chunk_bytes=32768, num_warps=2),
-         EngineOptions(programs_per_sm=16), EngineOptions(chunk_bytes=16384, programs_per_sm=16, num_warps=2))
+SWEEP = (EngineOptions(), EngineOptions(num_warps=1, programs_per_sm=32), EngineOptions(num_warps=2),
+         EngineOptions(programs_per_sm=64), EngineOptions(chunk_bytes=4096), EngineOptions(chunk_bytes=16384),
+         EngineOptions(num_warps=4, programs_per_sm=32), EngineOptions(chunk_bytes=16384, programs_per_sm=16, num_warps=2))
 
 
 @dataclass(frozen=True)
@@ -149,24 +150,27 @@ class _Clock:
             spent += samples[-1]
         return statistics.median(samples) * 1e3
 
-    def issue_us(self, fn: Callable[[], Any], move_ms: float) -> tuple[float, float]:
-        """Median host time of a call (warm, cold), in bursts of two after the device went idle.
+    def issue_us(self, fn: Callable[[], Any], move_ms: float) -> dict[str, float]:
+        """Median host times of a call, in bursts of two after the device went idle: from the
+        call to its copy queued on the stream (``issue``: the call's ``TransferResult.queued``)
+        and to the call's return (``call``: bookkeeping after the launch included).
 
         cold = the first call of a burst (the host thread just woke from waiting on the
         device); warm = the second, queued right behind the first, as in a steady stream
         of moves.  Neither waits for the device (the id ring has free slots).
         """
-        warm, cold = [], []
+        rows: list[tuple[float, float, float, float]] = []
         for _ in range(max(3, min(200, int(500 / max(move_ms, 1e-3))))):
             self.sync()
             t0 = time.perf_counter()
-            fn()
+            first = fn()
             t1 = time.perf_counter()
-            fn()
-            cold.append(t1 - t0)
-            warm.append(time.perf_counter() - t1)
+            second = fn()
+            t2 = time.perf_counter()
+            rows.append((second.queued - t1, first.queued - t0, t2 - t1, t1 - t0))
         self.sync()
-        return statistics.median(warm) * 1e6, statistics.median(cold) * 1e6
+        keys = ("issue_us", "issue_cold_us", "call_us", "call_cold_us")
+        return {k: round(statistics.median(r[i] for r in rows) * 1e6, 2) for i, k in enumerate(keys)}
 
 
 class _Pages:
@@ -305,13 +309,14 @@ def run_case(case: Case, s: Settings) -> tuple[list[dict[str, Any]], dict[str, A
         overhead = {d: clock.issue_us(lambda d2h=(d == "d2h"): stage.run(d2h), results["stagecache"][d]["ms"])
                     for d in ("d2h", "h2d")}
     else:  # synchronous engine: the call is the whole move
-        overhead = {d: (results["stagecache"][d]["ms"] * 1e3,) * 2 for d in ("d2h", "h2d")}
+        overhead = {d: dict.fromkeys(("issue_us", "issue_cold_us", "call_us", "call_cold_us"),
+                                     round(results["stagecache"][d]["ms"] * 1e3, 2)) for d in ("d2h", "h2d")}
     dma = {d: _dma_ms(stage, d == "d2h") for d in ("d2h", "h2d")}
     pages.controller.synchronize()
     sweep = _sweep(case, s, clock) if s.sweep else []
     rows = [_row(case, pages, direction, results) for direction in ("d2h", "h2d")]
     for row in rows:
-        row["issue_us"], row["issue_cold_us"] = (round(v, 2) for v in overhead[row["direction"]])
+        row.update(overhead[row["direction"]])
         row["stagecache_dma_ms"] = dma[row["direction"]]
         if sweep:
             row["sweep"] = [dict(v, ms=v["ms"][row["direction"]]) for v in sweep]

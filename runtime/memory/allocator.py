@@ -117,6 +117,11 @@ class PageAllocator:
             if not self._used[i]:
                 raise AllocatorError(f"{self.name}: {what} {i} is not allocated")
 
+    def used_address(self) -> int:
+        """Address of the one-byte-per-page "in use" map (``transfer/native.py`` reads it in C;
+        the bytes never move: the numpy view keeps the bytearray from resizing)."""
+        return int(self._used_np.ctypes.data)
+
     def all_allocated(self, ids: np.ndarray) -> bool:
         """Whether every id of an int64 array (already in range) is allocated now (see ``unallocated``)."""
         return bool(self._used_np[ids].all())

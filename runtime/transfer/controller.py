@@ -54,7 +54,7 @@ class TransferResult:
     """One transfer; done at once on CPU, tracked by CUDA events on GPU."""
 
     __slots__ = ("direction", "ids", "layers", "nbytes", "path", "seconds", "queue_seconds", "_start", "_end",
-                 "_layer_events", "_stats", "_engine", "called", "_kinds", "_reference")
+                 "_layer_events", "_stats", "_engine", "called", "queued", "_kinds", "_reference")
 
     def __init__(self, direction: str, ids: PageIds, plan: Plan, path: str, called: float = 0.0):
         self.direction = direction
@@ -66,6 +66,7 @@ class TransferResult:
         self.queue_seconds = 0.0  # the call (``perf_counter`` ``called``) to the copy's start
         self._kinds = plan.kinds
         self.called = called  # perf_counter() when backup/load was called
+        self.queued = called  # perf_counter() once the copy was queued (CUDA) or began (CPU)
         self._reference: Any = None  # (event, host time) of the EventClock, on CUDA
         self._start: Any = None
         self._end: Any = None
@@ -253,13 +254,15 @@ class TransferController:
                 for step in steps:
                     self.engine.run(step, ids, direction == "d2h")
                 t1 = time.perf_counter()
-            result.seconds, result.queue_seconds = t1 - t0, t0 - called
+            result.seconds, result.queue_seconds, result.queued = t1 - t0, t0 - called, t0
             result._finish()
             return result
         # the clock's reference precedes the start event (a new one is due at most twice a second)
         reference = self._clock.reference(called) if self._clock is not None else None
         start, end, events = self.engine.submit(direction == "d2h", steps, ids, per_layer)
+        queued = time.perf_counter()
         result = TransferResult(direction, ids, plan, self.path, called)
+        result.queued = queued
         result._stats, result._engine, result._start, result._end = self.stats, self.engine, start, end
         result._reference = reference
         if per_layer:

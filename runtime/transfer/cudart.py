@@ -42,7 +42,8 @@ def _candidates() -> list[str]:
 
 
 class Runtime:
-    """ctypes entry points: event record, graph launch, async memcpy; each returns a cudaError_t."""
+    """ctypes entry points: event record and query, graph launch, async memcpy; each returns a
+    cudaError_t."""
 
     def __init__(self, lib: Any):
         vp = ctypes.c_void_p
@@ -50,14 +51,19 @@ class Runtime:
         lib.cudaGraphLaunch.argtypes = [vp, vp]
         lib.cudaMemcpyAsync.argtypes = [vp, vp, ctypes.c_size_t, ctypes.c_int, vp]
         lib.cudaEventElapsedTime.argtypes = [ctypes.POINTER(ctypes.c_float), vp, vp]
-        for fn in (lib.cudaEventRecord, lib.cudaGraphLaunch, lib.cudaMemcpyAsync, lib.cudaEventElapsedTime):
+        lib.cudaEventQuery.argtypes = [vp]
+        for fn in (lib.cudaEventRecord, lib.cudaGraphLaunch, lib.cudaMemcpyAsync, lib.cudaEventElapsedTime,
+                   lib.cudaEventQuery):
             fn.restype = ctypes.c_int
+        self.event_query = lib.cudaEventQuery  # 0: done; 600 (cudaErrorNotReady): not yet
         self.event_record = lib.cudaEventRecord
         self.graph_launch = lib.cudaGraphLaunch
         self.memcpy_async = lib.cudaMemcpyAsync
         self._elapsed = lib.cudaEventElapsedTime
         self._ms = ctypes.c_float()
         self._ms_ref = ctypes.byref(self._ms)
+        # the same entry points as addresses, for C code that calls them (``native.py``)
+        self.functions = [ctypes.cast(f, ctypes.c_void_p).value for f in (lib.cudaEventRecord, lib.cudaGraphLaunch)]
 
     def elapsed_ms(self, start: Any, end: Any) -> float:
         """Milliseconds between two finished timing events (torch ``Event``s), as ``elapsed_time``."""

@@ -33,7 +33,7 @@ from typing import Any
 
 from ..memory.host_pools import HostPools
 from ..memory.pools import StagePools
-from . import cudart, kernels
+from . import cudart, kernels, native
 from .pages import PageIds
 from .plan import Plan
 
@@ -94,7 +94,8 @@ class _Slots:
     it to the slot's device twin, so the kernel's many id reads stay on the device.
     """
 
-    def __init__(self, slots: int, pages: int, anchor_addr: int, device: Any, device_ids: bool):
+    def __init__(self, slots: int, pages: int, anchor_addr: int, device: Any, device_ids: bool,
+                 rt: cudart.Runtime | None = None):
         import torch
 
         self.pages = pages
@@ -108,6 +109,8 @@ class _Slots:
         self.guards: list[Any] = [torch.cuda.Event() for _ in range(slots)]
         for g in self.guards:
             g.record()  # creates the CUDA event (its handle is used by raw runtime calls)
+        # the bare query where there is a runtime (torch's costs a few us on the hot path)
+        self._done = (lambda g: rt.event_query(g.cuda_event) == 0) if rt is not None else (lambda g: g.query())
         self.next = 0
 
     def fill(self, dev: Any, host: Any) -> int:
@@ -115,7 +118,7 @@ class _Slots:
         k = self.next
         self.next = (k + 1) % len(self.offsets)
         guard = self.guards[k]
-        if not guard.query():
+        if not self._done(guard):
             guard.synchronize()  # backpressure: RING_SLOTS transfers are still queued
         _write_ids(self.arrays[k], dev, host)
         return k
@@ -151,6 +154,7 @@ class TritonEngine:
         self._launches: dict[tuple[Plan, bool], _Launch] = {}
         self._events: list[tuple[Any, Any]] = []
         self._rt: cudart.Runtime | None = None
+        self._launch4: Any = None
         if self.cuda:
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
             self.programs = sms * self.options.programs_per_sm
@@ -158,8 +162,16 @@ class TritonEngine:
             self.stream = torch.cuda.Stream(self.device)  # layer-by-layer loads only
             self._entry = torch.cuda.Event()
             pages = max(1, min(SLOT_PAGES_MAX, max(dp.num_pages, hp.num_pages)))
-            self._slots = _Slots(RING_SLOTS, pages, self._anchor.data_ptr(), self.device, self.options.device_ids)
             self._rt = cudart.runtime() if self.options.graphs else None
+            # the four runtime calls of a move in one call into C (None: four ctypes calls)
+            self._launch4 = native.launch_function() if self._rt is not None else None
+            if self._launch4 is not None:
+                import numpy as np
+
+                self._fns = np.array(self._rt.functions, dtype=np.int64)  # type: ignore[union-attr]
+                self._fns_at = int(self._fns.ctypes.data)
+            self._slots = _Slots(RING_SLOTS, pages, self._anchor.data_ptr(), self.device, self.options.device_ids,
+                                 self._rt)
         else:
             self.programs = self.warps = 3  # interpreter: a few programs still exercise the persistent loop
 
@@ -197,15 +209,20 @@ class TritonEngine:
         return self._queue_pieces(start, end, launches, ids, d2h, per_layer)  # caller's stream: no switch
 
     def _submit_fast(self, launch: _Launch, ids: PageIds, d2h: bool, start: Any, end: Any) -> tuple[Any, Any, list]:
-        """The common move (whole selection, one slot): three runtime calls on the caller's stream."""
+        """The common move (whole selection, one slot): four runtime calls on the caller's stream
+        (start, graph, end, the slot's guard), made from C where ``native.py`` could be built."""
         slot = self._slots.fill(ids.device, ids.host)
         entry = self._graph(launch, slot, bucket(ids.count, self._slots.pages), d2h)
         rt, stream = self._rt, cudart.raw_stream(self.device)
         assert rt is not None
-        bad = rt.event_record(start.cuda_event, stream)
-        bad |= rt.graph_launch(entry[1], stream) if entry[1] else (entry[0].replay() or 0)
-        bad |= rt.event_record(end.cuda_event, stream)
-        bad |= rt.event_record(self._slots.guards[slot].cuda_event, stream)
+        if entry[1] and self._launch4 is not None:
+            bad = self._launch4(self._fns_at, stream, start.cuda_event, entry[1], end.cuda_event,
+                                self._slots.guards[slot].cuda_event)
+        else:
+            bad = rt.event_record(start.cuda_event, stream)
+            bad |= rt.graph_launch(entry[1], stream) if entry[1] else (entry[0].replay() or 0)
+            bad |= rt.event_record(end.cuda_event, stream)
+            bad |= rt.event_record(self._slots.guards[slot].cuda_event, stream)
         if bad:
             raise RuntimeError(f"CUDA runtime error {bad} while queuing a stage move")
         return start, end, []

@@ -1,10 +1,12 @@
-"""Page ids at the transfer boundary: converted once, checked in a few vectorised numpy steps.
+"""Page ids at the transfer boundary: converted once, checked in one C pass (or a few numpy steps).
 
 Every transfer checks its ids before any byte moves: integers, same count on
 both sides, in range, allocated in the pools' allocators right now, and no
 destination page listed twice (the result would depend on copy order).  The
-checks are one numpy operation each, a few microseconds for the few pages of a
-typical HiCache move, so they stay on even on the hot path.
+checks run in one compiled loop (``native.py``), or where no compiler is at hand
+as one numpy operation each (Python lists for a few ids), so they stay on even on
+the hot path.  Only once a check failed do the numpy checks run again to name
+what is wrong.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import numpy as np
 
 from ..errors import StageCacheError
 from ..memory.allocator import PageAllocator
+from . import native
 
 
 class TransferError(StageCacheError, ValueError):
@@ -74,6 +77,17 @@ class PageChecker:
         # duplicate test without sorting: write each position into its page's slot, read back
         self._marks = {side: np.zeros(a.num_pages, dtype=np.int64) for side, a in self.allocators.items()}
         self._positions = np.arange(0, dtype=np.int64)
+        # the one-pass C check (``native.py``): the ids go into a scratch array whose address is
+        # known (numpy's own address lookup costs more than the check), marks carry a generation
+        self._native = native.ids_ok_function()
+        if self._native is not None:
+            self._cap = cap = max(device.num_pages, host.num_pages)
+            self._scratch = np.zeros(2 * cap, dtype=np.int64)
+            self._gen_marks = [np.zeros(a.num_pages, dtype=np.int64) for a in (device, host)]
+            self._ctx = np.array([device.used_address(), device.num_pages, host.used_address(),
+                                  host.num_pages, *(int(m.ctypes.data) for m in self._gen_marks),
+                                  int(self._scratch.ctypes.data), cap, 0], dtype=np.int64)
+            self._ctx_at = int(self._ctx.ctypes.data)
 
     def check(self, device_pages: object, host_pages: object, dest: str) -> PageIds:
         """Both id lists as int64 arrays, or ``TransferError`` naming stage, side and ids."""
@@ -85,12 +99,22 @@ class PageChecker:
                 "each device page needs exactly one host page"
             )
         n = dev.shape[0]
-        if n and not (self._small_ok(dev.tolist(), host.tolist(), dest) if n <= SMALL
+        if n and not (self._native_ok(dev, host, dest) if self._native is not None
+                      else self._small_ok(dev.tolist(), host.tolist(), dest) if n <= SMALL
                       else self._vector_ok(dev, host, dest)):
             for side, ids in (("device", dev), ("host", host)):  # names what is wrong
                 self._check_side(side, ids)
             self._check_unique(dest, dev if dest == "device" else host)
         return PageIds(dev, host)
+
+    def _native_ok(self, dev: np.ndarray, host: np.ndarray, dest: str) -> bool:
+        """Every check in one C pass over a copy of the ids; True when all pass."""
+        n, cap, s = dev.shape[0], self._cap, self._scratch
+        if n > cap:  # more pages than a side has: a destination repeats (the error path says so)
+            return False
+        s[:n] = dev
+        s[cap:cap + n] = host
+        return self._native(self._ctx_at, n, dest == "device") == 1
 
     def _vector_ok(self, dev: np.ndarray, host: np.ndarray, dest: str) -> bool:
         """Every check in as few numpy passes as they take; True when all pass.
