@@ -109,6 +109,11 @@ class _Slots:
         self.guards: list[Any] = [torch.cuda.Event() for _ in range(slots)]
         for g in self.guards:
             g.record()  # creates the CUDA event (its handle is used by raw runtime calls)
+        #: per slot, the event after the last launch that reads it: its guard, or the end event
+        #: of a one-launch move (one record less per move; once that move is done its end event
+        #: may be recorded again by a later move, which only ever makes the wait longer)
+        self.marks: list[Any] = list(self.guards)
+        self.rows = [self.arrays[k] for k in range(slots)]
         # the bare query where there is a runtime (torch's costs a few us on the hot path)
         self._done = (lambda g: rt.event_query(g.cuda_event) == 0) if rt is not None else (lambda g: g.query())
         self.next = 0
@@ -116,12 +121,17 @@ class _Slots:
     def fill(self, dev: Any, host: Any) -> int:
         """Write the ids (at most ``pages``) into the next free slot; returns the slot."""
         k = self.next
-        self.next = (k + 1) % len(self.offsets)
-        guard = self.guards[k]
-        if not self._done(guard):
-            guard.synchronize()  # backpressure: RING_SLOTS transfers are still queued
-        _write_ids(self.arrays[k], dev, host)
+        self.next = (k + 1) % len(self.rows)
+        mark = self.marks[k]
+        if not self._done(mark):
+            mark.synchronize()  # backpressure: RING_SLOTS transfers are still queued
+        _write_ids(self.rows[k], dev, host)
         return k
+
+    def guard(self, slot: int) -> None:
+        """Record the slot's own guard on the current stream (after a piece that reads it)."""
+        self.guards[slot].record()
+        self.marks[slot] = self.guards[slot]
 
     def upload(self, slot: int, pages: int) -> None:
         """Queue the copy of the slot's first ``pages`` ids to the device (a no-op for host ids)."""
@@ -209,22 +219,23 @@ class TritonEngine:
         return self._queue_pieces(start, end, launches, ids, d2h, per_layer)  # caller's stream: no switch
 
     def _submit_fast(self, launch: _Launch, ids: PageIds, d2h: bool, start: Any, end: Any) -> tuple[Any, Any, list]:
-        """The common move (whole selection, one slot): four runtime calls on the caller's stream
-        (start, graph, end, the slot's guard), made from C where ``native.py`` could be built."""
-        slot = self._slots.fill(ids.device, ids.host)
-        entry = self._graph(launch, slot, bucket(ids.count, self._slots.pages), d2h)
+        """The common move (whole selection, one slot): three runtime calls on the caller's stream
+        (start, graph, end; the end event guards the slot), made from C where ``native.py`` could
+        be built."""
+        slots = self._slots
+        slot = slots.fill(ids.device, ids.host)
+        entry = self._graph(launch, slot, bucket(ids.count, slots.pages), d2h)
         rt, stream = self._rt, cudart.raw_stream(self.device)
         assert rt is not None
         if entry[1] and self._launch4 is not None:
-            bad = self._launch4(self._fns_at, stream, start.cuda_event, entry[1], end.cuda_event,
-                                self._slots.guards[slot].cuda_event)
+            bad = self._launch4(self._fns_at, stream, start.cuda_event, entry[1], end.cuda_event, None)
         else:
             bad = rt.event_record(start.cuda_event, stream)
             bad |= rt.graph_launch(entry[1], stream) if entry[1] else (entry[0].replay() or 0)
             bad |= rt.event_record(end.cuda_event, stream)
-            bad |= rt.event_record(self._slots.guards[slot].cuda_event, stream)
         if bad:
             raise RuntimeError(f"CUDA runtime error {bad} while queuing a stage move")
+        slots.marks[slot] = end
         return start, end, []
 
     def _new_events(self) -> tuple[Any, Any]:
@@ -251,7 +262,7 @@ class TritonEngine:
                 if per_layer and last:  # the last piece of a layer ends that layer
                     events.append(torch.cuda.Event())
                     events[-1].record()
-            self._slots.guards[slot].record()
+            self._slots.guard(slot)
             if last:
                 end.record()
         return start, end, events

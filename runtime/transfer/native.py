@@ -16,9 +16,9 @@ sits in a context array, so a call passes three arguments.  The duplicate test
 keeps one generation counter per call instead of clearing a mark array: a page
 whose mark equals this call's generation was listed before in this call.
 
-The launch: a stage move queues four things on the caller's stream (start event,
-graph, end event, the id slot's guard), each a bare CUDA runtime call through
-ctypes (``cudart.py``).  ``stagecache_launch`` makes the four calls from C through
+The launch: a stage move queues three or four things on the caller's stream
+(start event, graph, end event, an id slot's guard), each a bare CUDA runtime call
+through ctypes (``cudart.py``).  ``stagecache_launch`` makes them from C through
 the runtime's own function addresses, so Python crosses into C once per move.
 """
 
@@ -67,8 +67,8 @@ typedef int (*record_fn)(void *event, void *stream);
 typedef int (*launch_fn)(void *exec, void *stream);
 
 /* fns: the addresses of cudaEventRecord and cudaGraphLaunch in the process's CUDA runtime.
-   Queues a stage move on stream -- start event, graph, end event, the id slot's guard event --
-   in one call from Python instead of four; returns the first CUDA error (0: none). */
+   Queues a stage move on stream -- start event, graph, end event, and the id slot's guard
+   event when one is given -- in one call from Python; returns the first CUDA error (0: none). */
 int stagecache_launch(const int64_t *fns, void *stream, void *start, void *exec, void *end,
                       void *guard)
 {
@@ -79,7 +79,7 @@ int stagecache_launch(const int64_t *fns, void *stream, void *start, void *exec,
         err = launch(exec, stream);
     if (!err)
         err = record(end, stream);
-    if (!err)
+    if (!err && guard)
         err = record(guard, stream);
     return err;
 }
