@@ -17,10 +17,8 @@ goes to stderr.
 
 from __future__ import annotations
 
-import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -40,7 +38,7 @@ from ..transfer.plan import build_plan, mirrored_kinds
 from ..transfer.stats import gbps
 from . import transfer_peers as peers
 from .transfer_ram import case_slack, check_cases_ram
-from .transfer_report import MIB, PEERS, summary
+from .transfer_report import MIB, PEERS, environment, summary
 
 MIX_PAGES = (1, 4, 16, 64, 256)
 KIND_MIB = (4, 64, 256)
@@ -353,30 +351,6 @@ def _sweep(case: Case, s: Settings, clock: _Clock) -> list[dict[str, Any]]:
         out.append({"options": options.__dict__, "ms": {d: round(v["ms"], 4) for d, v in r.items()}})
         del pages
     return out
-
-
-def environment(device: str) -> dict[str, Any]:
-    """GPU name, driver, versions, date: the header of every result file."""
-    import torch
-
-    env: dict[str, Any] = {"device": device, "gpu": None, "driver": None, "torch": torch.__version__,
-                           "triton": None, "python": platform.python_version(),
-                           "date": time.strftime("%Y-%m-%d", time.gmtime())}
-    try:
-        import triton
-
-        env["triton"] = triton.__version__
-    except ImportError:
-        pass
-    if device.startswith("cuda"):
-        env["gpu"] = torch.cuda.get_device_name(torch.device(device))
-        try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=20)
-            env["driver"] = out.stdout.strip().splitlines()[0] if out.returncode == 0 else None
-        except (OSError, subprocess.SubprocessError, IndexError):
-            env["driver"] = None
-    return env
 
 
 def run_bench(cases: list[Case], s: Settings, model: str) -> dict[str, Any]:

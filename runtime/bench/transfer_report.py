@@ -1,4 +1,5 @@
-"""Reading ``bench transfer`` reports: the targets check and the markdown table of the docs.
+"""``bench transfer`` reports: the header every report starts with (GPU, driver, versions,
+date), the targets check, and the markdown table of the docs.
 
 One reader for the CPU and the GPU output (same schema).  ``docs/bench-transfer.md``
 holds the table rendered from ``docs/bench/transfer-h200.json`` between two marker
@@ -8,6 +9,9 @@ test checks that the document equals the render.
 
 from __future__ import annotations
 
+import platform
+import subprocess
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -104,3 +108,27 @@ def generated_section(doc: str) -> str:
     if start < 0 or end < start:
         raise ValueError("the document has no generated bench-transfer section (marker lines missing)")
     return doc[start:end + len(END)] + "\n"
+
+
+def environment(device: str) -> dict[str, Any]:
+    """GPU name, driver, versions, date: the header of every result file."""
+    import torch
+
+    env: dict[str, Any] = {"device": device, "gpu": None, "driver": None, "torch": torch.__version__,
+                           "triton": None, "python": platform.python_version(),
+                           "date": time.strftime("%Y-%m-%d", time.gmtime())}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if device.startswith("cuda"):
+        env["gpu"] = torch.cuda.get_device_name(torch.device(device))
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=20)
+            env["driver"] = out.stdout.strip().splitlines()[0] if out.returncode == 0 else None
+        except (OSError, subprocess.SubprocessError, IndexError):
+            env["driver"] = None
+    return env
