@@ -119,3 +119,37 @@ def test_the_check_is_built_into_a_fresh_cache(monkeypatch, tmp_path):
     assert native.ids_ok_function() is not None
     built = list((tmp_path / "stagecache").glob("ids-*.so"))
     assert len(built) == 1 and built[0].stat().st_size > 0
+
+
+def test_checks_from_several_threads_keep_their_answers():
+    """Transfers on the CPU engines may be called from several threads; the checks share their
+    scratch arrays, so each call's answer must still be its own (good moves pass, repeats fail)."""
+    import threading
+
+    dev, host = _allocators([], [])
+    checker = PageChecker(0, dev, host)
+    wrong: list[str] = []
+
+    def work(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for i in range(400):
+            n = int(rng.integers(1, 40))
+            h = rng.choice(HOST_PAGES, n, replace=False)
+            d = rng.choice(DEV_PAGES, n)
+            bad = i % 3 == 0 and n > 1
+            if bad:
+                h[-1] = h[0]
+            try:
+                checker.check(d, h, "host")
+                if bad:
+                    wrong.append(f"accepted a repeat: {h.tolist()}")
+            except TransferError as exc:
+                if not bad:
+                    wrong.append(f"refused a good move: {exc}")
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not wrong, wrong[:3]

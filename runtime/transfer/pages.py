@@ -11,6 +11,7 @@ what is wrong.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,6 +78,7 @@ class PageChecker:
         # duplicate test without sorting: write each position into its page's slot, read back
         self._marks = {side: np.zeros(a.num_pages, dtype=np.int64) for side, a in self.allocators.items()}
         self._positions = np.arange(0, dtype=np.int64)
+        self._lock = threading.Lock()
         # the one-pass C check (``native.py``): the ids go into a scratch array whose address is
         # known (numpy's own address lookup costs more than the check), marks carry a generation
         self._native = native.ids_ok_function()
@@ -99,12 +101,15 @@ class PageChecker:
                 "each device page needs exactly one host page"
             )
         n = dev.shape[0]
-        if n and not (self._native_ok(dev, host, dest) if self._native is not None
-                      else self._small_ok(dev.tolist(), host.tolist(), dest) if n <= SMALL
-                      else self._vector_ok(dev, host, dest)):
-            for side, ids in (("device", dev), ("host", host)):  # names what is wrong
-                self._check_side(side, ids)
-            self._check_unique(dest, dev if dest == "device" else host)
+        if not n:
+            return PageIds(dev, host)
+        with self._lock:  # the scratch and mark arrays are shared (the C call releases the GIL)
+            if not (self._native_ok(dev, host, dest) if self._native is not None
+                    else self._small_ok(dev.tolist(), host.tolist(), dest) if n <= SMALL
+                    else self._vector_ok(dev, host, dest)):
+                for side, ids in (("device", dev), ("host", host)):  # names what is wrong
+                    self._check_side(side, ids)
+                self._check_unique(dest, dev if dest == "device" else host)
         return PageIds(dev, host)
 
     def _native_ok(self, dev: np.ndarray, host: np.ndarray, dest: str) -> bool:
