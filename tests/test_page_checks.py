@@ -100,7 +100,6 @@ def test_no_compiler_or_switched_off_means_numpy(monkeypatch):
     monkeypatch.setattr(native, "_LOADED", [])
     monkeypatch.delenv("STAGECACHE_NATIVE")
     monkeypatch.setenv("XDG_CACHE_HOME", "/nonexistent/cache")
-    monkeypatch.setattr(native.tempfile, "gettempdir", lambda: "/nonexistent/tmp")
     monkeypatch.setattr(native.shutil, "which", lambda name: None)
     monkeypatch.delenv("CC", raising=False)
     assert native.ids_ok_function() is None
@@ -153,3 +152,23 @@ def test_checks_from_several_threads_keep_their_answers():
     for t in threads:
         t.join()
     assert not wrong, wrong[:3]
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+def test_a_cache_others_can_write_is_not_loaded_from(monkeypatch, tmp_path):
+    """A library file planted where other users can write is never loaded: the check is built
+    into a private directory instead (and works)."""
+    monkeypatch.setattr(native, "_LOADED", [])
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("STAGECACHE_NATIVE", raising=False)
+    shared = tmp_path / "stagecache"
+    shared.mkdir()
+    shared.chmod(0o777)
+    name = f"ids-{native.hashlib.sha256(native.SOURCE.encode()).hexdigest()[:16]}.so"
+    (shared / name).write_bytes(b"not a library")
+    lib = native._library()
+    assert lib is not None and str(shared) not in lib._name
+    assert (shared / name).read_bytes() == b"not a library"  # left alone, never loaded
+    dev, host = _allocators([], [])
+    assert PageChecker(0, dev, host).check([0, 1], [2, 3], "host").count == 2
+

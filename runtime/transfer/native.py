@@ -9,7 +9,8 @@ move's copy itself takes 50-100 us.  One C pass over the ids reads each id once.
 
 The source below is compiled with the machine's C compiler (the one Triton uses
 for its launchers) into a per-user cache, keyed by the source's hash, and loaded
-through ctypes.  No compiler, a failed build, or ``STAGECACHE_NATIVE=0``: ``None``,
+through ctypes -- only from a directory and file that are the user's own and
+writable by nobody else; otherwise it is built into a fresh private directory.  No compiler, a failed build, or ``STAGECACHE_NATIVE=0``: ``None``,
 and ``pages.py`` runs its numpy checks (the same answers; tested against each
 other).  Everything that does not change between calls (addresses, page counts)
 sits in a context array, so a call passes three arguments.  The duplicate test
@@ -93,12 +94,18 @@ def _cache_dir() -> Path:
     return Path(base) / "stagecache"
 
 
+def _private(path: Path) -> bool:
+    """Whether ``path`` is this user's and nobody else may write it: a library built or loaded
+    where others can write would run their code."""
+    st = path.stat()
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022
+
+
 def _build(target: Path) -> bool:
     """Compile ``SOURCE`` into ``target`` (written under a temporary name, then renamed)."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         return False
-    target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         src, out = Path(tmp) / "ids.c", Path(tmp) / "ids.so"
         src.write_text(SOURCE)
@@ -109,6 +116,7 @@ def _build(target: Path) -> bool:
             return False
         if done.returncode != 0 or not out.exists():
             return False
+        os.chmod(out, 0o755)  # whatever the umask: a library only its owner may rewrite
         os.replace(out, target)
     return True
 
@@ -119,15 +127,24 @@ def _library() -> Any:
         return _LOADED[0]
     lib = None
     if os.environ.get("STAGECACHE_NATIVE", "1") != "0":
-        digest = hashlib.sha256(SOURCE.encode()).hexdigest()[:16]
-        for root in (_cache_dir(), Path(tempfile.gettempdir()) / f"stagecache-{os.getuid()}"):
-            target = root / f"ids-{digest}.so"
+        name = f"ids-{hashlib.sha256(SOURCE.encode()).hexdigest()[:16]}.so"
+        try:
+            cache = _cache_dir()
+            cache.mkdir(mode=0o700, parents=True, exist_ok=True)
+            target = cache / name
+            if _private(cache) and (target.exists() and _private(target) or _build(target)):
+                lib = ctypes.CDLL(str(target)) if _private(target) else None
+        except OSError:
+            lib = None
+        if lib is None:  # no usable cache: a private directory of this process, built anew
+            tmp = tempfile.mkdtemp(prefix="stagecache-native-")
             try:
-                if target.exists() or _build(target):
-                    lib = ctypes.CDLL(str(target))
-                    break
+                target = Path(tmp) / name
+                lib = ctypes.CDLL(str(target)) if _build(target) else None
             except OSError:
-                continue
+                lib = None
+            finally:  # a loaded library stays mapped once its file is gone
+                shutil.rmtree(tmp, ignore_errors=True)
     if lib is not None:
         vp = ctypes.c_void_p
         lib.stagecache_ids_ok.argtypes = [vp, ctypes.c_int64, ctypes.c_int]
