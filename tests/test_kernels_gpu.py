@@ -124,6 +124,25 @@ def test_gpu_back_to_back_calls_reuse_the_ring_and_stay_ordered(monkeypatch):
     c.synchronize()
 
 
+def test_gpu_a_finished_move_stops_guarding_its_slot():
+    """A one-launch move's end event guards its id slot until the move is known finished; then
+    the event is recycled for later moves, and the slot must not wait on it any more (it would
+    wait for whichever later move recorded it again)."""
+    stage = build_layout(TINY, 2).stages[1]
+    dp, hp = filled(TINY, stage, 128, 16, 16, "layer_first")
+    c = TransferController(dp, hp, TransferStats())
+    slots = c.engine._slots
+    first = c.backup([0, 1], [2, 3])
+    k = (slots.next - 1) % len(slots.rows)
+    assert slots.marks[k] is first._end  # in flight: its end event guards the slot
+    first.synchronize()
+    assert slots.marks[k] is None and (first._start, first._end) in c.engine._events
+    second = c.backup([4], [5])  # takes the recycled events; its slot is the next one
+    assert second._end is first._end and slots.marks[k] is None
+    assert slots.marks[(k + 1) % len(slots.rows)] is second._end
+    c.synchronize()
+
+
 def test_gpu_copy_waits_for_the_callers_stream():
     """A backup queued right after a write on the caller's stream copies the written bytes."""
     stage = build_layout(FLASH, 4).stages[1]

@@ -109,9 +109,9 @@ class _Slots:
         self.guards: list[Any] = [torch.cuda.Event() for _ in range(slots)]
         for g in self.guards:
             g.record()  # creates the CUDA event (its handle is used by raw runtime calls)
-        #: per slot, the event after the last launch that reads it: its guard, or the end event
-        #: of a one-launch move (one record less per move; once that move is done its end event
-        #: may be recorded again by a later move, which only ever makes the wait longer)
+        #: per slot, the event after the last launch that reads it: its guard, the end event of a
+        #: one-launch move (one record less per move), or None once that move is known finished
+        #: (its end event then goes back to the pool, where a later move records it again)
         self.marks: list[Any] = list(self.guards)
         self.rows = [self.arrays[k] for k in range(slots)]
         # the bare query where there is a runtime (torch's costs a few us on the hot path)
@@ -123,7 +123,7 @@ class _Slots:
         k = self.next
         self.next = (k + 1) % len(self.rows)
         mark = self.marks[k]
-        if not self._done(mark):
+        if mark is not None and not self._done(mark):
             mark.synchronize()  # backpressure: RING_SLOTS transfers are still queued
         _write_ids(self.rows[k], dev, host)
         return k
@@ -272,7 +272,14 @@ class TritonEngine:
         return self._rt.elapsed_ms(start, end) if self._rt is not None else start.elapsed_time(end)
 
     def recycle(self, start: Any, end: Any) -> None:
-        """Timing events of a finished transfer, for the next one (creating events costs ~25 us)."""
+        """Timing events of a finished transfer, for the next one (creating events costs ~25 us).
+
+        A slot guarded by that end event is free now: it stops pointing at the event, which a
+        later move may record again (waiting on it would wait for that later move)."""
+        marks = self._slots.marks
+        for k, mark in enumerate(marks):
+            if mark is end:
+                marks[k] = None
         if len(self._events) < 64:
             self._events.append((start, end))
 
