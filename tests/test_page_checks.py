@@ -172,3 +172,29 @@ def test_a_cache_others_can_write_is_not_loaded_from(monkeypatch, tmp_path):
     dev, host = _allocators([], [])
     assert PageChecker(0, dev, host).check([0, 1], [2, 3], "host").count == 2
 
+
+
+@needs_cc
+@pytest.mark.parametrize(("fail_at", "calls"), [
+    (None, [("record", 11, 9), ("launch", 12, 9), ("record", 13, 9)]),
+    ("launch", [("record", 11, 9), ("launch", 12, 9)]),  # no end event after a failed launch
+])
+def test_the_compiled_launch_makes_the_runtime_calls_in_order(fail_at, calls):
+    """``stagecache_launch`` through stand-ins for cudaEventRecord and cudaGraphLaunch: start
+    event, graph, end event on the caller's stream, and nothing after the first error."""
+    import ctypes
+
+    seen: list[tuple[str, int, int]] = []
+    proto = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+
+    def stand_in(name: str):
+        def call(handle, stream):
+            seen.append((name, handle, stream))
+            return 700 if name == fail_at else 0
+        return proto(call)
+
+    record, launch = stand_in("record"), stand_in("launch")
+    fns = np.array([ctypes.cast(record, ctypes.c_void_p).value, ctypes.cast(launch, ctypes.c_void_p).value],
+                   dtype=np.int64)
+    err = native.launch_function()(int(fns.ctypes.data), 9, 11, 12, 13)
+    assert err == (700 if fail_at else 0) and seen == calls

@@ -41,6 +41,8 @@ from .transfer_ram import case_slack, check_cases_ram
 from .transfer_report import MIB, PEERS, environment, summary
 
 MIX_PAGES = (1, 4, 16, 64, 256)
+#: stagecache's per-call host times in a row (``_Clock.issue_us``), microseconds.
+OVERHEAD_KEYS = ("issue_us", "issue_cold_us", "call_us", "call_cold_us")
 KIND_MIB = (4, 64, 256)
 
 
@@ -167,8 +169,7 @@ class _Clock:
             t2 = time.perf_counter()
             rows.append((second.queued - t1, first.queued - t0, t2 - t1, t1 - t0))
         self.sync()
-        keys = ("issue_us", "issue_cold_us", "call_us", "call_cold_us")
-        return {k: round(statistics.median(r[i] for r in rows) * 1e6, 2) for i, k in enumerate(keys)}
+        return {k: round(statistics.median(r[i] for r in rows) * 1e6, 2) for i, k in enumerate(OVERHEAD_KEYS)}
 
 
 class _Pages:
@@ -307,8 +308,8 @@ def run_case(case: Case, s: Settings) -> tuple[list[dict[str, Any]], dict[str, A
         overhead = {d: clock.issue_us(lambda d2h=(d == "d2h"): stage.run(d2h), results["stagecache"][d]["ms"])
                     for d in ("d2h", "h2d")}
     else:  # synchronous engine: the call is the whole move
-        overhead = {d: dict.fromkeys(("issue_us", "issue_cold_us", "call_us", "call_cold_us"),
-                                     round(results["stagecache"][d]["ms"] * 1e3, 2)) for d in ("d2h", "h2d")}
+        overhead = {d: dict.fromkeys(OVERHEAD_KEYS, round(results["stagecache"][d]["ms"] * 1e3, 2))
+                    for d in ("d2h", "h2d")}
     dma = {d: _dma_ms(stage, d == "d2h") for d in ("d2h", "h2d")}
     pages.controller.synchronize()
     sweep = _sweep(case, s, clock) if s.sweep else []

@@ -75,16 +75,15 @@ class InsightClock:
         self.ticks.append(tick)
         self.times.append(time.monotonic())  # type: ignore[union-attr]
 
-    def trim(self) -> bool:
-        """Forget the older half of the marks once there are ``MAX_MARKS``; True if it did."""
+    def trim(self) -> None:
+        """Forget the older half of the marks once there are more than ``MAX_MARKS``."""
         if len(self.ticks) <= MAX_MARKS:
-            return False
+            return
         half = len(self.ticks) // 2
         del self.ticks[:half]
         if self.times is not None:
             del self.times[:half]
         self.offset += half
-        return True
 
     def now(self) -> float:
         """Seconds now, or the index of the latest lookup (a death during a lookup's own

@@ -129,9 +129,9 @@ def print_summary(console: Console, summary: dict[str, Any]) -> None:
                       f"{summary['ideal_bubble_fraction']:.0%}")
     if summary["phase"] == "done" and summary["pp_size"] > 1:
         verified = sum(r["kv_verified_pages"] for r in summary["stages"])
-        odd = {r["stage"]: {k: n for k, n in r.get("disagreements", {}).items() if n}
-               for r in summary["stages"]}
-        odd = {k: v for k, v in odd.items() if v}
+        from ..serve.agreement import disagreeing
+
+        odd = disagreeing((r["stage"], r.get("disagreements", {})) for r in summary["stages"])
         compared = min((r.get("compared_requests", 0) for r in summary["stages"]), default=0)
         agree = (f"[red]stages disagreed: {odd}[/red] (requests per kind, by stage)" if odd else
                  f"cache decisions identical on every stage ({compared} requests compared)")

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 FIELDS = ("device_pages", "host_pages", "backed_up_pages", "cached_pages", "completed")
@@ -71,6 +71,13 @@ def compare(records: Sequence[Sequence[Sequence[int]]]) -> list[tuple[list[int],
         masks = [sum(1 << j for j, a in enumerate(agreed) if v[j] != a) for v in per_stage]
         out.append((agreed, masks))
     return out
+
+
+def disagreeing(per_stage: Iterable[tuple[int, Mapping[str, int]]]) -> dict[int, dict[str, int]]:
+    """Stage -> kind -> disagreements, only the non-zero counts of the stages that have any: what
+    ``/readyz`` and the run's summary name."""
+    odd = {stage: {k: n for k, n in counts.items() if n} for stage, counts in per_stage}
+    return {stage: counts for stage, counts in odd.items() if counts}
 
 
 def flatten(records: Sequence[Sequence[int]]) -> list[int]:

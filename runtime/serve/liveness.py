@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..memory.host_tier import NOT_READY_STATUSES
+from .agreement import disagreeing
 from .live import RunInfo, StageLive
 from .options import DEFAULT_HEARTBEAT_TIMEOUT_S, HEARTBEAT_INTERVAL_S
 
@@ -175,8 +176,7 @@ def agreement_verdict(stages: list[StageLive | None], limit: int | None) -> tupl
     total = sum(n for s in live for n in s.agreement.disagreements.values())
     if limit is None or total <= limit:
         return total, None
-    per = {s.stage: {k: n for k, n in s.agreement.disagreements.items() if n} for s in live}
-    per = {k: v for k, v in per.items() if v}
+    per = disagreeing((s.stage, s.agreement.disagreements) for s in live)
     recent = [r for s in live for r in s.agreement.recent]
     last = max(recent, key=lambda r: r.time, default=None)
     latest = (f"; latest: request {last.request}, {last.kind}, stage(s) "

@@ -100,7 +100,6 @@ class _Slots:
 
         self.pages = pages
         self.host = torch.zeros((slots, 1 + 2 * pages), dtype=torch.int64, pin_memory=True)
-        self.arrays = self.host.numpy()
         self.dev = torch.zeros_like(self.host, device=device) if device_ids else None
         read = self.dev if device_ids else self.host
         self.offsets = [(read[k].data_ptr() - anchor_addr) // 8 for k in range(slots)]
@@ -113,7 +112,7 @@ class _Slots:
         #: one-launch move (one record less per move), or None once that move is known finished
         #: (its end event then goes back to the pool, where a later move records it again)
         self.marks: list[Any] = list(self.guards)
-        self.rows = [self.arrays[k] for k in range(slots)]
+        self.rows = list(self.host.numpy())  # each slot's numpy row (a view), made once
         # the bare query where there is a runtime (torch's costs a few us on the hot path)
         self._done = (lambda g: rt.event_query(g.cuda_event) == 0) if rt is not None else (lambda g: g.query())
         self.next = 0
@@ -164,7 +163,7 @@ class TritonEngine:
         self._launches: dict[tuple[Plan, bool], _Launch] = {}
         self._events: list[tuple[Any, Any]] = []
         self._rt: cudart.Runtime | None = None
-        self._launch4: Any = None
+        self._launch3: Any = None
         if self.cuda:
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
             self.programs = sms * self.options.programs_per_sm
@@ -173,9 +172,9 @@ class TritonEngine:
             self._entry = torch.cuda.Event()
             pages = max(1, min(SLOT_PAGES_MAX, max(dp.num_pages, hp.num_pages)))
             self._rt = cudart.runtime() if self.options.graphs else None
-            # the four runtime calls of a move in one call into C (None: four ctypes calls)
-            self._launch4 = native.launch_function() if self._rt is not None else None
-            if self._launch4 is not None:
+            # the three runtime calls of a move in one call into C (None: three ctypes calls)
+            self._launch3 = native.launch_function() if self._rt is not None else None
+            if self._launch3 is not None:
                 import numpy as np
 
                 self._fns = np.array(self._rt.functions, dtype=np.int64)  # type: ignore[union-attr]
@@ -227,8 +226,8 @@ class TritonEngine:
         entry = self._graph(launch, slot, bucket(ids.count, slots.pages), d2h)
         rt, stream = self._rt, cudart.raw_stream(self.device)
         assert rt is not None
-        if entry[1] and self._launch4 is not None:
-            bad = self._launch4(self._fns_at, stream, start.cuda_event, entry[1], end.cuda_event, None)
+        if entry[1] and self._launch3 is not None:
+            bad = self._launch3(self._fns_at, stream, start.cuda_event, entry[1], end.cuda_event)
         else:
             bad = rt.event_record(start.cuda_event, stream)
             bad |= rt.graph_launch(entry[1], stream) if entry[1] else (entry[0].replay() or 0)

@@ -17,10 +17,10 @@ sits in a context array, so a call passes three arguments.  The duplicate test
 keeps one generation counter per call instead of clearing a mark array: a page
 whose mark equals this call's generation was listed before in this call.
 
-The launch: a stage move queues three or four things on the caller's stream
-(start event, graph, end event, an id slot's guard), each a bare CUDA runtime call
-through ctypes (``cudart.py``).  ``stagecache_launch`` makes them from C through
-the runtime's own function addresses, so Python crosses into C once per move.
+The launch: a stage move queues three things on the caller's stream (start
+event, graph, end event), each a bare CUDA runtime call through ctypes
+(``cudart.py``).  ``stagecache_launch`` makes them from C through the runtime's
+own function addresses, so Python crosses into C once per move.
 """
 
 from __future__ import annotations
@@ -68,10 +68,9 @@ typedef int (*record_fn)(void *event, void *stream);
 typedef int (*launch_fn)(void *exec, void *stream);
 
 /* fns: the addresses of cudaEventRecord and cudaGraphLaunch in the process's CUDA runtime.
-   Queues a stage move on stream -- start event, graph, end event, and the id slot's guard
-   event when one is given -- in one call from Python; returns the first CUDA error (0: none). */
-int stagecache_launch(const int64_t *fns, void *stream, void *start, void *exec, void *end,
-                      void *guard)
+   Queues a stage move on stream -- start event, graph, end event -- in one call from Python;
+   returns the first CUDA error (0: none), and makes no call after it. */
+int stagecache_launch(const int64_t *fns, void *stream, void *start, void *exec, void *end)
 {
     record_fn record = (record_fn)(intptr_t)fns[0];
     launch_fn launch = (launch_fn)(intptr_t)fns[1];
@@ -80,8 +79,6 @@ int stagecache_launch(const int64_t *fns, void *stream, void *start, void *exec,
         err = launch(exec, stream);
     if (!err)
         err = record(end, stream);
-    if (!err && guard)
-        err = record(guard, stream);
     return err;
 }
 """
@@ -148,7 +145,7 @@ def _library() -> Any:
     if lib is not None:
         vp = ctypes.c_void_p
         lib.stagecache_ids_ok.argtypes = [vp, ctypes.c_int64, ctypes.c_int]
-        lib.stagecache_launch.argtypes = [vp] * 6
+        lib.stagecache_launch.argtypes = [vp] * 5
         lib.stagecache_ids_ok.restype = lib.stagecache_launch.restype = ctypes.c_int
     _LOADED.append(lib)
     return lib
@@ -161,6 +158,6 @@ def ids_ok_function() -> Any:
 
 
 def launch_function() -> Any:
-    """The compiled four-call launch ``(fns, stream, start, exec, end, guard) -> cudaError``, or None."""
+    """The compiled launch ``(fns, stream, start, exec, end) -> cudaError``, or None."""
     lib = _library()
     return None if lib is None else lib.stagecache_launch
