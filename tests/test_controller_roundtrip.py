@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -12,6 +15,7 @@ from stagecache.runtime.memory.pools import StagePools
 from stagecache.runtime.model.layer_map import build_layout
 from stagecache.runtime.model.pool_kinds import HOST_CACHED
 from stagecache.runtime.model.spec import load_spec
+from stagecache.runtime.transfer import native
 from stagecache.runtime.transfer.controller import TransferController, TransferError
 from stagecache.runtime.transfer.stats import TransferStats
 
@@ -45,12 +49,18 @@ page_sets = st.integers(1, DEV_PAGES).flatmap(lambda n: st.tuples(
 ))
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled-copy", "numpy-copy"])
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 @settings(max_examples=12, deadline=None)
 @given(pages=page_sets)
-def test_round_trip_bit_identical_every_pool(layout, pages):
+def test_round_trip_bit_identical_every_pool(layout, compiled, pages):
+    """Both CPU copy paths: one C call per move where the module is built, numpy/torch rows else."""
+    if compiled and native.module() is None:
+        pytest.skip("no C compiler or Python headers: the numpy path is the only one")
     src, host, dst = (list(x) for x in pages)
-    dp, hp, c, stats = make(layout)
+    with contextlib.nullcontext() if compiled else mock.patch.object(native, "module", lambda: None):
+        dp, hp, c, stats = make(layout)
+    assert (c.engine._native is not None) == compiled
     before = snapshot(dp)
     c.backup(src, host).synchronize()
     for pool in HOST_CACHED:  # host holds exactly the device bytes

@@ -11,12 +11,13 @@ from stagecache.runtime.memory.pools import StagePools
 from stagecache.runtime.model.layer_map import build_layout
 from stagecache.runtime.model.pool_kinds import HOST_CACHED as POOLS
 from stagecache.runtime.model.spec import load_spec
-from stagecache.runtime.transfer import engine
+from stagecache.runtime.transfer import engine, native
 from stagecache.runtime.transfer.controller import TransferController, TransferError
 from stagecache.runtime.transfer.engine import EngineOptions
 from stagecache.runtime.transfer.stats import TransferStats
 
 pytestmark = pytest.mark.gpu
+needs_native = pytest.mark.skipif(native.module() is None, reason="no compiled fast path (C compiler, Python headers)")
 
 FLASH = load_spec("deepseek-v4-flash")
 TINY = load_spec("tiny-v4")
@@ -124,23 +125,59 @@ def test_gpu_back_to_back_calls_reuse_the_ring_and_stay_ordered(monkeypatch):
     c.synchronize()
 
 
-def test_gpu_a_finished_move_stops_guarding_its_slot():
-    """A one-launch move's end event guards its id slot until the move is known finished; then
-    the event is recycled for later moves, and the slot must not wait on it any more (it would
-    wait for whichever later move recorded it again)."""
+def _ring_word(c, slot, field):
+    return int(c.engine._slots.words[native.RING + native.PER_SLOT * slot + field])
+
+
+@needs_native
+def test_gpu_one_call_move_is_timed_by_its_slots_events_until_finished():
+    """A one-launch move is one call into C: its slot's graph records the slot's own events, the
+    slot stays owned (and guarded by the end event) until the move is known finished, then it is
+    free without another query; the DMA time read from those events is the copy's."""
     stage = build_layout(TINY, 2).stages[1]
     dp, hp = filled(TINY, stage, 128, 16, 16, "layer_first")
-    c = TransferController(dp, hp, TransferStats())
-    slots = c.engine._slots
+    stats = TransferStats()
+    c = TransferController(dp, hp, stats)
+    assert c._one_call
     first = c.backup([0, 1], [2, 3])
-    k = (slots.next - 1) % len(slots.rows)
-    assert slots.marks[k] is first._end  # in flight: its end event guards the slot
+    k = int(c.engine._slots.words[native.NEXT] - 1) % engine.RING_SLOTS
+    assert (first._start, first._end) == c.engine.slot_events(k)
+    assert _ring_word(c, k, native.OWNED) == 1 and _ring_word(c, k, native.MARK) == first._end.cuda_event
     first.synchronize()
-    assert slots.marks[k] is None and (first._start, first._end) in c.engine._events
-    second = c.backup([4], [5])  # takes the recycled events; its slot is the next one
-    assert second._end is first._end and slots.marks[k] is None
-    assert slots.marks[(k + 1) % len(slots.rows)] is second._end
+    assert _ring_word(c, k, native.OWNED) == 0 and _ring_word(c, k, native.MARK) == 0
+    assert 0 < first.seconds < 0.05 and first.queue_seconds >= 0 and first.queued >= first.called
+    assert stats.snapshot()["d2h"]["count"] == 1
+    for pool in POOLS:
+        for d, h in zip(dp.buffers[pool], hp.buffers[pool], strict=True):
+            assert torch.equal(h[[2, 3]], d[[0, 1]].cpu())
     c.synchronize()
+
+
+@needs_native
+def test_gpu_a_full_ring_finishes_the_oldest_move_before_reusing_its_events():
+    """More one-launch moves in flight than the ring has slots (the stream held busy): the call
+    that comes back to a slot first waits for and finishes the move its events time (its stats
+    recorded once, with its own DMA time), then reuses them; every copy lands."""
+    stage = build_layout(TINY, 2).stages[1]
+    dp, hp = filled(TINY, stage, 128, 16, 16, "layer_first")
+    stats = TransferStats()
+    c = TransferController(dp, hp, stats)
+    for _ in range(engine.RING_SLOTS):  # every slot's graph captured (capturing syncs nothing, but
+        c.backup([15], [15])             # building the kernel's tables does) before the stream is held
+    c.synchronize()
+    stats = c.stats = TransferStats()
+    torch.cuda._sleep(50_000_000)  # the caller's stream is busy: nothing below finishes early
+    moves = [c.backup([i], [i]) for i in range(engine.RING_SLOTS)]
+    assert all(m.seconds is None for m in moves)
+    extra = c.backup([engine.RING_SLOTS], [engine.RING_SLOTS])
+    assert moves[0].seconds is not None and 0 < moves[0].seconds < 0.05  # finished to free its slot
+    assert extra._end is moves[0]._end
+    c.synchronize()
+    assert stats.snapshot()["d2h"]["count"] == engine.RING_SLOTS + 1
+    for pool in POOLS:
+        for d, h in zip(dp.buffers[pool], hp.buffers[pool], strict=True):
+            n = engine.RING_SLOTS + 1
+            assert torch.equal(h[:n], d[:n].cpu())
 
 
 def test_gpu_copy_waits_for_the_callers_stream():

@@ -31,7 +31,7 @@ SCRIPT = textwrap.dedent(r'''
 
     # 1. raw kernel: every word size, chunked and partial pages, strided (page_first-like)
     #    host side, scattered ids, both directions, a persistent grid smaller than the work
-    for page_bytes, word in ((64, 8), (40, 8), (36, 4), (18, 2), (9, 1), (3 * 64 + 16, 8)):
+    for page_bytes, word in ((64, 8), (40, 8), (36, 4), (18, 2), (9, 1), (3 * 64 + 16, 8), (3 * 64 + 8, 8)):
         L, P = 3, 7
         dev = [torch.randint(0, 256, (P, page_bytes), dtype=torch.uint8) for _ in range(L)]
         host = torch.zeros((P, L, page_bytes), dtype=torch.uint8)
@@ -40,7 +40,8 @@ SCRIPT = textwrap.dedent(r'''
                                     page_bytes, L * page_bytes) for i in range(L)]
         geo = kernels.chunk_table(spans, anchor.data_ptr(), chunk_bytes=64)
         assert geo.word == word, (page_bytes, geo.word)
-        assert geo.chunks == L * -(-page_bytes // 64)
+        assert geo.chunks == L * len(kernels.chunk_sizes(page_bytes, 64))
+        assert sum(r[4] for r in geo.rows) * geo.word == L * page_bytes
         table = torch.tensor(geo.rows, dtype=torch.int64)
         view = anchor.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[geo.word])
         did, hid = [5, 0, 3], [1, 6, 2]
@@ -50,6 +51,10 @@ SCRIPT = textwrap.dedent(r'''
         for i in range(L):
             assert torch.equal(host[hid, i], dev[i][did]), (page_bytes, i)
         assert int(host[[p for p in range(P) if p not in hid]].sum()) == 0
+        host.zero_()  # the earlier item order (a page's chunks together) moves the same bytes
+        kernels.launch_stage_copy(view, anchor, table, off, geo, True, programs=3, num_warps=1, page_major=True)
+        for i in range(L):
+            assert torch.equal(host[hid, i], dev[i][did]), (page_bytes, i, "page-major")
         for t in dev:
             t.zero_()
         kernels.launch_stage_copy(view, anchor, table, off, geo, False, programs=3, num_warps=1)
@@ -107,6 +112,16 @@ def test_triton_kernels_under_interpreter():
     proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.split("\n")
-    assert sum(line.startswith("kernel word=") for line in lines) == 6
+    assert sum(line.startswith("kernel word=") for line in lines) == 7
     for layout in ("layer_first", "page_first"):
         assert f"controller {layout} ok" in lines
+
+
+def test_a_short_last_piece_joins_the_chunk_before_it():
+    from stagecache.runtime.transfer.kernels import chunk_sizes
+
+    assert chunk_sizes(200, 64) == [64, 64, 72]  # an 8-byte tail is not an item of its own
+    assert chunk_sizes(208, 64) == [64, 64, 64, 16]  # a quarter chunk stays one
+    assert chunk_sizes(8448, 8192) == [8448] and chunk_sizes(1168, 1024) == [1168]
+    assert chunk_sizes(40, 64) == [40] and chunk_sizes(16384, 8192) == [8192, 8192]
+

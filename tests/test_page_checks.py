@@ -1,5 +1,6 @@
 """The transfer boundary's page-id check: the one-pass C check (transfer/native.py) and the numpy
-checks give the same answer -- accepted, or refused with the same message -- on every input."""
+checks give the same answer -- accepted, or refused with the same message -- on every input; and
+the compiled one-call move (check, id slot, graph launch) driven through stand-in runtime calls."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from stagecache.runtime.transfer import native, pages
 from stagecache.runtime.transfer.pages import PageChecker, TransferError
 
 DEV_PAGES, HOST_PAGES = 40, 70
-needs_cc = pytest.mark.skipif(native.ids_ok_function() is None,
-                              reason="no C compiler here: the numpy checks are the only ones")
+needs_cc = pytest.mark.skipif(native.module() is None,
+                              reason="no C compiler or Python headers here: the numpy checks are the only ones")
 
 
 def _allocators(free_dev: list[int], free_host: list[int]) -> tuple[PageAllocator, PageAllocator]:
@@ -30,7 +31,7 @@ def _allocators(free_dev: list[int], free_host: list[int]) -> tuple[PageAllocato
 
 def _numpy_checker(monkeypatch, dev: PageAllocator, host: PageAllocator) -> PageChecker:
     with monkeypatch.context() as m:
-        m.setattr(native, "ids_ok_function", lambda: None)
+        m.setattr(native, "module", lambda: None)
         checker = PageChecker(0, dev, host)
     assert checker._native is None
     return checker
@@ -96,13 +97,13 @@ def test_native_check_refuses_each_fault_and_accepts_repeats_across_calls():
 def test_no_compiler_or_switched_off_means_numpy(monkeypatch):
     monkeypatch.setattr(native, "_LOADED", [])
     monkeypatch.setenv("STAGECACHE_NATIVE", "0")
-    assert native.ids_ok_function() is None
+    assert native.module() is None
     monkeypatch.setattr(native, "_LOADED", [])
     monkeypatch.delenv("STAGECACHE_NATIVE")
     monkeypatch.setenv("XDG_CACHE_HOME", "/nonexistent/cache")
     monkeypatch.setattr(native.shutil, "which", lambda name: None)
     monkeypatch.delenv("CC", raising=False)
-    assert native.ids_ok_function() is None
+    assert native.module() is None
     dev, host = _allocators([], [])
     checker = PageChecker(0, dev, host)
     assert checker._native is None and checker.check([0], [1], "host").count == 1
@@ -115,8 +116,8 @@ def test_the_check_is_built_into_a_fresh_cache(monkeypatch, tmp_path):
     monkeypatch.setattr(native, "_LOADED", [])
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("STAGECACHE_NATIVE", raising=False)
-    assert native.ids_ok_function() is not None
-    built = list((tmp_path / "stagecache").glob("ids-*.so"))
+    assert native.module() is not None
+    built = list((tmp_path / "stagecache").glob("_stagecache_native-*.so"))
     assert len(built) == 1 and built[0].stat().st_size > 0
 
 
@@ -164,37 +165,147 @@ def test_a_cache_others_can_write_is_not_loaded_from(monkeypatch, tmp_path):
     shared = tmp_path / "stagecache"
     shared.mkdir()
     shared.chmod(0o777)
-    name = f"ids-{native.hashlib.sha256(native.SOURCE.encode()).hexdigest()[:16]}.so"
+    name = native._file_name()
     (shared / name).write_bytes(b"not a library")
-    lib = native._library()
-    assert lib is not None and str(shared) not in lib._name
+    mod = native.module()
+    assert mod is not None and str(shared) not in mod.__file__
     assert (shared / name).read_bytes() == b"not a library"  # left alone, never loaded
     dev, host = _allocators([], [])
     assert PageChecker(0, dev, host).check([0, 1], [2, 3], "host").count == 2
 
 
 
+class _Runtime:
+    """Stand-ins for cudaEventQuery and cudaGraphLaunch, called from C through their addresses."""
+
+    def __init__(self):
+        import ctypes
+
+        self.launched: list[tuple[int, int]] = []
+        self.queried: list[int] = []
+        self.query_rc, self.launch_rc = 0, 0
+        q = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+        launch = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+        self._query = q(lambda event: self.queried.append(event) or self.query_rc)
+        self._launch = launch(lambda exec_, stream: self._launched(exec_, stream))
+        self.addresses = [ctypes.cast(f, ctypes.c_void_p).value for f in (self._query, self._launch)]
+
+    def _launched(self, exec_, stream) -> int:
+        if not self.launch_rc:
+            self.launched.append((exec_, stream))
+        return self.launch_rc
+
+
+def _ring(checker: PageChecker, rt: _Runtime, slots: int, cap: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ring's words as the engine sets them, over numpy rows instead of pinned memory."""
+    from stagecache.runtime.transfer.ring import MIN_BUCKET, bucket_sizes
+
+    w = checker.context.words
+    rows = np.zeros((slots, 1 + 2 * cap), dtype=np.int64)
+    w[[native.SLOTS, native.CAP, native.NEXT, native.ROWS, native.ROW_WORDS]] = (
+        slots, cap, 0, rows.ctypes.data, 1 + 2 * cap)
+    w[[native.QUERY, native.LAUNCH]] = rt.addresses
+    w[native.BUCKETS], w[native.MIN_BUCKET] = len(bucket_sizes(cap)), MIN_BUCKET
+    for k in range(slots):
+        w[native.RING + native.PER_SLOT * k + native.END] = 1001 + k
+    return w, rows
+
+
+def _slot_word(k: int, field: int) -> int:
+    return native.RING + native.PER_SLOT * k + field
+
+
 @needs_cc
-@pytest.mark.parametrize(("fail_at", "calls"), [
-    (None, [("record", 11, 9), ("launch", 12, 9), ("record", 13, 9)]),
-    ("launch", [("record", 11, 9), ("launch", 12, 9)]),  # no end event after a failed launch
-])
-def test_the_compiled_launch_makes_the_runtime_calls_in_order(fail_at, calls):
-    """``stagecache_launch`` through stand-ins for cudaEventRecord and cudaGraphLaunch: start
-    event, graph, end event on the caller's stream, and nothing after the first error."""
-    import ctypes
+def test_the_compiled_move_takes_slots_in_turn_and_says_what_is_missing():
+    """The one-call move: graph missing -> its slot, bucket index and size; launched -> ids in the
+    slot's row, the slot owned and guarded by its end event; an owned slot, a busy one, bad ids, a
+    failed launch and moves it does not take each leave the ring as it was."""
+    from stagecache.runtime.transfer.ring import bucket, bucket_sizes
 
-    seen: list[tuple[str, int, int]] = []
-    proto = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+    dev_alloc, host_alloc = _allocators([7], [])
+    checker, rt = PageChecker(0, dev_alloc, host_alloc), _Runtime()
+    w, rows = _ring(checker, rt, slots=2, cap=40)
+    execs = np.zeros(2 * len(bucket_sizes(40)), dtype=np.int64)
+    move = native.module().move
+    d, h = np.array([3, 1, 2], dtype=np.int64), np.array([9, 8, 10], dtype=np.int64)
 
-    def stand_in(name: str):
-        def call(handle, stream):
-            seen.append((name, handle, stream))
-            return 700 if name == fail_at else 0
-        return proto(call)
+    assert move(w, d, h, False, execs, 77) == native.NEED_GRAPH
+    assert (w[native.WANT_SLOT], w[native.WANT_INDEX], w[native.WANT_SIZE], w[native.NEXT]) == (0, 0, 16, 0)
+    execs[0] = 5001
+    assert move(w, d, h, False, execs, 77) == 0 and rt.launched == [(5001, 77)]
+    assert rows[0, :7].tolist() == [3, 3, 1, 2, 9, 8, 10]
+    assert (w[_slot_word(0, native.OWNED)], w[_slot_word(0, native.MARK)], w[native.NEXT]) == (1, 1001, 1)
 
-    record, launch = stand_in("record"), stand_in("launch")
-    fns = np.array([ctypes.cast(record, ctypes.c_void_p).value, ctypes.cast(launch, ctypes.c_void_p).value],
-                   dtype=np.int64)
-    err = native.launch_function()(int(fns.ctypes.data), 9, 11, 12, 13)
-    assert err == (700 if fail_at else 0) and seen == calls
+    big_d, big_h = np.arange(20, dtype=np.int64) + 10, np.arange(20, dtype=np.int64) + 30
+    assert move(w, big_d, big_h, True, execs, 78) == native.NEED_GRAPH
+    assert (w[native.WANT_SLOT], w[native.WANT_INDEX], w[native.WANT_SIZE]) == (1, 1, 32)
+    execs[1 * 3 + 1] = 5002
+    assert move(w, big_d, big_h, True, execs, 78) == 1 and rt.launched[-1] == (5002, 78)
+    assert rows[1, 0] == 20 and rows[1, 1:21].tolist() == big_d.tolist() and w[native.NEXT] == 0
+
+    assert move(w, d, h, False, execs, 77) == native.OWNED_SLOT and w[native.WANT_SLOT] == 0
+    w[_slot_word(0, native.OWNED)] = 0  # the owner finished; its end event still guards the slot
+    rt.query_rc = 600
+    assert move(w, d, h, False, execs, 77) == native.BUSY and rt.queried == [1001]
+    rt.query_rc = 0
+    for bad_d, bad_h in (([7], [1]), ([0], [HOST_PAGES]), ([0, 1], [4, 4]), ([-1], [0])):
+        assert move(w, np.array(bad_d), np.array(bad_h), False, execs, 77) == native.IDS_BAD
+    assert move(w, np.array([1, 1]), np.array([4, 5]), False, execs, 77) == 0  # repeated source: fine
+    assert w[native.NEXT] == 1 and len(rt.launched) == 3
+
+    w[_slot_word(1, native.OWNED)] = w[_slot_word(1, native.MARK)] = 0
+    rt.launch_rc = 700
+    assert move(w, d, h, False, execs, 77) == native.NEED_GRAPH  # slot 1 has no 16-page graph yet
+    execs[1 * 3] = 5003
+    assert move(w, d, h, False, execs, 77) == native.CUDA_ERROR and w[native.ERR] == 700
+    assert w[native.NEXT] == 1 and w[_slot_word(1, native.OWNED)] == 0
+    rt.launch_rc = 0
+    for args in ((np.arange(41), np.arange(41)), (np.array([1], dtype=np.int32), np.array([2])),
+                 (np.array([1, 2]), np.array([3])), (np.array([], dtype=np.int64), np.array([], dtype=np.int64)),
+                 ([1], [2]), (np.arange(6)[::2], np.arange(3))):
+        assert move(w, *args, False, execs, 77) == native.NOT_HANDLED
+    assert len(rt.launched) == 3 and w[native.NEXT] == 1
+
+    allocated = np.delete(np.arange(DEV_PAGES, dtype=np.int64), 7)
+    for n in range(1, DEV_PAGES):  # the bucket the C move picks is the engine's
+        w[_slot_word(1, native.MARK)] = w[_slot_word(1, native.OWNED)] = 0
+        w[native.NEXT] = 1
+        execs[:] = 0
+        assert move(w, allocated[:n], allocated[:n], False, execs, 77) == native.NEED_GRAPH
+        assert w[native.WANT_SIZE] == bucket(n, 40) == bucket_sizes(40)[w[native.WANT_INDEX]]
+
+
+@needs_cc
+def test_the_compiled_calls_read_cpu_int64_tensors_in_place_and_nothing_else():
+    """Torch ids are read without a numpy view; any tensor that is not a 1-D contiguous int64 CPU
+    tensor (strided, int32, 2-D, on another device) is left to the general path, never misread."""
+    dev_alloc, host_alloc = _allocators([7], [])
+    checker, rt = PageChecker(0, dev_alloc, host_alloc), _Runtime()
+    w, rows = _ring(checker, rt, slots=2, cap=40)
+    execs = np.full(2 * 3, 5001, dtype=np.int64)
+    mod = native.module()
+    d, h = torch.tensor([3, 1, 2]), torch.tensor([9, 8, 10])
+    assert mod.ids_ok(w, d, h, False) is True and mod.ids_ok(w, torch.tensor([7]), torch.tensor([1]), False) is False
+    assert mod.move(w, d, h, True, execs, 5) == 0 and rows[0, :7].tolist() == [3, 3, 1, 2, 9, 8, 10]
+    assert mod.move(w, d[1:], h[1:], True, execs, 5) == 1 and rows[1, :5].tolist() == [2, 1, 2, 8, 10]
+    w[_slot_word(0, native.OWNED)] = w[_slot_word(0, native.MARK)] = 0
+    for bad in (torch.arange(6)[::2], torch.tensor([1, 2, 3], dtype=torch.int32), torch.zeros((3, 1), dtype=torch.int64),
+                torch.empty(3, dtype=torch.int64, device="meta")):
+        assert mod.move(w, bad, h, True, execs, 5) == native.NOT_HANDLED
+        assert mod.ids_ok(w, bad, h, True) is None
+    assert len(rt.launched) == 2 and w[native.NEXT] == 0
+
+
+def test_the_context_layout_is_the_same_in_c_and_python():
+    """The word indices and codes are written twice (the C enum, native.py's constants): equal."""
+    import re
+    from pathlib import Path
+
+    source = (Path(native.__file__).with_name("native.c")).read_text()
+    enums = [[name.split("=")[0].strip() for name in body.split(",")]
+             for body in re.findall(r"enum \{([^}]*)\};", source)]
+    words, per_slot, codes = enums
+    assert [getattr(native, n) for n in words] == list(range(len(words)))
+    assert [getattr(native, n) for n in per_slot] == list(range(len(per_slot)))
+    c_codes = dict(re.findall(r"(\w+) = (-\d+)", source))
+    assert {n: int(v) for n, v in c_codes.items()} == {n: getattr(native, n) for n in c_codes} and len(codes) == 6

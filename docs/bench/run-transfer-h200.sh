@@ -24,8 +24,8 @@ for step in "$@"; do
     tests) timeout 150 python3 -m pytest -q -p no:cacheprovider -x tests/test_kernels_gpu.py tests/test_transfer_split_gpu.py \
              tests/test_kernels_interpret.py tests/test_controller_roundtrip.py tests/test_allocator_page.py \
              > "$OUT/pytest-gpu.log" 2>&1; echo "pytest rc=$?"; tail -3 "$OUT/pytest-gpu.log" ;;
-    sweep) timeout 150 python3 /tmp/bench_main.py bench transfer --sweep --mix-pages 1 64 --kind-mib 64 \
-             --kind swa --kind c128 --kind c4_state --max-reps 30 --out "$OUT/sweep.json" \
+    sweep) timeout 200 python3 /tmp/bench_main.py bench transfer --sweep --mix-pages 1 16 --kind-mib 4 64 \
+             --kind c128 --kind indexer --kind c4_indexer_state --max-reps 30 --out "$OUT/sweep.json" \
              > /dev/null 2> "$OUT/sweep.err"; echo "sweep rc=$?"; tail -2 "$OUT/sweep.err"
            # the engine variant whose worst row against the best peer is best (graphs on)
            python3 - "$OUT/sweep.json" > /tmp/engine_flags <<'PY'
@@ -41,7 +41,8 @@ best = min((i for i, o in enumerate(variants) if o["graphs"]), key=score)
 for i, o in enumerate(variants):
     print(f"variant {o} worst/geomean vs best peer {score(i)}", file=sys.stderr)
 o = variants[best]
-print(f"--chunk-bytes {o['chunk_bytes']} --programs-per-sm {o['programs_per_sm']} --num-warps {o['num_warps']}")
+print(f"--chunk-bytes {o['chunk_bytes']} --programs-per-sm {o['programs_per_sm']} --num-warps {o['num_warps']} "
+      f"--lane-words {o['lane_words']} --fine-chunk-bytes {o['fine_chunk_bytes']}" + (" --page-major" if o["page_major"] else ""))
 PY
            echo "engine flags: $(cat /tmp/engine_flags)" ;;
     bench) timeout 300 python3 /tmp/bench_main.py bench transfer $(cat /tmp/engine_flags 2>/dev/null) \

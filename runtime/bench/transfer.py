@@ -55,9 +55,9 @@ def kind_mib(cuda: bool) -> list[float]:
     """Default one-kind sizes; on CPU without 256 MiB (for the same reason)."""
     return list(KIND_MIB if cuda else KIND_MIB[:-1])
 #: Engine variants ``--sweep`` times on every grid point (stagecache only).
-SWEEP = (EngineOptions(), EngineOptions(num_warps=1, programs_per_sm=32), EngineOptions(num_warps=2),
-         EngineOptions(programs_per_sm=64), EngineOptions(chunk_bytes=4096), EngineOptions(chunk_bytes=16384),
-         EngineOptions(num_warps=4, programs_per_sm=32), EngineOptions(chunk_bytes=16384, programs_per_sm=16, num_warps=2))
+SWEEP = (EngineOptions(), EngineOptions(page_major=True), EngineOptions(lane_words=2),
+         EngineOptions(fine_chunk_bytes=2048), EngineOptions(num_warps=2, programs_per_sm=32),
+         EngineOptions(chunk_bytes=16384), EngineOptions(chunk_bytes=4096))
 
 
 @dataclass(frozen=True)
@@ -86,9 +86,12 @@ class Settings:
     engine: EngineOptions = EngineOptions()
 
 
-def engine_options(chunk_bytes: int | None, programs_per_sm: int | None, num_warps: int | None) -> EngineOptions:
+def engine_options(chunk_bytes: int | None, programs_per_sm: int | None, num_warps: int | None,
+                   lane_words: int | None = None, fine_chunk_bytes: int | None = None,
+                   page_major: bool | None = None) -> EngineOptions:
     """The engine's defaults, with the flags given on the command line."""
-    given = {"chunk_bytes": chunk_bytes, "programs_per_sm": programs_per_sm, "num_warps": num_warps}
+    given = {"chunk_bytes": chunk_bytes, "programs_per_sm": programs_per_sm, "num_warps": num_warps,
+             "lane_words": lane_words, "fine_chunk_bytes": fine_chunk_bytes, "page_major": page_major}
     return EngineOptions(**{k: v for k, v in given.items() if v is not None})
 
 

@@ -83,6 +83,10 @@ def _register_transfer(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chunk-bytes", type=positive_int, default=None, help="engine: bytes per work item")
     p.add_argument("--programs-per-sm", type=positive_int, default=None, help="engine: persistent programs per SM")
     p.add_argument("--num-warps", type=positive_int, default=None, help="engine: warps per program")
+    p.add_argument("--lane-words", type=positive_int, default=None, help="engine: 8-byte words per lane per step")
+    p.add_argument("--fine-chunk-bytes", type=positive_int, default=None, help="engine: bytes per item of small moves")
+    p.add_argument("--page-major", action="store_true", default=None,
+                   help="engine: a page's chunks together (the earlier item order)")
     p.add_argument("--out", default=None, help="also write the JSON report to this file")
     p.add_argument("--json", action="store_true", help="print the JSON report (default: the markdown table)")
     p.add_argument("--render", default=None, metavar="JSON",
@@ -115,7 +119,8 @@ def _run_transfer(args: argparse.Namespace) -> int:
         device=device, page_size=args.page_size, layout=args.layout, seed=args.seed,
         min_reps=args.min_reps or (10 if cuda else 3), max_reps=args.max_reps or (100 if cuda else 40),
         budget_s=args.budget if args.budget is not None else (0.3 if cuda else 0.1), sweep=args.sweep,
-        engine=bench_transfer.engine_options(args.chunk_bytes, args.programs_per_sm, args.num_warps))
+        engine=bench_transfer.engine_options(args.chunk_bytes, args.programs_per_sm, args.num_warps,
+                                             args.lane_words, args.fine_chunk_bytes, args.page_major))
     report = bench_transfer.run_bench(cases, settings, base.name)
     text = json.dumps(report, indent=2)
     if args.out:

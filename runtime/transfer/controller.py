@@ -43,7 +43,7 @@ from ..memory.pools import StagePools
 from .clock import EventClock, host_time
 from .engine import EngineOptions, TritonEngine
 from .fallback import CpuEngine, TorchEngine
-from .pages import PageChecker, PageIds, TransferError
+from .pages import PageChecker, PageIds, TransferError, as_ids, plain_ids
 from .plan import Plan, build_plan
 from .stats import TransferStats, gbps
 
@@ -154,8 +154,9 @@ class TransferController:
                 "use_triton=True needs device pools on CUDA (or TRITON_INTERPRET=1, which runs the "
                 "kernels on CPU tensors for tests)"
             )
+        self.checker = PageChecker(device_pools.stage_map.stage, device_pools.allocator, host_pools.allocator)
         if use_triton and (not self.cuda or host_pools.pinned):
-            self.engine: Any = TritonEngine(device_pools, host_pools, options)
+            self.engine: Any = TritonEngine(device_pools, host_pools, options, self.checker.context)
         elif self.cuda:  # pageable host memory: the kernel cannot reach it
             self.engine = TorchEngine(device_pools, host_pools)
         else:
@@ -164,9 +165,10 @@ class TransferController:
         self._async = self.cuda and self.path == "triton"
         self._copy_lock = threading.Lock()  # synchronous engines: one copy at a time
         self._clock = EventClock(device_pools.device) if self._async else None
-        self.checker = PageChecker(device_pools.stage_map.stage, device_pools.allocator, host_pools.allocator)
         self._plans: dict[tuple[Any, Any], Plan] = {(None, None): build_plan(device_pools, host_pools, None, None)}
         self._pending: list[TransferResult] = []
+        # one-launch moves queued by one call into C (``TritonEngine.queue_move``)
+        self._one_call = self._async and getattr(self.engine, "_native", None) is not None
 
     # -- public API -------------------------------------------------------------------------
     def backup(self, device_pages: Sequence[int], host_pages: Sequence[int],
@@ -178,6 +180,10 @@ class TransferController:
         On CUDA the copy is asynchronous unless ``blocking``; see ``TransferResult``.
         """
         called = time.perf_counter()
+        if self._one_call:
+            result = self._queue_move("d2h", device_pages, host_pages, layers, pools, called)
+            if result is not None:
+                return result.synchronize() if blocking else result
         ids = self.checker.check(device_pages, host_pages, "host")
         plan = self.plan(layers, pools)
         return self._move("d2h", ids, plan, [plan], blocking, called)
@@ -187,6 +193,10 @@ class TransferController:
              pools: Sequence[str] | None = None) -> TransferResult:
         """Host -> device: copy ``host_pages[i]`` of every selected buffer to ``device_pages[i]``."""
         called = time.perf_counter()
+        if self._one_call:
+            result = self._queue_move("h2d", device_pages, host_pages, layers, pools, called)
+            if result is not None:
+                return result.synchronize() if blocking else result
         ids = self.checker.check(device_pages, host_pages, "device")
         plan = self.plan(layers, pools)
         return self._move("h2d", ids, plan, [plan], blocking, called)
@@ -233,6 +243,32 @@ class TransferController:
         self._pending = []
 
     # -- engine -----------------------------------------------------------------------------
+    def _queue_move(self, direction: str, device_pages: Any, host_pages: Any, layers: Any, pools: Any,
+                    called: float) -> TransferResult | None:
+        """The common move -- int64 ids that pass the checks, one slot's worth -- checked and queued
+        in one call into C; None when it is not one (the general path then checks and names what
+        is wrong).  The bookkeeping follows the launch, while the copy runs."""
+        stage = self.checker.stage
+        dev, host = plain_ids(device_pages, "device page", stage), plain_ids(host_pages, "host page", stage)
+        plan = self._plans[(None, None)] if layers is None and pools is None else self.plan(layers, pools)
+        if not plan.buffers:
+            return None
+        reference = self._clock.reference(called)  # type: ignore[union-attr]  # precedes the start event
+        slot = self.engine.queue_move(plan, direction == "d2h", dev, host)
+        if slot < 0:
+            return None
+        queued = time.perf_counter()
+        ids = PageIds(as_ids(dev, "device page", stage), as_ids(host, "host page", stage))  # numpy views
+        result = TransferResult(direction, ids, plan, self.path, called)
+        result.queued, result._reference = queued, reference
+        result._stats, result._engine = self.stats, self.engine
+        result._start, result._end = self.engine.slot_events(slot)
+        self.engine.own(slot, result)
+        if self._pending:
+            self.poll()
+        self._pending.append(result)
+        return result
+
     def _move(self, direction: str, ids: PageIds, plan: Plan, steps: list[Plan], blocking: bool,
               called: float, per_layer: bool = False) -> TransferResult:
         """Run ``steps`` (the plan, or one plan per layer) on the engine; one result for all.

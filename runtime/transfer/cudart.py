@@ -1,13 +1,17 @@
-"""The CUDA runtime torch already loaded, called through ctypes for the few calls on the hot path.
+"""The CUDA runtime torch already loaded, called through ctypes and from C for the hot path.
 
-A stage move queues three things: its start event, one graph launch and its end
-event.  Through torch's Python wrappers each of them costs the host 5-11 us
-(stream lookups, device guards, argument parsing) on the H200 host, about as
-much as the copy of a small page set takes on the link; the bare runtime calls
-cost 1-2 us each.  The handles come from torch's own objects (``cuda_event``,
-``raw_cuda_graph_exec``, the raw current stream), so torch still owns and frees
-them.  Where the runtime library or a handle is not available, ``Runtime`` is
-None and callers use torch's methods.
+A stage move's graph records its own start and end events, so queuing it is one
+``cudaGraphLaunch`` -- made from the compiled fast path (``native.py``) through
+the runtime's own function addresses (``Runtime.functions``), with
+``cudaEventQuery`` for a slot whose last reader may still run.  The ctypes entry
+points serve the rest: recording events as graph nodes while capturing
+(``cudaEventRecordWithFlags``), elapsed times, and the page-loop peer of the
+benchmark.  Through torch's Python wrappers each runtime call costs the H200 host
+5-11 us (stream lookups, device guards, argument parsing), about as much as the
+copy of a small page set takes on the link.  The handles come from torch's own
+objects (``cuda_event``, ``raw_cuda_graph_exec``, the raw current stream), so
+torch still owns and frees them.  Where the runtime library or a handle is not
+available, ``Runtime`` is None and callers use torch's methods.
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ from typing import Any
 
 #: cudaMemcpyKind: let the runtime infer the direction from unified addresses.
 MEMCPY_DEFAULT = 4
+#: cudaEventRecordExternal: inside a stream capture, record the event at replay (an event-record
+#: node) instead of only ordering the capture.
+EVENT_RECORD_EXTERNAL = 1
 
 
 def _loaded_paths() -> list[str]:
@@ -42,8 +49,8 @@ def _candidates() -> list[str]:
 
 
 class Runtime:
-    """ctypes entry points: event record and query, graph launch, async memcpy; each returns a
-    cudaError_t."""
+    """ctypes entry points: event record (also as a graph node) and query, graph launch, async
+    memcpy; each returns a cudaError_t."""
 
     def __init__(self, lib: Any):
         vp = ctypes.c_void_p
@@ -62,8 +69,13 @@ class Runtime:
         self._elapsed = lib.cudaEventElapsedTime
         self._ms = ctypes.c_float()
         self._ms_ref = ctypes.byref(self._ms)
-        # the same entry points as addresses, for C code that calls them (``native.py``)
-        self.functions = [ctypes.cast(f, ctypes.c_void_p).value for f in (lib.cudaEventRecord, lib.cudaGraphLaunch)]
+        try:  # CUDA 11.1+
+            self.record_external: Any = lib.cudaEventRecordWithFlags
+            self.record_external.argtypes, self.record_external.restype = [vp, vp, ctypes.c_uint], ctypes.c_int
+        except AttributeError:
+            self.record_external = None
+        # entry points as addresses, for C code that calls them (``native.py``): query, graph launch
+        self.functions = [ctypes.cast(f, ctypes.c_void_p).value for f in (lib.cudaEventQuery, lib.cudaGraphLaunch)]
 
     def elapsed_ms(self, start: Any, end: Any) -> float:
         """Milliseconds between two finished timing events (torch ``Event``s), as ``elapsed_time``."""
@@ -87,6 +99,19 @@ def runtime() -> Runtime | None:
                 continue
         _RUNTIME.append(found)
     return _RUNTIME[0]
+
+
+def current_stream_fn(device: Any) -> Any:
+    """A no-argument callable giving the caller's current stream on ``device`` as a raw handle
+    (bound once: the lookup of torch's function and the device index are not redone per call)."""
+    import functools
+
+    import torch
+
+    fast = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if fast is not None:
+        return functools.partial(fast, device.index if device.index is not None else torch.cuda.current_device())
+    return functools.partial(raw_stream, device)
 
 
 def raw_stream(device: Any) -> int:

@@ -1,12 +1,14 @@
 """The engines for where the Triton kernel cannot run: CPU pools, and CUDA without Triton or pinning.
 
-* ``CpuEngine`` (path ``cpu``): pools on the CPU.  numpy views of every buffer are
-  taken once; small pages move by one fancy-indexed assignment per buffer (one
-  pass of ``memcpy``-sized row copies in C), large pages by one row assignment
-  per page (a single ``memcpy`` each, no temporary).  Both beat a per-page
-  ``torch.copy_`` loop at every size, because torch's per-call dispatch costs
-  more than the copy of a small page and its uint8 ``index_select`` runs at
-  about 1 GB/s.
+* ``CpuEngine`` (path ``cpu``): pools on the CPU.  Where the compiled module
+  (``native.py``) is built, a whole move is one call into C: one ``memcpy`` per
+  page per buffer over a table of the plan's buffer addresses made once, without
+  the GIL -- on 2 CPU cores 1.7-2.1x faster than the per-page ``torch.copy_`` loop
+  for a few pages of a stage (whose per-call dispatch costs more than the copy
+  of a small page) and 1.1-1.2x at 64 MiB.  Elsewhere numpy views of every
+  buffer are taken once; small pages move by one fancy-indexed assignment per
+  buffer, large pages by one row assignment per page (a single ``memcpy`` each,
+  no temporary) or torch's threaded ``copy_`` from 128 KiB.
 * ``TorchEngine`` (path ``torch``): CUDA pools with pageable host memory (the
   kernel cannot address it) or without Triton.  Device-side ``index_select`` /
   ``index_copy_`` plus one host copy per buffer; synchronous, a fallback for
@@ -17,8 +19,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from ..memory.host_pools import HostPools
 from ..memory.pools import StagePools
+from . import native
 from .pages import PageIds
 from .plan import BufferRef, Plan
 
@@ -42,8 +47,31 @@ class CpuEngine:
         self._dev = {p: [b.numpy() if b is not None else None for b in bufs] for p, bufs in dp.buffers.items()}
         self._host = {p: [b.numpy() if b is not None else None for b in bufs] for p, bufs in hp.buffers.items()}
         self._rows: dict[tuple[str, int], tuple[Any, Any]] = {}  # row views of buffers with big pages
+        self._native = native.module()
+        self._tables: dict[Plan, np.ndarray] = {}  # per plan: (dev base, host base, strides, page bytes) rows
 
     def run(self, plan: Plan, ids: PageIds, d2h: bool) -> None:
+        """Copy the (checked) pages of every buffer of ``plan``."""
+        if self._native is not None:
+            table = self._tables.get(plan)
+            if table is None:
+                table = self._tables[plan] = self._table(plan)
+            dev, host = ids.device, ids.host
+            if not (dev.flags.c_contiguous and host.flags.c_contiguous):
+                dev, host = np.ascontiguousarray(dev), np.ascontiguousarray(host)
+            self._native.copy_pages(table, dev, host, d2h)
+            return
+        self._run_numpy(plan, ids, d2h)
+
+    def _table(self, plan: Plan) -> np.ndarray:
+        rows = []
+        for ref in plan.buffers:
+            d, h = self.dp.buffers[ref.pool][ref.index], self.hp.buffers[ref.pool][ref.index]
+            rows += [d.data_ptr(), h.data_ptr(), d.stride(0) * d.element_size(), h.stride(0) * h.element_size(),
+                     ref.page_bytes]
+        return np.array(rows, dtype=np.int64)
+
+    def _run_numpy(self, plan: Plan, ids: PageIds, d2h: bool) -> None:
         n = ids.count
         lists: tuple[list[int], list[int]] | None = None
         for ref in plan.buffers:

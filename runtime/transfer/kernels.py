@@ -10,7 +10,11 @@ whole stage move is one launch:
   ``CHUNK_BYTES`` (a *chunk table*, built once per buffer selection: word offsets
   of the buffer bases, page strides and chunk lengths), so a 512 KiB state page
   is spread over many warps while a 1 KiB C128 page is one item;
-* work item ``i`` of ``n * C`` copies chunk ``i % C`` of page slot ``i // C``;
+* work item ``i`` of ``n * C`` copies chunk ``i // n`` of page slot ``i % n``
+  (chunk-major: a program striding through the items by the grid size meets
+  every chunk column; page-major order gave a program the same chunk of every
+  page whenever the grid size was a multiple of ``C``, so the programs holding
+  a page's short tail chunk idled while the others moved the long ones);
   one program per item (``NUM_WARPS`` warps) walks it in steps of 32 consecutive
   words per warp that start on a 128-byte line of the host side, so every load
   and store instruction covers one contiguous span of whole lines but at the
@@ -47,12 +51,15 @@ except ImportError:  # pragma: no cover - triton is a test/gpu dependency
 
 #: Bytes per work item (one chunk of one page of one buffer).
 CHUNK_BYTES = 8192
-#: Bytes per work item of small moves, which would not give every warp of the grid an item.
-FINE_CHUNK_BYTES = 1024
+#: Bytes per work item of small moves, which would not give every warp of the grid an item.  2 KiB
+#: beat 1 KiB in the H200 sweep (a 1,168-byte C128 page is one item, not 1,024 + 144 bytes).
+FINE_CHUNK_BYTES = 2048
 #: Warps per program (each step moves 32 consecutive words per warp).  4 warps x 16 programs per
 #: SM beat 1 x 32 on the H200 at 64 MiB for every pool kind tried, both directions (the bench's
 #: ``--sweep``), and tie at one page.
 NUM_WARPS = 4
+#: Words each lane moves per step (more loads in flight per lane before its stores).
+LANE_WORDS = 1
 #: Programs per SM of the persistent grid (enough loads/stores in flight to cover PCIe latency).
 PROGRAMS_PER_SM = 16
 #: Columns of the chunk table: device word offset, host word offset, device page stride
@@ -68,21 +75,28 @@ if HAVE_TRITON:
         table,  # int64[C, 5]: the chunk table
         ids_off,  # int64 offset from anchor64 of the id slot [n, device ids, host ids]
         chunks,  # C
-        STEP: tl.constexpr,  # words per warp-step: 32 x warps
+        STEP: tl.constexpr,  # words per program-step: 32 lanes x warps x words per lane
         D2H: tl.constexpr,
         LINE: tl.constexpr,  # words per 128-byte line of host memory (1: no alignment)
+        PAGE_MAJOR: tl.constexpr,  # item order: all chunks of a page together (else one chunk of every page)
     ):
         ids = anchor64 + ids_off
         n = tl.load(ids)
         total = n * chunks
+        per = tl.maximum(n, 1)  # the chunk-major divisor (n = 0: nothing is live)
         lanes = tl.arange(0, STEP)
         step = tl.num_programs(0)
         item = tl.program_id(0).to(tl.int64)
         # the addresses of a program's next item are loaded while it copies the current one, so
         # the latency of the table and id loads is paid once per program, not once per item
         live = item < total
-        slot = item // chunks
-        row = table + (item - slot * chunks) * 5
+        if PAGE_MAJOR:
+            slot = item // chunks
+            chunk = item - slot * chunks
+        else:
+            chunk = item // per
+            slot = item - chunk * per
+        row = table + chunk * 5
         dev = tl.load(row, mask=live, other=0) + tl.load(ids + 1 + slot, mask=live, other=0) * tl.load(
             row + 2, mask=live, other=0)
         host = tl.load(row + 1, mask=live, other=0) + tl.load(ids + 1 + n + slot, mask=live, other=0) * tl.load(
@@ -93,8 +107,13 @@ if HAVE_TRITON:
         while item < total:
             nxt = item + step
             more = nxt < total
-            nslot = nxt // chunks
-            nrow = table + (nxt - nslot * chunks) * 5
+            if PAGE_MAJOR:
+                nslot = nxt // chunks
+                nchunk = nxt - nslot * chunks
+            else:
+                nchunk = nxt // per
+                nslot = nxt - nchunk * per
+            nrow = table + nchunk * 5
             ndev = tl.load(nrow, mask=more, other=0) + tl.load(ids + 1 + nslot, mask=more, other=0) * tl.load(
                 nrow + 2, mask=more, other=0)
             nhost = tl.load(nrow + 1, mask=more, other=0) + tl.load(
@@ -167,15 +186,27 @@ def chunk_table(spans: Sequence[BufferSpan], anchor_addr: int, chunk_bytes: int 
     word = word_bytes(values)
     rows = []
     for s in spans:
-        for off in range(0, s.page_bytes, chunk_bytes):
-            size = min(chunk_bytes, s.page_bytes - off)
+        off = 0
+        for size in chunk_sizes(s.page_bytes, chunk_bytes):
             rows.append(((s.dev_addr + off - anchor_addr) // word, (s.host_addr + off - anchor_addr) // word,
                          s.dev_stride // word, s.host_stride // word, size // word))
+            off += size
     return ChunkTable(tuple(rows), word)
 
 
+def chunk_sizes(page_bytes: int, chunk_bytes: int) -> list[int]:
+    """A page cut into chunks of ``chunk_bytes``; a last piece under a quarter chunk joins the one
+    before it (an item of a few hundred bytes costs a program as much address work as a full one)."""
+    sizes = [min(chunk_bytes, page_bytes - off) for off in range(0, page_bytes, chunk_bytes)]
+    if len(sizes) > 1 and sizes[-1] < chunk_bytes // 4:
+        tail = sizes.pop()
+        sizes[-1] += tail
+    return sizes
+
+
 def launch_stage_copy(anchor, anchor64, table, ids_off: int, geometry: ChunkTable, d2h: bool, programs: int,
-                      num_warps: int = NUM_WARPS, align: bool = True) -> None:
+                      num_warps: int = NUM_WARPS, align: bool = True, lane_words: int = LANE_WORDS,
+                      page_major: bool = False) -> None:
     """Queue the one launch of a stage move on the current stream (no host sync, no allocation).
 
     ``anchor`` is a tensor whose dtype has ``geometry.word`` bytes and whose address the
@@ -186,6 +217,6 @@ def launch_stage_copy(anchor, anchor64, table, ids_off: int, geometry: ChunkTabl
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed; the Triton transfer engine is unavailable")
     _stage_copy_kernel[(max(1, programs),)](
-        anchor, anchor64, table, ids_off, geometry.chunks, STEP=32 * num_warps, D2H=d2h,
-        LINE=128 // geometry.word if align else 1, num_warps=num_warps,
+        anchor, anchor64, table, ids_off, geometry.chunks, STEP=32 * num_warps * lane_words, D2H=d2h,
+        LINE=128 // geometry.word if align else 1, PAGE_MAJOR=page_major, num_warps=num_warps,
     )

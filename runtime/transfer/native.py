@@ -1,88 +1,77 @@
-"""A transfer's host fast path in C, compiled on first use: the page-id check, and the launch.
+"""A transfer's host fast path in C, compiled on first use: the page-id check, and the whole move.
 
-Why C: a move's ids are checked before a byte moves (in range, allocated, no
-destination listed twice), and on the H200 host those checks were most of the
-time from the call to the copy's start -- numpy runs them as five or six
-separate passes, each paying its dispatch (about 2 us warm, 10-30 us right after
-a large copy has pushed the interpreter out of the CPU caches), and a small
-move's copy itself takes 50-100 us.  One C pass over the ids reads each id once.
+Why C: a small move's copy takes 50-100 us on the link, and on the H200 host
+the Python around it (five numpy passes over the ids, the id slot fill, three
+runtime calls through ctypes, their argument conversions) took 20-60 us before
+the copy was queued -- several times that right after a large copy, when the
+interpreter and the driver have been pushed out of the CPU caches.  What touches
+less memory and runs fewer instructions suffers less from that, so the common
+move is one call into this module:
 
-The source below is compiled with the machine's C compiler (the one Triton uses
-for its launchers) into a per-user cache, keyed by the source's hash, and loaded
-through ctypes -- only from a directory and file that are the user's own and
-writable by nobody else; otherwise it is built into a fresh private directory.  No compiler, a failed build, or ``STAGECACHE_NATIVE=0``: ``None``,
-and ``pages.py`` runs its numpy checks (the same answers; tested against each
-other).  Everything that does not change between calls (addresses, page counts)
-sits in a context array, so a call passes three arguments.  The duplicate test
-keeps one generation counter per call instead of clearing a mark array: a page
-whose mark equals this call's generation was listed before in this call.
+* ``ids_ok(ctx, dev, host, dest_is_device)``: every boundary check in one pass
+  over the caller's int64 arrays (read in place through the buffer protocol): in
+  range, allocated, no destination listed twice (a generation counter instead of
+  clearing a mark array: a page whose mark equals this call's generation was
+  listed before in this call).  ``None`` when an argument is not a 1-D int64
+  vector (the caller converts it and asks again);
+* ``move(ctx, dev, host, dest_is_device, execs, stream)``: takes the next id slot
+  of the engine's ring (the slot's last reader must be done: one event query,
+  only when that reader was not yet seen finished), checks the ids while writing
+  them into the slot's pinned row, picks the graph of the slot and size bucket,
+  and queues it with one ``cudaGraphLaunch`` -- the graph records the slot's own
+  start and end events, so there is no other runtime call.  It returns the slot,
+  or a negative code saying what the engine must do first (capture a graph, wait
+  for a slot, finish the transfer that owns the slot's events) or that the move
+  is not one for this path (then the general path runs and names any bad id).
 
-The launch: a stage move queues three things on the caller's stream (start
-event, graph, end event), each a bare CUDA runtime call through ctypes
-(``cudart.py``).  ``stagecache_launch`` makes them from C through the runtime's
-own function addresses, so Python crosses into C once per move.
+Everything that does not change between calls sits in one int64 context array
+(``context``): addresses of the allocators' "in use" maps and of the mark arrays,
+page counts, the generation, and the ring (next slot, per slot: the event to
+wait for, whether its events time an unfinished transfer, its end event).  The
+calls run with the GIL held, so a check and a slot take are atomic for Python
+threads.
+
+The source is compiled as a CPython extension with the machine's C compiler and
+Python headers (what Triton needs for its own launchers) into a per-user cache,
+keyed by the source's hash and the interpreter's ABI, and loaded only from a
+directory and file that are the user's own and writable by nobody else;
+otherwise it is built into a fresh private directory.  No compiler or headers, a
+failed build, or ``STAGECACHE_NATIVE=0``: ``module()`` is None, ``pages.py`` runs
+its numpy checks (the same answers; tested against each other) and the engine
+queues moves from Python.
 """
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
+import importlib.machinery
+import importlib.util
 import os
 import shutil
 import subprocess
+import sysconfig
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SOURCE = r"""
-#include <stdint.h>
+import numpy as np
 
-/* ctx (int64 words): device "in use" map, device pages, host "in use" map, host pages,
-   device marks, host marks, ids (device ids, then host ids at + cap), cap, generation.
-   1 when every id of both sides is in range and allocated and no destination id repeats;
-   0 otherwise (the caller's numpy checks then say what is wrong). */
-int stagecache_ids_ok(int64_t *ctx, int64_t n, int dest_is_device)
-{
-    const uint8_t *dev_used = (const uint8_t *)(intptr_t)ctx[0];
-    const uint8_t *host_used = (const uint8_t *)(intptr_t)ctx[2];
-    const uint64_t dev_pages = (uint64_t)ctx[1], host_pages = (uint64_t)ctx[3];
-    int64_t *marks = (int64_t *)(intptr_t)(dest_is_device ? ctx[4] : ctx[5]);
-    const int64_t *dev = (const int64_t *)(intptr_t)ctx[6];
-    const int64_t *host = dev + ctx[7];
-    const int64_t *dst = dest_is_device ? dev : host;
-    const int64_t generation = ++ctx[8];
-    for (int64_t i = 0; i < n; i++) {
-        uint64_t d = (uint64_t)dev[i], h = (uint64_t)host[i];
-        if (d >= dev_pages || h >= host_pages)
-            return 0;
-        if (!dev_used[d] || !host_used[h])
-            return 0;
-        if (marks[dst[i]] == generation)
-            return 0;
-        marks[dst[i]] = generation;
-    }
-    return 1;
-}
+#: Words of ``context`` (the C enum below): the checks', then the ring's.
+(DEV_USED, DEV_PAGES, HOST_USED, HOST_PAGES, DEV_MARKS, HOST_MARKS, GEN, SLOTS, CAP, NEXT, ROWS, ROW_WORDS,
+ QUERY, LAUNCH, BUCKETS, MIN_BUCKET, ERR, WANT_SLOT, WANT_INDEX, WANT_SIZE, RING) = range(21)
+#: Words per ring slot after ``RING``: the event to wait for before reuse (0: free), whether the
+#: slot's own events time a transfer not yet finished, the slot's end event.
+MARK, OWNED, END, PER_SLOT = range(4)
+#: Most ring slots a context has room for.
+MAX_SLOTS = 8
+#: ``move`` codes: >= 0 the slot queued; these otherwise.
+IDS_BAD, NEED_GRAPH, BUSY, OWNED_SLOT, CUDA_ERROR, NOT_HANDLED = -1, -2, -3, -4, -5, -6
 
-typedef int (*record_fn)(void *event, void *stream);
-typedef int (*launch_fn)(void *exec, void *stream);
+#: The C source (a CPython extension module), shipped next to this file.
+SOURCE = (Path(__file__).with_name("native.c")).read_text()
 
-/* fns: the addresses of cudaEventRecord and cudaGraphLaunch in the process's CUDA runtime.
-   Queues a stage move on stream -- start event, graph, end event -- in one call from Python;
-   returns the first CUDA error (0: none), and makes no call after it. */
-int stagecache_launch(const int64_t *fns, void *stream, void *start, void *exec, void *end)
-{
-    record_fn record = (record_fn)(intptr_t)fns[0];
-    launch_fn launch = (launch_fn)(intptr_t)fns[1];
-    int err = record(start, stream);
-    if (!err)
-        err = launch(exec, stream);
-    if (!err)
-        err = record(end, stream);
-    return err;
-}
-"""
-
+NAME = "_stagecache_native"
 _LOADED: list[Any] = []
 
 
@@ -98,17 +87,23 @@ def _private(path: Path) -> bool:
     return st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
+def _file_name() -> str:
+    key = hashlib.sha256((SOURCE + (sysconfig.get_config_var("SOABI") or "")).encode()).hexdigest()[:16]
+    return f"{NAME}-{key}{importlib.machinery.EXTENSION_SUFFIXES[0]}"
+
+
 def _build(target: Path) -> bool:
     """Compile ``SOURCE`` into ``target`` (written under a temporary name, then renamed)."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if cc is None:
+    include = sysconfig.get_paths().get("include")
+    if cc is None or not include or not Path(include, "Python.h").exists():
         return False
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        src, out = Path(tmp) / "ids.c", Path(tmp) / "ids.so"
+        src, out = Path(tmp) / "native.c", Path(tmp) / target.name
         src.write_text(SOURCE)
         try:
-            done = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(out), str(src)],
-                                  capture_output=True, timeout=60)
+            done = subprocess.run([cc, "-O2", "-shared", "-fPIC", f"-I{include}", "-o", str(out), str(src)],
+                                  capture_output=True, timeout=120)
         except (OSError, subprocess.SubprocessError):
             return False
         if done.returncode != 0 or not out.exists():
@@ -118,46 +113,63 @@ def _build(target: Path) -> bool:
     return True
 
 
-def _library() -> Any:
-    """The compiled library (ctypes), or None where it cannot be had."""
+def _load(path: Path) -> Any:
+    spec = importlib.util.spec_from_file_location(NAME, path)
+    if spec is None or spec.loader is None:
+        return None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    try:  # ids may come as torch tensors (torch is a dependency; without it, numpy arrays only)
+        import torch
+
+        mod.configure(torch.Tensor, torch.int64)
+    except ImportError:  # pragma: no cover
+        pass
+    return mod
+
+
+def module() -> Any:
+    """The compiled module (``ids_ok``, ``move``), or None where it cannot be had."""
     if _LOADED:
         return _LOADED[0]
-    lib = None
+    mod = None
     if os.environ.get("STAGECACHE_NATIVE", "1") != "0":
-        name = f"ids-{hashlib.sha256(SOURCE.encode()).hexdigest()[:16]}.so"
+        name = _file_name()
         try:
             cache = _cache_dir()
             cache.mkdir(mode=0o700, parents=True, exist_ok=True)
             target = cache / name
             if _private(cache) and (target.exists() and _private(target) or _build(target)):
-                lib = ctypes.CDLL(str(target)) if _private(target) else None
-        except OSError:
-            lib = None
-        if lib is None:  # no usable cache: a private directory of this process, built anew
+                mod = _load(target) if _private(target) else None
+        except (OSError, ImportError):
+            mod = None
+        if mod is None:  # no usable cache: a private directory of this process, built anew
             tmp = tempfile.mkdtemp(prefix="stagecache-native-")
             try:
                 target = Path(tmp) / name
-                lib = ctypes.CDLL(str(target)) if _build(target) else None
-            except OSError:
-                lib = None
+                mod = _load(target) if _build(target) else None
+            except (OSError, ImportError):
+                mod = None
             finally:  # a loaded library stays mapped once its file is gone
                 shutil.rmtree(tmp, ignore_errors=True)
-    if lib is not None:
-        vp = ctypes.c_void_p
-        lib.stagecache_ids_ok.argtypes = [vp, ctypes.c_int64, ctypes.c_int]
-        lib.stagecache_launch.argtypes = [vp] * 5
-        lib.stagecache_ids_ok.restype = lib.stagecache_launch.restype = ctypes.c_int
-    _LOADED.append(lib)
-    return lib
+    _LOADED.append(mod)
+    return mod
 
 
-def ids_ok_function() -> Any:
-    """The compiled id check ``(ctx, n, dest_is_device) -> 1 | 0``, or None."""
-    lib = _library()
-    return None if lib is None else lib.stagecache_ids_ok
+@dataclass(frozen=True)
+class Context:
+    """The int64 words the C calls read and write, and the mark arrays some of them point at
+    (held here so that they live as long as the words)."""
+
+    words: np.ndarray
+    marks: tuple[np.ndarray, np.ndarray]
 
 
-def launch_function() -> Any:
-    """The compiled launch ``(fns, stream, start, exec, end) -> cudaError``, or None."""
-    lib = _library()
-    return None if lib is None else lib.stagecache_launch
+def context(dev_used: int, dev_pages: int, host_used: int, host_pages: int) -> Context:
+    """A fresh context: the checks' part filled in (the "in use" maps' addresses and page counts,
+    one mark array per side), the ring's left for the engine (``engine.py``)."""
+    marks = (np.zeros(max(1, dev_pages), dtype=np.int64), np.zeros(max(1, host_pages), dtype=np.int64))
+    words = np.zeros(RING + PER_SLOT * MAX_SLOTS, dtype=np.int64)
+    words[[DEV_USED, DEV_PAGES, HOST_USED, HOST_PAGES]] = dev_used, dev_pages, host_used, host_pages
+    words[[DEV_MARKS, HOST_MARKS]] = [int(m.ctypes.data) for m in marks]
+    return Context(words, marks)

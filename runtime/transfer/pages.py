@@ -3,7 +3,7 @@
 Every transfer checks its ids before any byte moves: integers, same count on
 both sides, in range, allocated in the pools' allocators right now, and no
 destination page listed twice (the result would depend on copy order).  The
-checks run in one compiled loop (``native.py``), or where no compiler is at hand
+checks run in one compiled loop (``native.py``), or where it cannot be built
 as one numpy operation each (Python lists for a few ids), so they stay on even on
 the hot path.  Only once a check failed do the numpy checks run again to name
 what is wrong.
@@ -38,9 +38,10 @@ class PageIds:
 
 
 try:
+    from torch import Tensor as _TENSOR
     from torch import int64 as _INT64
 except ImportError:  # pragma: no cover - torch is a dependency
-    _INT64 = None
+    _INT64 = _TENSOR = None
 
 #: Up to this many ids the checks run on Python lists (cheaper than numpy's per-call overhead).
 SMALL = 32
@@ -69,6 +70,14 @@ def as_ids(values: object, what: str, stage: int) -> np.ndarray:
     return arr.reshape(-1).astype(np.int64)
 
 
+def plain_ids(values: object, what: str, stage: int) -> object:
+    """``values`` itself when the compiled checks read it in place (a numpy array or a torch
+    tensor: they refuse any that is not 1-D int64 contiguous on the CPU), else ``as_ids``."""
+    if type(values) is np.ndarray or (_TENSOR is not None and type(values) is _TENSOR):
+        return values
+    return as_ids(values, what, stage)
+
+
 class PageChecker:
     """The boundary checks of one controller, with its scratch arrays kept between calls."""
 
@@ -78,18 +87,12 @@ class PageChecker:
         # duplicate test without sorting: write each position into its page's slot, read back
         self._marks = {side: np.zeros(a.num_pages, dtype=np.int64) for side, a in self.allocators.items()}
         self._positions = np.arange(0, dtype=np.int64)
-        self._lock = threading.Lock()
-        # the one-pass C check (``native.py``): the ids go into a scratch array whose address is
-        # known (numpy's own address lookup costs more than the check), marks carry a generation
-        self._native = native.ids_ok_function()
-        if self._native is not None:
-            self._cap = cap = max(device.num_pages, host.num_pages)
-            self._scratch = np.zeros(2 * cap, dtype=np.int64)
-            self._gen_marks = [np.zeros(a.num_pages, dtype=np.int64) for a in (device, host)]
-            self._ctx = np.array([device.used_address(), device.num_pages, host.used_address(),
-                                  host.num_pages, *(int(m.ctypes.data) for m in self._gen_marks),
-                                  int(self._scratch.ctypes.data), cap, 0], dtype=np.int64)
-            self._ctx_at = int(self._ctx.ctypes.data)
+        self._lock = threading.Lock()  # the numpy checks share ``_marks``
+        # the one-pass C check (``native.py``) reads the ids in place; its context (maps, marks,
+        # generation) is shared with the engine's one-call moves
+        self._native = native.module()
+        self.context = native.context(device.used_address(), device.num_pages, host.used_address(),
+                                      host.num_pages) if self._native is not None else None
 
     def check(self, device_pages: object, host_pages: object, dest: str) -> PageIds:
         """Both id lists as int64 arrays, or ``TransferError`` naming stage, side and ids."""
@@ -103,23 +106,20 @@ class PageChecker:
         n = dev.shape[0]
         if not n:
             return PageIds(dev, host)
-        with self._lock:  # the scratch and mark arrays are shared (the C call releases the GIL)
-            if not (self._native_ok(dev, host, dest) if self._native is not None
-                    else self._small_ok(dev.tolist(), host.tolist(), dest) if n <= SMALL
-                    else self._vector_ok(dev, host, dest)):
+        if self._native is not None:
+            ok = self._native.ids_ok(self.context.words, dev, host, dest == "device")  # type: ignore[union-attr]
+            if ok is None:  # not contiguous: a copy that is
+                ok = self._native.ids_ok(self.context.words, np.ascontiguousarray(dev),  # type: ignore[union-attr]
+                                         np.ascontiguousarray(host), dest == "device")
+        else:
+            with self._lock:
+                ok = self._small_ok(dev.tolist(), host.tolist(), dest) if n <= SMALL else self._vector_ok(dev, host, dest)
+        if not ok:
+            with self._lock:
                 for side, ids in (("device", dev), ("host", host)):  # names what is wrong
                     self._check_side(side, ids)
                 self._check_unique(dest, dev if dest == "device" else host)
         return PageIds(dev, host)
-
-    def _native_ok(self, dev: np.ndarray, host: np.ndarray, dest: str) -> bool:
-        """Every check in one C pass over a copy of the ids; True when all pass."""
-        n, cap, s = dev.shape[0], self._cap, self._scratch
-        if n > cap:  # more pages than a side has: a destination repeats (the error path says so)
-            return False
-        s[:n] = dev
-        s[cap:cap + n] = host
-        return self._native(self._ctx_at, n, dest == "device") == 1
 
     def _vector_ok(self, dev: np.ndarray, host: np.ndarray, dest: str) -> bool:
         """Every check in as few numpy passes as they take; True when all pass.

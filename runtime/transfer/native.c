@@ -1,0 +1,314 @@
+/* The compiled fast path of a transfer (``native.py`` builds and loads it): the page-id check
+   and the one-call move.  A CPython extension module; see native.py for why and how. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { DEV_USED, DEV_PAGES, HOST_USED, HOST_PAGES, DEV_MARKS, HOST_MARKS, GEN, SLOTS, CAP, NEXT, ROWS,
+       ROW_WORDS, QUERY, LAUNCH, BUCKETS, MIN_BUCKET, ERR, WANT_SLOT, WANT_INDEX, WANT_SIZE, RING };
+enum { MARK, OWNED, END, PER_SLOT };
+enum { IDS_BAD = -1, NEED_GRAPH = -2, BUSY = -3, OWNED_SLOT = -4, CUDA_ERROR = -5, NOT_HANDLED = -6 };
+#define NOT_READY 600 /* cudaErrorNotReady */
+
+typedef int (*query_fn)(void *event);
+typedef int (*launch_fn)(void *exec, void *stream);
+
+/* a 1-D contiguous int64 vector (numpy int64); 0 when obj is not one (no exception left set) */
+static int int64_vector(PyObject *obj, Py_buffer *view, int writable)
+{
+    int flags = PyBUF_ND | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, view, flags) != 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    const char *f = view->format ? view->format : "B";
+    if (*f == '@' || *f == '=' || *f == '<')
+        f++;
+    if (view->ndim != 1 || view->itemsize != 8 || !((*f == 'l' || *f == 'q') && f[1] == 0)) {
+        PyBuffer_Release(view);
+        return 0;
+    }
+    return 1;
+}
+
+/* torch.Tensor and torch.int64 (``configure``), and attribute names: a 1-D contiguous int64 CPU
+   tensor is read in place too, without a numpy view made for it */
+static PyObject *tensor_type, *int64_dtype, *s_dtype, *s_is_cpu, *s_dim, *s_is_contiguous, *s_numel, *s_data_ptr;
+
+static int is_true_attr(PyObject *obj, PyObject *name, int call)
+{
+    PyObject *v = call ? PyObject_CallMethodNoArgs(obj, name) : PyObject_GetAttr(obj, name);
+    int ok = v == Py_True;
+    Py_XDECREF(v);
+    return ok;
+}
+
+static int64_t int_call(PyObject *obj, PyObject *name)
+{
+    PyObject *v = PyObject_CallMethodNoArgs(obj, name);
+    int64_t out = v ? (int64_t)PyLong_AsLongLong(v) : -1;
+    Py_XDECREF(v);
+    return out;
+}
+
+/* ids: a numpy int64 vector (buffer) or a torch int64 CPU vector; 0 when obj is neither */
+typedef struct { Py_buffer view; int has_view; const int64_t *data; int64_t n; } ids_t;
+
+static int ids_of(PyObject *obj, ids_t *ids)
+{
+    ids->has_view = 0;
+    if (tensor_type && PyObject_TypeCheck(obj, (PyTypeObject *)tensor_type)) {
+        PyObject *dtype = PyObject_GetAttr(obj, s_dtype);
+        int ok = dtype == int64_dtype;
+        Py_XDECREF(dtype);
+        ok = ok && is_true_attr(obj, s_is_cpu, 0) && int_call(obj, s_dim) == 1 && is_true_attr(obj, s_is_contiguous, 1);
+        if (ok) {
+            ids->n = int_call(obj, s_numel);
+            PyObject *ptr = PyObject_CallMethodNoArgs(obj, s_data_ptr);
+            ids->data = ptr ? (const int64_t *)PyLong_AsVoidPtr(ptr) : NULL;
+            Py_XDECREF(ptr);
+            ok = ids->n >= 0 && (ids->data != NULL || ids->n == 0);
+        }
+        if (!ok)
+            PyErr_Clear();
+        return ok;
+    }
+    if (!int64_vector(obj, &ids->view, 0))
+        return 0;
+    ids->has_view = 1;
+    ids->data = (const int64_t *)ids->view.buf;
+    ids->n = ids->view.shape[0];
+    return 1;
+}
+
+static void ids_release(ids_t *ids)
+{
+    if (ids->has_view)
+        PyBuffer_Release(&ids->view);
+}
+
+/* 1 when every id of both sides is in range and allocated and no destination id repeats, 0
+   otherwise; with out, the ids are written there as they are read (device ids, then host ids) */
+static int check_ids(int64_t *ctx, const int64_t *dev, const int64_t *host, int64_t n, int dest_is_device,
+                     int64_t *out)
+{
+    const uint8_t *dev_used = (const uint8_t *)(intptr_t)ctx[DEV_USED];
+    const uint8_t *host_used = (const uint8_t *)(intptr_t)ctx[HOST_USED];
+    const uint64_t dev_pages = (uint64_t)ctx[DEV_PAGES], host_pages = (uint64_t)ctx[HOST_PAGES];
+    int64_t *marks = (int64_t *)(intptr_t)(dest_is_device ? ctx[DEV_MARKS] : ctx[HOST_MARKS]);
+    const int64_t generation = ++ctx[GEN];
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t d = (uint64_t)dev[i], h = (uint64_t)host[i];
+        if (d >= dev_pages || h >= host_pages || !dev_used[d] || !host_used[h])
+            return 0;
+        uint64_t dst = dest_is_device ? d : h;
+        if (marks[dst] == generation)
+            return 0;
+        marks[dst] = generation;
+        if (out) {
+            out[i] = (int64_t)d;
+            out[n + i] = (int64_t)h;
+        }
+    }
+    return 1;
+}
+
+static long take_slot_and_launch(int64_t *ctx, const int64_t *dev, const int64_t *host, int64_t n,
+                                 int dest_is_device, const int64_t *execs, void *stream)
+{
+    const int64_t k = ctx[NEXT];
+    int64_t *slot = ctx + RING + PER_SLOT * k;
+    ctx[WANT_SLOT] = k;
+    if (slot[OWNED])
+        return OWNED_SLOT;
+    if (slot[MARK]) {
+        int rc = ((query_fn)(intptr_t)ctx[QUERY])((void *)(intptr_t)slot[MARK]);
+        if (rc == NOT_READY)
+            return BUSY;
+        if (rc) {
+            ctx[ERR] = rc;
+            return CUDA_ERROR;
+        }
+        slot[MARK] = 0;
+    }
+    int64_t *row = (int64_t *)(intptr_t)ctx[ROWS] + k * ctx[ROW_WORDS];
+    if (!check_ids(ctx, dev, host, n, dest_is_device, row + 1))
+        return IDS_BAD;
+    row[0] = n;
+    int64_t size = ctx[MIN_BUCKET], index = 0;
+    while (size < n && size < ctx[CAP]) {
+        size <<= 1;
+        index++;
+    }
+    if (size > ctx[CAP])
+        size = ctx[CAP];
+    const int64_t exec = execs[k * ctx[BUCKETS] + index];
+    if (!exec) {
+        ctx[WANT_INDEX] = index;
+        ctx[WANT_SIZE] = size;
+        return NEED_GRAPH;
+    }
+    int rc = ((launch_fn)(intptr_t)ctx[LAUNCH])((void *)(intptr_t)exec, stream);
+    if (rc) {
+        ctx[ERR] = rc;
+        return CUDA_ERROR;
+    }
+    slot[MARK] = slot[END];
+    slot[OWNED] = 1;
+    ctx[NEXT] = (k + 1) % ctx[SLOTS];
+    return (long)k;
+}
+
+static PyObject *py_ids_ok(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "ids_ok(ctx, dev, host, dest_is_device)");
+        return NULL;
+    }
+    Py_buffer c;
+    if (!int64_vector(args[0], &c, 1)) {
+        PyErr_SetString(PyExc_TypeError, "ids_ok: ctx must be a writable int64 vector");
+        return NULL;
+    }
+    PyObject *answer = Py_None;
+    ids_t d, h;
+    if (ids_of(args[1], &d)) {
+        if (ids_of(args[2], &h)) {
+            if (d.n != h.n)
+                answer = Py_False;
+            else
+                answer = check_ids((int64_t *)c.buf, d.data, h.data, d.n, PyObject_IsTrue(args[3]), NULL)
+                    ? Py_True : Py_False;
+            ids_release(&h);
+        }
+        ids_release(&d);
+    }
+    PyBuffer_Release(&c);
+    Py_INCREF(answer);
+    return answer;
+}
+
+static PyObject *py_move(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "move(ctx, dev, host, dest_is_device, execs, stream)");
+        return NULL;
+    }
+    void *stream = PyLong_AsVoidPtr(args[5]);
+    if (stream == NULL && PyErr_Occurred())
+        return NULL;
+    Py_buffer c, e;
+    if (!int64_vector(args[0], &c, 1)) {
+        PyErr_SetString(PyExc_TypeError, "move: ctx must be a writable int64 vector");
+        return NULL;
+    }
+    if (!int64_vector(args[4], &e, 0)) {
+        PyBuffer_Release(&c);
+        PyErr_SetString(PyExc_TypeError, "move: execs must be an int64 vector");
+        return NULL;
+    }
+    long code = NOT_HANDLED;
+    int64_t *ctx = (int64_t *)c.buf;
+    ids_t d, h;
+    if (ids_of(args[1], &d)) {
+        if (ids_of(args[2], &h)) {
+            if (d.n > 0 && h.n == d.n && d.n <= ctx[CAP])
+                code = take_slot_and_launch(ctx, d.data, h.data, d.n, PyObject_IsTrue(args[3]),
+                                            (const int64_t *)e.buf, stream);
+            ids_release(&h);
+        }
+        ids_release(&d);
+    }
+    PyBuffer_Release(&e);
+    PyBuffer_Release(&c);
+    return PyLong_FromLong(code);
+}
+
+static PyObject *py_configure(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "configure(torch.Tensor, torch.int64)");
+        return NULL;
+    }
+    Py_XSETREF(tensor_type, Py_NewRef(args[0]));
+    Py_XSETREF(int64_dtype, Py_NewRef(args[1]));
+    Py_RETURN_NONE;
+}
+
+/* copy_pages(table, dev, host, d2h): CPU pools, already checked ids.  table: int64 rows of
+   (device base, host base, device page stride, host page stride, page bytes), one per buffer;
+   page dev[i] of every buffer to page host[i] (d2h), or back.  One memcpy per page per buffer,
+   without the GIL. */
+static PyObject *py_copy_pages(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "copy_pages(table, dev, host, d2h)");
+        return NULL;
+    }
+    Py_buffer t;
+    if (!int64_vector(args[0], &t, 0)) {
+        PyErr_SetString(PyExc_TypeError, "copy_pages: table must be an int64 vector of 5-word rows");
+        return NULL;
+    }
+    if (t.shape[0] % 5) {
+        PyBuffer_Release(&t);
+        PyErr_SetString(PyExc_TypeError, "copy_pages: table must be an int64 vector of 5-word rows");
+        return NULL;
+    }
+    ids_t d, h;
+    if (!ids_of(args[1], &d)) {
+        PyBuffer_Release(&t);
+        PyErr_SetString(PyExc_TypeError, "copy_pages: ids must be 1-D int64 arrays or CPU tensors");
+        return NULL;
+    }
+    if (!ids_of(args[2], &h) || h.n != d.n) {
+        ids_release(&d);
+        PyBuffer_Release(&t);
+        PyErr_SetString(PyExc_TypeError, "copy_pages: host ids must match the device ids");
+        return NULL;
+    }
+    const int d2h = PyObject_IsTrue(args[3]);
+    const int64_t *rows = (const int64_t *)t.buf, buffers = t.shape[0] / 5, n = d.n;
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t b = 0; b < buffers; b++) {
+        const int64_t *r = rows + 5 * b;
+        char *dev = (char *)(intptr_t)r[0], *host = (char *)(intptr_t)r[1];
+        const size_t bytes = (size_t)r[4];
+        for (int64_t i = 0; i < n; i++) {
+            char *dp = dev + d.data[i] * r[2], *hp = host + h.data[i] * r[3];
+            if (d2h)
+                memcpy(hp, dp, bytes);
+            else
+                memcpy(dp, hp, bytes);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    ids_release(&h);
+    ids_release(&d);
+    PyBuffer_Release(&t);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"ids_ok", (PyCFunction)(void (*)(void))py_ids_ok, METH_FASTCALL, "the boundary checks in one pass"},
+    {"move", (PyCFunction)(void (*)(void))py_move, METH_FASTCALL, "check, fill a slot, launch its graph"},
+    {"configure", (PyCFunction)(void (*)(void))py_configure, METH_FASTCALL, "the tensor type ids may come as"},
+    {"copy_pages", (PyCFunction)(void (*)(void))py_copy_pages, METH_FASTCALL, "CPU pools: memcpy per page"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_stagecache_native", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__stagecache_native(void)
+{
+    s_dtype = PyUnicode_InternFromString("dtype");
+    s_is_cpu = PyUnicode_InternFromString("is_cpu");
+    s_dim = PyUnicode_InternFromString("dim");
+    s_is_contiguous = PyUnicode_InternFromString("is_contiguous");
+    s_numel = PyUnicode_InternFromString("numel");
+    s_data_ptr = PyUnicode_InternFromString("data_ptr");
+    if (!s_dtype || !s_is_cpu || !s_dim || !s_is_contiguous || !s_numel || !s_data_ptr)
+        return NULL;
+    return PyModule_Create(&module);
+}
