@@ -84,7 +84,8 @@ def _behind(c: TransferController, cuda: bool, big: list[int], small: list[int])
         t = threading.Thread(target=long_backup)
         t.start()
         started.wait()
-        time.sleep(0.001)  # let the backup take the copy lock first
+        while not c.copying and t.is_alive():  # until the backup holds the copy lock (the copy
+            time.sleep(0)                       # itself runs without the GIL)
         second = c.load(small, small)
         t.join()
     finally:

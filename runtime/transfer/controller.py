@@ -6,17 +6,19 @@ in the pools' allocators, no duplicate destination), then the same pages of
 every selected buffer move together.  Engines (``TransferResult.path``):
 
 * ``triton`` -- CUDA pools, pinned host pools: one Triton launch over every
-  selected buffer of the stage, replayed from a CUDA graph on a stream per
-  direction (``engine.py``).  Host pages are read/written in place.
+  selected buffer of the stage, replayed from a CUDA graph on the caller's
+  stream; the common move (one slot's worth of int64 ids that pass the checks)
+  is checked and queued by one call into C (``engine.py``, ``native.py``).  Host
+  pages are read/written in place.
 * ``torch``  -- CUDA pools with pageable host memory, or no Triton: torch indexing,
   synchronous (``fallback.py``).
-* ``cpu``    -- CPU pools: numpy row copies (``fallback.py``).  With
+* ``cpu``    -- CPU pools: one ``memcpy`` loop in C per move, or numpy row copies
+  where the compiled module cannot be built (``fallback.py``).  With
   ``use_triton=True`` and ``TRITON_INTERPRET=1`` CPU pools run the Triton kernel
   instead, so tests cover it without a GPU.
 
-On CUDA a transfer is asynchronous: its stream first waits for the caller's
-current stream (so the KV the model just wrote is what gets copied), and the
-result carries events: ``wait(layer)`` makes the *current* stream wait for one
+On CUDA a transfer is asynchronous: queued on the caller's current stream (so
+the KV the model just wrote is what gets copied), and the result carries events: ``wait(layer)`` makes the *current* stream wait for one
 layer (layer-by-layer loads overlap compute), ``synchronize()`` blocks the host.
 Stats are recorded once per transfer when it is known finished (``synchronize``,
 ``poll``, or a later transfer noticing), with GPU-measured seconds.
@@ -179,27 +181,13 @@ class TransferController:
         ``layers`` (global ids) and ``pools`` (kinds) narrow the selection; None = all.
         On CUDA the copy is asynchronous unless ``blocking``; see ``TransferResult``.
         """
-        called = time.perf_counter()
-        if self._one_call:
-            result = self._queue_move("d2h", device_pages, host_pages, layers, pools, called)
-            if result is not None:
-                return result.synchronize() if blocking else result
-        ids = self.checker.check(device_pages, host_pages, "host")
-        plan = self.plan(layers, pools)
-        return self._move("d2h", ids, plan, [plan], blocking, called)
+        return self._transfer("d2h", device_pages, host_pages, layers, blocking, pools)
 
     def load(self, host_pages: Sequence[int], device_pages: Sequence[int],
              layers: Sequence[int] | None = None, blocking: bool = False,
              pools: Sequence[str] | None = None) -> TransferResult:
         """Host -> device: copy ``host_pages[i]`` of every selected buffer to ``device_pages[i]``."""
-        called = time.perf_counter()
-        if self._one_call:
-            result = self._queue_move("h2d", device_pages, host_pages, layers, pools, called)
-            if result is not None:
-                return result.synchronize() if blocking else result
-        ids = self.checker.check(device_pages, host_pages, "device")
-        plan = self.plan(layers, pools)
-        return self._move("h2d", ids, plan, [plan], blocking, called)
+        return self._transfer("h2d", device_pages, host_pages, layers, blocking, pools)
 
     def load_layer_by_layer(self, host_pages: Sequence[int], device_pages: Sequence[int],
                             layers: Sequence[int] | None = None,
@@ -225,6 +213,11 @@ class TransferController:
                 self._plans[key] = plan
         return plan
 
+    @property
+    def copying(self) -> bool:
+        """Whether a synchronous engine's copy is in progress (a call now would wait for it)."""
+        return self._copy_lock.locked()
+
     def poll(self) -> int:
         """Record stats of finished CUDA transfers; returns how many are still in flight."""
         still = []
@@ -243,6 +236,19 @@ class TransferController:
         self._pending = []
 
     # -- engine -----------------------------------------------------------------------------
+    def _transfer(self, direction: str, device_pages: Sequence[int], host_pages: Sequence[int],
+                  layers: Sequence[int] | None, blocking: bool, pools: Sequence[str] | None) -> TransferResult:
+        """``backup`` (d2h) or ``load`` (h2d): the one-call move where it applies, else the checks
+        and the general path."""
+        called = time.perf_counter()
+        if self._one_call:
+            result = self._queue_move(direction, device_pages, host_pages, layers, pools, called)
+            if result is not None:
+                return result.synchronize() if blocking else result
+        ids = self.checker.check(device_pages, host_pages, "host" if direction == "d2h" else "device")
+        plan = self.plan(layers, pools)
+        return self._move(direction, ids, plan, [plan], blocking, called)
+
     def _queue_move(self, direction: str, device_pages: Any, host_pages: Any, layers: Any, pools: Any,
                     called: float) -> TransferResult | None:
         """The common move -- int64 ids that pass the checks, one slot's worth -- checked and queued

@@ -22,7 +22,13 @@ move is one call into this module:
   start and end events, so there is no other runtime call.  It returns the slot,
   or a negative code saying what the engine must do first (capture a graph, wait
   for a slot, finish the transfer that owns the slot's events) or that the move
-  is not one for this path (then the general path runs and names any bad id).
+  is not one for this path (then the general path runs and names any bad id);
+* ``copy_pages(table, dev, host, d2h)``: CPU pools -- one ``memcpy`` per page per
+  buffer of a plan, without the GIL (``fallback.py``).
+
+The ids may be numpy arrays or torch tensors (``configure`` names the tensor
+type): a 1-D contiguous int64 CPU one is read in place, any other is left to the
+caller (never a CUDA tensor's device pointer read from the host).
 
 Everything that does not change between calls sits in one int64 context array
 (``context``): addresses of the allocators' "in use" maps and of the mark arrays,
@@ -37,8 +43,8 @@ keyed by the source's hash and the interpreter's ABI, and loaded only from a
 directory and file that are the user's own and writable by nobody else;
 otherwise it is built into a fresh private directory.  No compiler or headers, a
 failed build, or ``STAGECACHE_NATIVE=0``: ``module()`` is None, ``pages.py`` runs
-its numpy checks (the same answers; tested against each other) and the engine
-queues moves from Python.
+its numpy checks (the same answers; tested against each other), the engine
+queues moves from Python, and CPU pools move through numpy and torch rows.
 """
 
 from __future__ import annotations
@@ -129,7 +135,7 @@ def _load(path: Path) -> Any:
 
 
 def module() -> Any:
-    """The compiled module (``ids_ok``, ``move``), or None where it cannot be had."""
+    """The compiled module (``ids_ok``, ``move``, ``copy_pages``), or None where it cannot be had."""
     if _LOADED:
         return _LOADED[0]
     mod = None
