@@ -309,3 +309,28 @@ def test_the_context_layout_is_the_same_in_c_and_python():
     assert [getattr(native, n) for n in per_slot] == list(range(len(per_slot)))
     c_codes = dict(re.findall(r"(\w+) = (-\d+)", source))
     assert {n: int(v) for n, v in c_codes.items()} == {n: getattr(native, n) for n in c_codes} and len(codes) == 6
+
+
+@needs_cc
+@pytest.mark.parametrize("threads", [1, 2, 3, 7])
+@pytest.mark.parametrize("pages", [1, 2, 5, 9])
+def test_the_compiled_cpu_copy_moves_every_page_of_every_buffer_once(threads, pages):
+    """``copy_pages`` against numpy indexing: buffers of different page sizes and strides, pages
+    split over threads (by pages when there are enough, else by buffers), both directions."""
+    rng = np.random.default_rng(threads * 10 + pages)
+    sizes = [(24, 24), (40, 64), (8, 8), (1168, 1200), (16, 48)]  # (page bytes, host stride)
+    dev = [rng.integers(0, 256, (12, pb), dtype=np.uint8) for pb, _ in sizes]
+    host = [np.zeros((20, stride), dtype=np.uint8) for _, stride in sizes]
+    table = np.array([v for (pb, _), d, h in zip(sizes, dev, host, strict=True)
+                      for v in (d.ctypes.data, h.ctypes.data, d.strides[0], h.strides[0], pb)], dtype=np.int64)
+    d_ids = rng.choice(12, pages, replace=False).astype(np.int64)
+    h_ids = rng.choice(20, pages, replace=False).astype(np.int64)
+    native.module().copy_pages(table, d_ids, h_ids, True, threads)
+    for (pb, _), d, h in zip(sizes, dev, host, strict=True):
+        assert np.array_equal(h[h_ids, :pb], d[d_ids]) and not h[np.setdiff1d(np.arange(20), h_ids)].any()
+        assert not h[:, pb:].any()  # nothing past a page's bytes
+    for d in dev:
+        d[:] = 0
+    native.module().copy_pages(table, torch.from_numpy(d_ids), torch.from_numpy(h_ids), False, threads)
+    for (pb, _), d, h in zip(sizes, dev, host, strict=True):
+        assert np.array_equal(d[d_ids], h[h_ids, :pb]) and not d[np.setdiff1d(np.arange(12), d_ids)].any()

@@ -4,6 +4,7 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <pthread.h>
 
 enum { DEV_USED, DEV_PAGES, HOST_USED, HOST_PAGES, DEV_MARKS, HOST_MARKS, GEN, SLOTS, CAP, NEXT, ROWS,
        ROW_WORDS, QUERY, LAUNCH, BUCKETS, MIN_BUCKET, ERR, WANT_SLOT, WANT_INDEX, WANT_SIZE, RING };
@@ -236,16 +237,50 @@ static PyObject *py_configure(PyObject *self, PyObject *const *args, Py_ssize_t 
     Py_RETURN_NONE;
 }
 
-/* copy_pages(table, dev, host, d2h): CPU pools, already checked ids.  table: int64 rows of
-   (device base, host base, device page stride, host page stride, page bytes), one per buffer;
+/* copy_pages(table, dev, host, d2h, threads): CPU pools, already checked ids.  table: int64 rows
+   of (device base, host base, device page stride, host page stride, page bytes), one per buffer;
    page dev[i] of every buffer to page host[i] (d2h), or back.  One memcpy per page per buffer,
-   without the GIL. */
+   without the GIL, split over `threads` threads (the caller's included): the pages of every
+   buffer split evenly when there are at least as many pages as threads, else the buffers. */
+typedef struct {
+    const int64_t *rows, *dev, *host;
+    int64_t buffers, n, part, parts;
+    int d2h;
+} copy_job;
+
+static void *copy_part(void *arg)
+{
+    const copy_job *j = (const copy_job *)arg;
+    const int by_pages = j->n >= j->parts;
+    for (int64_t b = by_pages ? 0 : j->part; b < j->buffers; b += by_pages ? 1 : j->parts) {
+        const int64_t *r = j->rows + 5 * b;
+        char *dev = (char *)(intptr_t)r[0], *host = (char *)(intptr_t)r[1];
+        const size_t bytes = (size_t)r[4];
+        const int64_t lo = by_pages ? j->n * j->part / j->parts : 0;
+        const int64_t hi = by_pages ? j->n * (j->part + 1) / j->parts : j->n;
+        for (int64_t i = lo; i < hi; i++) {
+            char *dp = dev + j->dev[i] * r[2], *hp = host + j->host[i] * r[3];
+            if (j->d2h)
+                memcpy(hp, dp, bytes);
+            else
+                memcpy(dp, hp, bytes);
+        }
+    }
+    return NULL;
+}
+
+#define MAX_COPY_THREADS 16
+
 static PyObject *py_copy_pages(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "copy_pages(table, dev, host, d2h)");
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "copy_pages(table, dev, host, d2h, threads)");
         return NULL;
     }
+    long threads = PyLong_AsLong(args[4]);
+    if (threads == -1 && PyErr_Occurred())
+        return NULL;
+    threads = threads < 1 ? 1 : threads > MAX_COPY_THREADS ? MAX_COPY_THREADS : threads;
     Py_buffer t;
     if (!int64_vector(args[0], &t, 0)) {
         PyErr_SetString(PyExc_TypeError, "copy_pages: table must be an int64 vector of 5-word rows");
@@ -268,20 +303,21 @@ static PyObject *py_copy_pages(PyObject *self, PyObject *const *args, Py_ssize_t
         PyErr_SetString(PyExc_TypeError, "copy_pages: host ids must match the device ids");
         return NULL;
     }
-    const int d2h = PyObject_IsTrue(args[3]);
-    const int64_t *rows = (const int64_t *)t.buf, buffers = t.shape[0] / 5, n = d.n;
+    copy_job jobs[MAX_COPY_THREADS];
+    pthread_t tids[MAX_COPY_THREADS];
+    int started[MAX_COPY_THREADS] = {0};
+    for (long k = 0; k < threads; k++)
+        jobs[k] = (copy_job){(const int64_t *)t.buf, d.data, h.data, t.shape[0] / 5, d.n, k, threads,
+                             PyObject_IsTrue(args[3])};
     Py_BEGIN_ALLOW_THREADS
-    for (int64_t b = 0; b < buffers; b++) {
-        const int64_t *r = rows + 5 * b;
-        char *dev = (char *)(intptr_t)r[0], *host = (char *)(intptr_t)r[1];
-        const size_t bytes = (size_t)r[4];
-        for (int64_t i = 0; i < n; i++) {
-            char *dp = dev + d.data[i] * r[2], *hp = host + h.data[i] * r[3];
-            if (d2h)
-                memcpy(hp, dp, bytes);
-            else
-                memcpy(dp, hp, bytes);
-        }
+    for (long k = 1; k < threads; k++)
+        started[k] = pthread_create(&tids[k], NULL, copy_part, &jobs[k]) == 0;
+    copy_part(&jobs[0]);
+    for (long k = 1; k < threads; k++) {
+        if (started[k])
+            pthread_join(tids[k], NULL);
+        else
+            copy_part(&jobs[k]);  /* no thread to be had: this one does that part too */
     }
     Py_END_ALLOW_THREADS
     ids_release(&h);

@@ -23,8 +23,9 @@ move is one call into this module:
   or a negative code saying what the engine must do first (capture a graph, wait
   for a slot, finish the transfer that owns the slot's events) or that the move
   is not one for this path (then the general path runs and names any bad id);
-* ``copy_pages(table, dev, host, d2h)``: CPU pools -- one ``memcpy`` per page per
-  buffer of a plan, without the GIL (``fallback.py``).
+* ``copy_pages(table, dev, host, d2h, threads)``: CPU pools -- one ``memcpy`` per
+  page per buffer of a plan, without the GIL, over ``threads`` threads
+  (``fallback.py``).
 
 The ids may be numpy arrays or torch tensors (``configure`` names the tensor
 type): a 1-D contiguous int64 CPU one is read in place, any other is left to the
@@ -108,7 +109,8 @@ def _build(target: Path) -> bool:
         src, out = Path(tmp) / "native.c", Path(tmp) / target.name
         src.write_text(SOURCE)
         try:
-            done = subprocess.run([cc, "-O2", "-shared", "-fPIC", f"-I{include}", "-o", str(out), str(src)],
+            done = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-pthread", f"-I{include}", "-o", str(out),
+                                   str(src)],
                                   capture_output=True, timeout=120)
         except (OSError, subprocess.SubprocessError):
             return False
