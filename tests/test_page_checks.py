@@ -322,7 +322,7 @@ def test_the_compiled_cpu_copy_moves_every_page_of_every_buffer_once(threads, pa
     dev = [rng.integers(0, 256, (12, pb), dtype=np.uint8) for pb, _ in sizes]
     host = [np.zeros((20, stride), dtype=np.uint8) for _, stride in sizes]
     table = np.array([v for (pb, _), d, h in zip(sizes, dev, host, strict=True)
-                      for v in (d.ctypes.data, h.ctypes.data, d.strides[0], h.strides[0], pb)], dtype=np.int64)
+                      for v in (pb, d.ctypes.data, h.ctypes.data, d.strides[0], h.strides[0])], dtype=np.int64)
     d_ids = rng.choice(12, pages, replace=False).astype(np.int64)
     h_ids = rng.choice(20, pages, replace=False).astype(np.int64)
     native.module().copy_pages(table, d_ids, h_ids, True, threads)

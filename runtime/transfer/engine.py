@@ -45,7 +45,7 @@ from ..memory.host_pools import HostPools
 from ..memory.pools import StagePools
 from . import cudart, kernels, native
 from .pages import PageIds
-from .plan import Plan
+from .plan import Plan, buffer_addresses
 from .ring import MIN_BUCKET, IdRing, bucket, bucket_sizes, write_ids
 
 #: Id slots in the ring (each with its own CUDA graphs), and the most pages one slot holds:
@@ -156,9 +156,7 @@ class TritonEngine:
         write_ids(slot, ids.device, ids.host)
         t = torch.from_numpy(slot)
         table, geometry = launch.table_for(ids.count, self.warps)
-        kernels.launch_stage_copy(launch.anchor, self._anchor, table, self._offset(t), geometry,
-                                  d2h, self.programs, self.options.num_warps, self.options.align_host,
-                                  self.options.lane_words, self.options.page_major)
+        self._kernel(launch, table, self._offset(t), geometry, d2h)
 
     def queue_move(self, plan: Plan, d2h: bool, dev: Any, host: Any) -> int:
         """A one-launch move on the caller's stream, in one call into C: the slot it took, whose
@@ -275,9 +273,13 @@ class TritonEngine:
 
     def _launch(self, launch: _Launch, slot: int, size: int, d2h: bool) -> None:
         table, geometry = launch.table_for(size, self.warps)
-        kernels.launch_stage_copy(launch.anchor, self._anchor, table, self._slots.offsets[slot],
-                                  geometry, d2h, self.programs, self.options.num_warps, self.options.align_host,
-                                  self.options.lane_words, self.options.page_major)
+        self._kernel(launch, table, self._slots.offsets[slot], geometry, d2h)
+
+    def _kernel(self, launch: _Launch, table: Any, ids_off: int, geometry: kernels.ChunkTable, d2h: bool) -> None:
+        """The kernel launch with this engine's grid and options (ids ``ids_off`` words from the anchor)."""
+        o = self.options
+        kernels.launch_stage_copy(launch.anchor, self._anchor, table, ids_off, geometry, d2h, self.programs,
+                                  o.num_warps, o.align_host, o.lane_words, o.page_major)
 
     def _record_node(self, event: Any, stream: Any) -> None:
         """An event-record node in the graph being captured on ``stream`` (a plain record there
@@ -300,10 +302,7 @@ class TritonEngine:
     def _build(self, plan: Plan, d2h: bool) -> _Launch:
         import torch
 
-        spans = []
-        for ref in plan.buffers:
-            d, h = self.dp.buffers[ref.pool][ref.index], self.hp.buffers[ref.pool][ref.index]
-            spans.append(kernels.BufferSpan(ref.page_bytes, d.data_ptr(), h.data_ptr(), d.stride(0), h.stride(0)))
+        spans = [kernels.BufferSpan(*row) for row in buffer_addresses(plan, self.dp, self.hp)]
         tables = []
         for chunk in dict.fromkeys((self.options.chunk_bytes, self.options.fine_chunk_bytes)):
             geometry = kernels.chunk_table(spans, self._anchor.data_ptr(), chunk)
@@ -315,9 +314,7 @@ class TritonEngine:
         if self.cuda:  # compile and load the kernel now, outside any capture (n = 0: no copy)
             zero = torch.zeros(1, dtype=torch.int64, device=self.device)
             for table, geometry in tables:
-                kernels.launch_stage_copy(launch.anchor, self._anchor, table, self._offset(zero), geometry,
-                                          d2h, self.programs, self.options.num_warps, self.options.align_host,
-                                          self.options.lane_words, self.options.page_major)
+                self._kernel(launch, table, self._offset(zero), geometry, d2h)
             torch.cuda.current_stream(self.device).synchronize()  # ``zero`` must outlive the launch
         return launch
 

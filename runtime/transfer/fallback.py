@@ -26,7 +26,7 @@ from ..memory.host_pools import HostPools
 from ..memory.pools import StagePools
 from . import native
 from .pages import PageIds
-from .plan import BufferRef, Plan
+from .plan import BufferRef, Plan, buffer_addresses
 
 #: Pages smaller than this move by one fancy-indexed assignment per buffer (when more than
 #: ``ROW_LOOP_MAX_PAGES`` move); measured on CPU: per-row numpy assignment wins from ~16 KiB.
@@ -67,21 +67,13 @@ class CpuEngine:
             table = self._tables.get(plan)
             if table is None:
                 table = self._tables[plan] = self._table(plan)
-            dev, host = ids.device, ids.host
-            if not (dev.flags.c_contiguous and host.flags.c_contiguous):
-                dev, host = np.ascontiguousarray(dev), np.ascontiguousarray(host)
             threads = self._threads if ids.count * plan.page_bytes >= THREADS_FROM_BYTES else 1
-            self._native.copy_pages(table, dev, host, d2h, threads)
+            self._native.copy_pages(table, ids.device, ids.host, d2h, threads)
             return
         self._run_numpy(plan, ids, d2h)
 
     def _table(self, plan: Plan) -> np.ndarray:
-        rows = []
-        for ref in plan.buffers:
-            d, h = self.dp.buffers[ref.pool][ref.index], self.hp.buffers[ref.pool][ref.index]
-            rows += [d.data_ptr(), h.data_ptr(), d.stride(0) * d.element_size(), h.stride(0) * h.element_size(),
-                     ref.page_bytes]
-        return np.array(rows, dtype=np.int64)
+        return np.array(buffer_addresses(plan, self.dp, self.hp), dtype=np.int64).reshape(-1)
 
     def _run_numpy(self, plan: Plan, ids: PageIds, d2h: bool) -> None:
         n = ids.count

@@ -238,7 +238,7 @@ static PyObject *py_configure(PyObject *self, PyObject *const *args, Py_ssize_t 
 }
 
 /* copy_pages(table, dev, host, d2h, threads): CPU pools, already checked ids.  table: int64 rows
-   of (device base, host base, device page stride, host page stride, page bytes), one per buffer;
+   of (page bytes, device base, host base, device page stride, host page stride), one per buffer;
    page dev[i] of every buffer to page host[i] (d2h), or back.  One memcpy per page per buffer,
    without the GIL, split over `threads` threads (the caller's included): the pages of every
    buffer split evenly when there are at least as many pages as threads, else the buffers. */
@@ -254,12 +254,12 @@ static void *copy_part(void *arg)
     const int by_pages = j->n >= j->parts;
     for (int64_t b = by_pages ? 0 : j->part; b < j->buffers; b += by_pages ? 1 : j->parts) {
         const int64_t *r = j->rows + 5 * b;
-        char *dev = (char *)(intptr_t)r[0], *host = (char *)(intptr_t)r[1];
-        const size_t bytes = (size_t)r[4];
+        char *dev = (char *)(intptr_t)r[1], *host = (char *)(intptr_t)r[2];
+        const size_t bytes = (size_t)r[0];
         const int64_t lo = by_pages ? j->n * j->part / j->parts : 0;
         const int64_t hi = by_pages ? j->n * (j->part + 1) / j->parts : j->n;
         for (int64_t i = lo; i < hi; i++) {
-            char *dp = dev + j->dev[i] * r[2], *hp = host + j->host[i] * r[3];
+            char *dp = dev + j->dev[i] * r[3], *hp = host + j->host[i] * r[4];
             if (j->d2h)
                 memcpy(hp, dp, bytes);
             else

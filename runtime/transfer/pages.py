@@ -48,10 +48,10 @@ SMALL = 32
 
 
 def as_ids(values: object, what: str, stage: int) -> np.ndarray:
-    """Page ids (list, tuple, range, tensor, array) -> 1-D int64 numpy array; non-integers refused."""
+    """Page ids (list, tuple, range, tensor, array) -> contiguous 1-D int64 numpy array; non-integers refused."""
     if hasattr(values, "detach"):  # a torch tensor: CPU int64 ones are viewed, not copied
         if values.dtype is _INT64 and values.is_cpu and values.dim() == 1:
-            return values.numpy()
+            return _contiguous(values.numpy())
         if values.dtype.is_floating_point or values.dtype.is_complex or str(values.dtype) == "torch.bool":
             raise TransferError(f"stage {stage}: {what} ids must be integers, got a {values.dtype} tensor")
         values = values.detach().reshape(-1).cpu().numpy()
@@ -60,7 +60,7 @@ def as_ids(values: object, what: str, stage: int) -> np.ndarray:
     arr = values if type(values) is np.ndarray else np.asarray(
         values if isinstance(values, (list, tuple)) else list(values))  # type: ignore[call-overload]
     if arr.dtype == np.int64 and arr.ndim == 1:
-        return arr
+        return _contiguous(arr)
     if arr.size == 0:
         return np.empty(0, dtype=np.int64)
     if arr.dtype.kind not in "iu":  # floats, bools, strings, objects (mixed types)
@@ -68,6 +68,11 @@ def as_ids(values: object, what: str, stage: int) -> np.ndarray:
         bad = next((v for v in items if type(v) is not int), items[0])
         raise TransferError(f"stage {stage}: {what} ids must be integers, got {bad!r}")
     return arr.reshape(-1).astype(np.int64)
+
+
+def _contiguous(arr: np.ndarray) -> np.ndarray:
+    """The compiled checks and copies read ids in place: a strided view is copied once here."""
+    return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
 
 
 def plain_ids(values: object, what: str, stage: int) -> object:
@@ -108,9 +113,6 @@ class PageChecker:
             return PageIds(dev, host)
         if self._native is not None:
             ok = self._native.ids_ok(self.context.words, dev, host, dest == "device")  # type: ignore[union-attr]
-            if ok is None:  # not contiguous: a copy that is
-                ok = self._native.ids_ok(self.context.words, np.ascontiguousarray(dev),  # type: ignore[union-attr]
-                                         np.ascontiguousarray(host), dest == "device")
         else:
             with self._lock:
                 ok = self._small_ok(dev.tolist(), host.tolist(), dest) if n <= SMALL else self._vector_ok(dev, host, dest)

@@ -65,6 +65,19 @@ class Plan:
         return tuple(per.items())
 
 
+def buffer_addresses(plan: Plan, dp: StagePools, hp: HostPools) -> list[tuple[int, int, int, int, int]]:
+    """Where the engines copy a plan's pages from and to, per selected buffer: (page bytes, device
+    base address, host base address, device page stride, host page stride), all in bytes.
+
+    Addresses of live tensors, so made by an engine (once per plan), not kept in the plan."""
+    rows = []
+    for ref in plan.buffers:
+        d, h = dp.buffers[ref.pool][ref.index], hp.buffers[ref.pool][ref.index]
+        rows.append((ref.page_bytes, d.data_ptr(), h.data_ptr(), d.stride(0) * d.element_size(),
+                     h.stride(0) * h.element_size()))
+    return rows
+
+
 def mirrored_kinds(dp: StagePools, hp: HostPools) -> tuple[str, ...]:
     """Pool kinds with at least one buffer on both sides (the kinds HiCache pages move)."""
     return tuple(p for p, bufs in hp.buffers.items()
