@@ -315,8 +315,8 @@ def test_the_context_layout_is_the_same_in_c_and_python():
 @pytest.mark.parametrize("threads", [1, 2, 3, 7])
 @pytest.mark.parametrize("pages", [1, 2, 5, 9])
 def test_the_compiled_cpu_copy_moves_every_page_of_every_buffer_once(threads, pages):
-    """``copy_pages`` against numpy indexing: buffers of different page sizes and strides, pages
-    split over threads (by pages when there are enough, else by buffers), both directions."""
+    """``copy_pages`` against numpy indexing: buffers of different page sizes and strides, the
+    (buffer, page) items split over threads by bytes, both directions."""
     rng = np.random.default_rng(threads * 10 + pages)
     sizes = [(24, 24), (40, 64), (8, 8), (1168, 1200), (16, 48)]  # (page bytes, host stride)
     dev = [rng.integers(0, 256, (12, pb), dtype=np.uint8) for pb, _ in sizes]
@@ -334,3 +334,64 @@ def test_the_compiled_cpu_copy_moves_every_page_of_every_buffer_once(threads, pa
     native.module().copy_pages(table, torch.from_numpy(d_ids), torch.from_numpy(h_ids), False, threads)
     for (pb, _), d, h in zip(sizes, dev, host, strict=True):
         assert np.array_equal(d[d_ids], h[h_ids, :pb]) and not d[np.setdiff1d(np.arange(12), d_ids)].any()
+
+
+def _copy_case(seed: int, pages: int = 40) -> tuple[np.ndarray, list, list, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    dev = [rng.integers(0, 256, (64, pb), dtype=np.uint8) for pb in (4096, 1168, 65536)]
+    host = [np.zeros((80, d.shape[1]), dtype=np.uint8) for d in dev]
+    table = np.array([v for d, h in zip(dev, host, strict=True)
+                      for v in (d.shape[1], d.ctypes.data, h.ctypes.data, d.strides[0], h.strides[0])], dtype=np.int64)
+    return table, dev, host, rng.choice(64, pages, replace=False).astype(np.int64), \
+        rng.choice(80, pages, replace=False).astype(np.int64)
+
+
+@needs_cc
+def test_the_kept_copy_threads_serve_concurrent_callers():
+    """Several Python threads copying at once with threads=2 (each its own OpenMP team, or
+    threads of its own): every copy lands whole, none waits forever."""
+    import threading
+
+    cases = [_copy_case(seed) for seed in range(6)]
+    errors = []
+
+    def work(case: tuple) -> None:
+        table, dev, host, d_ids, h_ids = case
+        for _ in range(30):
+            for h in host:
+                h[:] = 0
+            native.module().copy_pages(table, d_ids, h_ids, True, 2)
+            if not all(np.array_equal(h[h_ids], d[d_ids]) for d, h in zip(dev, host, strict=True)):
+                errors.append("incomplete copy")
+
+    threads = [threading.Thread(target=work, args=(c,)) for c in cases]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors and not any(t.is_alive() for t in threads)
+
+
+@needs_cc
+def test_a_forked_child_copies_with_threads_too():
+    """OpenMP's threads do not survive a fork (a parallel region in the child would wait for
+    them forever): the child copies on threads of its own, whole."""
+    import multiprocessing
+
+    table, dev, host, d_ids, h_ids = _copy_case(7)
+    native.module().copy_pages(table, d_ids, h_ids, True, 2)  # the parent's OpenMP threads exist now
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_child_copy, args=(queue,))
+    child.start()
+    child.join(timeout=60)
+    alive = child.is_alive()
+    if alive:
+        child.kill()
+    assert not alive and child.exitcode == 0 and queue.get(timeout=5) is True
+
+
+def _child_copy(queue) -> None:
+    table, dev, host, d_ids, h_ids = _copy_case(8)
+    native.module().copy_pages(table, d_ids, h_ids, True, 3)
+    queue.put(all(np.array_equal(h[h_ids], d[d_ids]) for d, h in zip(dev, host, strict=True)))

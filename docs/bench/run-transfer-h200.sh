@@ -3,7 +3,8 @@
 # package index: the package goes on the path through symlinks, and a small runner registers only
 # the `bench` subcommand (the full CLI also loads the dashboard, whose packages may be missing).
 # Usage: bash docs/bench/run-transfer-h200.sh [tests] [sweep] [bench] [split]   (results under $OUT; `sweep`
-# times engine variants on a few cases and `bench` then runs the full grid with the best one)
+# times engine variants on a few cases and `bench` then runs the full grid with the best one, with
+# the link probes)
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -23,6 +24,7 @@ for step in "$@"; do
   case $step in
     tests) timeout 150 python3 -m pytest -q -p no:cacheprovider -x tests/test_kernels_gpu.py tests/test_transfer_split_gpu.py \
              tests/test_kernels_interpret.py tests/test_controller_roundtrip.py tests/test_allocator_page.py \
+             tests/test_transfer_probes.py \
              > "$OUT/pytest-gpu.log" 2>&1; echo "pytest rc=$?"; tail -3 "$OUT/pytest-gpu.log" ;;
     sweep) timeout 200 python3 /tmp/bench_main.py bench transfer --sweep --mix-pages 1 16 --kind-mib 4 64 \
              --kind c128 --kind indexer --kind c4_indexer_state --max-reps 30 --out "$OUT/sweep.json" \
@@ -45,7 +47,7 @@ print(f"--chunk-bytes {o['chunk_bytes']} --programs-per-sm {o['programs_per_sm']
       f"--lane-words {o['lane_words']} --fine-chunk-bytes {o['fine_chunk_bytes']}" + (" --page-major" if o["page_major"] else ""))
 PY
            echo "engine flags: $(cat /tmp/engine_flags)" ;;
-    bench) timeout 300 python3 /tmp/bench_main.py bench transfer $(cat /tmp/engine_flags 2>/dev/null) \
+    bench) timeout 420 python3 /tmp/bench_main.py bench transfer --probes $(cat /tmp/engine_flags 2>/dev/null) \
              --out "$OUT/transfer-h200.json" > "$OUT/transfer-h200.md" 2> "$OUT/bench.err"
            echo "bench rc=$?"; tail -2 "$OUT/bench.err"; sed -n '/^| case/,$p' "$OUT/transfer-h200.md" ;;
     split) for m in "tiny-v4 2 128 128" "deepseek-v4-flash 4 256 64"; do set -- $m

@@ -9,7 +9,9 @@ The grid (both directions, scattered device and host pages):
 Per grid point and direction every technique (``transfer_peers``: the contiguous
 ceiling, the per-page loop, the warp-per-item kernel; and stagecache) is first
 checked byte-exact on poisoned destinations, then timed: the median wall time
-from the call to the device being idle again, same clock for all.  stagecache's
+from the call to the device being idle again, same clock for all, sampled in
+interleaved rounds (``transfer_timing``); with ``--probes`` two hand-written CUDA
+kernels time the link itself on the same pages (``transfer_probes``).  stagecache's
 per-call overhead (host time from the call until its work is queued, and until
 the call returns, taken with the device idle) is reported on its own.  Progress
 goes to stderr.
@@ -17,6 +19,7 @@ goes to stderr.
 
 from __future__ import annotations
 
+import functools
 import random
 import statistics
 import sys
@@ -34,14 +37,16 @@ from ..model.pool_kinds import KINDS
 from ..model.spec import ModelSpec, spec_from_config
 from ..transfer.controller import TransferController
 from ..transfer.engine import EngineOptions
-from ..transfer.plan import build_plan, mirrored_kinds
+from ..transfer.plan import mirrored_kinds
 from ..transfer.stats import gbps
 from . import transfer_peers as peers
+from . import transfer_probes as probes
 from .transfer_ram import case_slack, check_cases_ram
 from .transfer_report import MIB, PEERS, environment, summary
+from .transfer_timing import Clock, Sampling
 
 MIX_PAGES = (1, 4, 16, 64, 256)
-#: stagecache's per-call host times in a row (``_Clock.issue_us``), microseconds.
+#: stagecache's per-call host times in a row (``Clock.issue_us``), microseconds.
 OVERHEAD_KEYS = ("issue_us", "issue_cold_us", "call_us", "call_cold_us")
 KIND_MIB = (4, 64, 256)
 
@@ -84,6 +89,7 @@ class Settings:
     budget_s: float
     sweep: bool = False
     engine: EngineOptions = EngineOptions()
+    probes: bool = False  # also time the link probes (``transfer_probes``; CUDA)
 
 
 def engine_options(chunk_bytes: int | None, programs_per_sm: int | None, num_warps: int | None,
@@ -127,52 +133,6 @@ def grid(base: ModelSpec, pp: int, stage: int, page_size: int, layers: int, mix_
             n = max(1, -(-int(mib * MIB) // (layers * pb)))
             cases.append(Case(f"{pool}:{mib:g}MiB", spec, smap, (pool,), n))
     return cases
-
-
-class _Clock:
-    """Median wall time of a call plus device sync, sampled until a time budget is spent."""
-
-    def __init__(self, cuda: bool, settings: Settings):
-        import torch
-
-        self.sync: Callable[[], None] = torch.cuda.synchronize if cuda else (lambda: None)
-        self.s = settings
-
-    def median_ms(self, fn: Callable[[], Any]) -> float:
-        """At least ``min_reps`` samples and ``budget_s`` seconds, unless 3 samples already took 4x that."""
-        samples: list[float] = []
-        spent = 0.0
-        while len(samples) < self.s.max_reps and (len(samples) < self.s.min_reps or spent < self.s.budget_s):
-            if len(samples) >= min(3, self.s.min_reps) and spent >= 4 * self.s.budget_s:
-                break
-            self.sync()
-            t0 = time.perf_counter()
-            fn()
-            self.sync()
-            samples.append(time.perf_counter() - t0)
-            spent += samples[-1]
-        return statistics.median(samples) * 1e3
-
-    def issue_us(self, fn: Callable[[], Any], move_ms: float) -> dict[str, float]:
-        """Median host times of a call, in bursts of two after the device went idle: from the
-        call to its copy queued on the stream (``issue``: the call's ``TransferResult.queued``)
-        and to the call's return (``call``: bookkeeping after the launch included).
-
-        cold = the first call of a burst (the host thread just woke from waiting on the
-        device); warm = the second, queued right behind the first, as in a steady stream
-        of moves.  Neither waits for the device (the id ring has free slots).
-        """
-        rows: list[tuple[float, float, float, float]] = []
-        for _ in range(max(3, min(200, int(500 / max(move_ms, 1e-3))))):
-            self.sync()
-            t0 = time.perf_counter()
-            first = fn()
-            t1 = time.perf_counter()
-            second = fn()
-            t2 = time.perf_counter()
-            rows.append((second.queued - t1, first.queued - t0, t2 - t1, t1 - t0))
-        self.sync()
-        return {k: round(statistics.median(r[i] for r in rows) * 1e6, 2) for i, k in enumerate(OVERHEAD_KEYS)}
 
 
 class _Pages:
@@ -256,60 +216,57 @@ def _pattern(pages: int, page_bytes: int, salt: int, device: Any) -> Any:
     return (x ^ (x >> 29)).view(torch.uint8)[:pages * page_bytes].view(pages, page_bytes)
 
 
-def case_bytes(case: Case, s: Settings) -> int:
-    """Bytes one move of the case carries (from pools on the meta device: no memory)."""
-    dp = StagePools(case.spec, case.stage, s.page_size, 1, device="meta", kinds=case.kinds)
-    return build_plan(dp, HostPools(dp, num_pages=1, pin_memory=False), None, None).nbytes(case.pages)
-
-
-def _measure(clock: _Clock, pages: _Pages, tech: peers.Technique, check: bool = True) -> dict[str, Any]:
-    """Byte-exact check of both directions, then the median time of each."""
-    out: dict[str, Any] = {}
-    for d2h, direction in ((True, "d2h"), (False, "h2d")):
-        ok = None
-        if check:
-            pages.poison(d2h)
-            tech.run(d2h)
-            clock.sync()
-            ok = pages.exact()
-        out[direction] = {"ms": clock.median_ms(lambda d2h=d2h: tech.run(d2h)), "exact": ok}
-    return out
-
-
-def _ceiling(clock: _Clock, nbytes: int, cuda: bool, device: str) -> dict[str, Any]:
+def _ceiling(nbytes: int, cuda: bool, device: str) -> tuple[peers.Technique, Callable[[bool], Any], Callable[[], bool]]:
+    """The contiguous copy of the case's bytes, its poison and its byte-exact check."""
     import torch
 
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dev.copy_(_pattern(1, nbytes, 99, device).view(-1))
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
-    tech = peers.ceiling(dev, host)
-    out = {}
+
+    def poison(d2h: bool) -> Any:
+        return host.fill_(0x5A) if d2h else dev.fill_(0xA5)
+
+    return peers.ceiling(dev, host), poison, lambda: torch.equal(dev.cpu(), host)
+
+
+def _measure(clock: Clock, techs: list[peers.Technique],
+             checks: dict[str, tuple[Callable[[bool], Any], Callable[[], bool]]]) -> dict[str, Any]:
+    """Per technique and direction: the byte-exact check (poison, one move, compare), then the
+    median times, every technique sampled in the same interleaved rounds (``transfer_timing``)."""
+    out: dict[str, Any] = {t.key: {} for t in techs}
     for d2h, direction in ((True, "d2h"), (False, "h2d")):
-        (host.fill_(0x5A) if d2h else dev.fill_(0xA5))
-        tech.run(d2h)
-        clock.sync()
-        ok = torch.equal(dev.cpu(), host)
-        out[direction] = {"ms": clock.median_ms(lambda d2h=d2h: tech.run(d2h)), "exact": ok}
-    del dev, host
+        exact = {}
+        for t in techs:
+            poison, check = checks[t.key]
+            poison(d2h)
+            t.run(d2h)
+            clock.sync()
+            exact[t.key] = check()
+        times = clock.interleaved_ms({t.key: functools.partial(t.run, d2h) for t in techs})
+        for t in techs:
+            out[t.key][direction] = {"ms": times[t.key], "exact": exact[t.key]}
     return out
 
 
 def run_case(case: Case, s: Settings) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Rows (one per direction) of one grid point, and stagecache's per-call overhead there."""
     cuda = s.device.startswith("cuda")
-    clock = _Clock(cuda, s)
-    results = {"ceiling": _ceiling(clock, case_bytes(case, s), cuda, s.device)}  # before the pools: peak memory
+    clock = Clock(cuda, Sampling(s.min_reps, s.max_reps, s.budget_s))
     pages = _Pages(case, s)
-    techs = [pages.stagecache(), pages.page_loop(), pages.warp_kernel()]
-    notes = {}
-    for tech in techs:
-        if tech is not None:
-            results[tech.key] = _measure(clock, pages, tech)
-            notes[tech.key] = tech.note
+    ceiling, poison, exact = _ceiling(pages.nbytes, cuda, s.device)
+    techs = [ceiling, pages.stagecache(), pages.page_loop(), pages.warp_kernel()]
+    if s.probes:
+        techs += probes.probes([(d, h) for d, h, _ in pages.buffers], pages.dev_ids.tolist(), pages.host_ids.tolist())
+    techs = [t for t in techs if t is not None]
+    checks = {t.key: (pages.poison, pages.exact) for t in techs} | {"ceiling": (poison, exact)}
+    results = _measure(clock, techs, checks)
+    notes = {t.key: t.note for t in techs if t.key != "ceiling"}
+    del ceiling, poison, exact, techs, checks
     stage = pages.stagecache()
     if cuda:
-        overhead = {d: clock.issue_us(lambda d2h=(d == "d2h"): stage.run(d2h), results["stagecache"][d]["ms"])
-                    for d in ("d2h", "h2d")}
+        overhead = {d: clock.issue_us(lambda d2h=(d == "d2h"): stage.run(d2h), results["stagecache"][d]["ms"],
+                                      OVERHEAD_KEYS) for d in ("d2h", "h2d")}
     else:  # synchronous engine: the call is the whole move
         overhead = {d: dict.fromkeys(OVERHEAD_KEYS, round(results["stagecache"][d]["ms"] * 1e3, 2))
                     for d in ("d2h", "h2d")}
@@ -336,6 +293,7 @@ def _row(case: Case, pages: _Pages, direction: str, results: dict[str, Any]) -> 
           for k in ("ceiling", "stagecache", *PEERS)}
     peer_ms = {k: ms[k] for k in PEERS if ms[k] is not None}
     best = min(peer_ms, key=peer_ms.__getitem__) if peer_ms else None
+    probe_ms = {k: round(v[direction]["ms"], 4) for k, v in results.items() if k in probes.NOTES}
     return {
         "case": case.name, "direction": direction, "bytes": pages.nbytes, "pages": case.pages,
         "buffers": len(pages.plan.buffers), "path": pages.controller.path, "ms": ms,
@@ -344,16 +302,18 @@ def _row(case: Case, pages: _Pages, direction: str, results: dict[str, Any]) -> 
         "best_peer": best,
         "stagecache_vs_best_peer": round(peer_ms[best] / ms["stagecache"], 3) if best else None,
         "bit_exact": {k: results[k][direction]["exact"] for k in results},
-    }
+    } | ({"probes": {k: {"ms": v, "vs_ceiling": round(ms["ceiling"] / v, 3)} for k, v in probe_ms.items()}}
+         if probe_ms else {})
 
 
-def _sweep(case: Case, s: Settings, clock: _Clock) -> list[dict[str, Any]]:
+def _sweep(case: Case, s: Settings, clock: Clock) -> list[dict[str, Any]]:
     out = []
     for options in SWEEP:
         pages = _Pages(case, s, options)
-        r = _measure(clock, pages, pages.stagecache(), check=False)
-        out.append({"options": options.__dict__, "ms": {d: round(v["ms"], 4) for d, v in r.items()}})
-        del pages
+        stage = pages.stagecache()
+        ms = {d: round(clock.median_ms(functools.partial(stage.run, d == "d2h")), 4) for d in ("d2h", "h2d")}
+        out.append({"options": options.__dict__, "ms": ms})
+        del pages, stage
     return out
 
 

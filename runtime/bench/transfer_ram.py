@@ -1,7 +1,9 @@
 """``bench transfer``'s resource check: the largest case must fit the host's RAM before any pool exists.
 
 Each case builds a device pool and a host mirror of ``pages + slack`` token pages
-(``transfer._Pages``), one case at a time; on the CPU both live in RAM.  The
+(``transfer._Pages``) and, for the ceiling, a device and a host buffer of the moved bytes, all
+alive while the case is timed (its techniques are sampled in interleaved rounds), one case at a
+time; on the CPU the device side lives in RAM too.  The
 check prices them from the pool-kind table on the meta device (no memory) and
 refuses with the flag that made the case (``--mix-pages`` or ``--kind-mib``)
 and the largest value of it that fits.
@@ -33,10 +35,10 @@ def check_cases_ram(cases: Sequence[Any], page_size: int, device_in_ram: bool) -
     if mem is None or not cases:
         return
     budget = ram_budget(mem)
-    copies = 2 if device_in_ram else 1  # host mirror, and the device pools when they are in RAM
+    copies = 2 if device_in_ram else 1  # the host side, and the device side when it is in RAM
 
-    def need(case: Any, pages: int) -> int:
-        return (pages + case_slack(pages)) * _page_bytes(case, page_size) * copies
+    def need(case: Any, pages: int) -> int:  # pools of pages + slack, ceiling buffers of pages
+        return (2 * pages + case_slack(pages)) * _page_bytes(case, page_size) * copies
 
     for case in sorted(cases, key=lambda c: -c.pages):
         n = need(case, case.pages)

@@ -87,6 +87,9 @@ def _register_transfer(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fine-chunk-bytes", type=positive_int, default=None, help="engine: bytes per item of small moves")
     p.add_argument("--page-major", action="store_true", default=None,
                    help="engine: a page's chunks together (the earlier item order)")
+    p.add_argument("--probes", action="store_true",
+                   help="also time two hand-written CUDA copy kernels on the same pages (link probes: how close any "
+                   "SM-driven copy of scattered pages gets to the ceiling; CUDA, compute capability 9.0+)")
     p.add_argument("--out", default=None, help="also write the JSON report to this file")
     p.add_argument("--json", action="store_true", help="print the JSON report (default: the markdown table)")
     p.add_argument("--render", default=None, metavar="JSON",
@@ -109,6 +112,12 @@ def _run_transfer(args: argparse.Namespace) -> int:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is available here")
     cuda = device.startswith("cuda")
+    if args.probes:
+        from ..bench.transfer_probes import unavailable
+
+        reason = unavailable(torch.device(device))
+        if reason:
+            raise ConfigError(f"--probes on {device}: {reason}")
     base = load_spec(args.model)
     if not 0 <= args.stage < args.pp:
         raise ConfigError(f"--stage {args.stage}: stages of --pp {args.pp} are 0..{args.pp - 1}")
@@ -119,6 +128,7 @@ def _run_transfer(args: argparse.Namespace) -> int:
         device=device, page_size=args.page_size, layout=args.layout, seed=args.seed,
         min_reps=args.min_reps or (10 if cuda else 3), max_reps=args.max_reps or (100 if cuda else 40),
         budget_s=args.budget if args.budget is not None else (0.3 if cuda else 0.1), sweep=args.sweep,
+        probes=args.probes,
         engine=bench_transfer.engine_options(args.chunk_bytes, args.programs_per_sm, args.num_warps,
                                              args.lane_words, args.fine_chunk_bytes, args.page_major))
     report = bench_transfer.run_bench(cases, settings, base.name)

@@ -3,10 +3,10 @@
 * ``CpuEngine`` (path ``cpu``): pools on the CPU.  Where the compiled module
   (``native.py``) is built, a whole move is one call into C: one ``memcpy`` per
   page per buffer over a table of the plan's buffer addresses made once, without
-  the GIL, over several threads from ``THREADS_FROM_BYTES`` -- on 2 CPU cores
-  1.6-2.1x faster than the per-page ``torch.copy_`` loop for a page of a stage
-  (whose per-call dispatch costs more than the copy of a small page), 1.2-1.5x
-  for SWA at 64 MiB, at par for SWA at 4 MiB (the same memory-bound copy).  Elsewhere numpy views of every
+  the GIL, over torch's OpenMP threads from ``THREADS_FROM_BYTES`` -- on 2 CPU
+  cores 1.4-2.4x faster than the per-page ``torch.copy_`` loop at every point of
+  ``bench transfer``, 6-13x for C128 (whose small pages cost the loop a dispatch
+  each).  Elsewhere numpy views of every
   buffer are taken once; small pages move by one fancy-indexed assignment per
   buffer, large pages by one row assignment per page (a single ``memcpy`` each,
   no temporary) or torch's threaded ``copy_`` from 128 KiB.
@@ -36,9 +36,10 @@ ROW_LOOP_MAX_PAGES = 2
 #: over its intra-op threads (45 against 32 GB/s for 512 KiB rows on 2 cores), which pays
 #: for its dispatch; below it numpy's single-threaded row copy is cheaper per call.
 TORCH_FROM_BYTES = 128 << 10
-#: Moves from this size are split over torch's intra-op thread count in the compiled copy
-#: (starting a thread costs tens of us; two cores copied 512 KiB rows at 45 against 32 GB/s).
-THREADS_FROM_BYTES = 16 << 20
+#: Moves from this size are split over torch's intra-op thread count in the compiled copy, on
+#: torch's own OpenMP threads (``native.c``, ``copy_parallel``): a parallel region costs a few us
+#: there, so on 2 cores SWA at 4 MiB went from 0.8-0.9x the per-page loop to 1.4-2.3x.
+THREADS_FROM_BYTES = 256 << 10
 
 
 def _copy_threads() -> int:

@@ -68,6 +68,24 @@ TABLE_COLUMNS = 5
 
 if HAVE_TRITON:
 
+    @triton.jit
+    def _item_addresses(item, total, chunks, per, table, ids, n, PAGE_MAJOR: tl.constexpr):
+        """Device offset, host offset and words of work item ``item`` (zeros past ``total``)."""
+        live = item < total
+        if PAGE_MAJOR:
+            slot = item // chunks
+            chunk = item - slot * chunks
+        else:
+            chunk = item // per
+            slot = item - chunk * per
+        row = table + chunk * 5
+        dev = tl.load(row, mask=live, other=0) + tl.load(ids + 1 + slot, mask=live, other=0) * tl.load(
+            row + 2, mask=live, other=0)
+        host = tl.load(row + 1, mask=live, other=0) + tl.load(ids + 1 + n + slot, mask=live, other=0) * tl.load(
+            row + 3, mask=live, other=0)
+        size = tl.load(row + 4, mask=live, other=0)
+        return dev, host, size
+
     @triton.jit(do_not_specialize=["ids_off"])  # a one-off id slot's offset must not recompile
     def _stage_copy_kernel(
         anchor,  # pointer every address is a word offset from (int8/16/32/64 by the word size)
@@ -89,36 +107,12 @@ if HAVE_TRITON:
         item = tl.program_id(0).to(tl.int64)
         # the addresses of a program's next item are loaded while it copies the current one, so
         # the latency of the table and id loads is paid once per program, not once per item
-        live = item < total
-        if PAGE_MAJOR:
-            slot = item // chunks
-            chunk = item - slot * chunks
-        else:
-            chunk = item // per
-            slot = item - chunk * per
-        row = table + chunk * 5
-        dev = tl.load(row, mask=live, other=0) + tl.load(ids + 1 + slot, mask=live, other=0) * tl.load(
-            row + 2, mask=live, other=0)
-        host = tl.load(row + 1, mask=live, other=0) + tl.load(ids + 1 + n + slot, mask=live, other=0) * tl.load(
-            row + 3, mask=live, other=0)
-        size = tl.load(row + 4, mask=live, other=0)
+        dev, host, size = _item_addresses(item, total, chunks, per, table, ids, n, PAGE_MAJOR)
         # while loops, not range(): loop bounds loaded from memory are 1-element arrays in
         # some Triton interpreters, which range() refuses
         while item < total:
             nxt = item + step
-            more = nxt < total
-            if PAGE_MAJOR:
-                nslot = nxt // chunks
-                nchunk = nxt - nslot * chunks
-            else:
-                nchunk = nxt // per
-                nslot = nxt - nchunk * per
-            nrow = table + nchunk * 5
-            ndev = tl.load(nrow, mask=more, other=0) + tl.load(ids + 1 + nslot, mask=more, other=0) * tl.load(
-                nrow + 2, mask=more, other=0)
-            nhost = tl.load(nrow + 1, mask=more, other=0) + tl.load(
-                ids + 1 + n + nslot, mask=more, other=0) * tl.load(nrow + 3, mask=more, other=0)
-            nsize = tl.load(nrow + 4, mask=more, other=0)
+            ndev, nhost, nsize = _item_addresses(nxt, total, chunks, per, table, ids, n, PAGE_MAJOR)
             if D2H:
                 src = dev
                 dst = host

@@ -5,6 +5,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <pthread.h>
+#include <unistd.h>
 
 enum { DEV_USED, DEV_PAGES, HOST_USED, HOST_PAGES, DEV_MARKS, HOST_MARKS, GEN, SLOTS, CAP, NEXT, ROWS,
        ROW_WORDS, QUERY, LAUNCH, BUCKETS, MIN_BUCKET, ERR, WANT_SLOT, WANT_INDEX, WANT_SIZE, RING };
@@ -240,36 +241,82 @@ static PyObject *py_configure(PyObject *self, PyObject *const *args, Py_ssize_t 
 /* copy_pages(table, dev, host, d2h, threads): CPU pools, already checked ids.  table: int64 rows
    of (page bytes, device base, host base, device page stride, host page stride), one per buffer;
    page dev[i] of every buffer to page host[i] (d2h), or back.  One memcpy per page per buffer,
-   without the GIL, split over `threads` threads (the caller's included): the pages of every
-   buffer split evenly when there are at least as many pages as threads, else the buffers. */
+   without the GIL, split over `threads` threads (the caller's included) by bytes: the (buffer,
+   page) items in table order, each thread taking those that start in its share of the bytes. */
 typedef struct {
     const int64_t *rows, *dev, *host;
     int64_t buffers, n, part, parts;
     int d2h;
 } copy_job;
 
+static int64_t first_page_from(int64_t offset, int64_t base, int64_t page, int64_t n)
+{
+    int64_t i = offset > base ? (offset - base + page - 1) / page : 0;
+    return i < n ? i : n;
+}
+
 static void *copy_part(void *arg)
 {
     const copy_job *j = (const copy_job *)arg;
-    const int by_pages = j->n >= j->parts;
-    for (int64_t b = by_pages ? 0 : j->part; b < j->buffers; b += by_pages ? 1 : j->parts) {
+    int64_t total = 0;
+    for (int64_t b = 0; b < j->buffers; b++)
+        total += j->n * j->rows[5 * b];
+    const int64_t lo = total * j->part / j->parts, hi = total * (j->part + 1) / j->parts;
+    int64_t base = 0;
+    for (int64_t b = 0; b < j->buffers && base < hi; b++) {
         const int64_t *r = j->rows + 5 * b;
+        const int64_t page = r[0], span = j->n * page;
+        if (page <= 0 || base + span <= lo) {
+            base += span;
+            continue;
+        }
         char *dev = (char *)(intptr_t)r[1], *host = (char *)(intptr_t)r[2];
-        const size_t bytes = (size_t)r[0];
-        const int64_t lo = by_pages ? j->n * j->part / j->parts : 0;
-        const int64_t hi = by_pages ? j->n * (j->part + 1) / j->parts : j->n;
-        for (int64_t i = lo; i < hi; i++) {
+        const int64_t i1 = first_page_from(hi, base, page, j->n);
+        for (int64_t i = first_page_from(lo, base, page, j->n); i < i1; i++) {
             char *dp = dev + j->dev[i] * r[3], *hp = host + j->host[i] * r[4];
             if (j->d2h)
-                memcpy(hp, dp, bytes);
+                memcpy(hp, dp, (size_t)page);
             else
-                memcpy(dp, hp, bytes);
+                memcpy(dp, hp, (size_t)page);
         }
+        base += span;
     }
     return NULL;
 }
 
 #define MAX_COPY_THREADS 16
+
+/* Several threads through OpenMP where the module was built with it: on the same OpenMP runtime
+   as torch (one libgomp.so.1 per process), so the copy runs on torch's intra-op threads.  Threads
+   of its own lost to torch's: after a torch op its idle OpenMP threads spin for a while, on the
+   cores a separate thread pool needs (2 cores: a 64 MiB copy right after one 7.3-8.2 ms, alone
+   5.6-6.1).  Built without it, or in a forked child of a process that loaded the module (GNU
+   OpenMP's threads do not survive a fork: a parallel region there waits for them forever): a
+   thread per part, started per call. */
+static pid_t loaded_in;
+
+static void copy_parallel(copy_job *jobs, long parts)
+{
+#ifdef _OPENMP
+    if (getpid() == loaded_in) {
+#pragma omp parallel for num_threads(parts) schedule(static, 1)
+        for (long k = 0; k < parts; k++)
+            copy_part(&jobs[k]);
+        return;
+    }
+#endif
+    pthread_t tids[MAX_COPY_THREADS];
+    int started[MAX_COPY_THREADS] = {0};
+    for (long k = 1; k < parts; k++)
+        started[k] = pthread_create(&tids[k], NULL, copy_part, &jobs[k]) == 0;
+    copy_part(&jobs[0]);
+    for (long k = 1; k < parts; k++) {
+        if (started[k])
+            pthread_join(tids[k], NULL);
+        else
+            copy_part(&jobs[k]);  /* no thread to be had: this one does that part too */
+    }
+}
 
 static PyObject *py_copy_pages(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -304,21 +351,14 @@ static PyObject *py_copy_pages(PyObject *self, PyObject *const *args, Py_ssize_t
         return NULL;
     }
     copy_job jobs[MAX_COPY_THREADS];
-    pthread_t tids[MAX_COPY_THREADS];
-    int started[MAX_COPY_THREADS] = {0};
+    const int d2h = PyObject_IsTrue(args[3]);
     for (long k = 0; k < threads; k++)
-        jobs[k] = (copy_job){(const int64_t *)t.buf, d.data, h.data, t.shape[0] / 5, d.n, k, threads,
-                             PyObject_IsTrue(args[3])};
+        jobs[k] = (copy_job){(const int64_t *)t.buf, d.data, h.data, t.shape[0] / 5, d.n, k, threads, d2h};
     Py_BEGIN_ALLOW_THREADS
-    for (long k = 1; k < threads; k++)
-        started[k] = pthread_create(&tids[k], NULL, copy_part, &jobs[k]) == 0;
-    copy_part(&jobs[0]);
-    for (long k = 1; k < threads; k++) {
-        if (started[k])
-            pthread_join(tids[k], NULL);
-        else
-            copy_part(&jobs[k]);  /* no thread to be had: this one does that part too */
-    }
+    if (threads == 1)
+        copy_part(&jobs[0]);
+    else
+        copy_parallel(jobs, threads);
     Py_END_ALLOW_THREADS
     ids_release(&h);
     ids_release(&d);
@@ -346,5 +386,6 @@ PyMODINIT_FUNC PyInit__stagecache_native(void)
     s_data_ptr = PyUnicode_InternFromString("data_ptr");
     if (!s_dtype || !s_is_cpu || !s_dim || !s_is_contiguous || !s_numel || !s_data_ptr)
         return NULL;
+    loaded_in = getpid();
     return PyModule_Create(&module);
 }

@@ -24,8 +24,9 @@ move is one call into this module:
   for a slot, finish the transfer that owns the slot's events) or that the move
   is not one for this path (then the general path runs and names any bad id);
 * ``copy_pages(table, dev, host, d2h, threads)``: CPU pools -- one ``memcpy`` per
-  page per buffer of a plan, without the GIL, over ``threads`` threads
-  (``fallback.py``).
+  page per buffer of a plan, without the GIL, split by bytes over ``threads``
+  threads: torch's own OpenMP threads where the compiler has OpenMP, else a
+  thread per part (``fallback.py``).
 
 The ids may be numpy arrays or torch tensors (``configure`` names the tensor
 type): a 1-D contiguous int64 CPU one is read in place, any other is left to the
@@ -108,13 +109,16 @@ def _build(target: Path) -> bool:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         src, out = Path(tmp) / "native.c", Path(tmp) / target.name
         src.write_text(SOURCE)
-        try:
-            done = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-pthread", f"-I{include}", "-o", str(out),
-                                   str(src)],
-                                  capture_output=True, timeout=120)
-        except (OSError, subprocess.SubprocessError):
-            return False
-        if done.returncode != 0 or not out.exists():
+        # OpenMP where the compiler has it (the CPU copy's threads: see copy_parallel), else without
+        for extra in (["-fopenmp"], []):
+            try:
+                done = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-pthread", *extra, f"-I{include}", "-o",
+                                       str(out), str(src)], capture_output=True, timeout=120)
+            except (OSError, subprocess.SubprocessError):
+                return False
+            if done.returncode == 0 and out.exists():
+                break
+        else:
             return False
         os.chmod(out, 0o755)  # whatever the umask: a library only its owner may rewrite
         os.replace(out, target)
@@ -122,6 +126,10 @@ def _build(target: Path) -> bool:
 
 
 def _load(path: Path) -> Any:
+    try:  # torch first: the module then shares torch's OpenMP runtime (one libgomp.so.1)
+        import torch  # noqa: F401
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
     spec = importlib.util.spec_from_file_location(NAME, path)
     if spec is None or spec.loader is None:
         return None
