@@ -85,9 +85,9 @@ def test_probes_copy_byte_exact_on_the_gpu():
     cases = grid(load_spec("deepseek-v4-flash"), 4, 1, 256, 3, [3], [0.5], ["c128"])
     for case in cases:
         rows, notes = run_case(case, s)
-        assert set(transfer_probes.NOTES) <= set(notes)
+        assert set(transfer_probes.PROBES) <= set(notes)
         for r in rows:
-            assert set(r["probes"]) == set(transfer_probes.NOTES)
-            assert all(r["bit_exact"][k] is True for k in transfer_probes.NOTES)
+            assert set(r["probes"]) == set(transfer_probes.PROBES)
+            assert all(r["bit_exact"][k] is True for k in transfer_probes.PROBES)
             assert all(0 < p["vs_ceiling"] < 2 for p in r["probes"].values())
             assert "probe_tma_bulk" not in r["ms"]  # probes are not peers

@@ -20,21 +20,30 @@ missing, ``unavailable`` says why and the report carries no probe times.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from .transfer_peers import Technique
 
-#: What each probe is, for the report's ``techniques`` notes.
-NOTES = {
-    "probe_cuda_vector": "CUDA probe: one warp per 8 KiB chunk, 16-byte streaming loads/stores, 8 in flight per lane",
-    "probe_tma_bulk": "CUDA probe: 1-D TMA bulk copies (cp.async.bulk) through a 4-stage shared-memory ring",
+
+@dataclass(frozen=True)
+class Probe:
+    """One probe kernel: its launch shape and what it is (the report's ``techniques`` note)."""
+
+    note: str
+    blocks_per_sm: int  # the bulk kernel's blocks hold 32 KiB of shared memory each
+    threads: int  # per block
+
+
+#: The probe kernels of ``SOURCE``, by kernel name (= the technique's key in a report).
+PROBES = {
+    "probe_cuda_vector": Probe("CUDA probe: one warp per 8 KiB chunk, 16-byte streaming loads/stores, "
+                               "8 in flight per lane", 16, 128),
+    "probe_tma_bulk": Probe("CUDA probe: 1-D TMA bulk copies (cp.async.bulk) through a 4-stage "
+                            "shared-memory ring", 6, 32),
 }
 #: Bytes of one probe work item: a page is cut into chunks of at most this much.
 CHUNK = 8192
-#: Probe kernels per SM (the bulk kernel's blocks hold 32 KiB of shared memory each).
-BLOCKS_PER_SM = {"probe_cuda_vector": 16, "probe_tma_bulk": 6}
-#: Threads per block of each probe kernel.
-THREADS = {"probe_cuda_vector": 128, "probe_tma_bulk": 32}
 
 SOURCE = r"""
 #define CH 8192
@@ -132,7 +141,7 @@ def _kernels() -> dict[str, Any]:
     import torch
 
     if not _BUILT:
-        for name in BLOCKS_PER_SM:
+        for name in PROBES:
             _BUILT[name] = torch.cuda._compile_kernel(SOURCE, name)
     return _BUILT
 
@@ -174,13 +183,14 @@ def probes(buffers: list[tuple[Any, Any]], dev_ids: list[int], host_ids: list[in
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     out = []
     for name, kernel in _kernels().items():
-        grid = (min(chunks, sms * BLOCKS_PER_SM[name]), 1, 1)
-        block = (THREADS[name], 1, 1)
+        probe = PROBES[name]
+        grid = (min(chunks, sms * probe.blocks_per_sm), 1, 1)
+        block = (probe.threads, 1, 1)
 
         def run(d2h: bool, kernel: Any = kernel, grid: tuple[int, int, int] = grid,
                 block: tuple[int, int, int] = block) -> None:
             src, dst = (dev_t, host_t) if d2h else (host_t, dev_t)
             kernel(grid=grid, block=block, args=[src, dst, sizes, chunks])
 
-        out.append(Technique(name, run, NOTES[name]))
+        out.append(Technique(name, run, probe.note))
     return out

@@ -42,16 +42,15 @@ def _check(rows: list[dict[str, Any]], value: Callable[[dict[str, Any]], float],
 def summary(report: dict[str, Any]) -> dict[str, Any]:
     """Each target, whether every row meets it, and the worst row."""
     rows = report["rows"]
+    big = [r for r in rows if r["bytes"] >= 64 * MIB]
     return {
         "at_least_best_peer": _check([r for r in rows if r["stagecache_vs_best_peer"] is not None],
                                      lambda r: r["stagecache_vs_best_peer"], lambda v: v >= 1.0),
-        "ceiling_fraction_from_64MiB": _check([r for r in rows if r["bytes"] >= 64 * MIB],
-                                              lambda r: r["vs_ceiling"]["stagecache"],
+        "ceiling_fraction_from_64MiB": _check(big, lambda r: r["vs_ceiling"]["stagecache"],
                                               lambda v: v >= CEILING_FRACTION),
         # the best any timed technique (stagecache, peers, link probes) reached: whether the
         # fraction above is reachable at all for scattered pages on this link
-        "any_technique_vs_ceiling_from_64MiB": _check([r for r in rows if r["bytes"] >= 64 * MIB], best_vs_ceiling,
-                                                      lambda v: v >= CEILING_FRACTION),
+        "any_technique_vs_ceiling_from_64MiB": _check(big, best_vs_ceiling, lambda v: v >= CEILING_FRACTION),
         "one_page_mix_vs_ceiling_time": _check([r for r in rows if r["case"] == "stage-mix:1"],
                                                lambda r: r["ms"]["stagecache"] / r["ms"]["ceiling"],
                                                lambda v: v <= ONE_PAGE_FACTOR, max),
@@ -61,10 +60,15 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def best_probe(row: dict[str, Any]) -> float | None:
+    """The highest fraction of the ceiling a link probe of ``row`` reached (None: no probes)."""
+    return max((p["vs_ceiling"] for p in row.get("probes", {}).values()), default=None)
+
+
 def best_vs_ceiling(row: dict[str, Any]) -> float:
     """The highest fraction of the ceiling any technique of ``row`` reached (probes included)."""
-    probes = [p["vs_ceiling"] for p in row.get("probes", {}).values()]
-    return max([v for v in row["vs_ceiling"].values() if v is not None] + probes)
+    probe = best_probe(row)
+    return max([v for v in row["vs_ceiling"].values() if v is not None] + ([] if probe is None else [probe]))
 
 
 def _fmt(v: float | None, digits: int = 3) -> str:
@@ -96,7 +100,7 @@ def render(report: dict[str, Any], src: str) -> str:
                  _fmt(r["vs_ceiling"].get("stagecache"), 2), _fmt(r.get("issue_us"), 1), r["best_peer"] or "-",
                  _fmt(r["stagecache_vs_best_peer"], 2)]
         if probed:
-            cells.append(_fmt(max((p["vs_ceiling"] for p in r.get("probes", {}).values()), default=None), 2))
+            cells.append(_fmt(best_probe(r), 2))
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Targets (from this file's `summary`):", ""]
     for key, v in report["summary"].items():

@@ -126,21 +126,19 @@ def _build(target: Path) -> bool:
 
 
 def _load(path: Path) -> Any:
-    try:  # torch first: the module then shares torch's OpenMP runtime (one libgomp.so.1)
-        import torch  # noqa: F401
-    except ImportError:  # pragma: no cover - torch is a dependency
-        pass
+    # torch before the module: the module then shares torch's OpenMP runtime (one libgomp.so.1),
+    # and ids may come as torch tensors (torch is a dependency; without it, numpy arrays only)
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        torch = None
     spec = importlib.util.spec_from_file_location(NAME, path)
     if spec is None or spec.loader is None:
         return None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    try:  # ids may come as torch tensors (torch is a dependency; without it, numpy arrays only)
-        import torch
-
+    if torch is not None:
         mod.configure(torch.Tensor, torch.int64)
-    except ImportError:  # pragma: no cover
-        pass
     return mod
 
 
