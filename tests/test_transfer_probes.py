@@ -40,6 +40,16 @@ def test_chunk_table_refuses_pages_the_kernels_cannot_move():
     assert transfer_probes.chunk_table([(wide[:, 8:40], torch.zeros((3, 32), dtype=torch.uint8))], [0], [1]) is None
 
 
+def test_copy_engine_batch_attributes_have_the_runtime_layout():
+    import ctypes
+
+    # cudaMemcpyAttributes: access order (int), two cudaMemLocation (int type, int id), flags (uint)
+    attrs = transfer_probes._CopyAttributes
+    assert ctypes.sizeof(attrs) == 24
+    assert [getattr(attrs, f).offset for f in ("src_access_order", "src_hint", "dst_hint", "flags")] == [0, 4, 12, 20]
+    assert transfer_probes.CE_BATCH in transfer_probes.KEYS and set(transfer_probes.PROBES) < set(transfer_probes.KEYS)
+
+
 def _row(case: str, size: int, vs: dict[str, float], probes: dict[str, float] | None) -> dict:
     row = {"case": case, "direction": "h2d", "bytes": size, "issue_us": 10.0,
            "ms": {"ceiling": 1.0, "stagecache": 1.0 / vs["stagecache"], "page_loop": 2.0, "warp_kernel": None},
@@ -83,11 +93,12 @@ def test_probes_copy_byte_exact_on_the_gpu():
     s = Settings(device="cuda", page_size=256, layout="layer_first", seed=0, min_reps=1, max_reps=2,
                  budget_s=0.01, probes=True)
     cases = grid(load_spec("deepseek-v4-flash"), 4, 1, 256, 3, [3], [0.5], ["c128"])
+    expected = set(transfer_probes.PROBES) | ({transfer_probes.CE_BATCH} if transfer_probes._batch_call() else set())
     for case in cases:
         rows, notes = run_case(case, s)
-        assert set(transfer_probes.PROBES) <= set(notes)
+        assert expected <= set(notes)
         for r in rows:
-            assert set(r["probes"]) == set(transfer_probes.PROBES)
-            assert all(r["bit_exact"][k] is True for k in transfer_probes.PROBES)
+            assert set(r["probes"]) == expected
+            assert all(r["bit_exact"][k] is True for k in expected)
             assert all(0 < p["vs_ceiling"] < 2 for p in r["probes"].values())
             assert "probe_tma_bulk" not in r["ms"]  # probes are not peers

@@ -293,7 +293,7 @@ def _row(case: Case, pages: _Pages, direction: str, results: dict[str, Any]) -> 
           for k in ("ceiling", "stagecache", *PEERS)}
     peer_ms = {k: ms[k] for k in PEERS if ms[k] is not None}
     best = min(peer_ms, key=peer_ms.__getitem__) if peer_ms else None
-    probe_ms = {k: round(v[direction]["ms"], 4) for k, v in results.items() if k in probes.PROBES}
+    probe_ms = {k: round(v[direction]["ms"], 4) for k, v in results.items() if k in probes.KEYS}
     return {
         "case": case.name, "direction": direction, "bytes": pages.nbytes, "pages": case.pages,
         "buffers": len(pages.plan.buffers), "path": pages.controller.path, "ms": ms,

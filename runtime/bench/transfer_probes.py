@@ -1,28 +1,35 @@
-"""Link probes of ``bench transfer --probes``: how close *any* SM-driven copy of scattered pages
-gets to the contiguous ceiling, measured on the same pages as stagecache and the peers.
+"""Link probes of ``bench transfer --probes``: how close *any* copy of scattered pages gets to
+the contiguous ceiling, measured on the same pages as stagecache and the peers.
 
 A row's ``vs_ceiling`` alone cannot say whether a shortfall is stagecache's or the link's: a
 copy engine moves one contiguous block at full rate, while scattered pages are moved by the
-SMs (a copy-engine operation per page costs microseconds of setup each).  So two hand-written
-CUDA kernels, built from different load paths, time the same pages:
+SMs or by one copy-engine operation each.  So three probes time the same pages: two
+hand-written CUDA kernels built from different load paths, and the copy engines' own API for
+many scattered copies:
 
 * ``probe_cuda_vector`` -- one warp per 8 KiB chunk, 16-byte streaming loads and stores,
   eight in flight per lane (the widest plain load/store path);
 * ``probe_tma_bulk``    -- 1-D TMA bulk copies (``cp.async.bulk``, Hopper and later) through
   a four-stage shared-memory ring per block: the copy hardware inside each SM, not the load
-  path of the threads.
+  path of the threads;
+* ``probe_ce_batch``    -- every (buffer, page) copy of the move in one
+  ``cudaMemcpyBatchAsync`` (CUDA 12.8+): the copy engines, handed the whole batch at once
+  rather than one ``cudaMemcpyAsync`` per page as the per-page loop peer does.
 
-If neither beats stagecache's fraction of the ceiling at a grid point, the shortfall there is
+If none beats stagecache's fraction of the ceiling at a grid point, the shortfall there is
 the link's for this access pattern.  They are probes, not peers: no engine ships them, and
-they do not enter ``best_peer``.  They need CUDA and NVRTC (through torch); when those are
-missing, ``unavailable`` says why and the report carries no probe times.
+they do not enter ``best_peer``.  The kernels need CUDA and NVRTC (through torch); when those
+are missing, ``unavailable`` says why and the report carries no probe times.  The batch probe
+runs where the CUDA runtime has the batch call.
 """
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import Any
 
+from ..transfer import cudart
 from .transfer_peers import Technique
 
 
@@ -42,6 +49,11 @@ PROBES = {
     "probe_tma_bulk": Probe("CUDA probe: 1-D TMA bulk copies (cp.async.bulk) through a 4-stage "
                             "shared-memory ring", 6, 32),
 }
+#: The copy-engine probe (``ce_batch``): not a kernel, so not in ``PROBES``.
+CE_BATCH = "probe_ce_batch"
+CE_BATCH_NOTE = "copy-engine probe: every (buffer, page) copy of a move in one cudaMemcpyBatchAsync"
+#: Every probe's key in a report row.
+KEYS = (*PROBES, CE_BATCH)
 #: Bytes of one probe work item: a page is cut into chunks of at most this much.
 CHUNK = 8192
 
@@ -168,11 +180,16 @@ def chunk_table(buffers: list[tuple[Any, Any]], dev_ids: list[int], host_ids: li
 
 
 def probes(buffers: list[tuple[Any, Any]], dev_ids: list[int], host_ids: list[int]) -> list[Technique]:
-    """One ``Technique`` per probe kernel over the same pages, or none (see ``unavailable``)."""
-    import torch
-
+    """One ``Technique`` per probe over the same pages, or none (see ``unavailable``)."""
     if not buffers or unavailable(buffers[0][0].device) is not None:
         return []
+    batch = ce_batch(buffers, dev_ids, host_ids)
+    return _kernel_probes(buffers, dev_ids, host_ids) + ([batch] if batch is not None else [])
+
+
+def _kernel_probes(buffers: list[tuple[Any, Any]], dev_ids: list[int], host_ids: list[int]) -> list[Technique]:
+    import torch
+
     table = chunk_table(buffers, dev_ids, host_ids)
     if table is None:
         return []
@@ -194,3 +211,68 @@ def probes(buffers: list[tuple[Any, Any]], dev_ids: list[int], host_ids: list[in
 
         out.append(Technique(name, run, probe.note))
     return out
+
+
+class _Location(ctypes.Structure):
+    """``cudaMemLocation``: where a batch's sources or destinations live (a hint)."""
+
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _CopyAttributes(ctypes.Structure):
+    """``cudaMemcpyAttributes``: source access order, location hints, flags."""
+
+    _fields_ = [("src_access_order", ctypes.c_int), ("src_hint", _Location), ("dst_hint", _Location),
+                ("flags", ctypes.c_uint)]
+
+
+_ACCESS_ORDER_STREAM, _DEVICE, _HOST = 1, 1, 2  # cudaMemcpySrcAccessOrderStream, cudaMemLocationType*
+
+
+def _batch_call() -> tuple[Any, bool] | None:
+    """The runtime's ``cudaMemcpyBatchAsync`` and whether it takes a failure-index argument
+    (12.8-12.9 do, 13.0 dropped it); None where the runtime has no batch call."""
+    rt = cudart.runtime()
+    fn = getattr(rt.lib, "cudaMemcpyBatchAsync", None) if rt is not None and rt.version >= 12080 else None
+    if fn is None:
+        return None
+    vp, size = ctypes.c_void_p, ctypes.c_size_t
+    with_fail_index = rt.version < 13000
+    fn.argtypes = [vp, vp, vp, size, vp, vp, size] + ([vp] if with_fail_index else []) + [vp]
+    fn.restype = ctypes.c_int
+    return fn, with_fail_index
+
+
+def ce_batch(buffers: list[tuple[Any, Any]], dev_ids: list[int], host_ids: list[int]) -> Technique | None:
+    """Every (buffer, page) copy in one ``cudaMemcpyBatchAsync`` on a side stream ordered after
+    and before the caller's (the call refuses the legacy default stream); None without the call."""
+    import numpy as np
+    import torch
+
+    call = _batch_call()
+    if call is None:
+        return None
+    fn, with_fail_index = call
+    dev = [d.data_ptr() + a * d.stride(0) for d, _ in buffers for a in dev_ids]
+    host = [h.data_ptr() + b * h.stride(0) for _, h in buffers for b in host_ids]
+    sizes = [int(d.shape[1]) for d, _ in buffers for _ in dev_ids]
+    dev_a, host_a, size_a = (np.array(v, dtype=np.uint64) for v in (dev, host, sizes))
+    attrs = {d2h: _CopyAttributes(_ACCESS_ORDER_STREAM, _Location(_DEVICE if d2h else _HOST, 0),
+                                  _Location(_HOST if d2h else _DEVICE, 0), 0) for d2h in (True, False)}
+    first = np.zeros(1, dtype=np.uint64)  # one attribute set, from the first copy on
+    fail = ctypes.c_size_t()
+    device = buffers[0][0].device
+    side = torch.cuda.Stream(device)
+
+    def run(d2h: bool) -> None:
+        dst, src = (host_a, dev_a) if d2h else (dev_a, host_a)
+        caller = torch.cuda.current_stream(device)
+        side.wait_stream(caller)
+        args = [dst.ctypes.data, src.ctypes.data, size_a.ctypes.data, len(size_a), ctypes.addressof(attrs[d2h]),
+                first.ctypes.data, 1] + ([ctypes.addressof(fail)] if with_fail_index else []) + [side.cuda_stream]
+        bad = fn(*args)
+        if bad:
+            raise RuntimeError(f"cudaMemcpyBatchAsync of {len(size_a)} copies failed: CUDA error {bad}")
+        caller.wait_stream(side)
+
+    return Technique(CE_BATCH, run, CE_BATCH_NOTE)

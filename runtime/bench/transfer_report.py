@@ -86,8 +86,8 @@ def render(report: dict[str, Any], src: str) -> str:
         f"{report['page_size']}, host layout {report['layout']}. Median wall ms per move (call to "
         "device idle); GB/s and fraction of the ceiling for stagecache; last column = best peer's "
         "time / stagecache's (>= 1: stagecache at least as fast)."
-        + (" Best probe = the higher fraction of the ceiling of the two link probes (hand-written CUDA kernels on "
-           "the same pages, `--probes`)." if probed else ""), "",
+        + (" Best probe = the highest fraction of the ceiling of the link probes (`--probes`: hand-written CUDA "
+           "kernels and a copy-engine batch on the same pages)." if probed else ""), "",
         "| case | dir | bytes | ceiling ms | stagecache ms | " + " | ".join(f"{p} ms" for p in PEERS)
         + " | stagecache GB/s | vs ceiling | issue us | best peer | vs best peer |" + (" best probe vs ceiling |" if probed else ""),
         "| --- | --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in PEERS) + " | ---: | ---: | ---: | --- | ---: |"

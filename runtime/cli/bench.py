@@ -88,8 +88,9 @@ def _register_transfer(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--page-major", action="store_true", default=None,
                    help="engine: a page's chunks together (the earlier item order)")
     p.add_argument("--probes", action="store_true",
-                   help="also time two hand-written CUDA copy kernels on the same pages (link probes: how close any "
-                   "SM-driven copy of scattered pages gets to the ceiling; CUDA, compute capability 9.0+)")
+                   help="also time link probes on the same pages: two hand-written CUDA copy kernels and one "
+                   "copy-engine batch (cudaMemcpyBatchAsync, CUDA 12.8+): how close any copy of scattered pages "
+                   "gets to the ceiling; CUDA, compute capability 9.0+")
     p.add_argument("--out", default=None, help="also write the JSON report to this file")
     p.add_argument("--json", action="store_true", help="print the JSON report (default: the markdown table)")
     p.add_argument("--render", default=None, metavar="JSON",

@@ -54,6 +54,9 @@ class Runtime:
 
     def __init__(self, lib: Any):
         vp = ctypes.c_void_p
+        self.lib = lib  # for entry points only the benchmark binds (its copy-engine batch probe)
+        version = ctypes.c_int()
+        self.version = version.value if lib.cudaRuntimeGetVersion(ctypes.byref(version)) == 0 else 0  # 13000 = 13.0
         lib.cudaEventRecord.argtypes = [vp, vp]
         lib.cudaGraphLaunch.argtypes = [vp, vp]
         lib.cudaMemcpyAsync.argtypes = [vp, vp, ctypes.c_size_t, ctypes.c_int, vp]
