@@ -11,7 +11,8 @@ ceiling, the per-page loop, the warp-per-item kernel; and stagecache) is first
 checked byte-exact on poisoned destinations, then timed: the median wall time
 from the call to the device being idle again, same clock for all, sampled in
 interleaved rounds (``transfer_timing``); with ``--probes`` two hand-written CUDA
-kernels time the link itself on the same pages (``transfer_probes``).  stagecache's
+kernels and a copy-engine batch time the link itself on the same pages
+(``transfer_probes``).  stagecache's
 per-call overhead (host time from the call until its work is queued, and until
 the call returns, taken with the device idle) is reported on its own.  Progress
 goes to stderr.
