@@ -158,24 +158,30 @@ def _kernels() -> dict[str, Any]:
     return _BUILT
 
 
+def page_addresses(buffers: list[tuple[Any, Any]], dev_ids: list[int], host_ids: list[int]
+                   ) -> list[tuple[int, int, int]]:
+    """(device address, host address, bytes) of every moved page of every buffer, buffer by
+    buffer (``(device buffer, host buffer)`` pairs of ``[pages, page bytes]`` uint8 tensors)."""
+    return [(d.data_ptr() + a * d.stride(0), h.data_ptr() + b * h.stride(0), int(d.shape[1]))
+            for d, h in buffers for a, b in zip(dev_ids, host_ids, strict=True)]
+
+
 def chunk_table(buffers: list[tuple[Any, Any]], dev_ids: list[int], host_ids: list[int]
                 ) -> tuple[list[int], list[int], list[int]] | None:
     """(device addresses, host addresses, bytes) of every chunk of every moved page of every
-    buffer (``(device buffer, host buffer)`` pairs of ``[pages, page bytes]`` uint8 tensors);
-    None when an address or a page size is not a multiple of 16 bytes (what both kernels need)."""
+    buffer (``page_addresses`` cut into ``CHUNK``s); None when an address or a page size is not
+    a multiple of 16 bytes (what both kernels need)."""
+    for d, h in buffers:
+        if d.shape[1] % 16 or d.data_ptr() % 16 or h.data_ptr() % 16 or d.stride(0) % 16 or h.stride(0) % 16:
+            return None
     dev_addr: list[int] = []
     host_addr: list[int] = []
     sizes: list[int] = []
-    for d, h in buffers:
-        page = int(d.shape[1])
-        if page % 16 or d.data_ptr() % 16 or h.data_ptr() % 16 or d.stride(0) % 16 or h.stride(0) % 16:
-            return None
-        for a, b in zip(dev_ids, host_ids, strict=True):
-            da, ha = d.data_ptr() + a * d.stride(0), h.data_ptr() + b * h.stride(0)
-            for off in range(0, page, CHUNK):
-                dev_addr.append(da + off)
-                host_addr.append(ha + off)
-                sizes.append(min(CHUNK, page - off))
+    for da, ha, page in page_addresses(buffers, dev_ids, host_ids):
+        for off in range(0, page, CHUNK):
+            dev_addr.append(da + off)
+            host_addr.append(ha + off)
+            sizes.append(min(CHUNK, page - off))
     return dev_addr, host_addr, sizes
 
 
@@ -253,10 +259,7 @@ def ce_batch(buffers: list[tuple[Any, Any]], dev_ids: list[int], host_ids: list[
     if call is None:
         return None
     fn, with_fail_index = call
-    dev = [d.data_ptr() + a * d.stride(0) for d, _ in buffers for a in dev_ids]
-    host = [h.data_ptr() + b * h.stride(0) for _, h in buffers for b in host_ids]
-    sizes = [int(d.shape[1]) for d, _ in buffers for _ in dev_ids]
-    dev_a, host_a, size_a = (np.array(v, dtype=np.uint64) for v in (dev, host, sizes))
+    dev_a, host_a, size_a = np.array(page_addresses(buffers, dev_ids, host_ids), dtype=np.uint64).T.copy()
     attrs = {d2h: _CopyAttributes(_ACCESS_ORDER_STREAM, _Location(_DEVICE if d2h else _HOST, 0),
                                   _Location(_HOST if d2h else _DEVICE, 0), 0) for d2h in (True, False)}
     first = np.zeros(1, dtype=np.uint64)  # one attribute set, from the first copy on
