@@ -7,7 +7,7 @@
 The section between the two markers is rendered from what the registry
 describes (``StageCollector.describe()``: name, type, help) and the label
 table of ``families.py``, so the documentation cannot drift from what
-``/metrics`` serves; tests/test_exporters_reference.py fails when it does.
+``/metrics`` serves; tests/exporters/test_metrics_reference.py fails when it does.
 """
 
 from __future__ import annotations

@@ -24,8 +24,13 @@ class ConfigError(StageCacheError, ValueError):
     """Bad user input: the message is complete and fits on one line."""
 
 
-class LayerNotOwnedError(StageCacheError, KeyError):
-    """A global layer id was used on a stage that does not own it."""
+class LayerNotOwnedError(StageCacheError, KeyError, ValueError):
+    """A global layer id was used on a stage that does not own it (or has no buffer of that kind).
+
+    A ``ValueError``, as sglang's own mapping errors are (``DeepSeek V4 SWA KV pool must be
+    PP-stage-local``), so code that guards sglang's calls guards ours; and a ``KeyError`` for
+    the lookup it is.
+    """
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0])

@@ -1,14 +1,23 @@
-"""Shared test fixtures: free loopback ports, one torch thread, and the GPU skip rule."""
+"""Shared test fixtures: free loopback ports, one torch thread, a browser, and the GPU skip rule.
+
+The tests mirror the packages (``tests/model`` for ``runtime/model``, ...); helpers that tests of
+several packages share live in ``tests/support``.
+"""
 
 from __future__ import annotations
 
 import os
 import shutil
 import socket
+import sys
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+
+#: Helpers shared by tests of several packages (``tests/support``): importable by name.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 
 def _cuda_available() -> bool:

@@ -3,7 +3,7 @@
     python docker/grafana/make_dashboard.py          # rewrite the JSON
     python docker/grafana/make_dashboard.py --check  # exit 1 if the JSON is stale
 
-tests/test_docker_configs_static.py runs --check, so the JSON and this file never drift.
+tests/docker/test_configs_static.py runs --check, so the JSON and this file never drift.
 Panels are plain dicts in Grafana's dashboard JSON model (schemaVersion 39); every query
 uses the provisioned datasource uid and the `pp_rank` variable (sglang's label for the
 stage). The exporter exposes counters and states only; every ratio below is a rate()

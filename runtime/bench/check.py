@@ -13,7 +13,8 @@ import time
 
 from ..model.layer_map import build_layout
 from ..model.spec import load_spec, spec_from_config
-from ..validation.faults import parse_faults
+from ..plan.faults import parse_faults
+from ..plan.plan import build_plan
 from ..validation.report import preflight
 
 
@@ -36,13 +37,13 @@ def _time(fn, repeat: int) -> dict[str, float]:
     return {"median_ms": statistics.median(samples), "max_ms": max(samples)}
 
 
-def run_bench(model: str | None, layers: int, max_pp: int, repeat: int, fault: list[str]) -> dict:
-    spec = load_spec(model) if model else synthetic_spec(layers)
+def run_bench(model: str, layers: int | None, max_pp: int, repeat: int, fault: list[str]) -> dict:
+    spec = synthetic_spec(layers) if layers else load_spec(model)
     rows = []
     for pp in range(1, max_pp + 1):
         faults = parse_faults(fault, pp)
         layout_only = _time(lambda pp=pp: build_layout(spec, pp), repeat)
-        full = _time(lambda pp=pp, faults=faults: preflight(build_layout(spec, pp), 256, faults), repeat)
+        full = _time(lambda pp=pp, faults=faults: preflight(build_plan(spec, pp, faults=faults)), repeat)
         rows.append({
             "pp_size": pp,
             "check_median_ms": round(full["median_ms"], 4),

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..plan.plan import RunPlan, Sizing, StagePlan
 from ..transfer.stats import gbps
 from .insight_overhead import (
     OVERHEAD_BUDGET_PERCENT,
@@ -41,8 +42,6 @@ from .insight_overhead import (
     timer_floor,
 )
 
-DEFAULT_DEVICE_PAGES = 96
-DEFAULT_HICACHE_RATIO = 4.0
 DEFAULT_REQUESTS = 2000
 #: Bytes per direction of the same-run bandwidth measurement.
 BANDWIDTH_PROBE_BYTES = 32 << 20
@@ -160,37 +159,23 @@ def _page_size(args: argparse.Namespace, fmt: str) -> int:
     return args.block_tokens
 
 
-def token_page_bytes(la: Any, stage_map: Any) -> int:
-    """Bytes one page costs on a stage, every paged (host-cached) pool and layer: the memory
-    layer's one figure, from the pool-kind table."""
-    from ..memory.sizing import token_page_bytes as per_page
-    from ..model.pool_kinds import kind_table
-
-    return per_page(kind_table(la.spec, la.page_size), stage_map.expected_buffers())
-
-
-def check_stage_ram(la: Any, stages: Sequence[Any], device_pages: int, hicache_ratio: float,
-                    device_in_ram: bool, min_pages: int) -> None:
+def check_stage_ram(plan: RunPlan, stages: Sequence[int], device_in_ram: bool, min_pages: int) -> None:
     """Before any pool exists: the largest stage's pools must fit this host's RAM.
 
     The payload replay builds one stage's pools at a time (and frees them), so the
     largest stage counts, not the sum; the error names --device-pages and
     --hicache-ratio with values that fit.
     """
-    from ..memory.pools import stage_plan
     from ..memory.ram_check import check_ram, stages_ram_need
-    from ..model.pool_kinds import kind_table
 
-    table = kind_table(la.spec, la.page_size)
-    needs = [stages_ram_need(table, [{p: len(s) for p, s in stage_plan(
-        m, la.spec.compress_ratios, la.faults, la.layout.pp_size).items()}], 4, device_in_ram)
-        for m in stages]
+    needs = [stages_ram_need(plan, device_in_ram, stages=[i]) for i in stages]
     where = "device + host pools" if device_in_ram else "host pools"
-    check_ram(lambda pages, r: max(n(pages, r) for n in needs), device_pages, hicache_ratio,
-              f"one stage's {where} (the largest of {len(stages)})", min_pages=min_pages)
+    check_ram(lambda pages, r: max(n(pages, r) for n in needs), plan.stage(0).device_pages,
+              plan.sizing.hicache_ratio, f"one stage's {where} (the largest of {len(stages)})",
+              min_pages=min_pages)
 
 
-def measure_bandwidth(la: Any, stage_map: Any, device: str) -> dict[str, float]:
+def measure_bandwidth(plan: RunPlan, stage: int, device: str) -> dict[str, float]:
     """GB/s per direction of real page copies through the transfer controller, this run.
 
     A few pages (``BANDWIDTH_PROBE_BYTES``) copied device->host and back on the
@@ -204,9 +189,9 @@ def measure_bandwidth(la: Any, stage_map: Any, device: str) -> dict[str, float]:
     from ..transfer.controller import TransferController
     from ..transfer.stats import TransferStats
 
-    pages = max(1, min(256, BANDWIDTH_PROBE_BYTES // token_page_bytes(la, stage_map)))
-    pools = StagePools(la.spec, stage_map, la.page_size, pages, device, (), la.layout.pp_size)
-    host = HostPools(pools, num_pages=pages)
+    pages = max(1, min(256, BANDWIDTH_PROBE_BYTES // plan.stage(stage).token_page_bytes))
+    pools = StagePools(plan.resized(Sizing.runtime(pages, host_pages=pages)).stage(stage), device)
+    host = HostPools(pools)
     stats = TransferStats()
     ctrl = TransferController(pools, host, stats)
     ids = pools.allocator.alloc(pages)  # transfers move allocated pages only
@@ -242,7 +227,7 @@ def _stats_row(cache: Any, result: Any, page_bytes: int, device_pages: int) -> d
     return row
 
 
-def _payload_run(la: Any, stage_map: Any, reqs: Sequence[Any], args: argparse.Namespace,
+def _payload_run(stage: StagePlan, reqs: Sequence[Any], args: argparse.Namespace,
                  host: bool, insight: bool | None = None) -> dict[str, Any]:
     import torch
 
@@ -250,15 +235,14 @@ def _payload_run(la: Any, stage_map: Any, reqs: Sequence[Any], args: argparse.Na
     from ..cache.kv_writer import KvWriter
     from ..memory.pools import StagePools
 
-    pools = StagePools(la.spec, stage_map, la.page_size, args.device_pages, args.device,
-                       la.faults, la.layout.pp_size, swa_ratio=1.0)  # one page-id space
+    pools = StagePools(stage, args.device)
     host_pools = controller = None
     if host:
         from ..memory.host_pools import HostPools
         from ..transfer.controller import TransferController
         from ..transfer.stats import TransferStats
 
-        host_pools = HostPools(pools, hicache_ratio=args.hicache_ratio, layout=args.hicache_layout)
+        host_pools = HostPools(pools, layout=args.hicache_layout)
         controller = TransferController(pools, host_pools, TransferStats())
     cache = timed(HiCache(pools, host_pools, controller, write_policy=args.write_policy,
                           eviction_policy=args.eviction_policy, insight=insight_config(args, insight)))
@@ -286,25 +270,25 @@ def _metadata_run(views: Sequence[Any], page_size: int, host_pages: int,
     return cache, result
 
 
-def _run_modes(la: Any, stages: list[Any], reqs: list[Any], views: list[Any], host_pages: int,
+def _run_modes(plan: RunPlan, stages: list[StagePlan], reqs: list[Any], views: list[Any], host_pages: int,
                args: argparse.Namespace) -> tuple[dict[str, list[dict[str, Any]]], dict[str, int]]:
     """Per mode, one row per stage; and the cached pages (tree nodes) each mode ended with."""
     modes: dict[str, list[dict[str, Any]]] = {"hicache": [], "device_only": []}
     nodes: dict[str, int] = {}
     if not args.metadata_only:
         for sm in stages:
-            modes["hicache"].append(_payload_run(la, sm, reqs, args, host=True))
-            modes["device_only"].append(_payload_run(la, sm, reqs, args, host=False))
+            modes["hicache"].append(_payload_run(sm, reqs, args, host=True))
+            modes["device_only"].append(_payload_run(sm, reqs, args, host=False))
         return modes, nodes
     for mode, pages in (("hicache", host_pages), ("device_only", 0)):
-        cache, result = _metadata_run(views, la.page_size, pages, args)
+        cache, result = _metadata_run(views, plan.page_size, pages, args)
         for sm in stages:
-            modes[mode].append(_stats_row(cache, result, token_page_bytes(la, sm), args.device_pages))
+            modes[mode].append(_stats_row(cache, result, sm.token_page_bytes, args.device_pages))
         nodes[mode] = cache.tree.num_nodes
     return modes, nodes
 
 
-def _overhead(la: Any, views: list[Any], host_pages: int, args: argparse.Namespace,
+def _overhead(plan: RunPlan, views: list[Any], host_pages: int, args: argparse.Namespace,
               modes: dict[str, list[dict[str, Any]]]) -> dict[str, Any] | None:
     """What the insight costs the reported stage-0 replay (``insight_overhead.py``): its own
     calls in that replay, and the paired metadata-only cross-check; None when off."""
@@ -316,7 +300,7 @@ def _overhead(la: Any, views: list[Any], host_pages: int, args: argparse.Namespa
            **direct(row, timer_floor()), "budget_percent": OVERHEAD_BUDGET_PERCENT, "paired": None}
     if getattr(args, "insight_overhead", 0):
         def run(on: bool) -> float:
-            return _metadata_run(views, la.page_size, host_pages, args, insight=on)[1].cpu_seconds
+            return _metadata_run(views, plan.page_size, host_pages, args, insight=on)[1].cpu_seconds
 
         out["paired"] = measure(run, args.insight_overhead, row["replay"]["cpu_seconds"])
     return out
@@ -328,8 +312,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     from ..cache.bounds import CeilingTracker, belady_hit_tokens
     from ..cache.pages import page_view
     from ..errors import ConfigError
-    from ..memory.sizing import host_pages_for
-    from ..validation.inputs import resolve_layout
+    from ..plan.inputs import resolve_plan
     from .hicache_report import build_report
 
     if args.threads:
@@ -342,34 +325,36 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         raise ConfigError(f"--device {args.device}: CUDA is not available on this machine")
     t0 = time.perf_counter()
     reqs, trace_info = _load_requests(args)
-    la = resolve_layout(args.model, args.pp_size, args.tp_size, args.pp_partition,
-                        _page_size(args, trace_info["format"]), args.fault)
-    views = [page_view(r, la.page_size) for r in reqs]
+    plan = resolve_plan(args.model, args.pp_size, args.tp_size, args.pp_partition,
+                        _page_size(args, trace_info["format"]), args.fault,
+                        Sizing.runtime(args.device_pages, hicache_ratio=args.hicache_ratio))
+    views = [page_view(r, plan.page_size) for r in reqs]
     trace_info["parse_seconds"] = round(time.perf_counter() - t0, 3)
     longest = max(v.pages for v in views)
     if args.device_pages < longest:
         raise ConfigError(
             f"--device-pages {args.device_pages} cannot hold the trace's longest request "
-            f"({longest} pages of {la.page_size} tokens); use at least {longest}")
+            f"({longest} pages of {plan.page_size} tokens); use at least {longest}")
     for s in args.stage or ():
-        if not 0 <= s < la.layout.pp_size:
-            raise ConfigError(f"--stage {s} out of range for --pp-size {la.layout.pp_size}")
-    stages = [la.layout.stages[s] for s in (args.stage or range(la.layout.pp_size))]
-    host_pages = host_pages_for(args.device_pages, args.hicache_ratio)
+        if not 0 <= s < plan.pp_size:
+            raise ConfigError(f"--stage {s} out of range for --pp-size {plan.pp_size}")
+    ranks = list(args.stage or range(plan.pp_size))
+    stages = [plan.stage(s) for s in ranks]
+    host_pages = plan.stage(0).host_pages
     if not args.metadata_only:
-        check_stage_ram(la, stages, args.device_pages, args.hicache_ratio, dev.type == "cpu", longest)
+        check_stage_ram(plan, ranks, dev.type == "cpu", longest)
     t_bw = time.perf_counter()
-    bandwidth = measure_bandwidth(la, stages[0], args.device)  # first: its tensors are freed
+    bandwidth = measure_bandwidth(plan, ranks[0], args.device)  # first: its tensors are freed
     bandwidth_s = time.perf_counter() - t_bw
-    modes, nodes = _run_modes(la, stages, reqs, views, host_pages, args)
+    modes, nodes = _run_modes(plan, stages, reqs, views, host_pages, args)
     t_bounds = time.perf_counter()
     ceiling = CeilingTracker()
     for v in views:
         ceiling.observe(v)
     belady = belady_hit_tokens(views, host_pages)
     bounds_s = time.perf_counter() - t_bounds
-    overhead = _overhead(la, views, host_pages, args, modes)
-    return build_report(args, la, stages, modes, trace_info, ceiling, belady, host_pages, bandwidth,
+    overhead = _overhead(plan, views, host_pages, args, modes)
+    return build_report(args, plan, stages, modes, trace_info, ceiling, belady, host_pages, bandwidth,
                         {"insight_overhead": overhead,
                          "tree_nodes": nodes, "bounds_seconds": round(bounds_s, 3),
                          "bandwidth_probe_seconds": round(bandwidth_s, 3),

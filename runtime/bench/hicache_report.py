@@ -50,7 +50,7 @@ def _summary(rows: list[dict[str, Any]], ceiling_hits: int, metadata: bool) -> d
     }
 
 
-def build_report(args: argparse.Namespace, la: Any, stages: list[Any], modes: dict[str, Any],
+def build_report(args: argparse.Namespace, plan: Any, stages: list[Any], modes: dict[str, Any],
                  trace: dict[str, Any], ceiling: Any, belady_hits: int, host_pages: int,
                  bandwidth: dict[str, float], timing: dict[str, Any]) -> dict[str, Any]:
     hi = _summary(modes["hicache"], ceiling.hit_tokens, args.metadata_only)
@@ -61,8 +61,8 @@ def build_report(args: argparse.Namespace, la: Any, stages: list[Any], modes: di
                for d in ("d2h", "h2d")}
     return {
         "bench": "hicache",
-        "model": la.spec.name, "pp_size": la.layout.pp_size, "stages": [s.stage for s in stages],
-        "page_size": la.page_size, "trace_format": trace["format"],
+        "model": plan.spec.name, "pp_size": plan.pp_size, "stages": [s.stage for s in stages],
+        "page_size": plan.page_size, "trace_format": trace["format"],
         "metadata_only": bool(args.metadata_only), "device": str(args.device),
         "device_pages": args.device_pages, "hicache_ratio": args.hicache_ratio,
         "host_pages": host_pages, "write_policy": args.write_policy,

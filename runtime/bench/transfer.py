@@ -33,12 +33,12 @@ import numpy as np
 
 from ..memory.host_pools import HostPools
 from ..memory.pools import StagePools
-from ..model.layer_map import StageLayerMap, build_layout, build_stage_map
 from ..model.pool_kinds import KINDS
 from ..model.spec import ModelSpec, spec_from_config
+from ..plan.plan import RunPlan, Sizing, StagePlan, build_plan, select_kinds
 from ..transfer.controller import TransferController
 from ..transfer.engine import EngineOptions
-from ..transfer.plan import mirrored_kinds
+from ..transfer.selection import buffer_pair
 from ..transfer.stats import gbps
 from . import transfer_peers as peers
 from . import transfer_probes as probes
@@ -71,10 +71,19 @@ class Case:
     """One grid point: a stage (or a one-kind model) and how many token pages move."""
 
     name: str
-    spec: ModelSpec
-    stage: StageLayerMap
+    plan: RunPlan  # the model's plan (its sizing is replaced per case: ``stage_plan``)
+    stage: int
     kinds: tuple[str, ...] | None  # None = every pool kind of the stage
     pages: int
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self.plan.spec
+
+    def stage_plan(self, pages: int, host_pages: int | None = None) -> StagePlan:
+        """The case's stage sized to ``pages`` device pages (and as many host pages, or ``host_pages``)."""
+        sized = self.plan.resized(Sizing.runtime(pages, host_pages=host_pages or pages)).stage(self.stage)
+        return select_kinds(sized, self.kinds) if self.kinds is not None else sized
 
 
 @dataclass(frozen=True)
@@ -120,19 +129,17 @@ def single_kind_spec(base: ModelSpec, pool: str, layers: int) -> ModelSpec:
 def grid(base: ModelSpec, pp: int, stage: int, page_size: int, layers: int, mix_pages: list[int],
          kind_mib: list[float], kinds: list[str] | None) -> list[Case]:
     """The cases to run: the stage mix at each page count, then each host-cached kind at each size."""
-    stage_map = build_layout(base, pp).stages[stage]
-    cases = [Case(f"stage-mix:{n}", base, stage_map, None, n) for n in mix_pages]
+    plan = build_plan(base, pp, page_size=page_size)
+    cases = [Case(f"stage-mix:{n}", plan, stage, None, n) for n in mix_pages]
     if not kind_mib:
         return cases
-    probe = StagePools(base, stage_map, page_size, 1, device="meta")
-    cached = mirrored_kinds(probe, HostPools(probe, num_pages=1, pin_memory=False))
+    cached = [p.pool for p in plan.stage(stage).pools if p.host_pages and p.present]
     for pool in [k for k in cached if kinds is None or k in kinds]:
-        spec = single_kind_spec(base, pool, layers)
-        smap = build_stage_map(spec, 0, 0, layers)
-        pb = StagePools(spec, smap, page_size, 1, device="meta", kinds=[pool]).page_bytes(pool)
+        one = build_plan(single_kind_spec(base, pool, layers), 1, page_size=page_size)
+        pb = one.stage(0).pool(pool).page_bytes
         for mib in kind_mib:
             n = max(1, -(-int(mib * MIB) // (layers * pb)))
-            cases.append(Case(f"{pool}:{mib:g}MiB", spec, smap, (pool,), n))
+            cases.append(Case(f"{pool}:{mib:g}MiB", one, 0, (pool,), n))
     return cases
 
 
@@ -144,19 +151,17 @@ class _Pages:
 
         self.cuda = s.device.startswith("cuda")
         slack = case_slack(case.pages)
-        self.dp = StagePools(case.spec, case.stage, s.page_size, case.pages + slack, device=s.device,
-                             kinds=case.kinds)
-        self.hp = HostPools(self.dp, num_pages=case.pages + slack, layout=s.layout, pin_memory=self.cuda)
+        self.dp = StagePools(case.stage_plan(case.pages + slack), device=s.device)
+        self.hp = HostPools(self.dp, layout=s.layout, pin_memory=self.cuda)
         self.dp.allocator.alloc(self.dp.num_pages)
         self.hp.allocator.alloc(self.hp.num_pages)
         self.controller = TransferController(self.dp, self.hp, options=options or s.engine)
-        self.plan = self.controller.plan()
+        self.plan = self.controller.selection()
         rng = random.Random(s.seed)
         self.dev_ids = torch.tensor(rng.sample(range(self.dp.num_pages), case.pages))
         self.host_ids = torch.tensor(rng.sample(range(self.hp.num_pages), case.pages))
         self.nbytes = self.plan.nbytes(case.pages)
-        self.buffers = [(self.dp.buffers[b.pool][b.index], self.hp.buffers[b.pool][b.index], b)
-                        for b in self.plan.buffers]
+        self.buffers = [(*buffer_pair(b, self.dp, self.hp), b) for b in self.plan.buffers]
         self._dev_idx = self.dev_ids.to(self.dp.device)
         for k, (d, _, _) in enumerate(self.buffers):
             rows = _pattern(case.pages, d.shape[1], k, d.device)

@@ -4,7 +4,7 @@ Each case builds a device pool and a host mirror of ``pages + slack`` token page
 (``transfer._Pages``) and, for the ceiling, a device and a host buffer of the moved bytes, all
 alive while the case is timed (its techniques are sampled in interleaved rounds), one case at a
 time; on the CPU the device side lives in RAM too.  The
-check prices them from the pool-kind table on the meta device (no memory) and
+check prices them from the case's plan (no memory) and
 refuses with the flag that made the case (``--mix-pages`` or ``--kind-mib``)
 and the largest value of it that fits.
 """
@@ -16,7 +16,6 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..memory.host_tier import fmt_bytes, largest_fitting, ram_budget, read_meminfo
-from ..memory.pools import StagePools
 from .transfer_report import MIB
 
 
@@ -26,7 +25,7 @@ def case_slack(pages: int) -> int:
 
 
 def _page_bytes(case: Any, page_size: int) -> int:
-    return StagePools(case.spec, case.stage, page_size, 1, device="meta", kinds=case.kinds).token_page_bytes()
+    return case.stage_plan(1).token_page_bytes
 
 
 def check_cases_ram(cases: Sequence[Any], page_size: int, device_in_ram: bool) -> None:

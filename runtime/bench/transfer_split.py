@@ -26,8 +26,8 @@ from typing import Any
 
 from ..memory.host_pools import HostPools
 from ..memory.pools import StagePools
-from ..model.layer_map import build_layout
 from ..model.spec import ModelSpec
+from ..plan.plan import Sizing, build_plan
 from ..transfer.controller import TransferController, TransferResult
 from ..transfer.stats import TransferStats
 
@@ -45,10 +45,10 @@ class SplitSettings:
 
 
 def _pools(spec: ModelSpec, s: SplitSettings) -> tuple[StagePools, HostPools]:
-    stage = build_layout(spec, s.pp).stages[s.stage]
     pages = s.big_pages + 8
-    dp = StagePools(spec, stage, s.page_size, pages, device=s.device)
-    hp = HostPools(dp, num_pages=pages, pin_memory=s.device.startswith("cuda"))
+    plan = build_plan(spec, s.pp, page_size=s.page_size, sizing=Sizing.runtime(pages, host_pages=pages))
+    dp = StagePools(plan.stage(s.stage), device=s.device)
+    hp = HostPools(dp, pin_memory=s.device.startswith("cuda"))
     dp.allocator.alloc(pages)
     hp.allocator.alloc(pages)
     return dp, hp
@@ -110,8 +110,8 @@ def split(spec: ModelSpec, s: SplitSettings) -> dict[str, Any]:
     kinds_sum = {d: sum(k["bytes"] for k in snap[d]["kinds"].values()) for d in ("d2h", "h2d")}
     med = statistics.median
     return {
-        "path": c.path, "pool_kinds": [k for k, _ in c.plan().kinds],
-        "small_bytes": c.plan().nbytes(1), "big_bytes": c.plan().nbytes(s.big_pages),
+        "path": c.path, "pool_kinds": [k for k, _ in c.selection().kinds],
+        "small_bytes": c.selection().nbytes(1), "big_bytes": c.selection().nbytes(s.big_pages),
         "alone": {"queue_us": med(_us(r)["queue_us"] for r in alone),
                   "dma_us": med(_us(r)["dma_us"] for r in alone)},
         "long_backup": {"queue_us": med(_us(a)["queue_us"] for a, _ in pairs),
@@ -183,8 +183,8 @@ def accounting(spec: ModelSpec, s: SplitSettings) -> dict[str, Any]:
     dp, hp = _pools(spec, s)
     with_stats, bare = TransferController(dp, hp, TransferStats()), TransferController(dp, hp, None)
     page = [s.big_pages + 1]
-    out: dict[str, Any] = {"kinds": len(with_stats.plan().kinds)}
-    out.update(_record_cost(with_stats.plan().kinds, s.calls * 10))
+    out: dict[str, Any] = {"kinds": len(with_stats.selection().kinds)}
+    out.update(_record_cost(with_stats.selection().kinds, s.calls * 10))
     if cuda:
         out["clock_us"] = round(_clock_cost(dp, s.calls * 10), 3)
         out["added_us"] = round(out["added_us"] + out["clock_us"], 3)

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import defaults
 from ..errors import ConfigError
 from ..memory.allocator import OutOfPagesError, PageAllocator
 from .eviction import DEFAULT_POLICY, make_policy
@@ -38,9 +39,7 @@ from .pages import page_view
 from .radix import DEVICE, HOST, RadixTree
 from .stats import CacheStats
 
-__all__ = ["WRITE_POLICIES", "CacheOutOfPagesError", "Handle", "HandleError", "HiCache", "PrefixMatch"]
-
-WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
+__all__ = ["CacheOutOfPagesError", "Handle", "HandleError", "HiCache", "PrefixMatch"]
 
 
 class HiCache:
@@ -80,9 +79,9 @@ class HiCache:
     def _setup(self, page_size: int, stage: int, dev_alloc: Any, host_alloc: Any | None,
                write_policy: str, stats: CacheStats, selective_threshold: int, hash_salt: int,
                eviction_policy: str, insight: InsightConfig | None) -> None:
-        if write_policy not in WRITE_POLICIES:
+        if write_policy not in defaults.WRITE_POLICIES:
             raise ConfigError(f"unknown --hicache-write-policy {write_policy!r}; "
-                              f"policies are {', '.join(WRITE_POLICIES)}")
+                              f"policies are {', '.join(defaults.WRITE_POLICIES)}")
         self.page_size, self.stage = page_size, stage
         self.dev_alloc, self.host_alloc = dev_alloc, host_alloc
         self.write_policy, self.selective_threshold = write_policy, selective_threshold

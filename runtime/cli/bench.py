@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 
+from .. import defaults
 from ..bench import check as bench_check
 from ..bench import hicache as bench_hicache
 from ..bench import insight_overhead
@@ -41,8 +42,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _register_check(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("check", help="time the startup validation for pp sizes 1..N")
-    p.add_argument("--model", default=None, help="preset name or path to a config.json (default: a synthetic model of --layers layers)")
-    p.add_argument("--layers", type=int_range(1, 4096), default=61, help="layers of the synthetic model (default %(default)s)")
+    p.add_argument("--model", default=defaults.MODEL,
+                   help="preset name or path to a config.json (default %(default)s)")
+    p.add_argument("--layers", type=int_range(1, 4096), default=None,
+                   help="time a synthetic DeepSeek-V4-shaped model of this many layers instead of --model")
     p.add_argument("--max-pp", type=int_range(1, 4096), default=8, help="largest pp size to time (default %(default)s)")
     p.add_argument("--repeat", type=positive_int, default=50, help="timed runs per pp size (default %(default)s)")
     p.add_argument("--fault", action="append", default=[], metavar="NAME[@STAGE]", type=fault_spec,
@@ -54,9 +57,10 @@ def _register_check(sub: argparse._SubParsersAction) -> None:
 
 def _register_transfer(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("transfer", help="time device<->host page moves against the peer techniques (same run, same pages)")
-    p.add_argument("--model", default="deepseek-v4-flash",
-                   help="preset name or config.json whose page sizes are copied (default %(default)s)")
-    p.add_argument("--pp", type=int_range(1, 4096), default=4,
+    p.add_argument("--model", default=defaults.MODEL,
+                   help="preset name or config.json whose page sizes are copied (default %(default)s; "
+                   "the committed H200 report uses deepseek-v4-flash)")
+    p.add_argument("--pp-size", "--pp", dest="pp", type=int_range(1, 4096), default=defaults.PP_SIZE,
                    help="pipeline stages of the stage-mix layout (default %(default)s)")
     p.add_argument("--stage", type=nonneg_int, default=1,
                    help="stage whose pools form the stage mix (default %(default)s)")
@@ -70,9 +74,10 @@ def _register_transfer(sub: argparse._SubParsersAction) -> None:
                    help="pool kind to move alone (repeatable; default: every host-cached kind)")
     p.add_argument("--layers", type=positive_int, default=11,
                    help="layer buffers of a one-kind case (default %(default)s, a deepseek-v4-flash stage at pp 4)")
-    p.add_argument("--page-size", type=positive_int, default=256, help="tokens per page (default %(default)s)")
-    p.add_argument("--layout", choices=["layer_first", "page_first"], default="layer_first",
-                   help="host pool memory layout (default %(default)s)")
+    p.add_argument("--page-size", type=positive_int, default=defaults.PAGE_SIZE,
+                   help="tokens per page (default %(default)s)")
+    p.add_argument("--hicache-layout", "--layout", dest="layout", choices=defaults.HOST_LAYOUTS,
+                   default=defaults.HOST_LAYOUT, help="host pool memory layout (default %(default)s)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     p.add_argument("--min-reps", type=positive_int, default=None, help="timed calls at least (cpu 3, cuda 10)")
     p.add_argument("--max-reps", type=positive_int, default=None, help="timed calls at most (cpu 40, cuda 100)")
@@ -121,7 +126,7 @@ def _run_transfer(args: argparse.Namespace) -> int:
             raise ConfigError(f"--probes on {device}: {reason}")
     base = load_spec(args.model)
     if not 0 <= args.stage < args.pp:
-        raise ConfigError(f"--stage {args.stage}: stages of --pp {args.pp} are 0..{args.pp - 1}")
+        raise ConfigError(f"--stage {args.stage}: stages of --pp-size {args.pp} are 0..{args.pp - 1}")
     mix = args.mix_pages if args.mix_pages is not None else bench_transfer.mix_pages(cuda)
     kind_mib = args.kind_mib if args.kind_mib is not None else bench_transfer.kind_mib(cuda)
     cases = bench_transfer.grid(base, args.pp, args.stage, args.page_size, args.layers, mix, kind_mib, args.kind)
@@ -168,10 +173,12 @@ def _render_transfer(args: argparse.Namespace) -> int:
 def _register_transfer_split(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("transfer-split", help="queue wait vs DMA time of a load alone and queued behind a long "
                        "backup, and the per-call cost of recording them (JSON)")
-    p.add_argument("--model", default="tiny-v4", help="preset name or config.json (default %(default)s)")
-    p.add_argument("--pp", type=int_range(1, 4096), default=2, help="pipeline stages (default %(default)s)")
+    p.add_argument("--model", default=defaults.MODEL, help="preset name or config.json (default %(default)s)")
+    p.add_argument("--pp-size", "--pp", dest="pp", type=int_range(1, 4096), default=defaults.PP_SIZE,
+                   help="pipeline stages (default %(default)s)")
     p.add_argument("--stage", type=nonneg_int, default=1, help="stage whose pools move (default %(default)s)")
-    p.add_argument("--page-size", type=positive_int, default=128, help="tokens per page (default %(default)s)")
+    p.add_argument("--page-size", type=positive_int, default=defaults.PAGE_SIZE,
+                   help="tokens per page (default %(default)s)")
     p.add_argument("--big-pages", type=positive_int, default=128,
                    help="pages of the long backup the small load queues behind (default %(default)s)")
     p.add_argument("--calls", type=positive_int, default=200, help="calls per timed block (default %(default)s)")
@@ -190,7 +197,7 @@ def _run_transfer_split(args: argparse.Namespace) -> int:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is available here")
     if not 0 <= args.stage < args.pp:
-        raise ConfigError(f"--stage {args.stage}: stages of --pp {args.pp} are 0..{args.pp - 1}")
+        raise ConfigError(f"--stage {args.stage}: stages of --pp-size {args.pp} are 0..{args.pp - 1}")
     settings = transfer_split.SplitSettings(device=device, pp=args.pp, stage=args.stage, page_size=args.page_size,
                                             big_pages=args.big_pages, calls=args.calls)
     print(json.dumps(transfer_split.run_bench(load_spec(args.model), settings), indent=2))
@@ -200,12 +207,11 @@ def _run_transfer_split(args: argparse.Namespace) -> int:
 def _register_hicache(sub: argparse._SubParsersAction) -> None:
     from ..cache.eviction import DEFAULT_POLICY, POLICIES
     from ..cache.mooncake import DEFAULT_BLOCK_TOKENS
-    from .common import DEFAULT_PAGE_SIZE
 
     p = add_layout_command(sub, "hicache", help="replay a trace: prefix-cache hits with HiCache vs device only "
-                                                "vs the Belady bound and an infinite cache", default_model="tiny-v4")
-    # tokens traces: --page-size (default below); Mooncake traces: the page is a block
-    p.set_defaults(page_size=None, default_page_size=DEFAULT_PAGE_SIZE)
+                                                "vs the Belady bound and an infinite cache")
+    # tokens traces: --page-size (its default); Mooncake traces: the page is a block
+    p.set_defaults(page_size=None, default_page_size=defaults.PAGE_SIZE)
     p.add_argument("--trace", default=None, metavar="FILE",
                    help="JSONL trace, stagecache tokens or Mooncake format (docs/hicache.md); "
                         "default: a generated multi-turn chat trace")
@@ -222,18 +228,19 @@ def _register_hicache(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=nonneg_int, default=0, help="seed of the generated trace (default 0)")
     p.add_argument("--think-time", type=nonneg_float, default=30.0, help="mean seconds between a session's turns (default %(default)s)")
     p.add_argument("--session-gap", type=nonneg_float, default=1.5, help="mean seconds between session starts (default %(default)s)")
-    p.add_argument("--device-pages", type=positive_int, default=bench_hicache.DEFAULT_DEVICE_PAGES,
-                   help=f"device token pages per stage (default {bench_hicache.DEFAULT_DEVICE_PAGES})")
-    p.add_argument("--hicache-ratio", type=positive_float, default=bench_hicache.DEFAULT_HICACHE_RATIO,
-                   help=f"host pages per device page (default {bench_hicache.DEFAULT_HICACHE_RATIO})")
+    p.add_argument("--device-pages", type=positive_int, default=defaults.DEVICE_PAGES,
+                   help="device token pages per stage (default %(default)s)")
+    p.add_argument("--hicache-ratio", type=positive_float, default=defaults.HICACHE_RATIO,
+                   help="host pages per device page (default %(default)s, as sglang)")
     p.add_argument("--hicache-write-policy", "--write-policy", dest="write_policy",
-                   choices=("write_back", "write_through", "write_through_selective"),
-                   default="write_through", help="when device pages are copied to host (sglang's flag)")
+                   choices=defaults.WRITE_POLICIES, default=defaults.WRITE_POLICY,
+                   help="when device pages are copied to host (sglang's flag; default %(default)s)")
     p.add_argument("--eviction-policy", choices=tuple(POLICIES), default=DEFAULT_POLICY,
                    help=f"which evictable page goes first, both tiers (default {DEFAULT_POLICY})")
     p.add_argument("--metadata-only", action="store_true",
                    help="no tensors: tree, tiers, eviction and counted transfers only (any capacity)")
-    p.add_argument("--hicache-layout", choices=("layer_first", "page_first"), default="layer_first")
+    p.add_argument("--hicache-layout", choices=defaults.HOST_LAYOUTS, default=defaults.HOST_LAYOUT,
+                   help="host pool memory layout (default %(default)s)")
     p.add_argument("--concurrency", type=positive_int, default=4, help="requests in flight at once, their pages locked (default %(default)s)")
     p.add_argument("--stage", type=nonneg_int, action="append", default=None,
                    help="replay only this stage (repeatable; default all stages)")

@@ -7,7 +7,7 @@ import json
 
 from ..model.pool_kinds import POOLS
 from ..validation.report import StartupReport, preflight
-from .common import add_layout_command, layout_from_args
+from .common import add_layout_command, plan_from_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -18,8 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    la = layout_from_args(args)
-    report = preflight(la.layout, la.page_size, la.faults)
+    report = preflight(plan_from_args(args))
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:

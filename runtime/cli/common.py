@@ -13,12 +13,13 @@ import argparse
 import math
 from collections.abc import Callable
 
+from .. import defaults
 from ..errors import ConfigError
 from ..model.spec import PRESETS
-from ..validation.faults import FAULTS
-from ..validation.inputs import LayoutArgs, resolve_layout
+from ..plan.faults import FAULTS
+from ..plan.inputs import resolve_plan
+from ..plan.plan import RunPlan, Sizing
 
-DEFAULT_PAGE_SIZE = 256
 #: Largest value an integer flag takes unless it says otherwise (fits int64 everywhere).
 INT_MAX = 2**63 - 1
 
@@ -87,44 +88,42 @@ def fault_spec(text: str) -> str:
     return text
 
 
-def add_layout_args(p: argparse.ArgumentParser, default_model: str | None = None) -> None:
-    p.add_argument(
-        "--model",
-        required=default_model is None,
-        default=default_model,
-        help=f"preset ({', '.join(PRESETS)}) or path to a Hugging Face config.json",
-    )
-    p.add_argument("--pp-size", type=int_range(1, 4096), default=1 if default_model is None else 4,
+def add_layout_args(p: argparse.ArgumentParser) -> None:
+    """The plan's flags, with the defaults of ``runtime.defaults`` (the same in every command)."""
+    p.add_argument("--model", default=defaults.MODEL,
+                   help=f"preset ({', '.join(PRESETS)}) or path to a Hugging Face config.json "
+                   "(default %(default)s)")
+    p.add_argument("--pp-size", type=int_range(1, 4096), default=defaults.PP_SIZE,
                    help="number of pipeline-parallel stages (default %(default)s)")
-    p.add_argument("--tp-size", type=int_range(1, 4096), default=1,
+    p.add_argument("--tp-size", type=int_range(1, 4096), default=defaults.TP_SIZE,
                    help="tensor-parallel ranks per stage; KV is replicated across them (default %(default)s)")
     p.add_argument("--pp-partition", default=None,
                    help="layers of each stage, e.g. 11,11,11,10, as sglang's SGLANG_PP_LAYER_PARTITION "
                    "(default: split evenly)")
-    p.add_argument("--page-size", type=int_range(1, 2**20), default=DEFAULT_PAGE_SIZE,
-                   help=f"tokens per page (default {DEFAULT_PAGE_SIZE})")
+    p.add_argument("--page-size", type=int_range(1, 2**20), default=defaults.PAGE_SIZE,
+                   help="tokens per page (default %(default)s)")
     p.add_argument("--fault", action="append", default=[], metavar="NAME[@STAGE]", type=fault_spec,
                    help="build the stages the way a known bug did, on every stage or only @STAGE "
                    "(repeatable): " + ", ".join(FAULTS))
 
 
 def add_layout_command(sub: argparse._SubParsersAction, name: str, help: str,
-                       description: str | None = None, default_model: str | None = None,
-                       ) -> argparse.ArgumentParser:
+                       description: str | None = None) -> argparse.ArgumentParser:
     """A subcommand that works on one planned layout: its parser, the layout flags first."""
     p = sub.add_parser(name, help=help, description=description)
-    add_layout_args(p, default_model)
+    add_layout_args(p)
     return p
 
 
-def layout_from_args(args: argparse.Namespace) -> LayoutArgs:
-    """The layout flags of ``add_layout_args`` as validated objects."""
-    return resolve_layout(args.model, args.pp_size, args.tp_size, args.pp_partition,
-                          args.page_size, args.fault)
+def plan_from_args(args: argparse.Namespace, sizing: Sizing | None = None,
+                   page_size: int | None = None) -> RunPlan:
+    """The run's plan from the flags of ``add_layout_args`` (and a sizing): built once, here."""
+    return resolve_plan(args.model, args.pp_size, args.tp_size, args.pp_partition,
+                        args.page_size if page_size is None else page_size, args.fault, sizing)
 
 
 __all__ = [
-    "ConfigError", "LayoutArgs", "add_layout_args", "add_layout_command", "fault_spec", "float_range", "int_range",
-    "layout_from_args", "nonneg_float", "nonneg_int", "nonneg_seconds", "port_number",
+    "ConfigError", "add_layout_args", "add_layout_command", "fault_spec", "float_range", "int_range",
+    "nonneg_float", "nonneg_int", "nonneg_seconds", "plan_from_args", "port_number",
     "positive_float", "positive_int", "seconds",
 ]

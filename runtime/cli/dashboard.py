@@ -14,9 +14,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .. import defaults
 from ..bounded_io import read_bounded_text
 from ..errors import ConfigError
-from .common import add_layout_args, layout_from_args, port_number
+from .common import add_layout_args, plan_from_args, port_number
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -33,14 +34,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                       help="plan the stages from --model and the layout flags, exactly like `stagecache check`")
     what.add_argument("--from-json", metavar="FILE", type=Path,
                       help="show a report saved with `stagecache check --json > FILE`")
-    # A default model makes --model optional for argparse (it is refused with --from-json);
-    # the defaults are then reset so --from-check behaves exactly like `check`.
-    add_layout_args(p, default_model="deepseek-v4-flash")
-    p.set_defaults(model=None, pp_size=1)
-    p.add_argument("--host", default="127.0.0.1",
+    # --from-check takes the layout flags exactly like `check` (the same defaults); with
+    # --from-json they come from the file
+    add_layout_args(p)
+    p.add_argument("--host", default=defaults.HOST,
                    help="address to listen on (default %(default)s: this machine only; any other "
                    "address is warned about)")
-    p.add_argument("--port", type=port_number, default=8000,
+    p.add_argument("--port", type=port_number, default=defaults.DASHBOARD_PORT,
                    help="TCP port to listen on (default %(default)s; 0 = any free port, the URL is printed)")
     p.set_defaults(func=run)
 
@@ -77,16 +77,13 @@ def run(args: argparse.Namespace) -> int:
     from ..validation.report import preflight
 
     if args.from_json is not None:
-        if args.model is not None or args.fault:
+        if args.model != defaults.MODEL or args.fault:
             raise ConfigError("--from-json takes model, stages and faults from the file; "
                               "drop --model/--fault (or use --from-check)")
         report = load_json_report(args.from_json)
         what = f"{report['model']} pp={report['pp_size']} from {args.from_json}"
     else:
-        if args.model is None:
-            raise ConfigError("--from-check needs --model (a preset or a config.json path)")
-        la = layout_from_args(args)
-        report = preflight(la.layout, la.page_size, la.faults).to_dict()
+        report = preflight(plan_from_args(args)).to_dict()
         what = f"{report['model']} pp={report['pp_size']}" + (
             f" faults={','.join(report['faults'])}" if report["faults"] else "")
     from stagecache.dashboard.server import BACKLOG, make_server

@@ -1,21 +1,27 @@
 """``stagecache pools``: per stage and pool kind, what sglang 0.5.23 allocates on device and host.
 
-The numbers come from ``memory.accounting`` (pool-kind table + sglang's sizing
-rules); tests/test_sglang_live.py checks them field by field against sglang's
-own ``DeepSeekV4TokenToKVPool`` and HiCache assembler.
+The numbers are the run's plan sized the sglang way (``plan.Sizing.sglang``: the
+pool-kind table + sglang's sizing rules, faults applied); the real-sglang tests check
+them field by field against sglang's own ``DeepSeekV4TokenToKVPool`` and HiCache
+assembler.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from typing import Any
 
-from ..memory.accounting import DEFAULT_MAX_TOTAL_TOKENS, SizingOptions, account
-from ..memory.sizing import DSV4_MAX_RUNNING_REQUESTS, DSV4_PAGE_SIZE
-from ..validation.inputs import LayoutArgs, resolve_layout
-from .common import add_layout_command, float_range, int_range, positive_float, positive_int
+from .. import defaults
+from ..plan.plan import RunPlan, Sizing
+from .common import (
+    add_layout_command,
+    float_range,
+    int_range,
+    plan_from_args,
+    positive_float,
+    positive_int,
+)
 
 GIB = 1 << 30
 
@@ -28,18 +34,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     size = p.add_mutually_exclusive_group()
     size.add_argument("--max-total-tokens", type=positive_int, default=None,
-                      help=f"full-attention tokens per stage (default {DEFAULT_MAX_TOTAL_TOKENS})")
+                      help=f"full-attention tokens per stage (default {defaults.MAX_TOTAL_TOKENS})")
     size.add_argument("--mem-budget-gb", type=float_range(0.0, 1 << 20, low_open=True), default=None,
-                      help="KV memory per stage, GiB; full tokens as sglang's configurator fits them "
-                           "(the smallest stage's, as PP ranks agree on one)")
+                      nargs="+", metavar="GB",
+                      help="KV memory per stage, GiB: one value for every stage or one per stage; full "
+                           "tokens as sglang's configurator fits them (the smallest stage's, as PP "
+                           "ranks agree on one), and the bytes that leaves stranded on each stage")
     p.add_argument("--swa-full-tokens-ratio", type=float_range(0.0, 1.0, low_open=True), default=None,
                    help="SWA tokens / full tokens (default 0.1, sglang's for DeepSeek-V4)")
-    p.add_argument("--max-running-requests", type=int_range(1, 1 << 20), default=DSV4_MAX_RUNNING_REQUESTS,
-                   help=f"request slots of the per-request pools (default {DSV4_MAX_RUNNING_REQUESTS}, "
-                        "sglang's for DeepSeek-V4)")
+    p.add_argument("--max-running-requests", type=int_range(1, 1 << 20), default=defaults.MAX_RUNNING_REQUESTS,
+                   help="request slots of the per-request pools (default %(default)s, sglang's for DeepSeek-V4)")
     host = p.add_mutually_exclusive_group()
     host.add_argument("--hicache-ratio", type=positive_float, default=None,
-                      help="host pages = device pages x ratio, per budget (default 2.0, like sglang)")
+                      help=f"host pages = device pages x ratio, per budget (default {defaults.HICACHE_RATIO:g}, "
+                           "as sglang)")
     host.add_argument("--hicache-size-gb", type=float_range(0.0, 1 << 20, low_open=True), default=None,
                       help="refused for DeepSeek-V4, as sglang refuses --hicache-size")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -50,27 +58,52 @@ def _gib(value: float | None) -> int | None:
     return int(value * GIB) if value is not None else None
 
 
-def _layout(args: argparse.Namespace) -> LayoutArgs:
-    """sglang sizes DeepSeek-V4 with 256-token pages whatever --page-size says; the layout is
-    checked against that page size, and the report says when it overrode the flag."""
-    return resolve_layout(args.model, args.pp_size, args.tp_size, args.pp_partition, DSV4_PAGE_SIZE, args.fault)
-
-
-def _sizing(args: argparse.Namespace) -> SizingOptions:
-    return SizingOptions(
+def _sizing(args: argparse.Namespace, hicache_ratio: float | None = None) -> Sizing:
+    budgets = None if args.mem_budget_gb is None else [_gib(v) for v in args.mem_budget_gb]
+    return Sizing.sglang(
         max_total_tokens=args.max_total_tokens,
-        mem_budget_bytes=_gib(args.mem_budget_gb),
+        mem_budget_bytes=budgets,
         swa_ratio=args.swa_full_tokens_ratio,
         max_running_requests=args.max_running_requests,
-        hicache_ratio=args.hicache_ratio,
+        hicache_ratio=args.hicache_ratio if hicache_ratio is None else hicache_ratio,
         hicache_size_bytes=_gib(args.hicache_size_gb),
     )
 
 
+def plan_of(args: argparse.Namespace) -> RunPlan:
+    """The plan sized the sglang way.  sglang runs DeepSeek-V4 with 256-token pages whatever
+    --page-size says; the plan takes that page size and the report says when it overrode the flag."""
+    return plan_from_args(args, _sizing(args), page_size=defaults.PAGE_SIZE)
+
+
 def accounting(args: argparse.Namespace) -> dict[str, Any]:
-    """The whole report as a dict (also the --json output)."""
-    la = _layout(args)
-    return account(la.layout, args.page_size, _sizing(args), la.faults)
+    """The whole report as a dict (also the --json output): the plan, plus each stage's host tier
+    verdict and the notes."""
+    from ..memory.host_tier import host_tier_check
+
+    plan = plan_of(args)
+    report = plan.to_dict()
+    report["requested_page_size"] = args.page_size
+    report["notes"] = ([] if args.page_size == plan.page_size else
+                       [f"sglang 0.5.23 runs DeepSeek-V4 with page_size {plan.page_size} (it overrides "
+                        f"--page-size {args.page_size})"])
+    for stage, row in zip(plan.stages, report["stages"], strict=True):
+        cached = [p for p in stage.pools if p.host_pages and p.present]
+        tier = host_tier_check(f"stage {stage.stage} host tier", {p.pool: p.units for p in cached},
+                               {p.pool: p.host_pages for p in cached}, 0, None)
+        row["host_tier"] = {"status": list(tier.statuses), "reasons": list(tier.reasons)}
+    report["deployment"] = _deployment(plan)
+    return report
+
+
+def _deployment(plan: RunPlan) -> dict[str, Any] | None:
+    """The capacity ledger under memory budgets: each stage alone, the minimum, what it strands."""
+    caps = [s.capacity for s in plan.stages]
+    if any(c is None for c in caps):
+        return None
+    return {"tokens": plan.stage(0).budget.full_tokens,
+            "limited_by": min(range(plan.pp_size), key=lambda i: caps[i].tokens_alone),
+            "stranded_bytes": sum(c.stranded_bytes for c in caps)}
 
 
 def this_host(args: argparse.Namespace, report: dict[str, Any]) -> dict[str, Any] | None:
@@ -85,11 +118,10 @@ def this_host(args: argparse.Namespace, report: dict[str, Any]) -> dict[str, Any
     out = {"mem_available_bytes": mem.available, "reserve_bytes": mem.reserve(), "host_bytes": need,
            "fits": need <= ram_budget(mem), "advice": None}
     if not out["fits"]:
-        la, base = _layout(args), _sizing(args)
+        plan = plan_of(args)
 
         def host_bytes(_pages: int, r: float) -> int:
-            opts = dataclasses.replace(base, hicache_ratio=r)
-            return account(la.layout, args.page_size, opts, la.faults)["totals"]["host_bytes"]
+            return plan.resized(_sizing(args, hicache_ratio=r)).host_bytes
 
         fit = fitting_ratio(host_bytes, ram_budget(mem), report["stages"][0]["swa_device_pages"],
                             report["sizing"]["hicache_ratio"])
@@ -120,7 +152,8 @@ def human(n: int) -> str:
 
 def _title(report: dict[str, Any]) -> str:
     sz, s0 = report["sizing"], report["stages"][0]
-    budget = f", budget {human(sz['mem_budget_bytes'])}/stage" if "mem_budget_bytes" in sz else ""
+    budgets = sz.get("mem_budget_bytes")
+    budget = f", budget {'/'.join(human(b) for b in budgets)} per stage" if budgets else ""
     return (f"{report['model']}: {report['num_layers']} layers, pp={report['pp_size']}, "
             f"page={report['page_size']}{budget}: full {s0['full_tokens']:,} tokens, swa {s0['swa_tokens']:,} "
             f"(ratio {sz['swa_full_tokens_ratio']}), {s0['request_slots']} request slots, "
@@ -160,6 +193,8 @@ def print_accounting(report: dict[str, Any]) -> None:
     table.add_row("", "", "[bold]all stages[/bold]", "", "", "", "", f"[bold]{human(t['device_bytes'])}[/bold]",
                   "", f"[bold]{human(t['host_bytes'])}[/bold]")
     console.print(table)
+    if report.get("deployment"):
+        print_ledger(console, report)
     for note in report["notes"]:
         console.print(f"note: {note}")
     for s in report["stages"]:
@@ -171,3 +206,20 @@ def print_accounting(report: dict[str, Any]) -> None:
         console.print(f"this host: the host tiers of all stages ({human(host['host_bytes'])}) would not "
                       f"fit its {human(host['mem_available_bytes'] - host['reserve_bytes'])} of available "
                       f"RAM above the reserve; {host['advice']}")
+
+
+def print_ledger(console: Any, report: dict[str, Any]) -> None:
+    """Per stage under its memory budget: the tokens it could hold alone, the deployment's (the
+    minimum over stages, as sglang takes it) and the HBM that minimum leaves stranded."""
+    from rich.table import Table
+
+    dep = report["deployment"]
+    table = Table(title=f"capacity: the deployment holds {dep['tokens']:,} tokens (stage "
+                        f"{dep['limited_by']} limits it); {human(dep['stranded_bytes'])} stranded in all")
+    for col in ("stage", "budget", "tokens alone", "deployment tokens", "used", "stranded"):
+        table.add_column(col, justify="right")
+    for s in report["stages"]:
+        c = s["capacity"]
+        table.add_row(str(s["stage"]), human(c["budget_bytes"]), f"{c['tokens_alone']:,}", f"{c['tokens']:,}",
+                      human(c["used_bytes"]), human(c["stranded_bytes"]))
+    console.print(table)

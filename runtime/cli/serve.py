@@ -19,35 +19,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .. import defaults
 from ..errors import ConfigError
 from ..serve.options import (
     CPU_HIDDEN_CAP,
-    DEFAULT_DEVICE_PAGES,
-    DEFAULT_HEARTBEAT_TIMEOUT_S,
     DEFAULT_HIDDEN,
-    DEFAULT_MICRO_BATCH,
-    DEFAULT_MODEL,
-    DEFAULT_RATE,
-    DEFAULT_REQUESTS,
-    HEARTBEAT_INTERVAL_S,
     MAX_HIDDEN,
     MAX_REQUESTS,
-    WRITE_POLICIES,
     ServeOptions,
     check_host_memory,
     model_hidden_size,
     resolve_device,
 )
-from ..serve.rendezvous import DEFAULT_DIST_HOST, exposure_warning, resolve_dist_host
+from ..serve.rendezvous import exposure_warning, resolve_dist_host
 from ..serve.run_root import RunDirLock, check_run_dir_flag, new_temp_run_dir, prepare_user_run_dir
 from .common import (
     add_layout_args,
     float_range,
     int_range,
-    layout_from_args,
     nonneg_float,
     nonneg_int,
     nonneg_seconds,
+    plan_from_args,
     port_number,
     positive_float,
     positive_int,
@@ -103,52 +96,52 @@ def register(sub: argparse._SubParsersAction) -> None:
             "named); 130/143: interrupted. docs/serve.md lists every code."
         ),
     )
-    add_layout_args(p, default_model=DEFAULT_MODEL)
+    add_layout_args(p)
     size = p.add_mutually_exclusive_group()
     size.add_argument("--device-pages", type=positive_int, default=None,
-                      help=f"device token pages per stage (default {DEFAULT_DEVICE_PAGES})")
+                      help=f"device token pages per stage (default {defaults.DEVICE_PAGES})")
     size.add_argument("--max-total-tokens", type=positive_int, default=None,
                       help="device capacity in tokens per stage (rounded up to whole pages)")
-    p.add_argument("--hicache-ratio", type=positive_float, default=2.0,
-                   help="host pages per device page (default 2.0, as sglang)")
-    p.add_argument("--hicache-write-policy", choices=WRITE_POLICIES, default="write_through",
-                   help="when device pages are backed up to host (default write_through)")
-    p.add_argument("--hicache-layout", choices=("layer_first", "page_first"), default="layer_first",
-                   help="host pool memory layout (default layer_first)")
+    p.add_argument("--hicache-ratio", type=positive_float, default=defaults.HICACHE_RATIO,
+                   help="host pages per device page (default %(default)s, as sglang)")
+    p.add_argument("--hicache-write-policy", choices=defaults.WRITE_POLICIES, default=defaults.WRITE_POLICY,
+                   help="when device pages are backed up to host (default %(default)s)")
+    p.add_argument("--hicache-layout", choices=defaults.HOST_LAYOUTS, default=defaults.HOST_LAYOUT,
+                   help="host pool memory layout (default %(default)s)")
     p.add_argument("--trace", default=None, metavar="FILE",
                    help="JSONL request trace (default: a generated multi-turn chat trace)")
     p.add_argument("--requests", type=int_range(1, MAX_REQUESTS), default=None,
-                   help=f"requests to generate, or to take from --trace (default {DEFAULT_REQUESTS} "
+                   help=f"requests to generate, or to take from --trace (default {defaults.REQUESTS} "
                    "generated; all of --trace)")
     p.add_argument("--seed", type=nonneg_int, default=0, help="seed of the generated trace (default 0)")
-    p.add_argument("--micro-batch", type=int_range(1, MAX_REQUESTS), default=DEFAULT_MICRO_BATCH,
-                   help=f"requests per pipeline micro-batch (default {DEFAULT_MICRO_BATCH})")
+    p.add_argument("--micro-batch", type=int_range(1, MAX_REQUESTS), default=defaults.MICRO_BATCH,
+                   help="requests per pipeline micro-batch (default %(default)s)")
     p.add_argument("--in-flight", type=int_range(1, 1024), default=None,
                    help="micro-batches inside the pipeline at once (default: pp-size)")
-    p.add_argument("--rate", type=nonneg_float, default=DEFAULT_RATE,
-                   help=f"request arrivals per second at stage 0 (default {DEFAULT_RATE:g}, so the "
+    p.add_argument("--rate", type=nonneg_float, default=defaults.RATE,
+                   help=f"request arrivals per second at stage 0 (default {defaults.RATE:g}, so the "
                    "dashboard can be watched live; 0 = as fast as possible)")
     p.add_argument("--hidden-size", type=int_range(1, MAX_HIDDEN), default=None,
                    help="activation width sent between stages (default: the model's hidden_size, "
-                   "at most 512 on CPU)")
+                   f"at most {CPU_HIDDEN_CAP} on CPU)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto (default): one GPU per stage with nccl if there are >= pp-size GPUs, "
                    "else CPU with gloo")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="dashboard bind address (default 127.0.0.1; any other address is warned about: "
+    p.add_argument("--host", default=defaults.HOST,
+                   help="dashboard bind address (default %(default)s; any other address is warned about: "
                    "the dashboard has no authentication)")
-    p.add_argument("--port", type=port_number, default=8000,
-                   help="dashboard port (default 8000; 0 = any free port)")
+    p.add_argument("--port", type=port_number, default=defaults.DASHBOARD_PORT,
+                   help="dashboard port (default %(default)s; 0 = any free port)")
     p.add_argument("--no-dashboard", action="store_true", help="do not start the dashboard / metrics server")
-    p.add_argument("--dist-host", default=DEFAULT_DIST_HOST, metavar="ADDR",
+    p.add_argument("--dist-host", default=defaults.DIST_HOST, metavar="ADDR",
                    help="address the stages' rendezvous (TCPStore) and gloo/nccl data plane bind "
-                   f"(default {DEFAULT_DIST_HOST}; any other address is warned about)")
+                   "(default %(default)s; any other address is warned about)")
     p.add_argument("--run-dir", default=None,
                    help="directory for the stages' snapshot files (default: a temporary one, removed at exit)")
-    p.add_argument("--heartbeat-timeout", type=float_range(2 * HEARTBEAT_INTERVAL_S, 3600.0),
-                   default=DEFAULT_HEARTBEAT_TIMEOUT_S, metavar="S",
+    p.add_argument("--heartbeat-timeout", type=float_range(2 * defaults.HEARTBEAT_INTERVAL_S, 3600.0),
+                   default=defaults.HEARTBEAT_TIMEOUT_S, metavar="S",
                    help="a stage whose last heartbeat is older is not ready (/readyz 503, "
-                   f"stagecache_stage_up 0); default {DEFAULT_HEARTBEAT_TIMEOUT_S:g} s")
+                   "stagecache_stage_up 0); default %(default)g s")
     p.add_argument("--max-disagreements", type=nonneg_int, default=0, metavar="N",
                    help="more per-request stage disagreements than N (every stage and kind: "
                    "matched prefix, loaded, backed up, completion) make the run not ready "
@@ -162,10 +155,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                       "(default: until Ctrl-C)")
     hold.add_argument("--exit-after-run", action="store_true",
                       help="exit as soon as the trace is served (no dashboard hold)")
-    p.add_argument("--startup-timeout", type=seconds, default=120.0,
-                   help="seconds for every stage to start and report (default 120)")
-    p.add_argument("--dist-timeout", type=seconds, default=60.0,
-                   help="torch.distributed timeout for init, collectives and p2p (default 60 s)")
+    p.add_argument("--startup-timeout", type=seconds, default=defaults.STARTUP_TIMEOUT_S,
+                   help="seconds for every stage to start and report (default %(default)g)")
+    p.add_argument("--dist-timeout", type=seconds, default=defaults.DIST_TIMEOUT_S,
+                   help="torch.distributed timeout for init, collectives and p2p (default %(default)g s)")
     p.add_argument("--json", action="store_true",
                    help="print a machine-readable final summary on stdout (progress goes to stderr)")
     p.set_defaults(func=run)
@@ -185,19 +178,22 @@ def _check_paths(args: argparse.Namespace) -> None:
 
 def options_from_args(args: argparse.Namespace) -> ServeOptions:
     """Validate every flag once, in the parent, so a bad value is exit 2 before any process starts."""
-    from ..memory.sizing import pages_for_tokens
+    from ..plan.plan import Sizing
+    from ..plan.sizing import pages_for_tokens
     from ..serve.stage_cache import build_trace, check_trace_fits, trace_device_pages
 
     _check_paths(args)
-    la = layout_from_args(args)  # spec, partition, page size, faults: ConfigError on bad input
     if args.max_total_tokens is not None:
-        device_pages = pages_for_tokens(args.max_total_tokens, la.page_size)
+        device_pages = pages_for_tokens(args.max_total_tokens, args.page_size)
     else:
-        device_pages = args.device_pages or DEFAULT_DEVICE_PAGES
+        device_pages = args.device_pages or defaults.DEVICE_PAGES
+    # the run's one plan: spec, partition, page size, sizes and faults (ConfigError on bad input)
+    plan = plan_from_args(args, Sizing.runtime(device_pages, request_slots=args.micro_batch,
+                                               hicache_ratio=args.hicache_ratio))
     dist_host, dist_interface = resolve_dist_host(args.dist_host)
-    requests = args.requests or (0 if args.trace else DEFAULT_REQUESTS)
+    requests = args.requests or (0 if args.trace else defaults.REQUESTS)
     trace = build_trace(args.trace, requests, args.seed)  # TraceError (exit 2) lists bad lines
-    check_trace_fits(trace, la.page_size, device_pages, args.micro_batch)
+    check_trace_fits(trace, plan.page_size, device_pages, args.micro_batch)
     if args.rate > 0 and args.micro_batch / args.rate > args.dist_timeout / 2:
         gap = args.micro_batch / args.rate
         raise ConfigError(
@@ -206,18 +202,13 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
             "in recv that long); raise --dist-timeout or --rate"
         )
     device = resolve_device(args.device, args.pp_size)
-    check_host_memory(la, device_pages, args.hicache_ratio, device, request_slots=args.micro_batch,
-                      min_device_pages=trace_device_pages(trace, la.page_size, args.micro_batch),
+    check_host_memory(plan, device, min_device_pages=trace_device_pages(trace, plan.page_size, args.micro_batch),
                       pages_flag="--device-pages" if args.max_total_tokens is None else "--max-total-tokens")
-    partition = tuple(s.local_layers for s in la.layout.stages) if args.pp_partition else None
     hidden = args.hidden_size or model_hidden_size(args.model) or DEFAULT_HIDDEN
     if not args.hidden_size and device == "cpu":
         hidden = min(hidden, CPU_HIDDEN_CAP)  # a 4096-wide stand-in compute would dominate on CPU
     return ServeOptions(
-        model=args.model, model_name=la.spec.name, pp_size=args.pp_size, tp_size=args.tp_size,
-        pp_partition=partition, page_size=la.page_size, faults=tuple(args.fault),
-        device_pages=device_pages, hicache_ratio=args.hicache_ratio,
-        hicache_write_policy=args.hicache_write_policy, hicache_layout=args.hicache_layout,
+        plan=plan, hicache_write_policy=args.hicache_write_policy, hicache_layout=args.hicache_layout,
         trace=args.trace, requests=len(trace), seed=args.seed, micro_batch=args.micro_batch,
         in_flight=args.in_flight, rate=args.rate, hidden_size=hidden, device=device,
         host=args.host, port=args.port, dashboard=not args.no_dashboard, run_dir=args.run_dir,

@@ -56,14 +56,14 @@ def stage_occupancy(pools: Any, host: Any | None = None) -> list[Occupancy]:
     """Every pool kind the stage holds buffers of, device rows then host rows (display order)."""
     rows = []
     for p in POOLS:
-        n = sum(pools.plan.get(p, ()))
+        n = pools.plan.pool(p).present
         if not n:
             continue
         alloc = pools.allocator if KINDS[p].paged else pools.slot_allocator
         rows.append(_row(p, "device", pools.units[p], alloc, n * pools.page_bytes(p)))
     if host is not None:
         for p in POOLS:
-            n = sum(host.plan.get(p, ()))
+            n = sum(host.mirrored.get(p, ()))
             if n:
                 rows.append(_row(p, "host", host.kind_pages[p], host.allocator, n * host.page_bytes(p)))
     return rows

@@ -1,204 +1,197 @@
-"""A PP stage's device KV pools, sized by the stage's *local* layers, as raw byte tensors.
+"""A PP stage's device KV pools, allocated exactly as the stage's plan says, as raw byte tensors.
 
 Each buffer is a ``torch.uint8`` tensor ``(units, page_bytes)``: raw bytes keep
 copies bit-exact whatever the element types inside (FP8, BF16, FP32 scales),
 and a page is one contiguous row, which is what the transfer kernels gather.
-Page bytes come from the pool-kind table; units are pages of the kind's token
-budget, or request slots for the per-request ``c128_state``.
+Units are pages of the kind's token budget, or request slots for the per-request
+``c128_state``; both, and every buffer count, come from the ``StagePlan``.
 
 The runtime keeps one page-id space per stage: page ``p`` of every paged pool
 is token page ``p``, so a single ``PageAllocator`` serves all pools and one page
-id moves a token page of every layer between device and host.  That needs SWA
-pages == full pages, which is why the runtime passes ``swa_ratio=1.0`` (sglang
-itself gives SWA kinds a tenth of the full pages; ``stagecache pools`` shows that).
+id moves a token page of every layer between device and host.
 
-Buffer counts are the layer map's; faults (``validation.faults``) are an explicit
-override: with one, the constructor really builds the buggy pools (a global-sized
-SWA list, a None C4-state slot) and validation runs on those real tensors.  That
-is why ``allow_invalid`` exists: ``serve`` builds faulty pools on purpose to show
-the errors, everything else refuses them.
+A faulted plan is allocated as it is (a global-sized SWA list, a None C4-state
+buffer): ``serve --fault`` builds genuinely wrong pools, and validation
+(``inventory()`` against the layer map) runs on those real tensors.  The pools
+never validate themselves: memory allocates plans, validation checks them.
+
+Every lookup goes through the one global -> stage-local translation
+(``get_raw_buffer`` and the per-kind ``get_swa_raw_buffer`` & co., as sglang's
+``DeepSeekV4TokenToKVPool``): serve, the transfer selection and the KV writer
+address buffers by global layer id only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
-from typing import Any
+from collections.abc import Collection
 
-from ..errors import ConfigError, LayerNotOwnedError, MappingError, StageMappingInvalid
+import torch
+
+from ..errors import ConfigError, LayerNotOwnedError
 from ..model.layer_map import StageLayerMap
-from ..model.pool_kinds import KINDS, POOLS, kind_table
-from ..model.spec import ModelSpec
-from ..validation.checks import PoolInventory, validate_stage
-from ..validation.faults import Fault, buffer_plan
+from ..model.pool_kinds import KINDS
+from ..plan.inventory import PoolInventory
+from ..plan.plan import StagePlan, select_kinds
+from ..plan.sizing import TokenBudget
 from .allocator import PageAllocator
 from .host_tier import fitting_pages, fmt_bytes, ram_budget, read_meminfo
-from .sizing import TokenBudget, budget_bytes, runtime_budget
 
 
-def available_memory_bytes(device: Any) -> int | None:
+def available_memory_bytes(device: torch.device) -> int | None:
     """Bytes the pools may take where they would live: CUDA free memory, or on the host
     ``MemAvailable`` less the RAM reserve (``host_tier.RAM_RESERVE_FRACTION``)."""
-    import torch
-
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(dev)
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
         return int(free)
-    if dev.type == "cpu":
+    if device.type == "cpu":
         mem = read_meminfo()
         return None if mem is None else ram_budget(mem)
     return None  # meta and other devices: no limit we can know
 
 
-def _check_num_pages(num_pages: object, what: str) -> int:
-    if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0:
-        raise ConfigError(f"{what}: number of pages must be a positive integer, got {num_pages!r}")
-    return num_pages
+class StageBuffers:
+    """What device pools and their host mirror share: the plan, the buffer lists, and the
+    global -> local lookups."""
 
+    where: str
+    plan: StagePlan
+    buffers: dict[str, list[torch.Tensor | None]]
 
-def stage_plan(stage_map: StageLayerMap, ratios: Sequence[int], faults: Sequence[Fault] = (),
-               pp_size: int = 1) -> dict[str, tuple[bool, ...]]:
-    """Buffer slots per pool: one per owning local layer, or a fault's plan when faults are given."""
-    if faults:
-        return buffer_plan(stage_map, ratios, faults, pp_size)
-    return {pool: (True,) * n for pool, n in stage_map.expected_buffers().items()}
+    @property
+    def stage_map(self) -> StageLayerMap:
+        return self.plan.layer_map
 
+    @property
+    def page_size(self) -> int:
+        return self.plan.budget.page_size
 
-class _StageBuffers:
-    """What device pools and their host mirror share: lookups and validation of ``buffers``."""
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """Pool kinds this object holds buffers of."""
+        return tuple(p.pool for p in self.plan.pools if p.count)
 
-    stage_map: StageLayerMap
-    buffers: dict[str, list[Any]]
-    kinds: tuple[str, ...]
-
-    def get_swa_raw_buffer(self, global_layer_id: int):
-        """SWA buffer of a global layer: the call the PP+HiCache bug got wrong."""
-        return self.get_raw_buffer("swa", global_layer_id)
-
-    def get_raw_buffer(self, pool: str, global_layer_id: int):  # pragma: no cover - overridden
-        raise NotImplementedError
+    def page_bytes(self, pool: str) -> int:
+        """Bytes of one page (one request slot for ``c128_state``) of one buffer of ``pool``."""
+        return self.plan.pool(pool).page_bytes
 
     def inventory(self) -> PoolInventory:
         return PoolInventory.from_buffers(self.stage_map.stage, self.buffers)
 
-    def errors(self) -> list[MappingError]:
-        """Mapping errors of the real buffers (for a partial build: of the kinds it holds)."""
-        return [e for e in validate_stage(self.stage_map, self.inventory())
-                if e.pool in self.kinds or e.pool not in POOLS]
+    def get_raw_buffer(self, pool: str, global_layer_id: int) -> torch.Tensor:
+        """The buffer of ``pool`` for a global layer id: the one translation point.
 
-
-class StagePools(_StageBuffers):
-    """Device pools of one PP stage: ``buffers[pool][i]`` is buffer ``i`` of that pool."""
-
-    def __init__(
-        self,
-        spec: ModelSpec,
-        stage_map: StageLayerMap,
-        page_size: int,
-        num_pages: int,
-        device: Any = "cpu",
-        faults: Sequence[Fault] = (),
-        pp_size: int = 1,
-        allow_invalid: bool = False,
-        kinds: Collection[str] | None = None,
-        swa_ratio: float = 1.0,
-        request_slots: int = 4,
-    ):
-        import torch
-
-        where = f"stage {stage_map.stage} device pools"
-        if kinds is not None:
-            unknown = sorted(set(kinds) - set(POOLS))
-            if unknown or not kinds:
-                raise ConfigError(f"{where}: unknown pool kind(s) {unknown or list(kinds)}; pools are {', '.join(POOLS)}")
-        #: Pool kinds this object holds: all of them, or a subset (benchmarks, single-kind tools).
-        self.kinds: tuple[str, ...] = tuple(p for p in POOLS if kinds is None or p in kinds)
-        self.spec = spec
-        self.stage_map = stage_map
-        self.table = kind_table(spec, page_size)  # checks the page size
-        self.page_size = self.table.page_size
-        self.num_pages = _check_num_pages(num_pages, where)
-        #: Pages (or request slots) per kind: full pages, SWA pages by ``swa_ratio``, slots.
-        self.budget: TokenBudget = runtime_budget(self.page_size, num_pages, swa_ratio, request_slots)
-        self.units = {p: self.budget.units(KINDS[p]) for p in POOLS}
-        self.device = torch.device(device)
-        self.faults = tuple(faults)
-        self.pp_size = pp_size
-        plan = stage_plan(stage_map, spec.compress_ratios, self.faults, pp_size)
-        self.plan = {p: (slots if p in self.kinds else ()) for p, slots in plan.items()}
-        self._check_fits(where)
-        self.buffers: dict[str, list[torch.Tensor | None]] = {
-            pool: [torch.zeros((self.units[pool], self.page_bytes(pool)), dtype=torch.uint8, device=self.device)
-                   if present else None for present in self.plan[pool]]
-            for pool in POOLS
-        }
-        self.allocator = PageAllocator(self.num_pages, f"stage {stage_map.stage} device")
-        #: Request slots of the per-request kinds (``c128_state``): one per request in flight.
-        self.slot_allocator = PageAllocator(self.budget.request_slots,
-                                            f"stage {stage_map.stage} request slots")
-        problems = self.errors()
-        if problems and not allow_invalid:
-            raise StageMappingInvalid(problems)
-
-    def _check_fits(self, where: str) -> None:
-        need = self.planned_bytes()
-        free = available_memory_bytes(self.device)
-        if free is not None and need > free:
-            counts = {p: sum(slots) for p, slots in self.plan.items()}
-            request_slots = self.budget.request_slots
-
-            def need_for(pages: int, _ratio: float) -> int:
-                budget = runtime_budget(self.page_size, pages, 1.0, request_slots)
-                return budget_bytes(self.table, counts, budget)
-
-            fit = fitting_pages(need_for, free, self.num_pages, 1.0)
-            hint = (f"lower --device-pages to {fit} (--max-total-tokens to {fit * self.page_size})"
-                    if fit else "no page count fits: free memory or use a larger device")
-            raise ConfigError(
-                f"{where}: {self.num_pages} pages x {self.token_page_bytes()} B per token page "
-                f"= {fmt_bytes(need)} needed, only {fmt_bytes(free)} free on {self.device}; {hint}"
+        A layer outside the stage, of another ratio, or whose buffer is missing or None is a
+        ``LayerNotOwnedError`` (a ``ValueError``, as sglang's mapping errors) naming the stage.
+        """
+        index = self.stage_map.pool_index(pool, global_layer_id)
+        bufs = self.buffers.get(pool, [])
+        buf = bufs[index] if 0 <= index < len(bufs) else None
+        if buf is None:
+            m = self.stage_map
+            held = "is None" if index < len(bufs) else f"is missing (the pool holds {len(bufs)})"
+            raise LayerNotOwnedError(
+                f"{self.where} (global layers [{m.start}, {m.end})): global layer {global_layer_id} "
+                f"maps to {KINDS[pool].label} buffer {index}, which {held}"
             )
+        return buf
 
-    # -- sizes -------------------------------------------------------------------------------
-    def page_bytes(self, pool: str) -> int:
-        """Bytes of one page (one request slot for ``c128_state``) of one buffer of ``pool``."""
-        return self.table.page_bytes(pool)
+    def get_swa_raw_buffer(self, global_layer_id: int) -> torch.Tensor:
+        """SWA buffer of a global layer: the call the PP+HiCache bug got wrong."""
+        return self.get_raw_buffer("swa", global_layer_id)
+
+    def get_c4_raw_buffer(self, global_layer_id: int) -> torch.Tensor:
+        return self.get_raw_buffer("c4", global_layer_id)
+
+    def get_c128_raw_buffer(self, global_layer_id: int) -> torch.Tensor:
+        return self.get_raw_buffer("c128", global_layer_id)
+
+    def get_indexer_raw_buffer(self, global_layer_id: int) -> torch.Tensor:
+        return self.get_raw_buffer("indexer", global_layer_id)
+
+    def get_c4_state_buffer(self, global_layer_id: int) -> torch.Tensor:
+        return self.get_raw_buffer("c4_state", global_layer_id)
+
+    def get_c128_state_buffer(self, global_layer_id: int) -> torch.Tensor:
+        return self.get_raw_buffer("c128_state", global_layer_id)
+
+    def get_c4_indexer_state_buffer(self, global_layer_id: int) -> torch.Tensor:
+        return self.get_raw_buffer("c4_indexer_state", global_layer_id)
+
+    def pool_page_bytes(self) -> dict[str, int]:
+        """Per pool kind, one page (slot) over its real tensors: what ``serve`` reports, measured."""
+        return {pool: sum(t.shape[1] * t.element_size() for t in bufs if t is not None)
+                for pool, bufs in self.buffers.items()}
+
+
+class StagePools(StageBuffers):
+    """Device pools of one PP stage: ``buffers[pool][i]`` is buffer ``i`` of that pool.
+
+    ``kinds`` keeps only some pool kinds (benchmarks, single-kind tools).
+    """
+
+    def __init__(self, plan: StagePlan, device: str | torch.device = "cpu",
+                 kinds: Collection[str] | None = None):
+        self.where = f"stage {plan.stage} device pools"
+        self.plan = select_kinds(plan, kinds) if kinds is not None else plan
+        self.device = torch.device(device)
+        _check_runtime(self.plan, self.where)
+        #: Pages (or request slots) per kind: full pages, SWA pages, request slots.
+        self.units = {p.pool: p.units for p in self.plan.pools}
+        self.num_pages = self.plan.budget.full_pages
+        self._check_fits()
+        self.buffers = {
+            p.pool: [torch.zeros((p.units, p.page_bytes), dtype=torch.uint8, device=self.device)
+                     if present else None for present in p.buffers]
+            for p in self.plan.pools
+        }
+        self.allocator = PageAllocator(self.num_pages, f"stage {plan.stage} device")
+        #: Request slots of the per-request kinds (``c128_state``): one per request in flight.
+        self.slot_allocator = PageAllocator(self.plan.budget.request_slots, f"stage {plan.stage} request slots")
+
+    @property
+    def budget(self) -> TokenBudget:
+        return self.plan.budget
 
     def token_page_bytes(self) -> int:
-        """Bytes of one token page over every allocated buffer of every paged pool."""
-        return sum(sum(slots) * self.page_bytes(p) for p, slots in self.plan.items()
-                   if slots and KINDS[p].paged)
+        return self.plan.token_page_bytes
 
     def planned_bytes(self) -> int:
-        return budget_bytes(self.table, {p: sum(slots) for p, slots in self.plan.items()}, self.budget)
+        return self.plan.device_bytes
 
     def pool_bytes(self) -> dict[str, int]:
-        """Bytes each pool really holds, summed over its tensors (None slots count 0)."""
+        """Bytes each pool really holds, summed over its tensors (None buffers count 0)."""
         return {pool: sum(t.numel() * t.element_size() for t in bufs if t is not None)
                 for pool, bufs in self.buffers.items()}
 
-    # -- lookup through the one translation point ---------------------------------------------
-    def get_raw_buffer(self, pool: str, global_layer_id: int):
-        """The ``(units, page_bytes)`` buffer of ``pool`` for a global layer id."""
-        index = self.stage_map.pool_index(pool, global_layer_id)  # LayerNotOwnedError names the range
-        bufs = self.buffers.get(pool, [])
-        m = self.stage_map
-        label = KINDS[pool].label
-        if not 0 <= index < len(bufs):
-            raise LayerNotOwnedError(
-                f"stage {m.stage} (global layers [{m.start}, {m.end})): global layer "
-                f"{global_layer_id} maps to {label} buffer {index}, but the pool holds "
-                f"{len(bufs)} buffers"
-            )
-        buf = bufs[index]
-        if buf is None:
-            raise LayerNotOwnedError(
-                f"stage {m.stage} (global layers [{m.start}, {m.end})): {label} buffer "
-                f"{index} for global layer {global_layer_id} is None"
-            )
-        return buf
+    def _check_fits(self) -> None:
+        need = self.plan.device_bytes
+        free = available_memory_bytes(self.device)
+        if free is None or need <= free:
+            return
+        per_page = self.plan.token_page_bytes
+        fixed = need - self.num_pages * per_page  # the per-request kinds
+
+        def need_for(pages: int, _ratio: float) -> int:
+            return fixed + pages * per_page
+
+        fit = fitting_pages(need_for, free, self.num_pages, 1.0)
+        hint = (f"lower --device-pages to {fit} (--max-total-tokens to {fit * self.page_size})"
+                if fit else "no page count fits: free memory or use a larger device")
+        raise ConfigError(
+            f"{self.where}: {self.num_pages} pages x {per_page} B per token page "
+            f"= {fmt_bytes(need)} needed, only {fmt_bytes(free)} free on {self.device}; {hint}"
+        )
 
     def __repr__(self) -> str:
         counts = {p: len(b) for p, b in self.buffers.items()}
         return (f"StagePools(stage={self.stage_map.stage}, pages={self.num_pages}x{self.page_size}, "
                 f"device={self.device}, buffers={counts})")
+
+
+def _check_runtime(plan: StagePlan, where: str) -> None:
+    """Pools allocate page-addressable rows: a plan sized the runtime way (sglang's sizing adds
+    reserved rows and ring rows that only ``stagecache pools`` reports)."""
+    odd = [p.pool for p in plan.pools if p.count and (p.tensor_rows, p.tensor_row_bytes) != (p.units, p.page_bytes)]
+    if odd:
+        raise ConfigError(f"{where}: the plan is sized the sglang way ({', '.join(odd)} have reserved or "
+                          "ring rows); pools are allocated from a runtime plan (Sizing.runtime)")

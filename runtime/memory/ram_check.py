@@ -2,39 +2,38 @@
 
 A stage process can only check its own pools; the stages of one host share its
 RAM, so ``serve`` (and ``bench hicache``, which builds one stage after another)
-check the sum here first, from the pool-kind table and the sizing rules alone:
-nothing is allocated, and the error names the flags the user typed with values
-that fit (``host_tier.fit_advice``).  The rule is ``host_tier``'s:
+check the sum here first, from the run's plan alone: nothing is allocated, and the
+error names the flags the user typed with values that fit (``host_tier.fit_advice``).  The rule is ``host_tier``'s:
 ``MemAvailable - bytes to allocate >= reserve``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from ..errors import ConfigError
-from ..model.pool_kinds import KindTable
+from ..plan.plan import RunPlan, Sizing, StagePlan
 from .host_tier import MemInfo, NeedFn, fit_advice, fmt_bytes, ram_budget, read_meminfo
-from .sizing import budget_bytes, runtime_budget
 
 
-def stages_ram_need(table: KindTable, stage_counts: Sequence[Mapping[str, int]], request_slots: int,
-                    device_in_ram: bool) -> NeedFn:
-    """Bytes of RAM the stages' pools take for (device pages, hicache ratio).
+def stages_ram_need(plan: RunPlan, device_in_ram: bool, stages: Sequence[int] | None = None) -> NeedFn:
+    """Bytes of RAM the plan's stages (all, or ``stages``) take for (device pages, hicache ratio).
 
     Host (HiCache) pools always live in RAM; device pools too when they are on the CPU.
-    The runtime's page space: SWA pages == full pages (``swa_ratio`` 1.0).
+    The plan is re-sized for every candidate (same layer maps and buffers).
     """
+    ranks = range(plan.pp_size) if stages is None else stages
+
     def need(pages: int, ratio: float) -> int:
-        budget = runtime_budget(table.page_size, pages, 1.0, request_slots)
-        total = 0
-        for counts in stage_counts:
-            total += budget_bytes(table, counts, budget, ratio, host=True)
-            if device_in_ram:
-                total += budget_bytes(table, counts, budget)
-        return total
+        sizing = Sizing.runtime(pages, request_slots=plan.sizing.request_slots, hicache_ratio=ratio)
+        resized = plan.resized(sizing)
+        return sum(_ram_bytes(resized.stage(i), device_in_ram) for i in ranks)
 
     return need
+
+
+def _ram_bytes(stage: StagePlan, device_in_ram: bool) -> int:
+    return stage.host_bytes + (stage.device_bytes if device_in_ram else 0)
 
 
 def check_ram(need: NeedFn, pages: int, ratio: float, what: str, *, min_pages: int = 1,

@@ -6,7 +6,7 @@ pools``/``check``, exporters, dashboard and the sglang integration -- reads
 them here.  The bytes follow what sglang 0.5.23 really allocates for a
 DeepSeek-V4 stage on CUDA (``DeepSeekV4TokenToKVPool`` with the V4 FP8 KV
 layout, FP8 indexer, no speculative decoding), measured on its objects by
-tests/test_sglang_live.py:
+tests/integrations/test_sglang_live.py:
 
 * ``swa``, ``c4``, ``c128`` -- KV rows of 448 FP8 nope + 64 BF16 rope + one UE8M0
   scale per 64 nope values + 1 pad byte (584 B for flash); a page of them is

@@ -137,6 +137,9 @@ def read_config_text(path: Path) -> str:
 def load_config(model: str) -> tuple[dict[str, Any], str]:
     """The parsed config of a preset name or a config.json path (file or its directory), and its
     name; size, depth, encoding and JSON errors are ``ConfigError`` naming the file."""
+    if not model.strip():
+        raise ConfigError(f"--model is empty; expected a preset ({', '.join(PRESETS)}) or a path to a "
+                          "Hugging Face config.json")
     if model in PRESETS:
         text = resources.files("stagecache.runtime.model").joinpath("presets", PRESETS[model]).read_text()
         return json.loads(text), model

@@ -20,13 +20,6 @@ from ..memory.occupancy import stage_occupancy
 from .live import HostTierLive, PoolOccupancy
 
 
-def host_tier_faults(faults: Any, stage: int, pp_size: int) -> set[str]:
-    """Names of the host-tier faults that hit this stage."""
-    from ..validation.faults import HOST_TIER_FAULTS
-
-    return {f.name for f in faults if f.name in HOST_TIER_FAULTS and f.hits(stage, pp_size)}
-
-
 class StageHostTier:
     """One stage's host-tier status, computed afresh on every ``live()``."""
 
@@ -44,7 +37,7 @@ class StageHostTier:
     def live(self) -> HostTierLive:
         host, pools = self.host, self.pools
         mem = self.watch.read()
-        device = {p: pools.units[p] for p in host.kinds if any(host.plan[p])}
+        device = {p: pools.units[p] for p in host.kinds}
         check = host_tier_check(self.where, device, {p: host.kind_pages[p] for p in device}, 0, mem,
                                 host.pin_error, self.write_policy, self.watch.reserve_fraction)
         return HostTierLive(

@@ -27,14 +27,14 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..defaults import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S
 from ..memory.host_tier import NOT_READY_STATUSES
 from .agreement import disagreeing
 from .live import RunInfo, StageLive
-from .options import DEFAULT_HEARTBEAT_TIMEOUT_S, HEARTBEAT_INTERVAL_S
 
 M = TypeVar("M", bound=BaseModel)
 
-__all__ = ["DEFAULT_HEARTBEAT_TIMEOUT_S", "HEARTBEAT_INTERVAL_S", "Liveness", "StageHealth",
+__all__ = ["HEARTBEAT_INTERVAL_S", "HEARTBEAT_TIMEOUT_S", "Liveness", "StageHealth",
            "assess", "liveness_of", "run_of"]
 
 
@@ -136,7 +136,7 @@ def assess(run: RunInfo | None, startup: Mapping[str, Any] | None,
     Without ``run`` (a source with no serving parent: a preflight view, an sglang
     process) only the stages' own reports and heartbeats count.
     """
-    timeout = heartbeat_timeout or (run.heartbeat_timeout_s if run else DEFAULT_HEARTBEAT_TIMEOUT_S)
+    timeout = heartbeat_timeout or (run.heartbeat_timeout_s if run else HEARTBEAT_TIMEOUT_S)
     ids = sorted(set(range(run.pp_size)) | set(stages)) if run and run.pp_size else sorted(stages)
     health = []
     for k in ids:

@@ -3,44 +3,34 @@
 ``ServeOptions`` is built by the CLI from the flags (every check happens there,
 before any process starts) and travels inside each stage's ``StageConfig``; no
 field is copied from one to the other, so a new option needs one field here.
+The run's ``RunPlan`` travels inside it: a stage allocates exactly its ``StagePlan``
+and never recomputes a layout, a buffer count or a size.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
 
+from .. import defaults
 from ..errors import ConfigError
+from ..memory.host_tier import MemInfo
+from ..plan.plan import RunPlan, StagePlan
 
-DEFAULT_MODEL = "tiny-v4"
-DEFAULT_REQUESTS = 240
-DEFAULT_DEVICE_PAGES = 64
-DEFAULT_RATE = 20.0
-DEFAULT_MICRO_BATCH = 4
-DEFAULT_HIDDEN = 256
-CPU_HIDDEN_CAP = 512
 #: Upper bounds of flags whose size is otherwise only limited by memory (each stage holds the trace).
 MAX_REQUESTS = 100_000
 MAX_HIDDEN = 65_536
-#: A stage beats this often; one whose last beat is older than the timeout is down (liveness.py).
-HEARTBEAT_INTERVAL_S = 1.0
-DEFAULT_HEARTBEAT_TIMEOUT_S = 5.0
-WRITE_POLICIES = ("write_through", "write_back", "write_through_selective")
+#: Activation width when the model's config has none, and its cap on CPU (a 4096-wide stand-in
+#: compute would dominate a CPU run).
+DEFAULT_HIDDEN = 256
+CPU_HIDDEN_CAP = 512
 
 
 @dataclass(frozen=True)
 class ServeOptions:
     """Every ``serve`` option, validated once in the parent and handed to each stage as is."""
 
-    model: str
-    pp_size: int
-    tp_size: int
-    pp_partition: tuple[int, ...] | None
-    page_size: int
-    faults: tuple[str, ...]
-    device_pages: int
-    hicache_ratio: float
+    plan: RunPlan
     hicache_write_policy: str
     hicache_layout: str
     trace: str | None
@@ -61,11 +51,39 @@ class ServeOptions:
     startup_timeout: float
     dist_timeout: float
     json: bool
-    model_name: str = ""
-    dist_host: str = "127.0.0.1"  # resolved IP literal the rendezvous and data plane bind
+    dist_host: str = defaults.DIST_HOST  # resolved IP literal the rendezvous and data plane bind
     dist_interface: str = "lo"  # the interface carrying dist_host (gloo/nccl SOCKET_IFNAME)
-    heartbeat_timeout: float = 5.0  # a stage with an older heartbeat is not ready / not up
+    heartbeat_timeout: float = defaults.HEARTBEAT_TIMEOUT_S  # an older heartbeat: not ready / not up
     max_disagreements: int = 0  # more stage disagreements than this: not ready (agreement.py)
+
+    # -- what the plan holds, read from it (never a second copy) --------------------------------
+    @property
+    def pp_size(self) -> int:
+        return self.plan.pp_size
+
+    @property
+    def tp_size(self) -> int:
+        return self.plan.tp_size
+
+    @property
+    def page_size(self) -> int:
+        return self.plan.page_size
+
+    @property
+    def model_name(self) -> str:
+        return self.plan.spec.name
+
+    @property
+    def faults(self) -> list[str]:
+        return self.plan.fault_names
+
+    @property
+    def device_pages(self) -> int:
+        return self.plan.stage(0).device_pages
+
+    @property
+    def hicache_ratio(self) -> float:
+        return self.plan.sizing.hicache_ratio
 
 
 @dataclass(frozen=True)
@@ -89,6 +107,11 @@ class StageConfig:
     def in_flight(self) -> int:
         """Micro-batches inside the pipeline at once (default: one per stage)."""
         return self.opts.in_flight or self.opts.pp_size
+
+    @property
+    def plan(self) -> StagePlan:
+        """This stage's plan: what its process allocates."""
+        return self.opts.plan.stage(self.rank)
 
 
 def model_hidden_size(model: str) -> int | None:
@@ -126,31 +149,23 @@ def resolve_device(choice: str, pp_size: int) -> str:
     return "cuda" if gpus >= pp_size else "cpu"
 
 
-def check_host_memory(la: Any, device_pages: int, hicache_ratio: float, device: str,
-                      request_slots: int = 4, min_device_pages: int = 1,
-                      pages_flag: str = "--device-pages", mem: Any = None) -> int:
+def check_host_memory(plan: RunPlan, device: str, min_device_pages: int = 1,
+                      pages_flag: str = "--device-pages", mem: MemInfo | None = None) -> int:
     """All stages share this host's RAM: their pools together must fit (a per-stage check cannot see it).
 
-    Runs before any process starts or any pool exists.  Host (HiCache) pools always live in
-    RAM; device pools too when running on CPU.  Counts include ``--fault`` plans, since a
-    faulty build really allocates its buggy pools.  The error names ``--hicache-ratio`` and
-    the size flag the user gave (``pages_flag``: ``--device-pages`` or ``--max-total-tokens``)
-    with the largest values that fit, never fewer device pages than the trace needs
-    (``min_device_pages``).  ``mem``: a ``MemInfo`` to check against (default: this host's
-    /proc/meminfo now).  Returns the bytes needed.
+    Runs before any process starts or any pool exists, on the plan (faults included: a faulty
+    build really allocates its buggy pools).  Host (HiCache) pools always live in RAM; device
+    pools too when running on CPU.  The error names ``--hicache-ratio`` and the size flag the
+    user gave (``pages_flag``: ``--device-pages`` or ``--max-total-tokens``) with the largest
+    values that fit, never fewer device pages than the trace needs (``min_device_pages``).
+    ``mem``: a ``MemInfo`` to check against (default: this host's /proc/meminfo now).
+    Returns the bytes needed.
     """
-    from ..memory.pools import stage_plan
     from ..memory.ram_check import check_ram, stages_ram_need
-    from ..model.pool_kinds import kind_table
-    from ..validation.faults import apply_layout_faults
 
-    table = kind_table(la.spec, la.page_size)
-    faulty = apply_layout_faults(la.layout, la.faults)
-    counts = [{pool: len(slots) for pool, slots in
-               stage_plan(m, la.spec.compress_ratios, la.faults, la.layout.pp_size).items()}
-              for m in faulty.stages]
-    need = stages_ram_need(table, counts, request_slots, device_in_ram=device == "cpu")
+    need = stages_ram_need(plan, device_in_ram=device == "cpu")
     where = "device + host pools" if device == "cpu" else "host pools"
-    scale = la.page_size if pages_flag == "--max-total-tokens" else 1
-    return check_ram(need, device_pages, hicache_ratio, f"the {len(counts)} stages' {where} together",
-                     min_pages=min_device_pages, pages_flag=pages_flag, pages_scale=scale, mem=mem)
+    scale = plan.page_size if pages_flag == "--max-total-tokens" else 1
+    return check_ram(need, plan.stage(0).device_pages, plan.sizing.hicache_ratio,
+                     f"the {plan.pp_size} stages' {where} together", min_pages=min_device_pages,
+                     pages_flag=pages_flag, pages_scale=scale, mem=mem)

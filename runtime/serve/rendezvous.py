@@ -25,7 +25,6 @@ from typing import Any
 
 from ..errors import ConfigError
 
-DEFAULT_DIST_HOST = "127.0.0.1"
 _SIOCGIFADDR = 0x8915
 RENDEZVOUS_POLL_S = 0.02
 

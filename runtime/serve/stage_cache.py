@@ -1,8 +1,8 @@
 """What one stage process serves with: its own pools, host stack, HiCache and layer compute.
 
 Kept apart from ``stage_worker`` (process, dist, publishing) so the per-stage
-work is one object with the calls the worker needs: ``inventory()`` for the
-startup gather, ``load_trace()``, ``work(micro_batch, activation)`` for the
+work is one object with the calls the worker needs: ``pools`` (their inventory and
+measured bytes) for the startup gather, ``load_trace()``, ``work(micro_batch, activation)`` for the
 pipeline, and ``live_fields()`` for the stage's ``StageLive``.
 
 Per micro-batch, on every stage, in the same order::
@@ -132,9 +132,11 @@ class StageCache:
         from ..cache.stats import CacheStats
         from ..memory.host_pools import HostPools
         from ..memory.pools import StagePools
+        from ..plan.faults import HOST_TIER_FAULTS
         from ..transfer.controller import TransferController
         from ..transfer.stats import TransferStats
-        from .host_tier_live import StageHostTier, host_tier_faults
+        from ..validation.checks import validate_stage
+        from .host_tier_live import StageHostTier
 
         cfg = worker.cfg
         self.cfg = cfg
@@ -142,19 +144,16 @@ class StageCache:
         self.page_size = cfg.opts.page_size
         self.stage_map = worker.stage_map
         self.device = torch.device(cfg.torch_device)
-        # allow_invalid: a faulty build must still report its real inventory to rank 0.
-        # swa_ratio=1.0: the cache keeps one page-id space (SWA pages == full pages).
-        # request_slots: one per request of a micro-batch (the per-request c128_state kind).
-        self.pools = StagePools(worker.spec, self.stage_map, cfg.opts.page_size, cfg.opts.device_pages,
-                                self.device, worker.faults, cfg.opts.pp_size, allow_invalid=True,
-                                swa_ratio=1.0, request_slots=cfg.opts.micro_batch)
-        self.valid = not self.pools.errors()
-        tier_faults = host_tier_faults(worker.faults, self.stage, cfg.opts.pp_size)
+        # The stage plan, faults included: a faulty plan is allocated as it is and reports its
+        # real inventory to rank 0, which refuses it there.
+        self.pools = StagePools(cfg.plan, self.device)
+        self.valid = not validate_stage(self.stage_map, self.pools.inventory())
+        faults = cfg.opts.plan.stage_faults(self.stage)
+        tier_faults = faults & HOST_TIER_FAULTS
         # pinning is the default on CUDA and falls back to pageable memory when refused
         # (memory.host_pools); the pin-refused fault asks for it where it is refused
         pin = True if "pin-refused" in tier_faults else None
-        self.host = HostPools(self.pools, hicache_ratio=cfg.opts.hicache_ratio, layout=cfg.opts.hicache_layout,
-                              allow_invalid=True, pin_memory=pin, pin_fallback=True)
+        self.host = HostPools(self.pools, layout=cfg.opts.hicache_layout, pin_memory=pin, pin_fallback=True)
         self.host_tier = StageHostTier(self.pools, self.host, cfg.opts.hicache_write_policy, tier_faults)
         self.transfer_stats = TransferStats()
         self.cache = None
@@ -172,9 +171,6 @@ class StageCache:
         self.computed_rows = 0
 
     # -- startup --------------------------------------------------------------------------------
-    def inventory(self) -> Any:
-        return self.pools.inventory()
-
     def load_trace(self) -> list[Any]:
         return build_trace(self.cfg.opts.trace, self.cfg.opts.requests, self.cfg.opts.seed)
 
@@ -185,8 +181,7 @@ class StageCache:
         self.agreement = Agreement(self.stage, self.cfg.opts.pp_size, self._on_verdict,
                                    describe=lambda req: f"{req.session}/{req.turn}")
         self._misses: dict[int, list[Any]] = {}  # micro-batch -> deferred miss records
-        self.skew = any(f.name == "radix-skew" and f.hits(self.stage, self.cfg.opts.pp_size)
-                        for f in worker.faults)
+        self.skew = "radix-skew" in self.cfg.opts.plan.stage_faults(self.stage)
         self.skewed_pages = 0
         self._finished = 0
 

@@ -132,10 +132,6 @@ class StageWorker:
     """The stage process's state; ``run()`` does startup, then the trace, then a clean shutdown."""
 
     def __init__(self, cfg: StageConfig):
-        from ..model.layer_map import build_layout
-        from ..model.spec import load_spec
-        from ..validation.faults import apply_layout_faults, parse_faults
-
         self.cfg = cfg
         self.rank = cfg.rank
         self.pid = os.getpid()
@@ -146,11 +142,8 @@ class StageWorker:
         self.dist_ready = False
         self.stage_file = StageFile(rd.stage_file(cfg.run_dir, cfg.rank))
         self.heartbeat: Heartbeat | None = None
-        self.layout = build_layout(load_spec(cfg.opts.model), cfg.opts.pp_size, cfg.opts.tp_size, cfg.opts.pp_partition)
-        self.faults = parse_faults(cfg.opts.faults, cfg.opts.pp_size)
-        self.faulty_layout = apply_layout_faults(self.layout, self.faults)
-        self.stage_map = self.faulty_layout.stages[self.rank]
-        self.spec = self.layout.spec
+        self.plan = cfg.plan  # this stage's plan, built once by the parent
+        self.stage_map = self.plan.layer_map
         self.cache: Any = None
         self.pipe: Any = None
         self.requests_done = 0
@@ -174,8 +167,7 @@ class StageWorker:
         self.cache = build_stage_cache(self)
         cache = self.cache  # the heartbeat re-checks the host tier while the stage waits
         self.stage_file.refresh = lambda: {"host_tier": cache.host_tier.live()}
-        inventory = self.cache.inventory()
-        report_ok = self._startup(inventory)
+        report_ok = self._startup(self.cache.pools.inventory(), self.cache.pools.pool_page_bytes())
         if not report_ok:
             self.phase = "refused"
             self.publish(force=True)
@@ -228,24 +220,23 @@ class StageWorker:
         ))
         self.dist_ready = True
 
-    def _startup(self, inventory: Any) -> bool:
-        """Gather every stage's map + inventory to rank 0, which validates and publishes the report."""
+    def _startup(self, inventory: Any, pool_page_bytes: dict[str, int]) -> bool:
+        """Gather what every stage really allocated to rank 0, which validates it against the plan
+        and publishes the report; every stage then gets the verdict."""
         import torch.distributed as dist
 
         from ..validation.report import build_report
 
-        mine = {"stage": self.rank, "pid": self.pid, "stage_map": self.stage_map, "inventory": inventory}
+        mine = {"stage": self.rank, "inventory": inventory, "pool_page_bytes": pool_page_bytes}
         gathered: list[Any] | None = [None] * self.cfg.opts.pp_size if self.rank == 0 else None
         self._call(lambda: dist.gather_object(mine, gathered, dst=0))
         verdict: list[Any] = [None]
         if self.rank == 0:
             assert gathered is not None
-            import dataclasses
-
-            maps = tuple(g["stage_map"] for g in sorted(gathered, key=lambda g: g["stage"]))
-            layout = dataclasses.replace(self.faulty_layout, stages=maps)
-            report = build_report(layout, [g["inventory"] for g in gathered], self.cfg.opts.page_size,
-                                  list(self.cfg.opts.faults))
+            got = sorted(gathered, key=lambda g: g["stage"])
+            plan = self.cfg.opts.plan
+            report = build_report(plan.layout, [g["inventory"] for g in got], plan.page_size,
+                                  plan.fault_names, [g["pool_page_bytes"] for g in got])
             rd.write_json_atomic(os.path.join(self.cfg.run_dir, rd.STARTUP_FILE), report.to_dict())
             verdict = [report.ok]
         self._call(lambda: dist.broadcast_object_list(verdict, src=0))

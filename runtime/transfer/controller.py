@@ -46,7 +46,7 @@ from .clock import EventClock, host_time
 from .engine import EngineOptions, TritonEngine
 from .fallback import CpuEngine, TorchEngine
 from .pages import PageChecker, PageIds, TransferError, as_ids, plain_ids
-from .plan import Plan, build_plan
+from .selection import Selection, select
 from .stats import TransferStats, gbps
 
 __all__ = ["TransferController", "TransferError", "TransferResult"]
@@ -58,15 +58,15 @@ class TransferResult:
     __slots__ = ("direction", "ids", "layers", "nbytes", "path", "seconds", "queue_seconds", "_start", "_end",
                  "_layer_events", "_stats", "_engine", "called", "queued", "_kinds", "_reference")
 
-    def __init__(self, direction: str, ids: PageIds, plan: Plan, path: str, called: float = 0.0):
+    def __init__(self, direction: str, ids: PageIds, sel: Selection, path: str, called: float = 0.0):
         self.direction = direction
         self.ids = ids
-        self.layers = plan.layers
-        self.nbytes = plan.nbytes(ids.count)
+        self.layers = sel.layers
+        self.nbytes = sel.nbytes(ids.count)
         self.path = path
         self.seconds: float | None = None  # DMA time: copy start to finish
         self.queue_seconds = 0.0  # the call (``perf_counter`` ``called``) to the copy's start
-        self._kinds = plan.kinds
+        self._kinds = sel.kinds
         self.called = called  # perf_counter() when backup/load was called
         self.queued = called  # perf_counter() once the copy was queued (CUDA) or began (CPU)
         self._reference: Any = None  # (event, host time) of the EventClock, on CUDA
@@ -167,7 +167,7 @@ class TransferController:
         self._async = self.cuda and self.path == "triton"
         self._copy_lock = threading.Lock()  # synchronous engines: one copy at a time
         self._clock = EventClock(device_pools.device) if self._async else None
-        self._plans: dict[tuple[Any, Any], Plan] = {(None, None): build_plan(device_pools, host_pools, None, None)}
+        self._selections: dict[tuple[Any, Any], Selection] = {(None, None): select(device_pools, host_pools, None, None)}
         self._pending: list[TransferResult] = []
         # one-launch moves queued by one call into C (``TritonEngine.queue_move``)
         self._one_call = self._async and getattr(self.engine, "_native", None) is not None
@@ -199,19 +199,19 @@ class TransferController:
         """
         called = time.perf_counter()
         ids = self.checker.check(device_pages, host_pages, "device")
-        plan = self.plan(layers, pools)
-        return self._move("h2d", ids, plan, [self.plan([g], pools) for g in plan.layers], False, called,
+        sel = self.selection(layers, pools)
+        return self._move("h2d", ids, sel, [self.selection([g], pools) for g in sel.layers], False, called,
                           per_layer=True)
 
-    def plan(self, layers: Sequence[int] | None = None, pools: Sequence[str] | None = None) -> Plan:
+    def selection(self, layers: Sequence[int] | None = None, pools: Sequence[str] | None = None) -> Selection:
         """The (cached) buffer selection of ``layers`` x ``pools``; None = all."""
         key = (None if layers is None else tuple(layers), None if pools is None else tuple(pools))
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = build_plan(self.device_pools, self.host_pools, layers, pools)
-            if len(self._plans) < 4096:
-                self._plans[key] = plan
-        return plan
+        sel = self._selections.get(key)
+        if sel is None:
+            sel = select(self.device_pools, self.host_pools, layers, pools)
+            if len(self._selections) < 4096:
+                self._selections[key] = sel
+        return sel
 
     @property
     def copying(self) -> bool:
@@ -246,8 +246,8 @@ class TransferController:
             if result is not None:
                 return result.synchronize() if blocking else result
         ids = self.checker.check(device_pages, host_pages, "host" if direction == "d2h" else "device")
-        plan = self.plan(layers, pools)
-        return self._move(direction, ids, plan, [plan], blocking, called)
+        sel = self.selection(layers, pools)
+        return self._move(direction, ids, sel, [sel], blocking, called)
 
     def _queue_move(self, direction: str, device_pages: Any, host_pages: Any, layers: Any, pools: Any,
                     called: float) -> TransferResult | None:
@@ -256,16 +256,16 @@ class TransferController:
         is wrong).  The bookkeeping follows the launch, while the copy runs."""
         stage = self.checker.stage
         dev, host = plain_ids(device_pages, "device page", stage), plain_ids(host_pages, "host page", stage)
-        plan = self._plans[(None, None)] if layers is None and pools is None else self.plan(layers, pools)
-        if not plan.buffers:
+        sel = self._selections[(None, None)] if layers is None and pools is None else self.selection(layers, pools)
+        if not sel.buffers:
             return None
         reference = self._clock.reference(called)  # type: ignore[union-attr]  # precedes the start event
-        slot = self.engine.queue_move(plan, direction == "d2h", dev, host)
+        slot = self.engine.queue_move(sel, direction == "d2h", dev, host)
         if slot < 0:
             return None
         queued = time.perf_counter()
         ids = PageIds(as_ids(dev, "device page", stage), as_ids(host, "host page", stage))  # numpy views
-        result = TransferResult(direction, ids, plan, self.path, called)
+        result = TransferResult(direction, ids, sel, self.path, called)
         result.queued, result._reference = queued, reference
         result._stats, result._engine = self.stats, self.engine
         result._start, result._end = self.engine.slot_events(slot)
@@ -275,21 +275,21 @@ class TransferController:
         self._pending.append(result)
         return result
 
-    def _move(self, direction: str, ids: PageIds, plan: Plan, steps: list[Plan], blocking: bool,
+    def _move(self, direction: str, ids: PageIds, sel: Selection, steps: list[Selection], blocking: bool,
               called: float, per_layer: bool = False) -> TransferResult:
-        """Run ``steps`` (the plan, or one plan per layer) on the engine; one result for all.
+        """Run ``steps`` (the sel, or one sel per layer) on the engine; one result for all.
 
         On CUDA the copy is queued first and the bookkeeping (the result, finishing earlier
         transfers) follows while it runs: host work before the launch delays the copy itself.
         """
         steps = [s for s in steps if s.buffers]
         if not ids.count or not steps:
-            result = TransferResult(direction, ids, plan, self.path, called)
+            result = TransferResult(direction, ids, sel, self.path, called)
             result._stats, result.seconds = self.stats, 0.0
             result._finish()
             return result
         if not self._async:
-            result = TransferResult(direction, ids, plan, self.path, called)
+            result = TransferResult(direction, ids, sel, self.path, called)
             result._stats = self.stats
             with self._copy_lock:  # a copy in progress on another thread: this call queues here
                 t0 = time.perf_counter()
@@ -303,7 +303,7 @@ class TransferController:
         reference = self._clock.reference(called) if self._clock is not None else None
         start, end, events = self.engine.submit(direction == "d2h", steps, ids, per_layer)
         queued = time.perf_counter()
-        result = TransferResult(direction, ids, plan, self.path, called)
+        result = TransferResult(direction, ids, sel, self.path, called)
         result.queued = queued
         result._stats, result._engine, result._start, result._end = self.stats, self.engine, start, end
         result._reference = reference
@@ -320,9 +320,7 @@ class TransferController:
 def _check_mirror(dp: StagePools, hp: HostPools) -> None:
     if hp.device_pools is dp:
         return
-    if hp.stage_map != dp.stage_map or hp.plan != {
-        p: tuple(b is not None for b in bufs) for p, bufs in dp.buffers.items()
-    }:
+    if hp.plan != dp.plan:
         raise TransferError(
             f"host pools of stage {hp.stage_map.stage} do not mirror the device pools "
             f"of stage {dp.stage_map.stage}"

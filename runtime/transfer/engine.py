@@ -5,11 +5,11 @@ eviction, and on the H200 host it decided small moves: so everything that does
 not depend on the call's page ids is done once and kept, and the rest is one
 call into the compiled fast path (``native.py``):
 
-* per buffer selection (``Plan``) and direction: two chunk tables on the device,
+* per buffer selection (``Selection``) and direction: two chunk tables on the device,
   a coarse one (``chunk_bytes`` per work item) and a fine one (``fine_chunk_bytes``)
   for moves with fewer coarse items than the grid has warps, so a one-page move
   still spreads over every SM instead of leaving most of them idle;
-* per (plan, direction, id slot, size bucket): a CUDA graph that records the
+* per (sel, direction, id slot, size bucket): a CUDA graph that records the
   slot's start event, copies the slot's ids to the device (a bucket's worth: a
   few hundred bytes for a small move), launches the kernel and records the slot's
   end event -- so queuing a move is one ``cudaGraphLaunch``; the kernel reads the
@@ -45,8 +45,8 @@ from ..memory.host_pools import HostPools
 from ..memory.pools import StagePools
 from . import cudart, kernels, native
 from .pages import PageIds
-from .plan import Plan, buffer_addresses
 from .ring import MIN_BUCKET, IdRing, bucket, bucket_sizes, write_ids
+from .selection import Selection, buffer_addresses
 
 #: Id slots in the ring (each with its own CUDA graphs), and the most pages one slot holds:
 #: a slot is sized to the larger pool (a move never lists a destination page twice), up to
@@ -78,7 +78,7 @@ class EngineOptions:
 
 
 class _Launch:
-    """Everything one (plan, direction) launch needs; graphs per (id slot, bucket), captured on first use.
+    """Everything one (sel, direction) launch needs; graphs per (id slot, bucket), captured on first use.
 
     ``tables`` holds (device table, geometry) coarse first, then fine.
     """
@@ -120,7 +120,7 @@ class TritonEngine:
         self.cuda = self.device.type == "cuda"
         # every address is a word offset from this tensor (on the pools' device)
         self._anchor = torch.zeros(2, dtype=torch.int64, device=self.device)
-        self._launches: dict[tuple[Plan, bool], _Launch] = {}
+        self._launches: dict[tuple[Selection, bool], _Launch] = {}
         self._events: list[tuple[Any, Any]] = []
         self._rt: cudart.Runtime | None = None
         self._native: Any = None
@@ -146,19 +146,19 @@ class TritonEngine:
             self.programs = self.warps = 3  # interpreter: a few programs still exercise the persistent loop
 
     # -- per call ---------------------------------------------------------------------------
-    def run(self, plan: Plan, ids: PageIds, d2h: bool) -> None:
+    def run(self, sel: Selection, ids: PageIds, d2h: bool) -> None:
         """Interpreter (CPU tensors): the same kernel, synchronously."""
         import numpy as np
         import torch
 
-        launch = self._launch_for(plan, d2h)
+        launch = self._launch_for(sel, d2h)
         slot = np.empty(1 + 2 * ids.count, dtype=np.int64)
         write_ids(slot, ids.device, ids.host)
         t = torch.from_numpy(slot)
         table, geometry = launch.table_for(ids.count, self.warps)
         self._kernel(launch, table, self._offset(t), geometry, d2h)
 
-    def queue_move(self, plan: Plan, d2h: bool, dev: Any, host: Any) -> int:
+    def queue_move(self, sel: Selection, d2h: bool, dev: Any, host: Any) -> int:
         """A one-launch move on the caller's stream, in one call into C: the slot it took, whose
         ``slot_events`` time it; or -1 when this path cannot take it (no compiled module, bad or
         too many ids, not 1-D int64 numpy arrays or CPU tensors): then ``submit`` after the checks.
@@ -169,7 +169,7 @@ class TritonEngine:
         mod = self._native
         if mod is None:
             return -1
-        launch = self._launch_for(plan, d2h)
+        launch = self._launch_for(sel, d2h)
         words = self._slots.words
         stream = self._stream()
         while True:
@@ -199,15 +199,15 @@ class TritonEngine:
     def slot_events(self, slot: int) -> tuple[Any, Any]:
         return self._slots.events[slot]
 
-    def submit(self, d2h: bool, plans: list[Plan], ids: PageIds, per_layer: bool) -> tuple[Any, Any, list]:
-        """Queue one launch per plan (checked ids); returns (start, end, per-plan events when ``per_layer``).
+    def submit(self, d2h: bool, sels: list[Selection], ids: PageIds, per_layer: bool) -> tuple[Any, Any, list]:
+        """Queue one launch per sel (checked ids); returns (start, end, per-sel events when ``per_layer``).
 
         A move of more pages than a slot holds is queued in slot-sized pieces, each recording
         its slot's guard event, so a later piece may reuse the slot once the earlier one ran.
         """
         import torch
 
-        launches = [self._launch_for(p, d2h) for p in plans]  # built before anything is queued
+        launches = [self._launch_for(p, d2h) for p in sels]  # built before anything is queued
         start, end = self._events.pop() if self._events else self._new_events()
         if per_layer:  # the engine's stream, after what the caller's stream wrote so far
             self._entry.record(torch.cuda.current_stream(self.device))
@@ -292,17 +292,17 @@ class TritonEngine:
     def _offset(self, t: Any) -> int:
         return (t.data_ptr() - self._anchor.data_ptr()) // 8
 
-    # -- once per (plan, direction[, slot, bucket]) -------------------------------------------
-    def _launch_for(self, plan: Plan, d2h: bool) -> _Launch:
-        launch = self._launches.get((plan, d2h))
+    # -- once per (sel, direction[, slot, bucket]) -------------------------------------------
+    def _launch_for(self, sel: Selection, d2h: bool) -> _Launch:
+        launch = self._launches.get((sel, d2h))
         if launch is None:
-            launch = self._launches[(plan, d2h)] = self._build(plan, d2h)
+            launch = self._launches[(sel, d2h)] = self._build(sel, d2h)
         return launch
 
-    def _build(self, plan: Plan, d2h: bool) -> _Launch:
+    def _build(self, sel: Selection, d2h: bool) -> _Launch:
         import torch
 
-        spans = [kernels.BufferSpan(*row) for row in buffer_addresses(plan, self.dp, self.hp)]
+        spans = [kernels.BufferSpan(*row) for row in buffer_addresses(sel, self.dp, self.hp)]
         tables = []
         for chunk in dict.fromkeys((self.options.chunk_bytes, self.options.fine_chunk_bytes)):
             geometry = kernels.chunk_table(spans, self._anchor.data_ptr(), chunk)

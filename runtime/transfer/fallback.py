@@ -2,7 +2,7 @@
 
 * ``CpuEngine`` (path ``cpu``): pools on the CPU.  Where the compiled module
   (``native.py``) is built, a whole move is one call into C: one ``memcpy`` per
-  page per buffer over a table of the plan's buffer addresses made once, without
+  page per buffer over a table of the sel's buffer addresses made once, without
   the GIL, over torch's OpenMP threads from ``THREADS_FROM_BYTES`` -- on 2 CPU
   cores 1.4-2.4x faster than the per-page ``torch.copy_`` loop at every point of
   ``bench transfer``, 6-13x for C128 (whose small pages cost the loop a dispatch
@@ -26,7 +26,7 @@ from ..memory.host_pools import HostPools
 from ..memory.pools import StagePools
 from . import native
 from .pages import PageIds
-from .plan import BufferRef, Plan, buffer_addresses
+from .selection import BufferRef, Selection, buffer_addresses, buffer_pair
 
 #: Pages smaller than this move by one fancy-indexed assignment per buffer (when more than
 #: ``ROW_LOOP_MAX_PAGES`` move); measured on CPU: per-row numpy assignment wins from ~16 KiB.
@@ -55,32 +55,35 @@ class CpuEngine:
 
     def __init__(self, dp: StagePools, hp: HostPools):
         self.dp, self.hp = dp, hp
-        self._dev = {p: [b.numpy() if b is not None else None for b in bufs] for p, bufs in dp.buffers.items()}
-        self._host = {p: [b.numpy() if b is not None else None for b in bufs] for p, bufs in hp.buffers.items()}
+        self._views: dict[BufferRef, tuple[np.ndarray, np.ndarray]] = {}  # numpy views, made once
         self._rows: dict[tuple[str, int], tuple[Any, Any]] = {}  # row views of buffers with big pages
         self._native = native.module()
         self._threads = _copy_threads()
-        self._tables: dict[Plan, np.ndarray] = {}  # per plan: (dev base, host base, strides, page bytes) rows
+        self._tables: dict[Selection, np.ndarray] = {}  # per sel: (dev base, host base, strides, page bytes) rows
 
-    def run(self, plan: Plan, ids: PageIds, d2h: bool) -> None:
-        """Copy the (checked) pages of every buffer of ``plan``."""
+    def run(self, sel: Selection, ids: PageIds, d2h: bool) -> None:
+        """Copy the (checked) pages of every buffer of ``sel``."""
         if self._native is not None:
-            table = self._tables.get(plan)
+            table = self._tables.get(sel)
             if table is None:
-                table = self._tables[plan] = self._table(plan)
-            threads = self._threads if ids.count * plan.page_bytes >= THREADS_FROM_BYTES else 1
+                table = self._tables[sel] = self._table(sel)
+            threads = self._threads if ids.count * sel.page_bytes >= THREADS_FROM_BYTES else 1
             self._native.copy_pages(table, ids.device, ids.host, d2h, threads)
             return
-        self._run_numpy(plan, ids, d2h)
+        self._run_numpy(sel, ids, d2h)
 
-    def _table(self, plan: Plan) -> np.ndarray:
-        return np.array(buffer_addresses(plan, self.dp, self.hp), dtype=np.int64).reshape(-1)
+    def _table(self, sel: Selection) -> np.ndarray:
+        return np.array(buffer_addresses(sel, self.dp, self.hp), dtype=np.int64).reshape(-1)
 
-    def _run_numpy(self, plan: Plan, ids: PageIds, d2h: bool) -> None:
+    def _run_numpy(self, sel: Selection, ids: PageIds, d2h: bool) -> None:
         n = ids.count
         lists: tuple[list[int], list[int]] | None = None
-        for ref in plan.buffers:
-            d, h = self._dev[ref.pool][ref.index], self._host[ref.pool][ref.index]
+        for ref in sel.buffers:
+            views = self._views.get(ref)
+            if views is None:
+                d_t, h_t = buffer_pair(ref, self.dp, self.hp)
+                views = self._views[ref] = (d_t.numpy(), h_t.numpy())
+            d, h = views
             if ref.page_bytes < FANCY_BELOW_BYTES and n > ROW_LOOP_MAX_PAGES:
                 if d2h:
                     h[ids.host] = d[ids.device]
@@ -103,7 +106,7 @@ class CpuEngine:
     def _torch_rows(self, ref: BufferRef, lists: tuple[list[int], list[int]], d2h: bool) -> None:
         rows = self._rows.get((ref.pool, ref.index))
         if rows is None:  # every page's row view, made once in one C call (indexing costs ~2 us a row)
-            d, h = self.dp.buffers[ref.pool][ref.index], self.hp.buffers[ref.pool][ref.index]
+            d, h = buffer_pair(ref, self.dp, self.hp)
             rows = self._rows[(ref.pool, ref.index)] = (d.unbind(0), h.unbind(0))
         d_rows, h_rows = rows
         if d2h:
@@ -122,15 +125,12 @@ class TorchEngine:
     def __init__(self, dp: StagePools, hp: HostPools):
         self.dp, self.hp = dp, hp
 
-    def _pair(self, ref: BufferRef) -> tuple[Any, Any]:
-        return self.dp.buffers[ref.pool][ref.index], self.hp.buffers[ref.pool][ref.index]
-
-    def run(self, plan: Plan, ids: PageIds, d2h: bool) -> None:
+    def run(self, sel: Selection, ids: PageIds, d2h: bool) -> None:
         import torch
 
         dev_idx = torch.from_numpy(ids.device).to(self.dp.device)
-        for ref in plan.buffers:
-            d, h = self._pair(ref)
+        for ref in sel.buffers:
+            d, h = buffer_pair(ref, self.dp, self.hp)
             if d2h:  # .cpu() waits for the caller's stream: the pages are what it last wrote
                 h.numpy()[ids.host] = d.index_select(0, dev_idx).cpu().numpy()
             else:  # queued on the caller's stream, so its later work sees the pages

@@ -1,44 +1,20 @@
 """Startup validation: pure functions that return *every* mapping error.
 
 Nothing here raises on a bad stage; callers decide (``check`` prints and exits
-1, pool construction raises ``StageMappingInvalid``, ``serve`` refuses to
-start serving and shows the errors on the dashboard).
+1, ``serve`` refuses to start serving and shows the errors on the dashboard, the
+sglang hook refuses the stack build in strict mode).  The inventory checked is a
+plan's (``StagePlan.inventory``: what a constructor will build) or real pools'.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 from ..errors import MappingError
 from ..model.layer_map import StageLayerMap
 from ..model.partition import StageSlice
 from ..model.pool_kinds import KINDS, POOLS
-
-
-@dataclass(frozen=True)
-class PoolInventory:
-    """What a stage really holds: per pool, one flag per buffer (False = the slot is None).
-
-    A pool absent from ``slots`` was never built.  Real pools report their
-    inventory from their tensors; ``check`` plans one the way a pool
-    constructor (or a known-buggy one, see ``faults``) would allocate.
-    """
-
-    stage: int
-    slots: Mapping[str, tuple[bool, ...]]
-
-    @classmethod
-    def from_buffers(cls, stage: int, buffers: Mapping[str, Sequence[object] | None]) -> PoolInventory:
-        slots = {
-            pool: tuple(b is not None for b in bufs)
-            for pool, bufs in buffers.items()
-            if bufs is not None
-        }
-        return cls(stage, slots)
-
-    def counts(self) -> dict[str, int]:
-        return {pool: len(self.slots.get(pool, ())) for pool in POOLS}
+from ..plan.inventory import PoolInventory
 
 
 def _count_message(pool: str, got: int, expected: int) -> str:
@@ -59,7 +35,7 @@ def validate_stage(stage_map: StageLayerMap, inventory: PoolInventory) -> list[M
 
     for pool in POOLS:
         want = expected[pool]
-        slots = inventory.slots.get(pool)
+        slots = inventory.buffers.get(pool)
         if slots is None:
             if want:
                 errors.append(MappingError(
@@ -105,7 +81,7 @@ def _check_ids(stage_map: StageLayerMap, pool: str, inventory: PoolInventory) ->
     s = stage_map.stage
     ratio, attr = KINDS[pool].owner_ratio, KINDS[pool].id_attr
     layers = stage_map.pool_layers(pool)
-    size = len(inventory.slots.get(pool, ()))
+    size = len(inventory.buffers.get(pool, ()))
     errors: list[MappingError] = []
     seen: dict[int, int] = {}
     for e in layers:

@@ -1,20 +1,22 @@
-"""The startup report: every stage's map, buffers and errors, plus cross-stage errors.
+"""The startup report: every stage's map, buffers, bytes and errors, plus cross-stage errors.
 
-Built by ``check`` from planned inventories and by ``serve``'s rank 0 from the
-inventories the stage processes gathered; the dashboard and exporters read the
-same object (or its ``to_dict``), so the JSON shape is defined here, once.
+Built by ``check`` from a plan (its planned inventories), by ``serve``'s rank 0 from the
+plan and the inventories and bytes the stage processes measured on their real pools, and
+by the sglang integration from the stage plans of live pools; the dashboard and exporters
+read the same object (or its ``to_dict``), so the JSON shape is defined here, once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import MappingError
 from ..model.layer_map import ModelLayout, StageLayerMap
-from .checks import PoolInventory, validate_stage, validate_tiling
-from .faults import Fault, apply_layout_faults, planned_inventory
+from ..plan.inventory import PoolInventory
+from ..plan.plan import RunPlan
+from .checks import validate_stage, validate_tiling
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,9 @@ class StageReport:
     buffers: Mapping[str, int]
     expected: Mapping[str, int]
     errors: tuple[MappingError, ...]
+    #: per pool kind, one page (a request slot) over every present buffer, in bytes: planned by
+    #: ``check``, measured on the real tensors by ``serve`` -- the two must agree
+    pool_page_bytes: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -32,6 +37,7 @@ class StageReport:
         d = self.stage_map.to_dict()
         d["buffers"] = dict(self.buffers)
         d["expected_buffers"] = dict(self.expected)
+        d["pool_page_bytes"] = dict(self.pool_page_bytes)
         d["ok"] = self.ok
         d["errors"] = [e.to_dict() for e in self.errors]
         return d
@@ -75,13 +81,15 @@ def build_report(
     inventories: Sequence[PoolInventory],
     page_size: int,
     faults: Sequence[str] = (),
+    pool_page_bytes: Sequence[Mapping[str, int]] | None = None,
 ) -> StartupReport:
     """Validate every stage against its inventory, then the tiling across stages."""
     by_stage = {inv.stage: inv for inv in inventories}
     stages = []
-    for s in layout.stages:
+    for i, s in enumerate(layout.stages):
         inv = by_stage.get(s.stage, PoolInventory(s.stage, {}))
-        stages.append(StageReport(s, inv.counts(), s.expected_buffers(), tuple(validate_stage(s, inv))))
+        nbytes = pool_page_bytes[i] if pool_page_bytes is not None else {}
+        stages.append(StageReport(s, inv.counts(), s.expected_buffers(), tuple(validate_stage(s, inv)), nbytes))
     cross = validate_tiling(layout.slices, layout.spec.num_layers)
     return StartupReport(
         model=layout.spec.name,
@@ -95,10 +103,7 @@ def build_report(
     )
 
 
-def preflight(layout: ModelLayout, page_size: int, faults: Sequence[Fault] = ()) -> StartupReport:
-    """``check``: plan every stage's pools (as a constructor would, faults included) and validate."""
-    faulty = apply_layout_faults(layout, faults)
-    ratios = layout.spec.compress_ratios
-    inventories = [planned_inventory(s, ratios, faults, layout.pp_size) for s in faulty.stages]
-    names = [f.name if f.stage is None else f"{f.name}@{f.stage}" for f in faults]
-    return build_report(faulty, inventories, page_size, names)
+def preflight(plan: RunPlan) -> StartupReport:
+    """``check``: validate every stage of a plan against its planned pools (faults included)."""
+    return build_report(plan.layout, [s.inventory() for s in plan.stages], plan.page_size,
+                        plan.fault_names, [s.pool_page_bytes() for s in plan.stages])

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build .venv-sglang: the real sglang (pinned) for tests/test_sglang_live.py.
+# Build .venv-sglang: the real sglang (pinned) for tests/integrations/test_sglang_live.py.
 #
 # Why a separate venv: sglang 0.5.23 hard-imports torchvision, and PyPI's torchvision
 # wheels are CUDA builds whose ops do not load into the CPU torch 2.13.0 of the main

@@ -28,7 +28,8 @@ from ...model.layer_map import LayerEntry, ModelLayout, StageLayerMap, build_sta
 from ...model.partition import parse_partition, partition_layers
 from ...model.pool_kinds import POOLS
 from ...model.spec import SUPPORTED_RATIOS, ModelSpec
-from ...validation.checks import PoolInventory, validate_stage, validate_tiling
+from ...plan.inventory import PoolInventory
+from ...validation.checks import validate_stage, validate_tiling
 from ...validation.report import StageReport, StartupReport, build_report
 
 #: The env var sglang's ``get_pp_indices`` reads for an explicit partition.

@@ -1,0 +1,68 @@
+"""Every default a user can see, in one place: the CLI's flags, serve, the benchmarks and the docs
+read them here, so ``--help`` of every command shows the same value for the same flag.
+
+Two groups:
+
+* sglang 0.5.23's own DeepSeek-V4 defaults, which ``stagecache pools`` and the sglang reader
+  reproduce (page size, SWA share of the full tokens, request slots, host ratio);
+* stagecache's own (the demo run, ports, the runtime's page space).
+
+docs/defaults.md is rendered from this module and a test keeps the two equal.
+"""
+
+from __future__ import annotations
+
+# -- the model and its PP layout -------------------------------------------------------------------
+#: The model every command takes when ``--model`` is not given: a small DeepSeek-V4-shaped preset
+#: that runs on CPU in seconds (``deepseek-v4-flash`` is the real one).
+MODEL = "tiny-v4"
+#: Pipeline-parallel stages: the product is about PP, so every command starts with four.
+PP_SIZE = 4
+#: Tensor-parallel ranks per stage (MLA-style KV is replicated across them).
+TP_SIZE = 1
+#: Tokens per KV page; also what sglang 0.5.23 runs DeepSeek-V4 with on CUDA (it overrides
+#: ``--page-size``), so a default plan and sglang's agree.
+PAGE_SIZE = 256
+
+# -- sglang 0.5.23's sizing of a DeepSeek-V4 stage ------------------------------------------------
+#: ``--max-total-tokens`` of ``stagecache pools`` without a memory budget.
+MAX_TOTAL_TOKENS = 262_144
+#: ``--swa-full-tokens-ratio`` sglang sets for DeepSeek-V4.
+SWA_FULL_TOKENS_RATIO = 0.1
+#: ``--max-running-requests`` sglang sets for DeepSeek-V4 (``apply_deepseek_v4_defaults``).
+MAX_RUNNING_REQUESTS = 256
+#: ``--hicache-ratio``: host pages = device pages x ratio, per budget (sglang's default).
+HICACHE_RATIO = 2.0
+
+# -- the host (HiCache) tier -----------------------------------------------------------------------
+#: When device pages are backed up to the host: sglang's ``--hicache-write-policy`` values, in its order.
+WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
+WRITE_POLICY = "write_through"
+#: Host pool memory layouts, as sglang's ``--hicache-mem-layout``.
+HOST_LAYOUTS = ("layer_first", "page_first")
+HOST_LAYOUT = "layer_first"
+
+# -- serve: the demo run ----------------------------------------------------------------------------
+#: Device token pages per stage.
+DEVICE_PAGES = 64
+#: Requests of the generated multi-turn chat trace.
+REQUESTS = 240
+#: Request arrivals per second at stage 0: slow enough to watch the dashboard live.
+RATE = 20.0
+#: Requests per pipeline micro-batch (also the request slots of the per-request pools).
+MICRO_BATCH = 4
+#: Seconds every stage gets to start and report, and torch.distributed's timeout.
+STARTUP_TIMEOUT_S = 120.0
+DIST_TIMEOUT_S = 60.0
+#: A stage beats this often; one whose last beat is older than the timeout is down.
+HEARTBEAT_INTERVAL_S = 1.0
+HEARTBEAT_TIMEOUT_S = 5.0
+
+# -- listeners ----------------------------------------------------------------------------------------
+#: Address of the dashboard and of the stages' rendezvous and data plane: loopback only.
+HOST = "127.0.0.1"
+DIST_HOST = "127.0.0.1"
+#: Dashboard port of ``serve`` and ``dashboard``.
+DASHBOARD_PORT = 8000
+#: The one dashboard port of a live sglang deployment (``STAGECACHE_SGLANG_DASHBOARD_PORT``).
+SGLANG_DASHBOARD_PORT = 9100

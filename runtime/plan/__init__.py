@@ -1,0 +1,1 @@
+"""stagecache.runtime.plan: the one frozen plan of a run (``plan.build_plan``)."""

@@ -1,0 +1,32 @@
+"""The run's raw inputs -- model, PP/TP sizes, partition, page size, sizing, faults -- resolved
+into one checked plan at the boundary.
+
+Every entry point (CLI commands, benchmarks, ``serve``) names the same few inputs; this is the
+one function that turns them into a ``RunPlan``, so a bad value is the same ``ConfigError``
+(exit 2) whichever command received it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from .. import defaults
+from ..model.partition import parse_partition
+from ..model.spec import load_spec
+from .faults import parse_faults
+from .plan import RunPlan, Sizing, build_plan
+
+
+def resolve_plan(
+    model: str,
+    pp_size: int = defaults.PP_SIZE,
+    tp_size: int = defaults.TP_SIZE,
+    pp_partition: str | Sequence[int] | None = None,
+    page_size: int = defaults.PAGE_SIZE,
+    faults: Iterable[str] | None = None,
+    sizing: Sizing | None = None,
+) -> RunPlan:
+    """Load the spec, partition with sglang's rules, size the pools, apply the faults."""
+    spec = load_spec(model)
+    return build_plan(spec, pp_size, tp_size=tp_size, partition=parse_partition(pp_partition),
+                      page_size=page_size, sizing=sizing, faults=parse_faults(faults, pp_size))

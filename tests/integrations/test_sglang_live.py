@@ -1,0 +1,391 @@
+"""stagecache vs the REAL sglang (0.5.23): partition, layer maps, validation, start-up hook.
+
+Runs inside ``.venv-sglang`` (built by tests/setup.d/50-sglang.sh; driven from the main
+environment by tests/integrations/test_sglang_venv.py); skipped where sglang is not importable.
+
+How the real pool is built on a CPU machine: ``DeepSeekV4TokenToKVPool.__init__`` reads
+sglang's process-wide runtime context (``get_exec()``/``get_spec()``), which a server
+publishes from its ``ServerArgs``.  The module fixture publishes a default, unresolved
+``ServerArgs`` through sglang's own ``RuntimeContext.set_server_args`` for the small pools
+built directly (``make_pool``); the real-server tests resolve a ``ServerArgs`` for the real
+flash config and let sglang's configurator build the pools (tests/support/sglang_real.py).  Pools
+carry the config's ``compress_ratios`` as sglang's ``ModelConfig`` does: 44 entries for
+flash's 43 layers (the MTP placeholder), 13 for tiny's 12.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+
+import pytest
+
+sglang = pytest.importorskip("sglang", reason="sglang not installed (runs in .venv-sglang)")
+torch = pytest.importorskip("torch")
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from prometheus_client import generate_latest  # noqa: E402
+from sglang.srt.distributed.utils import get_pp_indices  # noqa: E402
+from sglang.srt.managers.cache_controller import HiCacheAck  # noqa: E402
+from sglang.srt.mem_cache import deepseek_v4_memory_pool as dsv4  # noqa: E402
+from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as hpa  # noqa: E402
+from sglang_real import partition_env, raw_ratios  # noqa: E402
+from stagecache.exporters.metrics import make_registry  # noqa: E402
+from stagecache.exporters.snapshot import SnapshotSource  # noqa: E402
+from stagecache.runtime.errors import StageMappingInvalid  # noqa: E402
+from stagecache.runtime.integrations import sglang as integ  # noqa: E402
+from stagecache.runtime.model.layer_map import build_layout  # noqa: E402
+from stagecache.runtime.model.partition import partition_layers  # noqa: E402
+from stagecache.runtime.model.spec import load_spec  # noqa: E402
+from stagecache.runtime.validation.faults import Fault  # noqa: E402
+from stagecache.runtime.validation.report import preflight  # noqa: E402
+
+PAGE = 256
+FLASH = load_spec("deepseek-v4-flash")
+TINY = load_spec("tiny-v4")
+#: The configs' compress_ratios as sglang's pools carry them (MTP placeholder included).
+RATIOS = {FLASH.name: raw_ratios("deepseek-v4-flash"), TINY.name: raw_ratios("tiny-v4")}
+FLASH44 = RATIOS[FLASH.name]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def published_context():
+    """Publish a default ServerArgs (model-config resolution skipped) as a server would."""
+    from sglang.srt import runtime_context
+    from sglang.srt.server_args import ServerArgs
+
+    post_init = ServerArgs.__post_init__
+    ServerArgs.__post_init__ = lambda self: None
+    try:
+        server_args = ServerArgs(model_path="stagecache-test", device="cpu")
+    finally:
+        ServerArgs.__post_init__ = post_init
+    runtime_context._CONTEXT.set_server_args(server_args)
+    logging.getLogger("sglang").setLevel(logging.WARNING)
+    yield
+
+
+def make_pool(ratios, start: int, end: int) -> dsv4.DeepSeekV4TokenToKVPool:
+    """A real sglang pool for layers [start, end) of a model with these ratios (tiny sizes)."""
+    return dsv4.DeepSeekV4TokenToKVPool(
+        max_num_reqs=2, swa_size=PAGE, c4_size=PAGE, c128_size=8,
+        c4_state_pool_size=PAGE, c128_state_pool_size=8,
+        page_size=PAGE, swa_page_size=PAGE, dtype=torch.float8_e4m3fn,
+        c4_state_dtype=torch.float32, c128_state_dtype=torch.float32,
+        # sglang's V4 layout asserts 448 FP8 nope + 64 BF16 rope (584 B/token)
+        qk_nope_head_dim=448, qk_rope_head_dim=64, indexer_head_dim=128,
+        layer_num=end - start, device="cpu", enable_memory_saver=False,
+        compression_ratios=list(ratios), sliding_window=128,
+        start_layer=start, end_layer=end,
+    )
+
+
+# -- partition: sglang's get_pp_indices == stagecache's partition_layers -----------------------
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_partition_matches_get_pp_indices(data):
+    num_layers = data.draw(st.integers(1, 96), label="num_layers")
+    pp_size = data.draw(st.integers(1, min(num_layers, 16)), label="pp_size")
+    explicit = data.draw(st.booleans(), label="explicit")
+    partition = None
+    if explicit and pp_size > 1:
+        cuts = sorted(data.draw(st.sets(st.integers(1, num_layers - 1), min_size=pp_size - 1,
+                                        max_size=pp_size - 1), label="cuts"))
+        bounds = [0, *cuts, num_layers]
+        partition = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
+    with partition_env(partition):
+        theirs = [get_pp_indices(num_layers, r, pp_size) for r in range(pp_size)]
+        assert integ.partition_findings(num_layers, pp_size) == []
+    ours = [(s.start, s.end) for s in partition_layers(num_layers, pp_size, partition)]
+    assert ours == theirs
+
+
+def test_partition_mismatch_is_a_finding():
+    # sglang accepts an empty stage in SGLANG_PP_LAYER_PARTITION; stagecache refuses it.
+    with partition_env([0, 12]):
+        assert get_pp_indices(12, 0, 2) == (0, 0)
+        (finding,) = integ.partition_findings(12, 2)
+    assert finding.pool == "partition" and "at least one layer" in finding.message
+
+
+# -- layer maps: the real pool and assembler == stagecache's maps ------------------------------
+def _cases():
+    for spec in (FLASH, TINY):
+        for pp in (1, 2, 3, 4, 5, 8):
+            yield spec, pp, None
+    yield FLASH, 4, (11, 11, 11, 10)
+    yield FLASH, 3, (20, 3, 20)
+    yield TINY, 3, (1, 10, 1)
+
+
+def _check_stage(spec_ratios, stage_map):
+    pool = make_pool(spec_ratios, stage_map.start, stage_map.end)
+    # _init_compressed_layer_mapping (run by the constructor): global id -> item
+    for e in stage_map.layers:
+        item = pool.layer_mapping[e.global_id]
+        assert item.compress_ratio == e.compress_ratio
+        if e.compress_ratio:
+            assert item.compress_layer_id == e.compress_layer_id
+    assert all(pool.layer_mapping[g] is None for g in range(len(spec_ratios))
+               if not stage_map.owns(g))
+    # the assembler's resolution: the maps the host stack is built with
+    m = hpa._resolve_deepseek_v4_layer_mappings(pool)
+    assert m.transfer_layer_id_max == stage_map.local_layers
+    assert m.swa == stage_map.pool_map("swa")
+    assert m.c4 == stage_map.pool_map("c4")
+    assert m.c128 == stage_map.pool_map("c128")
+    assert m.c4_state == stage_map.pool_map("c4_state")
+    assert m.c4_state_global_layers == [e.global_id for e in stage_map.pool_layers("c4_state")]
+    # the real buffers: one per local layer of each kind
+    assert len(pool.swa_kv_pool.kv_buffer) == stage_map.expected_buffers()["swa"]
+    for ratio, kv in ((4, pool.c4_kv_pool), (128, pool.c128_kv_pool)):
+        # sglang keeps a (possibly empty) pool only for ratios the model has
+        assert (kv is None) == (ratio not in spec_ratios)
+        got = len(kv.kv_buffer) if kv is not None else 0
+        assert got == stage_map.expected_buffers()[f"c{ratio}"]
+    return pool
+
+
+@pytest.mark.parametrize(("spec", "pp", "partition"), list(_cases()),
+                         ids=lambda v: getattr(v, "name", str(v)))
+def test_layer_maps_match_real_pool_and_assembler(spec, pp, partition):
+    layout = build_layout(spec, pp, 1, partition)
+    pools = []
+    with partition_env(partition):
+        for stage_map in layout.stages:
+            assert get_pp_indices(spec.num_layers, stage_map.stage, pp) == (stage_map.start, stage_map.end)
+            pools.append(_check_stage(RATIOS[spec.name], stage_map))
+        report = integ.inspect_pools(pools, pp_size=pp, model_name=spec.name)
+        for pool in pools:  # each rank on its own, as the start-up hook sees it
+            alone = integ.inspect_pool(pool, pp_size=pp)
+            assert alone.ok and alone.num_layers == spec.num_layers, [str(e) for e in alone.all_errors]
+    assert report.ok, [str(e) for e in report.all_errors]
+    assert report.num_layers == spec.num_layers and report.cross_errors == ()  # no false gap
+    # the same per-stage report `stagecache check` computes for this layout
+    want = preflight(layout, PAGE).to_dict()
+    assert report.to_dict()["stages"] == want["stages"]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ratios=st.lists(st.sampled_from((0, 4, 128)), min_size=2, max_size=24), data=st.data())
+def test_random_models_match(ratios, data):
+    pp = data.draw(st.integers(1, min(4, len(ratios))), label="pp")
+    rank = data.draw(st.integers(0, pp - 1), label="rank")
+    mtp = data.draw(st.booleans(), label="MTP placeholder in the config")
+    spec = dataclasses.replace(TINY, num_layers=len(ratios), compress_ratios=tuple(ratios))
+    stage_map = build_layout(spec, pp).stages[rank]
+    pool = _check_stage(ratios + [0] * mtp, stage_map)
+    report = integ.inspect_pool(pool, pp_size=pp, num_layers=len(ratios))
+    assert report.ok, [str(e) for e in report.all_errors]
+    assert report.stages[0].stage_map == stage_map
+
+
+# -- faults: the same errors as `stagecache check --fault ...` --------------------------------
+def _global_swa(pool):
+    """What the original bug did: the SWA pool sized by the model's global layer count."""
+    pool.swa_kv_pool = pool._make_kv_pool(
+        size=PAGE, page_size=PAGE, dtype=torch.float8_e4m3fn,
+        layer_num=FLASH.num_layers, device="cpu",  # the model's global layer count on every stage
+        enable_memory_saver=False, global_page_size=PAGE,
+    )
+    return pool
+
+
+def _stage_errors(report, stage):
+    return [e.message for s in report.stages if s.stage_map.stage == stage for e in s.errors]
+
+
+def test_global_swa_same_errors_as_check_and_as_sglang():
+    layout = build_layout(FLASH, 4)
+    s = layout.stages[2]
+    pool = _global_swa(make_pool(FLASH44, s.start, s.end))
+    report = integ.inspect_pool(pool, pp_size=4)
+    want = preflight(layout, PAGE, [Fault("global-swa")])
+    assert not report.ok
+    assert _stage_errors(report, 2) == _stage_errors(want, 2)
+    assert _stage_errors(report, 2) == [
+        "DeepSeek V4 SWA KV pool must be PP-stage-local: got 43 buffers for 11 local layers"
+    ]
+    # sglang's own HiCache build rejects the same pool with the same words
+    with pytest.raises(ValueError, match="DeepSeek V4 SWA KV pool must be PP-stage-local: got 43 buffers for 11"):
+        hpa.build_deepseek_v4_hicache_stack(
+            params=_Params(), kvcache=pool, load_cache_event=None, storage_backend=None)
+
+
+def test_missing_c4_state_same_error_as_check():
+    layout = build_layout(FLASH, 4)
+    s = layout.stages[1]
+    pool = make_pool(FLASH44, s.start, s.end)
+    last_c4 = s.pool_layers("c4_state")[-1].global_id
+    pool.compress_state_pools[last_c4] = None
+    report = integ.inspect_pool(pool, pp_size=4)
+    want = preflight(layout, PAGE, [Fault("missing-c4-state")])
+    assert _stage_errors(report, 1) == _stage_errors(want, 1)
+    assert "deepseek_v4_c4_state state_pools must not contain None" in _stage_errors(report, 1)[0]
+
+
+def test_wrong_compress_id_and_pool_holes_are_reported():
+    s = build_layout(TINY, 2).stages[1]
+    pool = make_pool(RATIOS[TINY.name], s.start, s.end)
+    c128 = s.pool_layers("c128")
+    first, second = c128[0].global_id, c128[1].global_id
+    pool.layer_mapping[second] = pool.layer_mapping[first]  # two C128 layers share an id
+    pool.indexer_compress_state_pools[s.pool_layers("c4")[0].global_id] = None
+    report = integ.inspect_pool(pool, pp_size=2)
+    msgs = _stage_errors(report, 1)
+    assert any("share compress_layer_id 0" in m for m in msgs), msgs
+    assert any("c4_indexer_state state_pools must not contain None" in m for m in msgs), msgs
+    assert any("differs from the stage-local id" in m for m in msgs), msgs
+
+
+# -- start-up hook ---------------------------------------------------------------------------
+class _Params:
+    """The one CacheInitParams field build_deepseek_v4_hicache_stack reads before its SWA check."""
+
+    page_size = PAGE
+    mtp_draft_device_pools = ()
+
+
+def test_attach_validates_publishes_and_restores():
+    original = hpa.build_deepseek_v4_hicache_stack
+    layout = build_layout(FLASH, 4)
+    s = layout.stages[3]
+    bad = _global_swa(make_pool(FLASH44, s.start, s.end))
+    with integ.attach(pp_size=4) as source:
+        assert isinstance(source, SnapshotSource)
+        assert hpa.build_deepseek_v4_hicache_stack is not original
+        assert source.startup() is None
+        with pytest.raises(StageMappingInvalid, match="stage 3.*PP-stage-local: got 43 buffers for 11"):
+            hpa.build_deepseek_v4_hicache_stack(
+                params=_Params(), kvcache=bad, load_cache_event=None, storage_backend=None)
+        startup = source.startup()
+        assert startup["ok"] is False and startup["stages"][0]["stage"] == 3
+        assert startup["stages"][0]["buffers"]["swa"] == 43
+        live = source.stages()[3].model_dump()
+        assert live["pool_bytes"]["swa"]["device"] == sum(b.nbytes for b in bad.swa_kv_pool.kv_buffer)
+    assert hpa.build_deepseek_v4_hicache_stack is original
+
+
+def test_attach_non_strict_delegates_to_sglang():
+    s = build_layout(FLASH, 2).stages[0]
+    bad = _global_swa(make_pool(FLASH44, s.start, s.end))
+    with integ.attach(pp_size=2, strict=False) as source:
+        # the real sglang function runs and raises its own error
+        with pytest.raises(ValueError, match="DeepSeek V4 SWA KV pool must be PP-stage-local"):
+            hpa.build_deepseek_v4_hicache_stack(
+                params=_Params(), kvcache=bad, load_cache_event=None, storage_backend=None)
+    assert source.startup()["ok"] is False
+
+
+class _Controller:
+    """Records HiCache acks the way sglang's start_writing/start_loading do (CPU stand-in:
+    the real HybridCacheController needs CUDA streams); the acks are sglang's HiCacheAck."""
+
+    def __init__(self):
+        self.ack_write_queue, self.ack_load_queue = [], []
+
+    def start_writing(self):
+        self.ack_write_queue.append(HiCacheAck(None, None, [1], num_tokens=256, num_bytes=4096))
+
+    def start_loading(self):
+        self.ack_load_queue.append(HiCacheAck(None, None, [1], num_tokens=512, num_bytes=8192))
+        return 0
+
+
+def test_transfers_reach_the_prometheus_exporter():
+    source = integ.SglangSource()
+    s = build_layout(TINY, 2).stages[1]
+    pool = make_pool(RATIOS[TINY.name], s.start, s.end)
+    source.publish(integ.inspect_pool(pool, pp_size=2))
+    ctl = _Controller()
+    restore = integ.wrap_controller(ctl, source, stage=1)
+    ctl.start_writing()
+    ctl.start_loading()
+    ctl.start_loading()
+    live = source.stages()[1].model_dump()
+    assert live["transfer_bytes"] == {"d2h": 4096, "h2d": 16384}
+    assert live["transfer_count"] == {"d2h": 1, "h2d": 2}
+    assert live["cache_tokens"]["host"] == 1024
+    assert live["transfer_seconds"]["h2d"] > 0
+    restore()
+    ctl.start_writing()
+    assert source.stages()[1].transfer_count.d2h == 1
+    text = generate_latest(make_registry(source)).decode()
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = [x for f in text_string_to_metric_families(text) for x in f.samples]
+    h2d = [x.value for x in samples if x.name == "stagecache_transfer_bytes_total"
+           and x.labels["direction"] == "h2d" and x.labels["pp_rank"] == "1"]
+    assert h2d == [16384.0]
+    assert [x.value for x in samples if x.name == "stagecache_startup_ok"] == [1.0]
+
+
+def test_install_serves_the_stage_dashboard(free_port):
+    import httpx
+
+    s = build_layout(FLASH, 4).stages[2]
+    bad = _global_swa(make_pool(FLASH44, s.start, s.end))
+    att = integ.install(pp_size=4, dashboard_port=free_port - 2)  # served on port + pp_rank
+    try:
+        with pytest.raises(StageMappingInvalid):
+            hpa.build_deepseek_v4_hicache_stack(
+                params=_Params(), kvcache=bad, load_cache_event=None, storage_backend=None)
+        assert att.dashboard_url == f"http://127.0.0.1:{free_port}"
+        startup = httpx.get(f"{att.dashboard_url}/api/startup", timeout=10).json()
+        assert startup["ok"] is False
+        assert startup["stages"][0]["errors"][0]["message"].startswith(
+            "DeepSeek V4 SWA KV pool must be PP-stage-local: got 43 buffers for 11")
+        metrics = httpx.get(f"{att.dashboard_url}/metrics", timeout=10).text
+        assert re.search(r"^stagecache_startup_ok\{[^}]*\} 0\.0$", metrics, re.M), metrics
+    finally:
+        att.detach()
+    assert hpa.build_deepseek_v4_hicache_stack.__module__ == hpa.__name__
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{free_port}/healthz", timeout=2)
+
+
+def test_sglang_plugin_entry_point(monkeypatch):
+    """sglang's own plugin loader finds the entry point; it is off unless STAGECACHE_SGLANG=1."""
+    from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins_by_group
+    from sglang.srt.runtime_context import get_parallel
+
+    plugin, dist = load_plugins_by_group(GENERAL_PLUGINS_GROUP)["stagecache"]
+    assert dist == "stagecache" and plugin is integ.sglang_plugin
+    original = hpa.build_deepseek_v4_hicache_stack
+    monkeypatch.delenv("STAGECACHE_SGLANG", raising=False)
+    assert plugin() is None and hpa.build_deepseek_v4_hicache_stack is original
+
+    assert get_parallel().pp_size == 1  # the published default ServerArgs: pp_size 1
+    monkeypatch.setenv("STAGECACHE_SGLANG", "1")
+    monkeypatch.setattr(integ.hooks, "_PLUGIN", None)
+    att = plugin()
+    try:
+        assert plugin() is att  # once per process
+        pool = make_pool(RATIOS[TINY.name], 0, TINY.num_layers)
+        pool.compress_state_pools[TINY.ratio_layers(4)[-1]] = None
+        with pytest.raises(StageMappingInvalid, match=r"\[stage 0\] c4_state: deepseek_v4_c4_state"):
+            hpa.build_deepseek_v4_hicache_stack(
+                params=_Params(), kvcache=pool, load_cache_event=None, storage_backend=None)
+        assert att.source.startup()["pp_size"] == 1
+    finally:
+        att.detach()
+    assert hpa.build_deepseek_v4_hicache_stack is original
+
+
+def test_pool_of_another_partition_is_a_clear_config_error():
+    from stagecache.runtime.errors import ConfigError
+
+    pool = make_pool(FLASH44, 0, 10)  # rank 0 of pp 4, no rank of pp 3
+    with pytest.raises(ConfigError, match=r"layers \[0, 10\) matches no rank of get_pp_indices for pp_size=3"):
+        integ.inspect_pool(pool, pp_size=3)
+
+
+def test_sync_transfers_still_records_without_cuda_events():
+    source = integ.SglangSource()
+    ctl = _Controller()
+    integ.wrap_controller(ctl, source, stage=0, sync=True)
+    ctl.start_loading()
+    live = source.stages()[0].model_dump()
+    assert live["transfer_bytes"]["h2d"] == 8192 and live["transfer_seconds"]["h2d"] > 0

@@ -1,0 +1,169 @@
+"""Transfers on CPU: device -> host -> device is bit-identical for every pool kind and layout."""
+
+from __future__ import annotations
+
+import contextlib
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from plans import pools as make_pools
+from stagecache.runtime.errors import LayerNotOwnedError
+from stagecache.runtime.memory.host_pools import HostPools
+from stagecache.runtime.model.layer_map import build_layout
+from stagecache.runtime.model.pool_kinds import HOST_CACHED
+from stagecache.runtime.model.spec import load_spec
+from stagecache.runtime.transfer import native
+from stagecache.runtime.transfer.controller import TransferController, TransferError
+from stagecache.runtime.transfer.stats import TransferStats
+
+TINY = load_spec("tiny-v4")
+STAGE = build_layout(TINY, 2).stages[1]  # has every pool kind
+DEV_PAGES, HOST_PAGES = 12, 20
+
+
+def make(layout: str, seed: int = 0):
+    """Pools with every page allocated (transfers refuse unallocated pages)."""
+    dp = make_pools(TINY, STAGE, 128, DEV_PAGES, host_pages=HOST_PAGES)
+    hp = HostPools(dp, layout=layout)
+    dp.allocator.alloc(DEV_PAGES)
+    hp.allocator.alloc(HOST_PAGES)
+    g = torch.Generator().manual_seed(seed)
+    for bufs in dp.buffers.values():
+        for b in bufs:
+            b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=g))
+    stats = TransferStats()
+    return dp, hp, TransferController(dp, hp, stats), stats
+
+
+def snapshot(dp):
+    return {p: [b.clone() for b in bufs] for p, bufs in dp.buffers.items()}
+
+
+page_sets = st.integers(1, DEV_PAGES).flatmap(lambda n: st.tuples(
+    st.permutations(range(DEV_PAGES)).map(lambda p: p[:n]),
+    st.permutations(range(HOST_PAGES)).map(lambda p: p[:n]),
+    st.permutations(range(DEV_PAGES)).map(lambda p: p[:n]),
+))
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled-copy", "numpy-copy"])
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@settings(max_examples=12, deadline=None)
+@given(pages=page_sets)
+def test_round_trip_bit_identical_every_pool(layout, compiled, pages):
+    """Both CPU copy paths: one C call per move where the module is built, numpy/torch rows else."""
+    if compiled and native.module() is None:
+        pytest.skip("no C compiler or Python headers: the numpy path is the only one")
+    src, host, dst = (list(x) for x in pages)
+    with contextlib.nullcontext() if compiled else mock.patch.object(native, "module", lambda: None):
+        dp, hp, c, stats = make(layout)
+    assert (c.engine._native is not None) == compiled
+    before = snapshot(dp)
+    c.backup(src, host).synchronize()
+    for pool in HOST_CACHED:  # host holds exactly the device bytes
+        for i, b in enumerate(hp.buffers[pool]):
+            assert torch.equal(b[host], before[pool][i][src]), (pool, i)
+    for bufs in dp.buffers.values():  # wipe the device, then load back elsewhere
+        for b in bufs:
+            b.zero_()
+    c.load(host, dst).synchronize()
+    for pool in HOST_CACHED:
+        assert dp.buffers[pool], pool
+        for i, b in enumerate(dp.buffers[pool]):
+            assert torch.equal(b[dst], before[pool][i][src]), (pool, i)
+            untouched = sorted(set(range(DEV_PAGES)) - set(dst))
+            assert int(b[untouched].sum()) == 0
+    snap = stats.snapshot()
+    nbytes = len(src) * dp.token_page_bytes()
+    assert snap["d2h"]["bytes"] == nbytes and snap["h2d"]["bytes"] == nbytes
+    assert snap["d2h"]["pages"] == len(src) and snap["h2d"]["count"] == 1
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_layer_subset_moves_only_those_layers(layout):
+    dp, hp, c, stats = make(layout)
+    c4_layer = STAGE.pool_layers("c4")[1].global_id
+    c128_layer = STAGE.pool_layers("c128")[0].global_id
+    r = c.backup([0, 1], [5, 6], layers=[c4_layer, c128_layer])
+    assert r.layers == (c4_layer, c128_layer)
+    for pool in HOST_CACHED:
+        chosen = {STAGE.pool_map(pool).get(STAGE.local_id(g)) for g in (c4_layer, c128_layer)} - {None}
+        for i, b in enumerate(hp.buffers[pool]):
+            want = dp.buffers[pool][i][[0, 1]] if i in chosen else torch.zeros_like(b[[5, 6]])
+            assert torch.equal(b[[5, 6]], want), (pool, i)
+    expected = 2 * sum(dp.page_bytes(p) for p in HOST_CACHED
+                       for g in (c4_layer, c128_layer) if STAGE.pool_map(p).get(STAGE.local_id(g)) is not None)
+    assert r.nbytes == expected == stats.snapshot()["d2h"]["bytes"]
+
+
+def test_load_layer_by_layer_matches_load():
+    dp, hp, c, stats = make("layer_first")
+    before = snapshot(dp)
+    c.backup([3, 4, 5], [0, 1, 2])
+    r = c.load_layer_by_layer([0, 1, 2], [9, 10, 11])
+    assert r.layers == tuple(range(STAGE.start, STAGE.end))
+    for layer in r.layers:
+        r.wait(layer)  # no-op on CPU, but must accept every layer of the transfer
+    for pool in HOST_CACHED:
+        for i, b in enumerate(dp.buffers[pool]):
+            assert torch.equal(b[[9, 10, 11]], before[pool][i][[3, 4, 5]])
+    with pytest.raises(TransferError, match="not part of this transfer"):
+        r.wait(0)
+    assert stats.snapshot()["h2d"]["bytes"] == 3 * dp.token_page_bytes()
+
+
+@pytest.mark.parametrize(("dev", "host", "match"), [
+    ([0, 1], [0], "2 device pages but 1 host pages"),
+    ([DEV_PAGES], [0], r"device page id\(s\) \[12\] out of range 0..11"),
+    ([0], [HOST_PAGES + 3], r"host page id\(s\) \[23\] out of range 0..19"),
+    ([0, 1], [4, 4], "destination host page"),
+    ([0], ["1"], "must be integers"),
+    ([-1], [0], "out of range"),
+])
+def test_bad_page_ids_are_refused_before_copying(dev, host, match):
+    dp, hp, c, stats = make("layer_first")
+    with pytest.raises(TransferError, match=match):
+        c.backup(dev, host)
+    assert all(int(b.sum()) == 0 for bufs in hp.buffers.values() for b in bufs)
+    assert stats.snapshot()["d2h"]["count"] == 0
+
+
+@pytest.mark.parametrize("direction", ["backup", "load"])
+def test_unallocated_pages_are_refused(direction):
+    dp, hp, c, stats = make("layer_first")
+    dp.allocator.free([3])
+    hp.allocator.free([7, 9])
+    host_before = [b.clone() for bufs in hp.buffers.values() for b in bufs]
+    dev_before = [b.clone() for bufs in dp.buffers.values() for b in bufs]
+    move = c.backup if direction == "backup" else (lambda d, h: c.load(h, d))
+    with pytest.raises(TransferError, match=r"device page\(s\) \[3\] are not allocated in stage 1 device"):
+        move([0, 3], [1, 2])
+    with pytest.raises(TransferError, match=r"host page\(s\) \[7, 9\] are not allocated in stage 1 host"):
+        move([0, 1, 2], [7, 8, 9])
+    assert all(torch.equal(a, b) for a, b in zip(host_before, [b for bufs in hp.buffers.values() for b in bufs],
+                                                    strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(dev_before, [b for bufs in dp.buffers.values() for b in bufs],
+                                                   strict=True))
+    assert stats.snapshot()["d2h"]["count"] == stats.snapshot()["h2d"]["count"] == 0
+    move([0, 1], [1, 2])  # allocated pages still move
+
+
+def test_bad_layers_and_duplicate_load_destination():
+    dp, hp, c, _ = make("page_first")
+    with pytest.raises(LayerNotOwnedError, match=r"stage 1 owns global layers \[6, 12\)"):
+        c.load([0], [0], layers=[0])
+    with pytest.raises(TransferError, match="destination device page"):
+        c.load([0, 1], [3, 3])
+    assert c.backup([], []).nbytes == 0
+
+
+def test_controller_refuses_a_host_pool_of_another_stage():
+    dp, hp, _, _ = make("layer_first")
+    other = make_pools(TINY, build_layout(TINY, 2).stages[0], 128, 4)
+    with pytest.raises(TransferError, match="do not mirror"):
+        TransferController(other, hp)
+    with pytest.raises(TransferError, match="needs device pools on CUDA"):
+        TransferController(dp, hp, use_triton=True)

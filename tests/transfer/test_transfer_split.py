@@ -1,0 +1,171 @@
+"""Queue wait vs DMA time on CPU: real copies, per pool kind, through StageLive to /metrics."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from plans import pools as make_pools
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from stagecache.exporters.metrics import make_registry
+from stagecache.exporters.snapshot import StaticSource
+from stagecache.runtime.memory.host_pools import HostPools
+from stagecache.runtime.model.layer_map import build_layout
+from stagecache.runtime.model.spec import load_spec
+from stagecache.runtime.serve.live import StageLive
+from stagecache.runtime.serve.stage_cache import transfer_live_fields
+from stagecache.runtime.transfer import stats as stats_module
+from stagecache.runtime.transfer.controller import TransferController
+from stagecache.runtime.transfer.stats import TransferStats
+
+TINY = load_spec("tiny-v4")
+STAGE = build_layout(TINY, 2).stages[1]  # every host-cached pool kind
+
+
+def make(pages: int = 24):
+    dp = make_pools(TINY, STAGE, 128, pages, host_pages=pages)
+    hp = HostPools(dp)
+    dp.allocator.alloc(pages)
+    hp.allocator.alloc(pages)
+    for bufs in dp.buffers.values():
+        for b in bufs:
+            b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8))
+    stats = TransferStats()
+    return dp, hp, TransferController(dp, hp, stats), stats
+
+
+def test_per_kind_bytes_and_dma_time_sum_to_what_moved():
+    dp, hp, c, stats = make()
+    results = [c.backup([0, 1, 2], [5, 6, 7]), c.backup([3], [8]), c.load([5, 6], [10, 11]),
+               c.load([8], [12], pools=["c4_state"]),  # one kind alone: its own measured time
+               c.load([5, 6, 7], [13, 14, 15], layers=[STAGE.start])]
+    snap = stats.snapshot()
+    for d in ("d2h", "h2d"):
+        mine = [r for r in results if r.direction == d]
+        kinds = snap[d]["kinds"]
+        assert sum(k["bytes"] for k in kinds.values()) == snap[d]["bytes"] == sum(r.nbytes for r in mine)
+        assert sum(k["dma_seconds"] for k in kinds.values()) == pytest.approx(sum(r.seconds for r in mine))
+        assert snap[d]["queue_seconds"] == pytest.approx(sum(r.queue_seconds for r in mine))
+        assert all(r.seconds > 0 and r.queue_seconds > 0 for r in mine)
+        for name, k in kinds.items():  # each kind's histograms count the transfers that moved it
+            assert k["queue_bucket_counts"][-1] == k["dma_bucket_counts"][-1] == k["moves"], name
+    plan = c.selection()
+    per_page = dict(plan.kinds)
+    assert snap["d2h"]["kinds"]["swa"]["bytes"] == 4 * per_page["swa"]
+    assert snap["d2h"]["kinds"]["swa"]["dma_seconds"] == pytest.approx(
+        sum(r.seconds for r in results[:2]) * per_page["swa"] / plan.page_bytes)
+    alone = results[3]
+    assert alone.nbytes == dp.page_bytes("c4_state") * len(dp.buffers["c4_state"])
+    one_layer = dict(c.selection([STAGE.start]).kinds)
+    assert snap["h2d"]["kinds"]["c4_state"]["moves"] == 2 + ("c4_state" in one_layer)
+    assert snap["h2d"]["kinds"]["swa"]["moves"] == 2  # the c4_state-only load did not move swa
+    # the c4_state-only load's whole DMA time is c4_state's; of the other loads, its byte share
+    share = (results[2].seconds * per_page["c4_state"] / plan.page_bytes
+             + results[4].seconds * one_layer.get("c4_state", 0) / sum(one_layer.values()))
+    assert snap["h2d"]["kinds"]["c4_state"]["dma_seconds"] == pytest.approx(alone.seconds + share)
+
+
+def _backup_and_load_behind(c, big):
+    """A long backup on a thread and, while it copies, a one-page load from this thread."""
+    started, out = threading.Event(), {}
+
+    def long_backup():
+        started.set()
+        out["a"] = c.backup(big, big)
+
+    t = threading.Thread(target=long_backup)
+    t.start()
+    started.wait()
+    time.sleep(0.002)
+    b = c.load([190], [192])
+    t.join()
+    return out["a"], b
+
+
+def test_a_call_queued_behind_another_waits_for_its_copy():
+    """Two threads, one copy at a time: the load called during a long backup starts when it ends."""
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(0.0002)  # hand the GIL over often, so the load is called mid-backup
+    try:
+        dp, hp, c, stats = make(pages=200)
+        loads = [c.load([190], [191]) for _ in range(3)]  # warm; the last has nothing ahead
+        for _ in range(5):  # the precondition (called mid-backup) is up to the OS scheduler
+            a, b = _backup_and_load_behind(c, list(range(160)))
+            loads.append(b)
+            a_end = a.called + a.queue_seconds + a.seconds
+            if b.called < a_end:
+                break
+        else:
+            pytest.fail(f"the load was never called while the backup copied: {a}, {b}")
+    finally:
+        sys.setswitchinterval(switch)
+    assert b.called + b.queue_seconds >= a_end  # its copy started after the backup's ended
+    assert b.queue_seconds >= a_end - b.called > 0
+    assert b.queue_seconds > 10 * loads[2].queue_seconds  # the same load with nothing ahead
+    assert b.seconds < a.seconds  # its own DMA time is its own one-page copy
+    snap = stats.snapshot()
+    assert snap["h2d"]["queue_seconds"] == pytest.approx(sum(r.queue_seconds for r in loads))
+    assert snap["h2d"]["kinds"]["swa"]["queue_seconds"] == pytest.approx(snap["h2d"]["queue_seconds"])
+
+
+def test_fold_keeps_every_transfer(monkeypatch):
+    """Pending transfers fold into the split in batches, grouped by the kinds they moved; none is lost."""
+    monkeypatch.setattr(stats_module, "FOLD_EVERY", 7)
+    stats = TransferStats()
+    both, c4_only = (("swa", 3), ("c4", 1)), (("c4", 2),)
+    for i in range(20):
+        kinds = (both, c4_only, tuple(list(both)))[i % 3]  # an equal tuple that is another object too
+        stats.record("h2d", sum(b for _, b in kinds) * (i + 1), 0.001, i + 1, queue_seconds=0.0001, kinds=kinds)
+        if i == 11:
+            stats.snapshot()
+    snap = stats.snapshot()["h2d"]
+    swa, c4 = snap["kinds"]["swa"], snap["kinds"]["c4"]
+    n_both = sum(1 for i in range(20) if i % 3 != 1)
+    assert swa["moves"] == n_both and c4["moves"] == 20
+    assert swa["bytes"] + c4["bytes"] == snap["bytes"]
+    assert swa["dma_seconds"] == pytest.approx(0.001 * 0.75 * n_both)
+    assert c4["dma_seconds"] == pytest.approx(0.001 * (0.25 * n_both + 20 - n_both))
+    assert c4["queue_bucket_counts"][-1] == 20 and c4["queue_seconds"] == pytest.approx(0.002)
+
+
+def test_split_reaches_stage_live_and_metrics():
+    dp, hp, c, stats = make()
+    c.backup([0, 1], [2, 3])
+    c.load([2, 3], [4, 5])
+    live = StageLive(stage=1, model_name="tiny-v4", **transfer_live_fields(stats))
+    live = StageLive.model_validate_json(live.model_dump_json())  # the run-dir round trip
+    assert set(live.transfer_split.d2h) == {k for k, _ in c.selection().kinds}
+    text = generate_latest(make_registry(StaticSource(None, {1: live}))).decode()
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+
+    def total(name, **labels):
+        return sum(s.value for s in samples if s.name == name
+                   and all(s.labels.get(k) == v for k, v in labels.items()))
+
+    for d in ("d2h", "h2d"):
+        assert total("stagecache_transfer_bytes_total", direction=d) == getattr(live.transfer_bytes, d) > 0
+        assert total("stagecache_transfer_dma_seconds_sum", direction=d) == pytest.approx(
+            getattr(live.transfer_seconds, d))
+        assert total("stagecache_transfers_total", direction=d) == 1
+        assert total("stagecache_transfer_queue_wait_seconds_count", direction=d) == len(c.selection().kinds)
+
+
+def test_bench_transfer_split_cpu_json(capsys):
+    """``stagecache bench transfer-split``: the queued load waits, its DMA time does not grow, sums hold."""
+    from stagecache.runtime.cli.main import main
+
+    assert main(["bench", "transfer-split", "--device", "cpu", "--big-pages", "128", "--calls", "20"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    split, acc = report["split"], report["accounting"]
+    assert report["bench"] == "transfer-split" and split["path"] == "cpu"
+    assert split["behind"]["queue_us"] > 10 * split["alone"]["queue_us"]
+    assert split["kind_bytes_sum"] == split["bytes"]
+    assert set(split["kinds"]["d2h"]) == set(split["pool_kinds"])
+    assert acc["kinds"] == len(split["pool_kinds"])
+    assert {"record_split_us", "record_totals_us", "stamp_and_lock_us", "added_us", "call_with_stats_us",
+            "call_without_stats_us", "stats_ratio"} <= set(acc)
