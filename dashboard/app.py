@@ -25,8 +25,8 @@ from fastapi_offline import FastAPIOffline
 from prometheus_client.exposition import choose_encoder
 from stagecache.exporters.metrics import make_registry
 from stagecache.exporters.snapshot import SnapshotSource
+from stagecache.runtime.live.liveness import liveness_of
 from stagecache.runtime.model.pool_kinds import KINDS
-from stagecache.runtime.serve.liveness import liveness_of
 
 from . import figures, insight_figures, live_figures, occupancy_figures
 from .caching import same_state, source_state

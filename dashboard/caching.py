@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from stagecache.exporters.snapshot import SnapshotSource
-from stagecache.runtime.serve.liveness import assess, run_of
+from stagecache.runtime.live.liveness import assess, run_of
 
 
 class PerReport:

@@ -21,7 +21,7 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 from stagecache.runtime.cache.insight import MISS_REASONS
-from stagecache.runtime.serve.agreement import KIND_NAMES
+from stagecache.runtime.live.numbers import DECISION_NAMES
 
 from .live_figures import NO_LIVE_TEXT
 from .models import StageLive
@@ -71,12 +71,12 @@ def miss_reasons_figure(stage_ids: Sequence[int], history: Mapping[int, Sequence
 
 def agreement_view(stages: Sequence[StageLive], max_disagreements: int | None) -> dict[str, Any]:
     """The stage-agreement panel: counts per stage and kind, and the recent disagreements."""
-    per_stage = {s.stage: {k: s.agreement.disagreements.get(k, 0) for k in KIND_NAMES} for s in stages}
+    per_stage = {s.stage: {k: s.agreement.disagreements.get(k, 0) for k in DECISION_NAMES} for s in stages}
     total = sum(sum(v.values()) for v in per_stage.values())
     recent = sorted((r for s in stages for r in s.agreement.recent), key=lambda r: r.time,
                     reverse=True)[:SHOWN_DISAGREEMENTS]
     return {
-        "total": total, "kinds": KIND_NAMES, "per_stage": per_stage,
+        "total": total, "kinds": DECISION_NAMES, "per_stage": per_stage,
         "compared": min((s.agreement.compared_requests for s in stages), default=0),
         "max_disagreements": max_disagreements,
         "over": max_disagreements is not None and total > max_disagreements,

@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-from stagecache.runtime.serve.live import StageLive
-from stagecache.runtime.serve.liveness import Liveness
+from stagecache.runtime.live.liveness import Liveness
+from stagecache.runtime.live.numbers import StageLive
 
 from .rates import StageRates
 

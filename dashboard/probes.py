@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from stagecache.exporters.snapshot import SnapshotSource
-from stagecache.runtime.serve.liveness import Liveness, liveness_of
+from stagecache.runtime.live.liveness import Liveness, liveness_of
 
 from .models import Health, StageOk, Starting, StartupReportModel, StartupzFailed, StartupzOk
 

@@ -20,7 +20,7 @@ from itertools import pairwise
 
 from pydantic import BaseModel, Field
 from stagecache.runtime.cache.insight import MISS_REASONS
-from stagecache.runtime.serve.live import StageLive
+from stagecache.runtime.live.numbers import StageLive
 
 #: Counter name -> how to read it from a ``StageLive``.  Add a counter here to chart its rate.
 COUNTERS: dict[str, Callable[[StageLive], float]] = {

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError
 from stagecache.exporters.snapshot import SnapshotSource
-from stagecache.runtime.serve.liveness import liveness_of, run_of
+from stagecache.runtime.live.liveness import liveness_of, run_of
 
 from .caching import PerReport
 from .models import MetricsSummary, RunState, StageLive, StartupReportModel
@@ -52,7 +52,7 @@ def live_numbers(stages: Mapping[int, Any]) -> list[StageLive]:
             where = ".".join(str(p) for p in first["loc"])
             raise SourceShapeError(
                 f"stage {key}: live numbers do not match the StageLive model "
-                f"(runtime/serve/live.py): {where}: {first['msg']} ({exc.error_count()} problem(s))"
+                f"(runtime/live/numbers.py): {where}: {first['msg']} ({exc.error_count()} problem(s))"
             ) from None
     return out
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from stagecache.exporters.snapshot import SnapshotSource
 from stagecache.runtime.errors import ConfigError
-from stagecache.runtime.serve.rendezvous import bind_listener
+from stagecache.runtime.net import bind_listener
 
 from .app import create_app
 

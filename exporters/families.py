@@ -24,8 +24,8 @@ from collections.abc import Callable, Mapping
 from operator import attrgetter
 from typing import Any
 
+from stagecache.runtime.live.numbers import StageLive, TransferKind
 from stagecache.runtime.memory.host_tier import HOST_TIER_STATUSES
-from stagecache.runtime.serve.live import StageLive, TransferKind
 
 from .family import Family, Samples, cumulative_buckets, one, per
 from .insight_families import CACHE_INSIGHT_FAMILIES, INSIGHT_LABEL_VALUES, INSIGHT_LABELS

@@ -9,17 +9,16 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from stagecache.runtime.cache.insight import INSIGHT_TIERS, MISS_REASONS
-from stagecache.runtime.serve.agreement import KIND_NAMES, KINDS
-from stagecache.runtime.serve.live import SampledHistogram, StageLive
+from stagecache.runtime.live.numbers import DECISION_NAMES, DECISIONS, SampledHistogram, StageLive
 
 from .family import Family, Samples, cumulative_buckets, one, per
 
 INSIGHT_LABELS: dict[str, str] = {
-    "kind": "stage-disagreement kind: " + "; ".join(f"`{k}`: {v}" for k, v in KINDS.items()),
+    "kind": "stage-disagreement kind: " + "; ".join(f"`{k}`: {v}" for k, v in DECISIONS.items()),
     "reason": "why prompt tokens missed a tier (docs/hicache.md, miss reasons): "
               + ", ".join(f"`{r}`" for r in MISS_REASONS),
 }
-INSIGHT_LABEL_VALUES: dict[str, tuple[str, ...]] = {"kind": KIND_NAMES, "reason": MISS_REASONS}
+INSIGHT_LABEL_VALUES: dict[str, tuple[str, ...]] = {"kind": DECISION_NAMES, "reason": MISS_REASONS}
 
 
 def _sampled(name: str) -> Callable[[StageLive, str], tuple[list[tuple[str, float]], float]]:
@@ -40,7 +39,7 @@ CACHE_INSIGHT_FAMILIES: tuple[Family, ...] = (
     Family("stagecache_stage_disagreements_total", "counter",
            "Requests on which this stage reported another value than the one most stages agreed on "
            "(rank 0 compares every stage's per-request record), by kind", ("kind",),
-           per(KIND_NAMES, lambda s, k: s.agreement.disagreements.get(k, 0))),
+           per(DECISION_NAMES, lambda s, k: s.agreement.disagreements.get(k, 0))),
     Family("stagecache_stage_compared_requests_total", "counter",
            "Requests whose stage-agreement verdict this stage has applied",
            samples=one(lambda s: s.agreement.compared_requests)),

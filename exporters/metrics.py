@@ -26,7 +26,7 @@ from prometheus_client.core import (
     StateSetMetricFamily,
 )
 from prometheus_client.registry import Collector
-from stagecache.runtime.serve.liveness import Liveness, liveness_of
+from stagecache.runtime.live.liveness import Liveness, liveness_of
 
 from .families import STAGE_LABELS, Family, all_families, label_names
 from .snapshot import SnapshotSource, StageLive

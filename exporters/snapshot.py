@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
-from stagecache.runtime.serve.live import StageLive
-from stagecache.runtime.serve.run_dir import RunDirSource
+from stagecache.runtime.live.numbers import StageLive
+from stagecache.runtime.live.run_dir import RunDirSource
 
 
 @runtime_checkable

@@ -210,7 +210,7 @@ def _spawn(argv: list[str], url_prefix: str) -> Iterator[tuple[str, subprocess.P
 @contextlib.contextmanager
 def serve_target(while_serving: bool) -> Iterator[tuple[str, int, str]]:
     """A real ``stagecache serve``: idle after its trace (stages exited), or in the middle of one."""
-    from ..serve.run_dir import RunDirSource
+    from ..live.run_dir import RunDirSource
 
     with tempfile.TemporaryDirectory(prefix="stagecache-bench-http-") as run_dir:
         argv = [sys.executable, "-m", "stagecache.runtime", "serve", *SERVE_ARGS,
@@ -238,7 +238,7 @@ def baseline_server(run_dir: str) -> Iterator[str]:
 def _baseline_main(run_dir: str) -> None:
     from stagecache.dashboard.server import make_server
 
-    from ..serve.run_dir import RunDirSource
+    from ..live.run_dir import RunDirSource
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # protocol 0: asyncio skips TCP_NODELAY
     sock.bind(("127.0.0.1", 0))

@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
             f" faults={','.join(report['faults'])}" if report["faults"] else "")
     from stagecache.dashboard.server import BACKLOG, make_server
 
-    from ..serve.rendezvous import bind_listener, exposure_warning
+    from ..net import bind_listener, exposure_warning
 
     try:
         sock = bind_listener(args.host, args.port, backlog=BACKLOG)

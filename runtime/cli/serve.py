@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import defaults
 from ..errors import ConfigError
+from ..net import exposure_warning
 from ..serve.options import (
     CPU_HIDDEN_CAP,
     DEFAULT_HIDDEN,
@@ -31,7 +32,7 @@ from ..serve.options import (
     model_hidden_size,
     resolve_device,
 )
-from ..serve.rendezvous import exposure_warning, resolve_dist_host
+from ..serve.rendezvous import resolve_dist_host
 from ..serve.run_root import RunDirLock, check_run_dir_flag, new_temp_run_dir, prepare_user_run_dir
 from .common import (
     add_layout_args,

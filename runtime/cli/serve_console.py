@@ -10,7 +10,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..serve.live import StageLive
+    from ..live.numbers import StageLive
     from ..serve.options import ServeOptions
 
 
@@ -59,7 +59,7 @@ class Progress:
             self.task = self.bar.add_task("trace", total=None, info="")
 
     def update(self, stages: dict[int, StageLive]) -> None:
-        from ..serve.live import StageLive
+        from ..live.numbers import StageLive
 
         if self.task is None or not stages:
             return
@@ -129,7 +129,7 @@ def print_summary(console: Console, summary: dict[str, Any]) -> None:
                       f"{summary['ideal_bubble_fraction']:.0%}")
     if summary["phase"] == "done" and summary["pp_size"] > 1:
         verified = sum(r["kv_verified_pages"] for r in summary["stages"])
-        from ..serve.agreement import disagreeing
+        from ..live.liveness import disagreeing
 
         odd = disagreeing((r["stage"], r.get("disagreements", {})) for r in summary["stages"])
         compared = min((r.get("compared_requests", 0) for r in summary["stages"]), default=0)

@@ -13,7 +13,7 @@ The records ride on messages the pipeline sends anyway (``pipeline.StagePipe``):
 1. stage ``k`` appends its records for micro-batch ``i`` to the ones it received
    and forwards them in the activation header to ``k + 1``;
 2. the last stage sends all of them back to rank 0 with the credit of ``i``;
-3. rank 0 compares them (``compare``): per request and kind (``KINDS``) the
+3. rank 0 compares them (``compare``): per request and kind (``DECISIONS``) the
    agreed value is the one most stages reported (a tie: the larger), and every
    stage with another value disagrees.  It keeps the recent disagreements (the
    request, the stages, their values) for the dashboard;
@@ -31,19 +31,13 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
+
+from ..live.numbers import DECISION_NAMES
 
 FIELDS = ("device_pages", "host_pages", "backed_up_pages", "cached_pages", "completed")
 NFIELDS = len(FIELDS)
-#: Disagreement kinds, each with its one meaning.
-KINDS: dict[str, str] = {
-    "matched_prefix": "the stages matched prefixes of different lengths (device + host pages)",
-    "loaded": "the stages loaded different numbers of pages from host (h2d)",
-    "backed_up": "the stages backed up different numbers of pages to host (d2h) while serving it",
-    "completion": "the stages ended the request differently (completed or not, pages newly cached)",
-}
-KIND_NAMES = tuple(KINDS)
 #: How many recent disagreements rank 0 keeps for the dashboard.
 RECENT = 50
 
@@ -62,22 +56,15 @@ def agreed_value(values: Sequence[int]) -> int:
 def compare(records: Sequence[Sequence[Sequence[int]]]) -> list[tuple[list[int], list[int]]]:
     """``records[stage][request]`` -> per request: (agreed value per kind, mask per stage).
 
-    A stage's mask has bit ``j`` set when its value of ``KIND_NAMES[j]`` is not the agreed one.
+    A stage's mask has bit ``j`` set when its value of ``DECISION_NAMES[j]`` is not the agreed one.
     """
     out = []
     for r in range(len(records[0])):
         per_stage = [kind_values(stage[r]) for stage in records]
-        agreed = [agreed_value([v[j] for v in per_stage]) for j in range(len(KIND_NAMES))]
+        agreed = [agreed_value([v[j] for v in per_stage]) for j in range(len(DECISION_NAMES))]
         masks = [sum(1 << j for j, a in enumerate(agreed) if v[j] != a) for v in per_stage]
         out.append((agreed, masks))
     return out
-
-
-def disagreeing(per_stage: Iterable[tuple[int, Mapping[str, int]]]) -> dict[int, dict[str, int]]:
-    """Stage -> kind -> disagreements, only the non-zero counts of the stages that have any: what
-    ``/readyz`` and the run's summary name."""
-    odd = {stage: {k: n for k, n in counts.items() if n} for stage, counts in per_stage}
-    return {stage: counts for stage, counts in odd.items() if counts}
 
 
 def flatten(records: Sequence[Sequence[int]]) -> list[int]:
@@ -103,7 +90,7 @@ class Agreement:
         self.rank, self.pp_size = rank, pp_size
         self.on_verdict = on_verdict
         self.describe = describe or (lambda req: str(req))
-        self.disagreements = dict.fromkeys(KIND_NAMES, 0)  # this stage's own
+        self.disagreements = dict.fromkeys(DECISION_NAMES, 0)  # this stage's own
         self.compared_requests = 0  # requests whose verdict this stage has applied
         self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT)  # rank 0
         self.total_disagreements = 0  # rank 0: (request, kind, stage) disagreements seen
@@ -170,7 +157,7 @@ class Agreement:
             return
         self._applied.add(index)
         for mask in masks:
-            for j, kind in enumerate(KIND_NAMES):
+            for j, kind in enumerate(DECISION_NAMES):
                 if mask >> j & 1:
                     self.disagreements[kind] += 1
         self.compared_requests += len(masks)
@@ -186,7 +173,7 @@ class Agreement:
                   verdict: list[tuple[list[int], list[int]]]) -> None:
         now = time.time()
         for r, (agreed, masks) in enumerate(verdict):
-            for j, kind in enumerate(KIND_NAMES):
+            for j, kind in enumerate(DECISION_NAMES):
                 stages = [s for s, m in enumerate(masks) if m >> j & 1]
                 if not stages:
                     continue

@@ -19,9 +19,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import run_dir as rd
-from .live import StageLive
-from .liveness import HEARTBEAT_INTERVAL_S
+from ..live import run_dir as rd
+from ..live.liveness import HEARTBEAT_INTERVAL_S
+from ..live.numbers import StageLive
 
 
 class StageFile:

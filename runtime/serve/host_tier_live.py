@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..live.numbers import HostTierLive, PoolOccupancy
 from ..memory.host_tier import RamWatch, host_tier_check
 from ..memory.occupancy import stage_occupancy
-from .live import HostTierLive, PoolOccupancy
 
 
 class StageHostTier:

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import StageCacheError
-from .live import TIMELINE_EVENTS, TimelineEvent
+from ..live.numbers import TIMELINE_EVENTS, TimelineEvent
 
 HEADER_LEN = 5
 

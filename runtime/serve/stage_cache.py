@@ -275,8 +275,8 @@ class StageCache:
     # -- live numbers -----------------------------------------------------------------------------
     def live_fields(self) -> dict[str, Any]:
         """The cache, pool and transfer fields of this stage's ``StageLive``."""
+        from ..live.numbers import PageSpace, PoolBytes
         from .host_tier_live import occupancy_live
-        from .live import PageSpace, PoolBytes
 
         dev_bytes, host_bytes = self.pools.pool_bytes(), self.host.pool_bytes()
         kinds = [p for p in dev_bytes if self.pools.buffers.get(p)]  # pools the stage really has
@@ -304,7 +304,7 @@ class StageCache:
 
 def cache_live_fields(stats: Any) -> dict[str, Any]:
     """``CacheStats`` counters as ``StageLive`` fields."""
-    from .live import CachePages, TierPages, TierTokens
+    from ..live.numbers import CachePages, TierPages, TierTokens
 
     return {
         "cache_tokens": TierTokens(device=stats.device_hit_tokens, host=stats.host_hit_tokens,
@@ -319,7 +319,7 @@ def cache_live_fields(stats: Any) -> dict[str, Any]:
 
 def insight_live_fields(insight: Any, agreement: Any, skewed_pages: int = 0) -> dict[str, Any]:
     """Miss reasons, sampled lifetimes and stage agreement as ``StageLive`` fields."""
-    from .live import CacheInsightLive, Disagreement, StageAgreement
+    from ..live.numbers import CacheInsightLive, Disagreement, StageAgreement
 
     out: dict[str, Any] = {}
     if insight is not None:
@@ -337,8 +337,8 @@ def insight_live_fields(insight: Any, agreement: Any, skewed_pages: int = 0) -> 
 
 def transfer_live_fields(transfer_stats: Any) -> dict[str, Any]:
     """``TransferStats`` totals and duration histogram as ``StageLive`` fields."""
+    from ..live.numbers import DirectionCounts, Directions, DurationBuckets
     from ..transfer.stats import DIRECTIONS
-    from .live import DirectionCounts, Directions, DurationBuckets
 
     snap = transfer_stats.snapshot()
     per = {d: snap[d] for d in DIRECTIONS}
@@ -355,8 +355,8 @@ def transfer_live_fields(transfer_stats: Any) -> dict[str, Any]:
 
 def transfer_split_field(snap: dict[str, Any]) -> Any:
     """The queue/DMA split of a ``TransferStats.snapshot()`` as ``StageLive.transfer_split``."""
+    from ..live.numbers import Directions, TransferKind, TransferSplit
     from ..transfer.stats import DIRECTIONS
-    from .live import Directions, TransferKind, TransferSplit
 
     def kinds(d: str) -> dict[str, TransferKind]:
         return {k: TransferKind(bytes=v["bytes"], moves=v["moves"], queue_seconds=v["queue_seconds"],

@@ -30,7 +30,7 @@ import traceback
 from typing import Any
 
 from ..crash_log import write_crash_log
-from . import run_dir as rd
+from ..live import run_dir as rd
 from .heartbeat import Heartbeat, StageFile
 from .options import StageConfig
 
@@ -107,7 +107,7 @@ def _note_failure(cfg: StageConfig, worker: StageWorker | None, message: str, co
         if worker is not None:
             worker.publish(phase="failed", error=message, force=True)
         else:
-            from .live import StageLive
+            from ..live.numbers import StageLive
 
             live = StageLive(stage=cfg.rank, time=time.time(), pid=os.getpid(), phase="failed",
                              error=message)
@@ -292,7 +292,7 @@ class StageWorker:
     # -- live numbers ----------------------------------------------------------------------------
     def live(self) -> Any:
         """This stage's ``StageLive`` now."""
-        from .live import StageLive
+        from ..live.numbers import StageLive
 
         fields: dict[str, Any] = self.cache.live_fields() if self.cache is not None else {}
         if self.pipe is not None:

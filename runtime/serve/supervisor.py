@@ -27,11 +27,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..errors import ConfigError
-from . import run_dir as rd
-from .live import RunInfo, StageLive
-from .liveness import assess
+from ..live import run_dir as rd
+from ..live.liveness import assess
+from ..live.numbers import RunInfo, StageLive
+from ..live.run_dir import RunDirSource
 from .options import ServeOptions, StageConfig
-from .run_dir import RunDirSource
 
 SUPERVISE_INTERVAL_S = 0.2
 STOP_GRACE_S = 3.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from live_helpers import blank_live
 from stagecache.dashboard.rates import History, increase, rates_of
-from stagecache.runtime.serve.live import StageLive
+from stagecache.runtime.live.numbers import StageLive
 
 
 def live(stage: int, lookups: int, host: int, device: int = 0, d2h: int = 0, d2h_s: float = 0.0,

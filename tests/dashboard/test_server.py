@@ -13,7 +13,7 @@ import time
 import pytest
 from stagecache.dashboard.server import DashboardThread, bind_dashboard_socket
 from stagecache.exporters.snapshot import StaticSource
-from stagecache.runtime.serve.rendezvous import exposure_warning, is_loopback
+from stagecache.runtime.net import exposure_warning, is_loopback
 
 
 def _serving(keep_alive_s: float = 5.0) -> DashboardThread:

@@ -6,7 +6,7 @@ import pytest
 from live_helpers import blank_live
 from stagecache.dashboard import figures, live_figures
 from stagecache.dashboard.rates import History
-from stagecache.runtime.serve.live import StageLive
+from stagecache.runtime.live.numbers import StageLive
 
 
 def live(stage: int, transfers: int, queue_s: float, dma_s: float) -> StageLive:

@@ -7,8 +7,8 @@ import multiprocessing as mp
 
 from live_helpers import blank_live
 from stagecache.exporters.snapshot import SnapshotSource
-from stagecache.runtime.serve import run_dir as rd
-from stagecache.runtime.serve.run_dir import RunDirSource
+from stagecache.runtime.live import run_dir as rd
+from stagecache.runtime.live.run_dir import RunDirSource
 
 
 def test_empty_run_dir_is_starting(tmp_path):

@@ -14,6 +14,8 @@ from plans import run_plan
 from stagecache.runtime.cli.main import build_parser
 from stagecache.runtime.cli.serve import options_from_args
 from stagecache.runtime.errors import ConfigError
+from stagecache.runtime.live.liveness import assess
+from stagecache.runtime.live.numbers import HostTierLive, StageLive
 from stagecache.runtime.memory.host_pools import HostPools
 from stagecache.runtime.memory.host_tier import (
     EXCEEDS_RAM,
@@ -30,8 +32,6 @@ from stagecache.runtime.model.layer_map import build_layout
 from stagecache.runtime.model.spec import load_spec
 from stagecache.runtime.serve.heartbeat import StageFile
 from stagecache.runtime.serve.host_tier_live import StageHostTier
-from stagecache.runtime.serve.live import HostTierLive, StageLive
-from stagecache.runtime.serve.liveness import assess
 from stagecache.runtime.serve.options import check_host_memory
 from stagecache.runtime.transfer.controller import TransferController
 
@@ -208,7 +208,7 @@ def _stage(k: int, status: list[str], reasons: list[str], ready: bool) -> dict:
 
 def test_readyz_fails_on_exceeds_ram_and_warns_on_the_others():
     run = {"phase": "serving", "pp_size": 3}
-    from stagecache.runtime.serve.live import RunInfo
+    from stagecache.runtime.live.numbers import RunInfo
 
     stages = {0: _stage(0, ["ok"], ["stage 0 host tier: ok"], True),
               1: _stage(1, ["smaller_than_device", "pin_refused"], ["stage 1 a", "stage 1 b"], True),

@@ -18,9 +18,9 @@ import httpx
 from metric_samples import series_by_name
 from plans import report
 from serve_helpers import SMALL, run_phase, start, stop, wait_for
-from stagecache.runtime.serve.agreement import KIND_NAMES, Agreement, agreed_value, compare
-from stagecache.runtime.serve.live import RunInfo, StageAgreement, StageLive
-from stagecache.runtime.serve.liveness import assess
+from stagecache.runtime.live.liveness import assess
+from stagecache.runtime.live.numbers import DECISION_NAMES, RunInfo, StageAgreement, StageLive
+from stagecache.runtime.serve.agreement import Agreement, agreed_value, compare
 
 PACED = list(SMALL)
 PACED[PACED.index("--rate") + 1] = "8"
@@ -41,7 +41,7 @@ def test_compare_flags_each_stage_whose_value_is_not_the_agreed_one():
     assert agreed0 == [5, 1, 0, 2] and masks0 == [0, 0, 1, 0]  # stage 2: matched_prefix only
     # request 1 on stage 2: backed up one page more, and did not complete
     assert agreed1 == [5, 1, 0, 2]
-    assert masks1[2] == (1 << KIND_NAMES.index("backed_up")) | (1 << KIND_NAMES.index("completion"))
+    assert masks1[2] == (1 << DECISION_NAMES.index("backed_up")) | (1 << DECISION_NAMES.index("completion"))
 
 
 class _Mb:
@@ -133,7 +133,7 @@ def test_a_skewed_stage_is_counted_alerted_and_makes_the_run_not_ready(tmp_path:
     # only stage 2 disagrees, and it does on matched prefixes
     counts = {(s.labels["pp_rank"], s.labels["kind"]): s.value
               for s in series_by_name(metrics)["stagecache_stage_disagreements_total"]}
-    assert set(counts) == {(str(k), kind) for k in range(4) for kind in KIND_NAMES}
+    assert set(counts) == {(str(k), kind) for k in range(4) for kind in DECISION_NAMES}
     assert counts["2", "matched_prefix"] > 0
     assert all(v == 0 for (st, _), v in counts.items() if st != "2")
     # the dashboard: rank 0's recent disagreements name the request, the stage and the values

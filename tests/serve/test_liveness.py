@@ -16,10 +16,10 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from stagecache.dashboard.server import dashboard_in_thread
 from stagecache.exporters.metrics import make_registry
-from stagecache.runtime.serve import run_dir as rd
+from stagecache.runtime.live import run_dir as rd
+from stagecache.runtime.live.liveness import assess
+from stagecache.runtime.live.numbers import RunInfo, StageLive
 from stagecache.runtime.serve.heartbeat import Heartbeat, StageFile
-from stagecache.runtime.serve.live import RunInfo, StageLive
-from stagecache.runtime.serve.liveness import assess
 
 NOW = 1_800_000_000.0
 REPORT = report("tiny-v4", 2)

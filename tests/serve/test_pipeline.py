@@ -50,7 +50,7 @@ def test_clock_rebooks_arrival_idle():
 def test_clock_timeline_is_a_bounded_ring_of_spans():
     import time
 
-    from stagecache.runtime.serve.live import TIMELINE_EVENTS
+    from stagecache.runtime.live.numbers import TIMELINE_EVENTS
 
     c = PipelineClock()
     before = time.time()

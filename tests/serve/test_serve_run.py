@@ -21,7 +21,7 @@ from metric_samples import sample_value, series_by_name
 from serve_helpers import SMALL, alive, read_json, run_phase, stage_pids, start, stop, wait_for
 from stagecache.exporters.metrics import METRIC_NAMES
 from stagecache.runtime.cache.insight import MISS_REASONS
-from stagecache.runtime.serve.agreement import KIND_NAMES
+from stagecache.runtime.live.numbers import DECISION_NAMES
 
 
 def _check_stage_series(smp: dict[str, list], st: str) -> None:
@@ -111,7 +111,7 @@ def _insight_of_a_clean_run(smp: dict[str, list]) -> None:
     disagrees, and per stage and tier the reasons sum exactly to the misses."""
     for st in ("0", "1", "2", "3"):
         assert all(sample_value(smp, "stagecache_stage_disagreements_total", pp_rank=st, kind=k) == 0
-                   for k in KIND_NAMES)
+                   for k in DECISION_NAMES)
         assert sample_value(smp, "stagecache_stage_compared_requests_total", pp_rank=st) == 40
         hits = {t: sample_value(smp, "stagecache_prefix_hit_tokens_total", pp_rank=st, tier=t) for t in ("device", "host")}
         misses = sample_value(smp, "stagecache_prefix_lookup_tokens_total", pp_rank=st) - sum(hits.values())

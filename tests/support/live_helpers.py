@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from stagecache.runtime.serve.live import StageLive
+from stagecache.runtime.live.numbers import StageLive
 
 
 def blank_live(stage: int, pools: Iterable[str] = ()) -> dict[str, Any]:

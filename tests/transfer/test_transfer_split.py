@@ -14,10 +14,10 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from stagecache.exporters.metrics import make_registry
 from stagecache.exporters.snapshot import StaticSource
+from stagecache.runtime.live.numbers import StageLive
 from stagecache.runtime.memory.host_pools import HostPools
 from stagecache.runtime.model.layer_map import build_layout
 from stagecache.runtime.model.spec import load_spec
-from stagecache.runtime.serve.live import StageLive
 from stagecache.runtime.serve.stage_cache import transfer_live_fields
 from stagecache.runtime.transfer import stats as stats_module
 from stagecache.runtime.transfer.controller import TransferController

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler
-from stagecache.runtime.serve.live import PoolBytes, StageLive
+from stagecache.runtime.live.numbers import PoolBytes, StageLive
 
 from ...errors import ConfigError, MappingError, StageMappingInvalid
 from ...validation.report import StageReport, StartupReport

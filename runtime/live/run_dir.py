@@ -19,8 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .live import RunInfo, StageLive
 from .liveness import Liveness, assess
+from .numbers import RunInfo, StageLive
 
 STARTUP_FILE = "startup.json"
 RUN_FILE = "run.json"

@@ -22,20 +22,26 @@ run directory holds and the clock -- nothing here is stored -- so ``/readyz``,
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..defaults import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S
 from ..memory.host_tier import NOT_READY_STATUSES
-from .agreement import disagreeing
-from .live import RunInfo, StageLive
+from .numbers import RunInfo, StageLive
 
 M = TypeVar("M", bound=BaseModel)
 
 __all__ = ["HEARTBEAT_INTERVAL_S", "HEARTBEAT_TIMEOUT_S", "Liveness", "StageHealth",
-           "assess", "liveness_of", "run_of"]
+           "assess", "disagreeing", "liveness_of", "run_of"]
+
+
+def disagreeing(per_stage: Iterable[tuple[int, Mapping[str, int]]]) -> dict[int, dict[str, int]]:
+    """Stage -> kind -> disagreements, only the non-zero counts of the stages that have any: what
+    ``/readyz`` and the run's summary name."""
+    odd = {stage: {k: n for k, n in counts.items() if n} for stage, counts in per_stage}
+    return {stage: counts for stage, counts in odd.items() if counts}
 
 
 class StageHealth(BaseModel):

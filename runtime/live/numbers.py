@@ -15,6 +15,16 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+#: The decisions every stage must take alike for each request, each with its one meaning: a stage
+#: whose value differs from the agreed one disagrees (``serve.agreement``).
+DECISIONS: dict[str, str] = {
+    "matched_prefix": "the stages matched prefixes of different lengths (device + host pages)",
+    "loaded": "the stages loaded different numbers of pages from host (h2d)",
+    "backed_up": "the stages backed up different numbers of pages to host (d2h) while serving it",
+    "completion": "the stages ended the request differently (completed or not, pages newly cached)",
+}
+DECISION_NAMES = tuple(DECISIONS)
+
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
