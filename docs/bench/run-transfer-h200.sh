@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # How docs/bench/transfer-h200.json is produced on a GPU machine with torch and Triton but no
-# package index: the package goes on the path through symlinks, and a small runner registers only
-# the `bench` subcommand (the full CLI also loads the dashboard, whose packages may be missing).
-# Usage: bash docs/bench/run-transfer-h200.sh [tests] [sweep] [bench] [split]   (results under $OUT; `sweep`
-# times engine variants on a few cases and `bench` then runs the full grid with the best one, with
-# the link probes)
+# package index (not run by the test suite: it needs a CUDA device).  The package goes on the path
+# through symlinks, its compiled transfer helper is built in place first (what `pip install` does
+# at install), and a small runner registers only the `bench` subcommand (the full CLI also loads
+# the dashboard, whose packages may be missing).
+# Usage: bash docs/bench/run-transfer-h200.sh [tests] [sweep] [bench] [split]   (results under $OUT;
+# `sweep` times launch shapes on a few cases and `bench` then runs the full grid with the best one,
+# with the link probes)
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 || echo "setup.py build_ext failed: see build.log"
+ls runtime/transfer/_native*.so > /dev/null 2>&1 && echo "compiled transfer helper: built" \
+  || echo "compiled transfer helper: NOT built (moves take the Python path)"
 mkdir -p /tmp/pkg/stagecache
 for d in runtime exporters dashboard; do ln -sfn "$PWD/$d" "/tmp/pkg/stagecache/$d"; done
 export PYTHONPATH=/tmp/pkg
@@ -18,19 +23,19 @@ p = argparse.ArgumentParser(prog="stagecache")
 bench.register(p.add_subparsers(dest="command", required=True))
 a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))
 PY
+BENCH="python3 /tmp/bench_main.py bench transfer --model deepseek-v4-flash --pp-size 4"
 nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 for step in "$@"; do
   case $step in
-    tests) timeout 150 python3 -m pytest -q -p no:cacheprovider -x tests/transfer/test_kernels_gpu.py tests/transfer/test_transfer_split_gpu.py \
-             tests/transfer/test_kernels_interpret.py tests/transfer/test_controller.py tests/memory/test_allocator.py \
-             tests/bench/test_transfer_probes.py \
+    tests) timeout 150 python3 -m pytest -q -p no:cacheprovider -x tests/transfer tests/memory/test_allocator.py \
+             tests/bench/test_transfer_probes.py tests/bench/test_transfer_bench.py \
              > "$OUT/pytest-gpu.log" 2>&1; echo "pytest rc=$?"; tail -3 "$OUT/pytest-gpu.log" ;;
-    sweep) timeout 200 python3 /tmp/bench_main.py bench transfer --sweep --mix-pages 1 16 --kind-mib 4 64 \
+    sweep) timeout 200 $BENCH --sweep --mix-pages 1 16 --kind-mib 4 64 \
              --kind c128 --kind indexer --kind c4_indexer_state --max-reps 30 --out "$OUT/sweep.json" \
              > /dev/null 2> "$OUT/sweep.err"; echo "sweep rc=$?"; tail -2 "$OUT/sweep.err"
-           # the engine variant whose worst row against the best peer is best (graphs on)
-           python3 - "$OUT/sweep.json" > /tmp/engine_flags <<'PY'
+           # the launch shape whose worst row against the best peer is best
+           python3 - "$OUT/sweep.json" > /tmp/shape_flags <<'PY'
 import json, math, sys
 rows = json.load(open(sys.argv[1]))["rows"]
 variants = [v["options"] for v in rows[0]["sweep"]]
@@ -39,19 +44,19 @@ def peer(r):
 def score(i):
     q = [r["sweep"][i]["ms"] / peer(r) for r in rows]
     return (max(q), math.exp(sum(map(math.log, q)) / len(q)))
-best = min((i for i, o in enumerate(variants) if o["graphs"]), key=score)
+best = min(range(len(variants)), key=score)
 for i, o in enumerate(variants):
-    print(f"variant {o} worst/geomean vs best peer {score(i)}", file=sys.stderr)
+    print(f"shape {o} worst/geomean vs best peer {score(i)}", file=sys.stderr)
 o = variants[best]
 print(f"--chunk-bytes {o['chunk_bytes']} --programs-per-sm {o['programs_per_sm']} --num-warps {o['num_warps']} "
-      f"--lane-words {o['lane_words']} --fine-chunk-bytes {o['fine_chunk_bytes']}" + (" --page-major" if o["page_major"] else ""))
+      f"--lane-words {o['lane_words']} --fine-chunk-bytes {o['fine_chunk_bytes']}")
 PY
-           echo "engine flags: $(cat /tmp/engine_flags)" ;;
-    bench) timeout 420 python3 /tmp/bench_main.py bench transfer --probes $(cat /tmp/engine_flags 2>/dev/null) \
+           echo "launch shape flags: $(cat /tmp/shape_flags)" ;;
+    bench) timeout 420 $BENCH --probes $(cat /tmp/shape_flags 2>/dev/null) \
              --out "$OUT/transfer-h200.json" > "$OUT/transfer-h200.md" 2> "$OUT/bench.err"
            echo "bench rc=$?"; tail -2 "$OUT/bench.err"; sed -n '/^| case/,$p' "$OUT/transfer-h200.md" ;;
     split) for m in "tiny-v4 2 128 128" "deepseek-v4-flash 4 256 64"; do set -- $m
-             timeout 90 python3 /tmp/bench_main.py bench transfer-split --model $1 --pp $2 --page-size $3 \
+             timeout 90 python3 /tmp/bench_main.py bench transfer-split --model $1 --pp-size $2 --page-size $3 \
                --big-pages $4 > "$OUT/transfer-split-$1.json" 2> "$OUT/split.err"; echo "split $1 rc=$?"; done ;;
     *) echo "unknown step $step" ;;
   esac

@@ -10,7 +10,7 @@ lookup does, so the timer's own share is measured in the same run (a timed no-op
 is the overhead the bench reports: a few milliseconds against seconds, so load on
 the machine moves it by a small fraction of itself.
 
-**The whole cost, paired.**  The insight touches metadata only: page keys, tree slots, stamps and the key
+**The whole cost, paired.**  The insight touches metadata only: page keys, tree nodes, stamps and the key
 table's tombstones, never a tensor.  A metadata-only replay of the same trace
 makes the same cache calls (the same decisions; the payload run adds the KV
 writes and copies), so the difference of its CPU time with and without the

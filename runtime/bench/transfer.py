@@ -10,7 +10,7 @@ Per grid point and direction every technique (``transfer_peers``: the contiguous
 ceiling, the per-page loop, the warp-per-item kernel; and stagecache) is first
 checked byte-exact on poisoned destinations, then timed: the median wall time
 from the call to the device being idle again, same clock for all, sampled in
-interleaved rounds (``transfer_timing``); with ``--probes`` two hand-written CUDA
+interleaved rounds (``Clock`` below); with ``--probes`` two hand-written CUDA
 kernels and a copy-engine batch time the link itself on the same pages
 (``transfer_probes``).  stagecache's
 per-call overhead (host time from the call until its work is queued, and until
@@ -25,26 +25,27 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from ..errors import ConfigError
 from ..memory.host_pools import HostPools
+from ..memory.host_tier import fmt_bytes, largest_fitting, ram_budget, read_meminfo
 from ..memory.pools import StagePools
 from ..model.pool_kinds import KINDS
 from ..model.spec import ModelSpec, spec_from_config
 from ..plan.plan import RunPlan, Sizing, StagePlan, build_plan, select_kinds
+from ..transfer import native
 from ..transfer.controller import TransferController
-from ..transfer.engine import EngineOptions
+from ..transfer.device import LaunchShape
 from ..transfer.selection import buffer_pair
 from ..transfer.stats import gbps
 from . import transfer_peers as peers
 from . import transfer_probes as probes
-from .transfer_ram import case_slack, check_cases_ram
 from .transfer_report import MIB, PEERS, environment, summary
-from .transfer_timing import Clock, Sampling
 
 MIX_PAGES = (1, 4, 16, 64, 256)
 #: stagecache's per-call host times in a row (``Clock.issue_us``), microseconds.
@@ -61,9 +62,9 @@ def kind_mib(cuda: bool) -> list[float]:
     """Default one-kind sizes; on CPU without 256 MiB (for the same reason)."""
     return list(KIND_MIB if cuda else KIND_MIB[:-1])
 #: Engine variants ``--sweep`` times on every grid point (stagecache only).
-SWEEP = (EngineOptions(), EngineOptions(page_major=True), EngineOptions(lane_words=2),
-         EngineOptions(fine_chunk_bytes=2048), EngineOptions(num_warps=2, programs_per_sm=32),
-         EngineOptions(chunk_bytes=16384), EngineOptions(chunk_bytes=4096))
+SWEEP = (LaunchShape(), LaunchShape(lane_words=2), LaunchShape(fine_chunk_bytes=1024),
+         LaunchShape(num_warps=2, programs_per_sm=32), LaunchShape(chunk_bytes=16384),
+         LaunchShape(chunk_bytes=4096))
 
 
 @dataclass(frozen=True)
@@ -98,21 +99,146 @@ class Settings:
     max_reps: int
     budget_s: float
     sweep: bool = False
-    engine: EngineOptions = EngineOptions()
+    shape: LaunchShape = LaunchShape()
     probes: bool = False  # also time the link probes (``transfer_probes``; CUDA)
 
 
-def engine_options(chunk_bytes: int | None, programs_per_sm: int | None, num_warps: int | None,
-                   lane_words: int | None = None, fine_chunk_bytes: int | None = None,
-                   page_major: bool | None = None) -> EngineOptions:
-    """The engine's defaults, with the flags given on the command line."""
+def launch_shape(chunk_bytes: int | None, programs_per_sm: int | None, num_warps: int | None,
+                 lane_words: int | None = None, fine_chunk_bytes: int | None = None) -> LaunchShape:
+    """The device mover's default launch shape, with the flags given on the command line."""
     given = {"chunk_bytes": chunk_bytes, "programs_per_sm": programs_per_sm, "num_warps": num_warps,
-             "lane_words": lane_words, "fine_chunk_bytes": fine_chunk_bytes, "page_major": page_major}
-    return EngineOptions(**{k: v for k, v in given.items() if v is not None})
+             "lane_words": lane_words, "fine_chunk_bytes": fine_chunk_bytes}
+    return LaunchShape(**{k: v for k, v in given.items() if v is not None})
 
 
 def log(msg: str) -> None:
     print(f"[bench transfer] {msg}", file=sys.stderr, flush=True)
+
+
+# -- the clock: The clock of ``bench transfer``: wall time from a call until the device is idle again, the
+#
+# same for every technique, sampled in interleaved rounds.
+#
+# Why interleaved: a GPU host is shared (other GPUs' copies, other processes' memory traffic),
+# and its PCIe and memory rates drift by a few percent over seconds.  Timed one technique after
+# the other, a slow spell falls on whichever technique was being timed, and at 256 MiB the
+# techniques differ by less than that.  In rounds (every technique once per round) a slow spell
+# falls on all of them alike.  The order within a round is shuffled (seeded): a fixed or rotated
+# cycle keeps who-follows-whom fixed, and on a CPU the technique that runs right after another one
+# moving the same pages finds them in cache (a rotated 3-cycle timed the per-page loop right after
+# stagecache two rounds in three).
+
+@dataclass(frozen=True)
+class Sampling:
+    """How long to sample: at least ``min_reps`` calls and ``budget_s`` seconds per technique, at
+    most ``max_reps`` calls; a technique whose first 3 calls took 4x the budget stops there."""
+
+    min_reps: int
+    max_reps: int
+    budget_s: float
+
+    def done(self, samples: list[float]) -> bool:
+        n, spent = len(samples), sum(samples)
+        if n >= self.max_reps:
+            return True
+        if n >= min(3, self.min_reps) and spent >= 4 * self.budget_s:
+            return True
+        return n >= self.min_reps and spent >= self.budget_s
+
+
+class Clock:
+    """Wall-time medians of calls, each bracketed by device syncs."""
+
+    def __init__(self, cuda: bool, sampling: Sampling):
+        import torch
+
+        self.sync: Callable[[], None] = torch.cuda.synchronize if cuda else (lambda: None)
+        self.sampling = sampling
+
+    def once(self, fn: Callable[[], Any]) -> float:
+        """Seconds from the call to the device idle, the device idle before it."""
+        self.sync()
+        t0 = time.perf_counter()
+        fn()
+        self.sync()
+        return time.perf_counter() - t0
+
+    def median_ms(self, fn: Callable[[], Any]) -> float:
+        """Median milliseconds of ``fn`` alone."""
+        return self.interleaved_ms({"fn": fn})["fn"]
+
+    def interleaved_ms(self, fns: dict[str, Callable[[], Any]]) -> dict[str, float]:
+        """Median milliseconds of each of ``fns``, sampled in rounds of one call each (in an order
+        shuffled per round) until each one's sampling is done."""
+        samples: dict[str, list[float]] = {k: [] for k in fns}
+        order = random.Random(len(fns))
+        while True:
+            live = [k for k in fns if not self.sampling.done(samples[k])]
+            if not live:
+                break
+            order.shuffle(live)
+            for k in live:
+                samples[k].append(self.once(fns[k]))
+        return {k: statistics.median(v) * 1e3 for k, v in samples.items()}
+
+    def issue_us(self, fn: Callable[[], Any], move_ms: float, keys: tuple[str, ...]) -> dict[str, float]:
+        """Median host times of a call, in bursts of two after the device went idle: from the
+        call to its copy queued on the stream (``issue``: the call's ``TransferResult.queued``)
+        and to the call's return (``call``: bookkeeping after the launch included).
+
+        cold = the first call of a burst (the host thread just woke from waiting on the
+        device); warm = the second, queued right behind the first, as in a steady stream
+        of moves.  Neither waits for the device (the id ring has free slots).  ``keys`` name
+        (warm issue, cold issue, warm call, cold call).
+        """
+        rows: list[tuple[float, float, float, float]] = []
+        for _ in range(max(3, min(200, int(500 / max(move_ms, 1e-3))))):
+            self.sync()
+            t0 = time.perf_counter()
+            first = fn()
+            t1 = time.perf_counter()
+            second = fn()
+            t2 = time.perf_counter()
+            rows.append((second.queued - t1, first.queued - t0, t2 - t1, t1 - t0))
+        self.sync()
+        return {k: round(statistics.median(r[i] for r in rows) * 1e6, 2) for i, k in enumerate(keys)}
+
+
+# -- the RAM check: the largest case must fit the host's RAM before any pool exists ---------------
+def case_slack(pages: int) -> int:
+    """Spare pages around a case's moved pages (scattered ids need room)."""
+    return max(8, pages // 4)
+
+
+def _page_bytes(case: Any, page_size: int) -> int:
+    return case.stage_plan(1).token_page_bytes
+
+
+def check_cases_ram(cases: Sequence[Any], page_size: int, device_in_ram: bool) -> None:
+    """ConfigError (one line, a flag and a value that fits) when a case cannot fit in RAM."""
+    mem = read_meminfo()
+    if mem is None or not cases:
+        return
+    budget = ram_budget(mem)
+    copies = 2 if device_in_ram else 1  # the host side, and the device side when it is in RAM
+
+    def need(case: Any, pages: int) -> int:  # pools of pages + slack, ceiling buffers of pages
+        return (2 * pages + case_slack(pages)) * _page_bytes(case, page_size) * copies
+
+    for case in sorted(cases, key=lambda c: -c.pages):
+        n = need(case, case.pages)
+        if n <= budget:
+            continue
+        fit = largest_fitting(lambda p, c=case: need(c, p) <= budget, 1, case.pages - 1)
+        if case.kinds is None:
+            hint = f"lower --mix-pages to {fit}" if fit else "no page count fits"
+        else:
+            per_page = _page_bytes(case, page_size)
+            mib = (fit or 0) * per_page / MIB
+            hint = f"lower --kind-mib to {mib:.1f}" if fit else "no size fits"
+        raise ConfigError(f"bench transfer case {case.name}: {case.pages} pages need {fmt_bytes(n)} of "
+                          f"RAM, only {fmt_bytes(budget)} available ({fmt_bytes(mem.available)} less "
+                          f"the {fmt_bytes(mem.reserve())} reserve); {hint}")
 
 
 def single_kind_spec(base: ModelSpec, pool: str, layers: int) -> ModelSpec:
@@ -146,7 +272,7 @@ def grid(base: ModelSpec, pp: int, stage: int, page_size: int, layers: int, mix_
 class _Pages:
     """The case's pools, controller, scattered page ids and byte-exact checks."""
 
-    def __init__(self, case: Case, s: Settings, options: EngineOptions | None = None):
+    def __init__(self, case: Case, s: Settings, shape: LaunchShape | None = None):
         import torch
 
         self.cuda = s.device.startswith("cuda")
@@ -155,7 +281,7 @@ class _Pages:
         self.hp = HostPools(self.dp, layout=s.layout, pin_memory=self.cuda)
         self.dp.allocator.alloc(self.dp.num_pages)
         self.hp.allocator.alloc(self.hp.num_pages)
-        self.controller = TransferController(self.dp, self.hp, options=options or s.engine)
+        self.controller = TransferController(self.dp, self.hp, shape=shape or s.shape)
         self.plan = self.controller.selection()
         rng = random.Random(s.seed)
         self.dev_ids = torch.tensor(rng.sample(range(self.dp.num_pages), case.pages))
@@ -195,7 +321,7 @@ class _Pages:
         def run(d2h: bool) -> Any:
             return c.backup(dev, host) if d2h else c.load(host, dev)
 
-        return peers.Technique("stagecache", run, f"TransferController ({c.path} engine), ids checked")
+        return peers.Technique("stagecache", run, f"TransferController ({c.path} mover), ids checked")
 
     def page_loop(self) -> peers.Technique:
         pairs = [(d[a], h[b], ref.page_bytes) for d, h, ref in self.buffers
@@ -239,7 +365,7 @@ def _ceiling(nbytes: int, cuda: bool, device: str) -> tuple[peers.Technique, Cal
 def _measure(clock: Clock, techs: list[peers.Technique],
              checks: dict[str, tuple[Callable[[bool], Any], Callable[[], bool]]]) -> dict[str, Any]:
     """Per technique and direction: the byte-exact check (poison, one move, compare), then the
-    median times, every technique sampled in the same interleaved rounds (``transfer_timing``)."""
+    median times, every technique sampled in the same interleaved rounds (``Clock``)."""
     out: dict[str, Any] = {t.key: {} for t in techs}
     for d2h, direction in ((True, "d2h"), (False, "h2d")):
         exact = {}
@@ -273,7 +399,7 @@ def run_case(case: Case, s: Settings) -> tuple[list[dict[str, Any]], dict[str, A
     if cuda:
         overhead = {d: clock.issue_us(lambda d2h=(d == "d2h"): stage.run(d2h), results["stagecache"][d]["ms"],
                                       OVERHEAD_KEYS) for d in ("d2h", "h2d")}
-    else:  # synchronous engine: the call is the whole move
+    else:  # synchronous mover: the call is the whole move
         overhead = {d: dict.fromkeys(OVERHEAD_KEYS, round(results["stagecache"][d]["ms"] * 1e3, 2))
                     for d in ("d2h", "h2d")}
     dma = {d: _dma_ms(stage, d == "d2h") for d in ("d2h", "h2d")}
@@ -314,11 +440,11 @@ def _row(case: Case, pages: _Pages, direction: str, results: dict[str, Any]) -> 
 
 def _sweep(case: Case, s: Settings, clock: Clock) -> list[dict[str, Any]]:
     out = []
-    for options in SWEEP:
-        pages = _Pages(case, s, options)
+    for shape in SWEEP:
+        pages = _Pages(case, s, shape)
         stage = pages.stagecache()
         ms = {d: round(clock.median_ms(functools.partial(stage.run, d == "d2h")), 4) for d in ("d2h", "h2d")}
-        out.append({"options": options.__dict__, "ms": ms})
+        out.append({"options": shape.__dict__, "ms": ms})
         del pages, stage
     return out
 
@@ -329,7 +455,8 @@ def run_bench(cases: list[Case], s: Settings, model: str) -> dict[str, Any]:
 
     check_cases_ram(cases, s.page_size, not s.device.startswith("cuda"))
     report = environment(s.device) | {"bench": "transfer", "model": model, "page_size": s.page_size,
-                                      "layout": s.layout, "engine": s.engine.__dict__, "rows": []}
+                                      "layout": s.layout, "engine": s.shape.__dict__,
+                                      "native": native.module() is not None, "rows": []}
     t0 = time.perf_counter()
     for i, case in enumerate(cases, 1):
         log(f"{i}/{len(cases)} {case.name} ({case.pages} pages) ... [{time.perf_counter() - t0:.0f} s]")

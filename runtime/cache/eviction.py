@@ -27,34 +27,34 @@ class EvictionPolicy:
     """Base: subclasses define ``priority``; the hooks are optional."""
 
     name = ""
-    #: Called with the slot after each use that changes ``hits``; None skips the call (fast path).
+    #: Called with the node after each use that changes ``hits``; None skips the call (fast path).
     touched: Any = None
 
     def attach(self, tree: Any) -> None:
         self.tree = tree
 
-    def on_new(self, slot: int) -> None:
-        """A slot (re)used for a new page."""
+    def on_new(self, node: int) -> None:
+        """A node (re)used for a new page."""
 
-    def priority(self, slot: int) -> int:
+    def priority(self, node: int) -> int:
         raise NotImplementedError
 
-    def priorities(self, slots: np.ndarray) -> list[int]:
-        """Priorities of many slots (the tree's rare full rebuild of its candidate heaps)."""
-        return [self.priority(s) for s in slots.tolist()]
+    def priorities(self, nodes: np.ndarray) -> list[int]:
+        """Priorities of many nodes (the tree's rare full rebuild of its candidate heaps)."""
+        return [self.priority(s) for s in nodes.tolist()]
 
-    def evicted(self, slot: int) -> None:
-        """The page in ``slot`` is leaving a tier (called before the tree changes it)."""
+    def evicted(self, node: int) -> None:
+        """The page in ``node`` is leaving a tier (called before the tree changes it)."""
 
 
 class LRU(EvictionPolicy):
     name = "lru"
 
-    def priority(self, slot: int) -> int:
-        return self.tree.stamp[slot]
+    def priority(self, node: int) -> int:
+        return self.tree.stamp[node]
 
-    def priorities(self, slots: np.ndarray) -> list[int]:
-        return np.frombuffer(self.tree.stamp, dtype=np.int64)[slots].tolist()
+    def priorities(self, nodes: np.ndarray) -> list[int]:
+        return np.frombuffer(self.tree.stamp, dtype=np.int64)[nodes].tolist()
 
 
 class LFUAging(EvictionPolicy):
@@ -68,20 +68,20 @@ class LFUAging(EvictionPolicy):
         self.age = 0
         self.touched = self._touched
 
-    def on_new(self, slot: int) -> None:
-        if slot == len(self.level):
+    def on_new(self, node: int) -> None:
+        if node == len(self.level):
             self.level.append(self.age + 1)
         else:
-            self.level[slot] = self.age + 1
+            self.level[node] = self.age + 1
 
-    def _touched(self, slot: int) -> None:
-        self.level[slot] = self.age + 1 + self.tree.hits[slot]
+    def _touched(self, node: int) -> None:
+        self.level[node] = self.age + 1 + self.tree.hits[node]
 
-    def priority(self, slot: int) -> int:
-        return (self.level[slot] << self.STAMP_BITS) | self.tree.stamp[slot]
+    def priority(self, node: int) -> int:
+        return (self.level[node] << self.STAMP_BITS) | self.tree.stamp[node]
 
-    def evicted(self, slot: int) -> None:
-        self.age = max(self.age, self.level[slot])
+    def evicted(self, node: int) -> None:
+        self.age = max(self.age, self.level[node])
 
 
 POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRU, "lfu": LFUAging}

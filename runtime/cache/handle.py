@@ -40,7 +40,7 @@ class PrefixMatch:
     device_tokens: int  # already on device
     host_tokens: int  # were on host only, loaded to device by this call
     pages: tuple[int, ...]  # device page ids of the whole matched prefix, in order
-    last_node: int  # slot of the deepest matched node (-1: none)
+    last_node: int  # the deepest matched node (-1: none)
     locked: bool
 
     @property
@@ -55,7 +55,7 @@ class Handle:
     request: Any
     view: PageView
     keys: list[int]
-    path: list[int]  # slots of the matched prefix (locked while running)
+    path: list[int]  # nodes of the matched prefix (locked while running)
     device_hit_pages: int
     host_hit_pages: int
     prefix_pages: list[int]  # device page ids of the reused prefix (tree-owned, locked)

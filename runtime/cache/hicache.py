@@ -93,7 +93,7 @@ class HiCache:
         self._in_flight: dict[int, Handle] = {}
         self._pending: dict[int, int] = {}  # host page -> device page: write-back copies not yet made
         #: miss reasons and sampled lifetimes (``insight.py``); None: not kept
-        self.insight = None if insight is None else CacheInsight(insight, stats, self.tree._slot)
+        self.insight = None if insight is None else CacheInsight(insight, stats, self.tree._node)
 
     @property
     def insight(self) -> CacheInsight | None:
@@ -103,7 +103,7 @@ class HiCache:
     @insight.setter
     def insight(self, value: CacheInsight | None) -> None:
         self._insight = value
-        #: per tier, the watched slots (empty without an insight): the one test an evicted page costs
+        #: per tier, the watched nodes (empty without an insight): the one test an evicted page costs
         self._watch = value.watch if value is not None else ({}, {})
 
     # -- request flow -----------------------------------------------------------------------
@@ -228,16 +228,16 @@ class HiCache:
         else:
             _ordered(self.controller.load(src, dst))
 
-    def _load(self, slots: list[int], watch: bool = False) -> None:
+    def _load(self, nodes: list[int], watch: bool = False) -> None:
         host = self.tree.host
-        src = [host[s] for s in slots]
-        pages = self._alloc_device(len(slots))
+        src = [host[s] for s in nodes]
+        pages = self._alloc_device(len(nodes))
         self._copy("h2d", src, pages)
-        for s, p in zip(slots, pages, strict=True):
+        for s, p in zip(nodes, pages, strict=True):
             self.tree.set_device(s, p)
-        self.stats.load_pages += len(slots)
+        self.stats.load_pages += len(nodes)
         if watch and self.insight is not None:
-            self.insight.born(0, slots)
+            self.insight.born(0, nodes)
 
     def _alloc_device(self, n: int) -> list[int]:
         """``n`` device pages: free ones first, then the pages of evicted nodes (handed over as is)."""
@@ -270,26 +270,26 @@ class HiCache:
             self.stats.backup_pages += len(hosts)
             self._pending = {}
 
-    def _evict_device(self, slot: int) -> int:
-        """Take ``slot`` off the device (backing it up or dropping it); returns its device page."""
+    def _evict_device(self, node: int) -> int:
+        """Take ``node`` off the device (backing it up or dropping it); returns its device page."""
         tree = self.tree
-        page = tree.dev[slot]
+        page = tree.dev[node]
         self.stats.device_evicted_pages += 1
         written_back = False
-        if tree.host[slot] < 0 and self.host_alloc is not None:
+        if tree.host[node] < 0 and self.host_alloc is not None:
             host_page = self._host_page()
             if host_page >= 0:
-                tree.set_host(slot, host_page)
+                tree.set_host(node, host_page)
                 self._pending[host_page] = page
                 written_back = True
-        if slot in self._watch[0]:
-            self._insight.left_device(slot, written_back, tree.stamp)
-        tree.set_device(slot, -1)
-        if tree.host[slot] < 0:
+        if node in self._watch[0]:
+            self._insight.left_device(node, written_back, tree.stamp)
+        tree.set_device(node, -1)
+        if tree.host[node] < 0:
             # Lost.  It has no children: a child would be host-only and unlocked, so the host
             # tier could have evicted one (or its own leaf) to make room for this copy.
             self.stats.dropped_pages += 1
-            tree.remove(slot, DROPPED)
+            tree.remove(node, DROPPED)
         return page
 
     def _host_page(self) -> int:
@@ -300,51 +300,51 @@ class HiCache:
         victim = self.tree.pop(HOST)
         return self._evict_host(victim) if victim >= 0 else -1
 
-    def _evict_host(self, slot: int) -> int:
-        """Drop ``slot``'s host copy; its page stays allocated and goes to the caller."""
+    def _evict_host(self, node: int) -> int:
+        """Drop ``node``'s host copy; its page stays allocated and goes to the caller."""
         tree = self.tree
-        page = tree.host[slot]
+        page = tree.host[node]
         # its write-back copy is no longer wanted (nor ever made: a miss reason of its own)
         why = FROM_HOST if self._pending.pop(page, None) is None else WRITEBACK
         self.stats.host_evicted_pages += 1
-        if slot in self._watch[1]:
-            self._insight.died(1, slot, tree.stamp)
-        tree.set_host(slot, -1)
-        if tree.dev[slot] < 0:
-            tree.remove(slot, why)
+        if node in self._watch[1]:
+            self._insight.died(1, node, tree.stamp)
+        tree.set_host(node, -1)
+        if tree.dev[node] < 0:
+            tree.remove(node, why)
         return page
 
-    def _backup(self, slots: list[int], watch: bool = False) -> int:
+    def _backup(self, nodes: list[int], watch: bool = False) -> int:
         """Copy device nodes to host (shallow first, one transfer); returns how many made it."""
         hosts: list[int] = []
-        for _ in slots:
+        for _ in nodes:
             page = self._host_page()
             if page < 0:
                 break
             hosts.append(page)
         if hosts:
             dev = self.tree.dev
-            self._copy("d2h", [dev[s] for s in slots[:len(hosts)]], hosts)
-            for s, h in reversed(list(zip(slots, hosts, strict=False))):
+            self._copy("d2h", [dev[s] for s in nodes[:len(hosts)]], hosts)
+            for s, h in reversed(list(zip(nodes, hosts, strict=False))):
                 self.tree.set_host(s, h)  # deepest first: only the deepest becomes a candidate
             self.stats.backup_pages += len(hosts)
             if watch and self.insight is not None:
-                self.insight.born(1, slots[:len(hosts)])
+                self.insight.born(1, nodes[:len(hosts)])
         return len(hosts)
 
     def discard(self, key: int) -> bool:
         """Lose one cached page from both tiers (an unlocked leaf): what ``--fault radix-skew``
         does to one stage; False when the page is not such a leaf."""
         tree = self.tree
-        slot = tree.slot_of(key)
-        if slot < 0 or tree.lock[slot] or tree.nchild[slot]:
+        node = tree.node_of(key)
+        if node < 0 or tree.lock[node] or tree.nchild[node]:
             return False
-        for tier, page, alloc in ((0, tree.dev[slot], self.dev_alloc), (1, tree.host[slot], self.host_alloc)):
+        for tier, page, alloc in ((0, tree.dev[node], self.dev_alloc), (1, tree.host[node], self.host_alloc)):
             if page >= 0:
-                (tree.set_device if tier == 0 else tree.set_host)(slot, -1)
+                (tree.set_device if tier == 0 else tree.set_host)(node, -1)
                 alloc.free([page])
-                self._watch[tier].pop(slot, None)
-        tree.remove(slot, DROPPED)
+                self._watch[tier].pop(node, None)
+        tree.remove(node, DROPPED)
         return True
 
     # -- inspection -------------------------------------------------------------------------

@@ -37,8 +37,8 @@ lookup's own failed probe already names the reason of its first missed page.
 and the reuse gap (time since the page's previous use -- its previous hit or
 its insertion -- when a lookup hits it).  Births are sampled (every
 ``sample_every``-th request or transfer call watches the entries it creates, by
-tree slot); the deaths of watched entries are caught exactly where an entry
-leaves a tier (``HiCache`` tests the slot against the tier's watch).  Reuse gaps are taken on
+tree node); the deaths of watched entries are caught exactly where an entry
+leaves a tier (``HiCache`` tests the node against the tier's watch).  Reuse gaps are taken on
 every ``sample_every``-th lookup.  The clock is ``seconds`` (``time.monotonic``, ``serve``) or
 ``requests`` (lookups begun: a replay's trace time).  Observations are logged on the hot path
 and folded into the histograms with numpy (``lifetimes.py``)."""
@@ -128,7 +128,7 @@ class CacheInsight:
         self.clock = InsightClock(cfg.clock)
         self._mark = self.clock.mark
         self.lifetimes = Lifetimes(self.clock)
-        #: per tier, watched slot -> its birth; ``HiCache`` tests membership where an entry leaves
+        #: per tier, watched node -> its birth; ``HiCache`` tests membership where an entry leaves
         self.watch: tuple[dict[int, float], dict[int, float]] = ({}, {})
         self.every = cfg.sample_every
         self.defer = cfg.defer
@@ -179,23 +179,23 @@ class CacheInsight:
             counts[reason] += tokens
 
     # -- births and deaths (sampled entries) -------------------------------------------------------
-    def born(self, tier: int, slots: Iterable[int]) -> None:
-        """The entries ``slots`` entered ``tier`` on a sampled path: watch them."""
+    def born(self, tier: int, nodes: Iterable[int]) -> None:
+        """The entries ``nodes`` entered ``tier`` on a sampled path: watch them."""
         watch, now = self.watch[tier], self.clock.now()
-        for slot in slots:
+        for node in nodes:
             if len(watch) >= MAX_WATCHED:
                 return
-            watch[slot] = now
+            watch[node] = now
 
-    def died(self, tier: int, slot: int, stamp: Any) -> None:
-        """Watched ``slot`` left ``tier`` (``HiCache`` checks ``slot in watch[tier]`` first)."""
-        _death(self, tier, slot, stamp)
+    def died(self, tier: int, node: int, stamp: Any) -> None:
+        """Watched ``node`` left ``tier`` (``HiCache`` checks ``node in watch[tier]`` first)."""
+        _death(self, tier, node, stamp)
 
-    def left_device(self, slot: int, written_back: bool, stamp: Any) -> None:
-        """Watched ``slot`` left the device; a write-back copy made for it is a host birth."""
-        now = _death(self, 0, slot, stamp)
+    def left_device(self, node: int, written_back: bool, stamp: Any) -> None:
+        """Watched ``node`` left the device; a write-back copy made for it is a host birth."""
+        now = _death(self, 0, node, stamp)
         if written_back and len(self.watch[1]) < MAX_WATCHED:
-            self.watch[1][slot] = now
+            self.watch[1][node] = now
 
     # -- reports -------------------------------------------------------------------------------------
     def miss_tokens(self) -> dict[str, dict[str, int]]:
@@ -213,7 +213,7 @@ class CacheInsight:
 
     def seen(self) -> dict[str, int]:
         """The evicted keys remembered: tombstones in the key table, and what they cost there
-        (12 bytes per table slot; the table is kept 35-70 % full of live keys and tombstones)."""
+        (12 bytes per table node; the table is kept 35-70 % full of live keys and tombstones)."""
         t = self.table
         used = t.size + t.ghosts
         return {"seen_keys": t.ghosts, "seen_keys_capacity": self.cfg.seen_keys,
@@ -228,13 +228,13 @@ class CacheInsight:
                 "watched": {t: len(w) for t, w in zip(INSIGHT_TIERS, self.watch, strict=True)}}
 
 
-def _death(ins: CacheInsight, tier: int, slot: int, stamp: Any) -> float:
-    """Observe the lifetime and idle time of watched ``slot`` leaving ``tier``; returns now.
+def _death(ins: CacheInsight, tier: int, node: int, stamp: Any) -> float:
+    """Observe the lifetime and idle time of watched ``node`` leaving ``tier``; returns now.
 
     A function, not a method: ``left_device`` calls it, and a subclass that times the entry
     points (the bench's) must not count a death twice."""
     now = ins.clock.now()
-    ins.lifetimes.death(tier, now, ins.watch[tier].pop(slot), stamp[slot])
+    ins.lifetimes.death(tier, now, ins.watch[tier].pop(node), stamp[node])
     return now
 
 

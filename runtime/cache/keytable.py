@@ -1,9 +1,9 @@
-"""A map from 64-bit page keys to node slots in two typed arrays (open addressing).
+"""A map from 64-bit page keys to nodes in two typed arrays (open addressing).
 
-Why not a ``dict``: a dict entry of int -> int costs its slot in the hash table
+Why not a ``dict``: a dict entry of int -> int costs its node in the hash table
 (40-80 bytes under insert/delete churn) plus two int objects (28-36 bytes each),
 ~100-150 bytes per cached page, most of the tree's budget.  Here a key costs
-12 bytes of array per table slot, and the table stays between 35 % and 70 %
+12 bytes of array per table node, and the table stays between 35 % and 70 %
 full: 17-34 bytes per key, no Python object per key.
 
 Linear probing, power-of-two capacity, Fibonacci hashing of the key (chained
@@ -14,7 +14,7 @@ Fibonacci hashing spreads).  Two ways to remove a key:
   heavy eviction never degrades;
 * ``bury`` (the cache insight's memory of evicted pages, ``insight.py``) leaves
   a *tombstone* in place that still answers ``get`` with how the key left
-  (``ghost_reason``), costs one probe (no shifting) and 12 bytes per table slot.
+  (``ghost_reason``), costs one probe (no shifting) and 12 bytes per table node.
   At most ``max_ghosts`` tombstones survive a rebuild (the newest, by the
   rebuild epoch they were buried in); a rebuild happens when live keys and
   tombstones fill the table, and places every entry with numpy at once.
@@ -41,7 +41,7 @@ def ghost_reason(value: int) -> int:
 
 
 class KeyTable:
-    """``key -> slot`` (slots are ints >= 0); ``get`` returns -1 for a key never seen (or
+    """``key -> node`` (nodes are ints >= 0); ``get`` returns -1 for a key never seen (or
     forgotten) and a value <= ``GHOST`` for a buried one."""
 
     def __init__(self, bits: int = 10, max_ghosts: int = 0):
@@ -72,7 +72,7 @@ class KeyTable:
                 return v
             i = (i + 1) & mask
 
-    def put(self, key: int, slot: int) -> None:
+    def put(self, key: int, node: int) -> None:
         """Add a key that is not live (its own tombstone, if any, is overwritten)."""
         if self.size + self.ghosts >= self._limit:
             self._rebuild()
@@ -87,7 +87,7 @@ class KeyTable:
                 break
             i = (i + 1) & mask
         keys[i] = key
-        vals[i] = slot
+        vals[i] = node
         self.size += 1
 
     def bury(self, key: int, reason: int) -> None:
@@ -177,8 +177,8 @@ class KeyTable:
         self._place(ks, vs)
 
     def _place(self, ks: np.ndarray, vs: np.ndarray) -> None:
-        """Linear-probing layout of distinct keys into the (empty) table: sorted by home slot,
-        each key takes the first free slot at or after its home; a run past the end wraps."""
+        """Linear-probing layout of distinct keys into the (empty) table: sorted by home node,
+        each key takes the first free node at or after its home; a run past the end wraps."""
         if not len(ks):
             return
         home = ((ks * np.uint64(_GOLDEN)) >> np.uint64(self._shift)).astype(np.int64)
@@ -200,7 +200,7 @@ class KeyTable:
             self._vals[i] = v
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
-        """(keys, slots) of every live entry, as numpy arrays (copies)."""
+        """(keys, nodes) of every live entry, as numpy arrays (copies)."""
         vals = np.frombuffer(self._vals, dtype=np.int32)
         live = vals >= 0
         return np.frombuffer(self._keys, dtype=np.uint64)[live].copy(), vals[live].copy()

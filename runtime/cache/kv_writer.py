@@ -1,7 +1,7 @@
 """Deterministic KV bytes for a simulated forward pass, and the check that reads them back.
 
 A cache bug (a page freed while still in the tree, a host page reloaded into
-the wrong slot, a pool indexed by the wrong layer) shows up as *wrong bytes*
+the wrong node, a pool indexed by the wrong layer) shows up as *wrong bytes*
 long before it shows up as a crash.  So every byte the simulated forward pass
 writes is a function of what it belongs to:
 

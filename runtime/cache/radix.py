@@ -2,8 +2,8 @@
 
 A page key names a page *and its whole prefix* (``pages.py``), so the tree
 needs no per-node child maps: one key table (``keytable.py``, two typed arrays)
-maps a key to its node's slot, and every per-node field is one entry of a typed
-``array`` indexed by that slot (parent slot, device page, host page, lock count,
+maps a key to its node, and every per-node field is one entry of a typed
+``array`` indexed by that node (parent node, device page, host page, lock count,
 last use, hit count, and the children counts the eviction rules need).  That is
 48 bytes of arrays plus 17-34 bytes of key table per cached page, no Python
 object per node (one would cost several hundred bytes), which is what lets a
@@ -23,7 +23,7 @@ every step):
   node is never an eviction candidate.
 
 Eviction candidates sit in one lazy heap per tier, ordered by the policy's
-priority (``eviction.py``); an entry is one int ``priority << 32 | slot``,
+priority (``eviction.py``); an entry is one int ``priority << 32 | node``,
 checked when popped (stale entries are dropped, and an empty heap is rebuilt
 from the arrays once, so staleness can cost time but never a false "nothing
 evictable").
@@ -58,7 +58,7 @@ class RadixError(StageCacheError, RuntimeError):
 class NodeInfo:
     """A read-only copy of one node's fields (inspection and tests)."""
 
-    slot: int
+    node: int
     key: int
     parent: int
     device: int
@@ -70,7 +70,7 @@ class NodeInfo:
 
 
 class Match:
-    """A lookup's matched path (slots, root side first): ``device`` leading pages on device;
+    """A lookup's matched path (nodes, root side first): ``device`` leading pages on device;
     ``miss``: what the key table said of the first key not matched (-1: never cached or
     forgotten, <= ``keytable.GHOST``: a buried key; 0: none, the whole limit matched)."""
 
@@ -100,7 +100,7 @@ class RadixTree:
     def __init__(self, policy: EvictionPolicy | None = None, ghosts: int = 0):
         #: ``ghosts`` > 0: removed keys stay in the key table as tombstones with how they left
         #: (the newest ``ghosts`` of them; ``keytable.py``) -- the cache insight's miss reasons
-        self._slot = KeyTable(max_ghosts=ghosts)
+        self._node = KeyTable(max_ghosts=ghosts)
         for name, code in _FIELDS:
             setattr(self, name, array(code))
         self._free = array("i")
@@ -120,16 +120,16 @@ class RadixTree:
 
     def _new(self, key: int, parent: int, stamp: int, page: int) -> int:
         """A new node on device ``page`` (not offered: the caller offers when it is done)."""
-        if self._free:  # under pressure: reuse a removed node's slot
-            slot = self._free.pop()
-            self.key[slot] = key
-            self.parent[slot] = parent
-            self.dev[slot] = page
-            self.host[slot] = -1
-            self.stamp[slot] = stamp
-            self.hits[slot] = 0  # lock and the child counts are 0 already (checked at removal)
+        if self._free:  # under pressure: reuse a removed node
+            node = self._free.pop()
+            self.key[node] = key
+            self.parent[node] = parent
+            self.dev[node] = page
+            self.host[node] = -1
+            self.stamp[node] = stamp
+            self.hits[node] = 0  # lock and the child counts are 0 already (checked at removal)
         else:  # a growing cache: plain appends
-            slot = len(self.key)
+            node = len(self.key)
             self.key.append(key)
             self.parent.append(parent)
             self.dev.append(page)
@@ -140,64 +140,64 @@ class RadixTree:
             self.nchild.append(0)
             self.ndev.append(0)
             self.nhost.append(0)
-        self._slot.put(key, slot)
+        self._node.put(key, node)
         if parent >= 0:
             self.nchild[parent] += 1
             self.ndev[parent] += 1
         self.num_nodes += 1
         self.device_pages += 1
-        self.policy.on_new(slot)
-        return slot
+        self.policy.on_new(node)
+        return node
 
     @property
     def clock(self) -> int:
         """The logical time of the last lookup or insert (what ``stamp`` holds)."""
         return self._clock
 
-    def slot_of(self, key: int) -> int:
-        return self._slot.get(key)
+    def node_of(self, key: int) -> int:
+        return self._node.get(key)
 
-    def remove(self, slot: int, why: int = 0) -> int:
+    def remove(self, node: int, why: int = 0) -> int:
         """Unlink a childless, unlocked node that is no longer resident on either tier; its key.
 
         ``why`` (0..7): how it left, kept in its tombstone when the tree keeps ghosts.
         """
-        if self.nchild[slot] or self.lock[slot] or self.dev[slot] >= 0 or self.host[slot] >= 0:
-            raise RadixError(f"cannot remove {self.info(slot)}: it has children, is locked or resident")
-        key = self.key[slot]
-        if self._slot.max_ghosts:
-            self._slot.bury(key, why)
+        if self.nchild[node] or self.lock[node] or self.dev[node] >= 0 or self.host[node] >= 0:
+            raise RadixError(f"cannot remove {self.info(node)}: it has children, is locked or resident")
+        key = self.key[node]
+        if self._node.max_ghosts:
+            self._node.bury(key, why)
         else:
-            self._slot.pop(key)
-        parent = self.parent[slot]
-        self.parent[slot] = -2  # dead (never a candidate: dev and host are -1)
-        self._free.append(slot)
+            self._node.pop(key)
+        parent = self.parent[node]
+        self.parent[node] = -2  # dead (never a candidate: dev and host are -1)
+        self._free.append(node)
         self.num_nodes -= 1
         if parent >= 0:
             self.nchild[parent] -= 1
             self.offer(parent)
         return key
 
-    def set_device(self, slot: int, page: int) -> None:
+    def set_device(self, node: int, page: int) -> None:
         """Record (``page >= 0``) or clear (``-1``) a node's device page, keeping the counts right."""
-        self._set_tier(slot, page, self.dev, self.ndev, "device_pages")
+        self._set_tier(node, page, self.dev, self.ndev, "device_pages")
 
-    def set_host(self, slot: int, page: int) -> None:
+    def set_host(self, node: int, page: int) -> None:
         """The same for the node's host page."""
-        self._set_tier(slot, page, self.host, self.nhost, "host_pages")
+        self._set_tier(node, page, self.host, self.nhost, "host_pages")
 
-    def _set_tier(self, slot: int, page: int, pages: Any, child_counts: Any, total: str) -> None:
-        old = pages[slot]
-        pages[slot] = page
+    def _set_tier(self, node: int, page: int, pages: Any, child_counts: Any, total: str) -> None:
+        old = pages[node]
+        pages[node] = page
         if (old >= 0) != (page >= 0):
             step = 1 if page >= 0 else -1
             setattr(self, total, getattr(self, total) + step)
-            parent = self.parent[slot]
+            parent = self.parent[node]
             if parent >= 0:
                 child_counts[parent] += step
                 if step < 0:
                     self.offer(parent)
-        self.offer(slot)
+        self.offer(node)
 
     # -- lookups and inserts ------------------------------------------------------------------
     def match(self, keys: list[int], limit: int, offer: bool = True,
@@ -207,107 +207,107 @@ class RadixTree:
         ``offer=False`` when the caller locks the path right away (its unlock offers).
         ``before``: filled with the path's last-use stamps as they were (reuse gaps).
         """
-        get, parent = self._slot.get, self.parent
+        get, parent = self._node.get, self.parent
         path: list[int] = []
         prev = -1
         miss = 0
         for k in keys[:limit]:
-            slot = get(k)
-            if slot < 0:
-                miss = slot
+            node = get(k)
+            if node < 0:
+                miss = node
                 break
-            if parent[slot] != prev:
+            if parent[node] != prev:
                 raise RadixError(f"page key {k} is cached after another prefix: keys are not chained")
-            path.append(slot)
-            prev = slot
+            path.append(node)
+            prev = node
         t = self._tick()
         stamp, hits, dev, touched = self.stamp, self.hits, self.dev, self.policy.touched
         if before is not None:
             before.extend([stamp[s] for s in path])
         device = len(path)
-        for i, slot in enumerate(path):
-            stamp[slot] = t
-            hits[slot] += 1
+        for i, node in enumerate(path):
+            stamp[node] = t
+            hits[node] += 1
             if touched is not None:
-                touched(slot)
-            if device == len(path) and dev[slot] < 0:
+                touched(node)
+            if device == len(path) and dev[node] < 0:
                 device = i
         if offer:
-            for slot in path:
-                self.offer(slot)
+            for node in path:
+                self.offer(node)
         return Match(path, device, miss)
 
     def insert(self, after: int, keys: list[int], pages: list[int], path: list[int] = ()
                ) -> tuple[list[int], list[int]]:
         """Cache ``keys`` below node ``after`` (-1: the root) on device ``pages``.
 
-        Returns (created slots, duplicate pages).  A key already on device
+        Returns (created nodes, duplicate pages).  A key already on device
         (another request computed it meanwhile) makes the caller's page a
         duplicate, to be freed; a key on host only adopts the caller's page (no
         reload needed).  ``path`` (the matched prefix) is marked used as well.
         """
-        get, parent, dev, stamp = self._slot.get, self.parent, self.dev, self.stamp
+        get, parent, dev, stamp = self._node.get, self.parent, self.dev, self.stamp
         t = self._tick()
-        for slot in path:
-            stamp[slot] = t
+        for node in path:
+            stamp[node] = t
         created: list[int] = []
         duplicates: list[int] = []
         prev = after
         for k, page in zip(keys, pages, strict=True):
-            slot = get(k)
-            if slot < 0:
-                slot = self._new(k, prev, t, page)
-                created.append(slot)
-            elif parent[slot] != prev:
+            node = get(k)
+            if node < 0:
+                node = self._new(k, prev, t, page)
+                created.append(node)
+            elif parent[node] != prev:
                 raise RadixError(f"page key {k} is cached after another prefix: keys are not chained")
-            elif dev[slot] >= 0:
-                if dev[slot] != page:
+            elif dev[node] >= 0:
+                if dev[node] != page:
                     duplicates.append(page)
             else:
-                self.set_device(slot, page)
-            stamp[slot] = t
-            prev = slot
+                self.set_device(node, page)
+            stamp[node] = t
+            prev = node
         if prev >= 0:
             self.offer(prev)  # the chain's tip; nodes above it have a device child now
         return created, duplicates
 
     # -- locks ----------------------------------------------------------------------------------
-    def lock_path(self, slot: int) -> None:
+    def lock_path(self, node: int) -> None:
         lock, parent = self.lock, self.parent
-        while slot >= 0:
-            lock[slot] += 1
-            slot = parent[slot]
+        while node >= 0:
+            lock[node] += 1
+            node = parent[node]
 
-    def unlock_path(self, slot: int) -> None:
+    def unlock_path(self, node: int) -> None:
         lock, parent = self.lock, self.parent
-        while slot >= 0:
-            if lock[slot] <= 0:
-                raise RadixError(f"unlock of {self.info(slot)} below zero")
-            lock[slot] -= 1
-            if not lock[slot]:
-                self.offer(slot)
-            slot = parent[slot]
+        while node >= 0:
+            if lock[node] <= 0:
+                raise RadixError(f"unlock of {self.info(node)} below zero")
+            lock[node] -= 1
+            if not lock[node]:
+                self.offer(node)
+            node = parent[node]
 
     # -- eviction candidates ------------------------------------------------------------------
-    def candidate(self, slot: int, tier: int) -> bool:
-        if self.lock[slot]:
+    def candidate(self, node: int, tier: int) -> bool:
+        if self.lock[node]:
             return False
         if tier == DEVICE:
-            return self.dev[slot] >= 0 and not self.ndev[slot]
-        return (self.host[slot] >= 0 and not self.nhost[slot]
-                and (self.dev[slot] >= 0 or not self.nchild[slot]))
+            return self.dev[node] >= 0 and not self.ndev[node]
+        return (self.host[node] >= 0 and not self.nhost[node]
+                and (self.dev[node] >= 0 or not self.nchild[node]))
 
-    def offer(self, slot: int) -> None:
-        """Push ``slot`` to each tier's heap it is a candidate of, at its current priority."""
-        if self.lock[slot] or self.parent[slot] == -2:
+    def offer(self, node: int) -> None:
+        """Push ``node`` to each tier's heap it is a candidate of, at its current priority."""
+        if self.lock[node] or self.parent[node] == -2:
             return
-        dev = self.dev[slot] >= 0
-        tiers = [DEVICE] if dev and not self.ndev[slot] else []
-        if self.host[slot] >= 0 and not self.nhost[slot] and (dev or not self.nchild[slot]):
+        dev = self.dev[node] >= 0
+        tiers = [DEVICE] if dev and not self.ndev[node] else []
+        if self.host[node] >= 0 and not self.nhost[node] and (dev or not self.nchild[node]):
             tiers.append(HOST)
         if not tiers:
             return
-        entry = (self.policy.priority(slot) << 32) | slot
+        entry = (self.policy.priority(node) << 32) | node
         for tier in tiers:
             heap = self._heaps[tier]
             heapq.heappush(heap, entry)
@@ -320,10 +320,10 @@ class RadixTree:
             heap = self._heaps[tier]
             while heap:
                 entry = heapq.heappop(heap)
-                slot = entry & _SLOT_MASK
-                if self.candidate(slot, tier) and self.policy.priority(slot) == entry >> 32:
-                    self.policy.evicted(slot)
-                    return slot
+                node = entry & _SLOT_MASK
+                if self.candidate(node, tier) and self.policy.priority(node) == entry >> 32:
+                    self.policy.evicted(node)
+                    return node
             if attempt == 0:
                 self._rebuild()
         return -1
@@ -339,21 +339,21 @@ class RadixTree:
                  free & (v["host"] >= 0) & (v["nhost"] == 0) & ((v["dev"] >= 0) | (v["nchild"] == 0)))
         del v
         for tier, mask in enumerate(masks):
-            slots = np.flatnonzero(mask)
-            heap = [(p << 32) | s for p, s in zip(self.policy.priorities(slots), slots.tolist(),
+            nodes = np.flatnonzero(mask)
+            heap = [(p << 32) | s for p, s in zip(self.policy.priorities(nodes), nodes.tolist(),
                                                    strict=True)]
             heapq.heapify(heap)
             self._heaps[tier][:] = heap
             self._rebuild_at[tier] = 2 * len(heap) + 4096
 
     # -- inspection -----------------------------------------------------------------------------
-    def info(self, slot: int) -> NodeInfo:
-        return NodeInfo(slot, self.key[slot], self.parent[slot], self.dev[slot], self.host[slot],
-                        self.lock[slot], self.stamp[slot], self.hits[slot], self.nchild[slot])
+    def info(self, node: int) -> NodeInfo:
+        return NodeInfo(node, self.key[node], self.parent[node], self.dev[node], self.host[node],
+                        self.lock[node], self.stamp[node], self.hits[node], self.nchild[node])
 
-    def slots(self) -> Iterator[int]:
-        """Live node slots (no particular order)."""
-        return iter(self._slot.items()[1].tolist())
+    def nodes(self) -> Iterator[int]:
+        """Live nodes (no particular order)."""
+        return iter(self._node.items()[1].tolist())
 
     def page_ids(self) -> tuple[list[int], list[int]]:
         """Device and host page ids the tree holds."""
@@ -369,16 +369,16 @@ class RadixTree:
         """Assert the invariants of the module docstring (tests, ``--check-every``)."""
         v = self._views()
         live = np.zeros(len(v["key"]), dtype=bool)
-        keys, slots = self._slot.items()
-        live[slots] = True
-        assert len(slots) == len(self._slot) == self.num_nodes == int((v["parent"] != -2).sum()), \
+        keys, nodes = self._node.items()
+        live[nodes] = True
+        assert len(nodes) == len(self._node) == self.num_nodes == int((v["parent"] != -2).sum()), \
             "node count"
-        assert np.array_equal(v["key"][slots], keys), "key table out of step with the nodes"
-        assert all(self._slot.get(k) == s for k, s in zip(keys.tolist(), slots.tolist(),
+        assert np.array_equal(v["key"][nodes], keys), "key table out of step with the nodes"
+        assert all(self._node.get(k) == s for k, s in zip(keys.tolist(), nodes.tolist(),
                                                           strict=True)), "a key is not reachable"
         dev, host, parent = v["dev"], v["host"], v["parent"]
         assert not (live & (dev < 0) & (host < 0)).any(), "a node is resident nowhere"
-        assert not (~live & ((dev >= 0) | (host >= 0))).any(), "a dead slot holds pages"
+        assert not (~live & ((dev >= 0) | (host >= 0))).any(), "a dead node holds pages"
         has_parent = live & (parent >= 0)
         assert live[parent[has_parent]].all(), "a node's parent is dead"
         assert (dev[parent[has_parent & (dev >= 0)]] >= 0).all(), "device residency not prefix-closed"

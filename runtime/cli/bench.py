@@ -84,14 +84,15 @@ def _register_transfer(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--budget", type=positive_float, default=None,
                    help="seconds of timed calls per technique (cpu 0.1, cuda 0.3)")
     p.add_argument("--seed", type=nonneg_int, default=0, help="seed of the scattered page pattern (default 0)")
-    p.add_argument("--sweep", action="store_true", help="also time stagecache engine variants on every case")
-    p.add_argument("--chunk-bytes", type=positive_int, default=None, help="engine: bytes per work item")
-    p.add_argument("--programs-per-sm", type=positive_int, default=None, help="engine: persistent programs per SM")
-    p.add_argument("--num-warps", type=positive_int, default=None, help="engine: warps per program")
-    p.add_argument("--lane-words", type=positive_int, default=None, help="engine: 8-byte words per lane per step")
-    p.add_argument("--fine-chunk-bytes", type=positive_int, default=None, help="engine: bytes per item of small moves")
-    p.add_argument("--page-major", action="store_true", default=None,
-                   help="engine: a page's chunks together (the earlier item order)")
+    p.add_argument("--sweep", action="store_true", help="also time the device mover's launch shapes on every case")
+    p.add_argument("--chunk-bytes", type=positive_int, default=None, help="launch shape: bytes per work item")
+    p.add_argument("--programs-per-sm", type=positive_int, default=None,
+                   help="launch shape: persistent programs per SM")
+    p.add_argument("--num-warps", type=positive_int, default=None, help="launch shape: warps per program")
+    p.add_argument("--lane-words", type=positive_int, default=None,
+                   help="launch shape: 8-byte words per lane per step")
+    p.add_argument("--fine-chunk-bytes", type=positive_int, default=None,
+                   help="launch shape: bytes per item of small moves")
     p.add_argument("--probes", action="store_true",
                    help="also time link probes on the same pages: two hand-written CUDA copy kernels and one "
                    "copy-engine batch (cudaMemcpyBatchAsync, CUDA 12.8+): how close any copy of scattered pages "
@@ -135,8 +136,8 @@ def _run_transfer(args: argparse.Namespace) -> int:
         min_reps=args.min_reps or (10 if cuda else 3), max_reps=args.max_reps or (100 if cuda else 40),
         budget_s=args.budget if args.budget is not None else (0.3 if cuda else 0.1), sweep=args.sweep,
         probes=args.probes,
-        engine=bench_transfer.engine_options(args.chunk_bytes, args.programs_per_sm, args.num_warps,
-                                             args.lane_words, args.fine_chunk_bytes, args.page_major))
+        shape=bench_transfer.launch_shape(args.chunk_bytes, args.programs_per_sm, args.num_warps,
+                                          args.lane_words, args.fine_chunk_bytes))
     report = bench_transfer.run_bench(cases, settings, base.name)
     text = json.dumps(report, indent=2)
     if args.out:

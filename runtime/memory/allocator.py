@@ -126,11 +126,6 @@ class PageAllocator:
         """Whether every id of an int64 array (already in range) is allocated now (see ``unallocated``)."""
         return bool(self._used_np[ids].all())
 
-    def all_allocated_list(self, ids: list[int]) -> bool:
-        """``all_allocated`` for a short list of in-range ids: bytearray reads beat a numpy gather there."""
-        used = self._used
-        return all(used[i] for i in ids)
-
     def unallocated(self, ids: np.ndarray) -> np.ndarray:
         """The ids of an int64 array (already in range) that are not allocated now, vectorised.
 

@@ -2,20 +2,13 @@
 
 One controller per stage, over that stage's ``StagePools`` and ``HostPools``.
 Page ids are checked at the boundary (integers, same count, in range, allocated
-in the pools' allocators, no duplicate destination), then the same pages of
-every selected buffer move together.  Engines (``TransferResult.path``):
-
-* ``triton`` -- CUDA pools, pinned host pools: one Triton launch over every
-  selected buffer of the stage, replayed from a CUDA graph on the caller's
-  stream; the common move (one slot's worth of int64 ids that pass the checks)
-  is checked and queued by one call into C (``engine.py``, ``native.py``).  Host
-  pages are read/written in place.
-* ``torch``  -- CUDA pools with pageable host memory, or no Triton: torch indexing,
-  synchronous (``fallback.py``).
-* ``cpu``    -- CPU pools: one ``memcpy`` loop in C per move, or numpy row copies
-  where the compiled module cannot be built (``fallback.py``).  With
-  ``use_triton=True`` and ``TRITON_INTERPRET=1`` CPU pools run the Triton kernel
-  instead, so tests cover it without a GPU.
+in the pools' allocators, no duplicate destination: ``pages.PageChecker``), then
+the same pages of every selected buffer move together, through the stage's one
+``PageMover`` (``mover.py``): the device mover on CUDA (path ``triton``: one
+graph-replayed kernel launch on the caller's stream, the common move checked and
+queued by one call into C; ``torch`` where the host tier is pageable), the CPU
+mover otherwise (path ``cpu``).  With ``use_triton=True`` and ``TRITON_INTERPRET=1``
+CPU pools run the device mover's kernel, so tests cover it without a GPU.
 
 On CUDA a transfer is asynchronous: queued on the caller's current stream (so
 the KV the model just wrote is what gets copied), and the result carries events: ``wait(layer)`` makes the *current* stream wait for one
@@ -34,7 +27,6 @@ and the wait ends when its own copy starts (host clock around the copy).
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -43,8 +35,8 @@ from typing import Any
 from ..memory.host_pools import HostPools
 from ..memory.pools import StagePools
 from .clock import EventClock, host_time
-from .engine import EngineOptions, TritonEngine
-from .fallback import CpuEngine, TorchEngine
+from .device import LaunchShape
+from .mover import PageMover, Queued, make_mover
 from .pages import PageChecker, PageIds, TransferError, as_ids, plain_ids
 from .selection import Selection, select
 from .stats import TransferStats, gbps
@@ -56,7 +48,7 @@ class TransferResult:
     """One transfer; done at once on CPU, tracked by CUDA events on GPU."""
 
     __slots__ = ("direction", "ids", "layers", "nbytes", "path", "seconds", "queue_seconds", "_start", "_end",
-                 "_layer_events", "_stats", "_engine", "called", "queued", "_kinds", "_reference")
+                 "_layer_events", "_stats", "_mover", "called", "queued", "_kinds", "_reference")
 
     def __init__(self, direction: str, ids: PageIds, sel: Selection, path: str, called: float = 0.0):
         self.direction = direction
@@ -74,7 +66,7 @@ class TransferResult:
         self._end: Any = None
         self._layer_events: dict[int, Any] = {}
         self._stats: TransferStats | None = None
-        self._engine: Any = None  # gets the timing events back when finished
+        self._mover: PageMover | None = None  # gets the timing events back when finished
 
     @property
     def device_pages(self) -> list[int]:
@@ -117,11 +109,11 @@ class TransferResult:
 
     def _finish(self) -> None:
         if self.seconds is None and self._end is not None:
-            elapsed = self._engine.elapsed_ms
+            elapsed = self._mover.elapsed_ms  # type: ignore[union-attr]
             self.seconds = elapsed(self._start, self._end) / 1e3
             if self._reference is not None:
                 self.queue_seconds = max(0.0, host_time(self._reference, self._start, elapsed) - self.called)
-            self._engine.recycle(self._start, self._end)
+            self._mover.recycle(self._start, self._end)  # type: ignore[union-attr]
         stats, self._stats = self._stats, None
         if stats is not None:
             stats.record(self.direction, self.nbytes, self.seconds or 0.0, self.pages, len(self.layers), self.path,
@@ -143,34 +135,17 @@ class TransferController:
 
     def __init__(self, device_pools: StagePools, host_pools: HostPools,
                  stats: TransferStats | None = None, use_triton: bool | None = None,
-                 options: EngineOptions | None = None):
+                 shape: LaunchShape | None = None):
         _check_mirror(device_pools, host_pools)
         self.device_pools, self.host_pools, self.stats = device_pools, host_pools, stats
-        self.cuda = device_pools.device.type == "cuda"
-        from .kernels import HAVE_TRITON
-
-        if use_triton is None:
-            use_triton = self.cuda and HAVE_TRITON
-        if use_triton and not self.cuda and os.environ.get("TRITON_INTERPRET") != "1":
-            raise TransferError(
-                "use_triton=True needs device pools on CUDA (or TRITON_INTERPRET=1, which runs the "
-                "kernels on CPU tensors for tests)"
-            )
         self.checker = PageChecker(device_pools.stage_map.stage, device_pools.allocator, host_pools.allocator)
-        if use_triton and (not self.cuda or host_pools.pinned):
-            self.engine: Any = TritonEngine(device_pools, host_pools, options, self.checker.context)
-        elif self.cuda:  # pageable host memory: the kernel cannot reach it
-            self.engine = TorchEngine(device_pools, host_pools)
-        else:
-            self.engine = CpuEngine(device_pools, host_pools)
-        self.path: str = self.engine.path
-        self._async = self.cuda and self.path == "triton"
-        self._copy_lock = threading.Lock()  # synchronous engines: one copy at a time
-        self._clock = EventClock(device_pools.device) if self._async else None
-        self._selections: dict[tuple[Any, Any], Selection] = {(None, None): select(device_pools, host_pools, None, None)}
+        self.mover: PageMover = make_mover(device_pools, host_pools, use_triton, shape, self.checker.context)
+        self.path: str = self.mover.path
+        self._copy_lock = threading.Lock()  # synchronous movers: one copy at a time
+        self._clock = EventClock(device_pools.device) if self.mover.asynchronous else None
+        self._selections: dict[tuple[Any, Any], Selection] = {
+            (None, None): select(device_pools, host_pools, None, None)}
         self._pending: list[TransferResult] = []
-        # one-launch moves queued by one call into C (``TritonEngine.queue_move``)
-        self._one_call = self._async and getattr(self.engine, "_native", None) is not None
 
     # -- public API -------------------------------------------------------------------------
     def backup(self, device_pages: Sequence[int], host_pages: Sequence[int],
@@ -238,46 +213,26 @@ class TransferController:
     # -- engine -----------------------------------------------------------------------------
     def _transfer(self, direction: str, device_pages: Sequence[int], host_pages: Sequence[int],
                   layers: Sequence[int] | None, blocking: bool, pools: Sequence[str] | None) -> TransferResult:
-        """``backup`` (d2h) or ``load`` (h2d): the one-call move where it applies, else the checks
-        and the general path."""
+        """``backup`` (d2h) or ``load`` (h2d): the mover's one-call move where it takes it, else the
+        checks (which name what is wrong) and the mover's general path."""
         called = time.perf_counter()
-        if self._one_call:
-            result = self._queue_move(direction, device_pages, host_pages, layers, pools, called)
-            if result is not None:
-                return result.synchronize() if blocking else result
-        ids = self.checker.check(device_pages, host_pages, "host" if direction == "d2h" else "device")
-        sel = self.selection(layers, pools)
-        return self._move(direction, ids, sel, [sel], blocking, called)
-
-    def _queue_move(self, direction: str, device_pages: Any, host_pages: Any, layers: Any, pools: Any,
-                    called: float) -> TransferResult | None:
-        """The common move -- int64 ids that pass the checks, one slot's worth -- checked and queued
-        in one call into C; None when it is not one (the general path then checks and names what
-        is wrong).  The bookkeeping follows the launch, while the copy runs."""
-        stage = self.checker.stage
-        dev, host = plain_ids(device_pages, "device page", stage), plain_ids(host_pages, "host page", stage)
         sel = self._selections[(None, None)] if layers is None and pools is None else self.selection(layers, pools)
-        if not sel.buffers:
-            return None
-        reference = self._clock.reference(called)  # type: ignore[union-attr]  # precedes the start event
-        slot = self.engine.queue_move(sel, direction == "d2h", dev, host)
-        if slot < 0:
-            return None
-        queued = time.perf_counter()
-        ids = PageIds(as_ids(dev, "device page", stage), as_ids(host, "host page", stage))  # numpy views
-        result = TransferResult(direction, ids, sel, self.path, called)
-        result.queued, result._reference = queued, reference
-        result._stats, result._engine = self.stats, self.engine
-        result._start, result._end = self.engine.slot_events(slot)
-        self.engine.own(slot, result)
-        if self._pending:
-            self.poll()
-        self._pending.append(result)
-        return result
+        d2h = direction == "d2h"
+        if self.mover.asynchronous:
+            stage = self.checker.stage
+            dev, host = plain_ids(device_pages, "device page", stage), plain_ids(host_pages, "host page", stage)
+            reference = self._clock.reference(called)  # type: ignore[union-attr]  # precedes the start event
+            queued = self.mover.check_and_move(sel, dev, host, d2h)
+            if queued is not None:
+                ids = PageIds(as_ids(dev, "device page", stage), as_ids(host, "host page", stage))  # numpy views
+                result = self._track(direction, ids, sel, called, queued, reference)
+                return result.synchronize() if blocking else result
+        ids = self.checker.check(device_pages, host_pages, "host" if d2h else "device")
+        return self._move(direction, ids, sel, [sel], blocking, called)
 
     def _move(self, direction: str, ids: PageIds, sel: Selection, steps: list[Selection], blocking: bool,
               called: float, per_layer: bool = False) -> TransferResult:
-        """Run ``steps`` (the sel, or one sel per layer) on the engine; one result for all.
+        """Run ``steps`` (the selection, or one per layer) on the mover; one result for all.
 
         On CUDA the copy is queued first and the bookkeeping (the result, finishing earlier
         transfers) follows while it runs: host work before the launch delays the copy itself.
@@ -288,31 +243,35 @@ class TransferController:
             result._stats, result.seconds = self.stats, 0.0
             result._finish()
             return result
-        if not self._async:
+        if not self.mover.asynchronous:
             result = TransferResult(direction, ids, sel, self.path, called)
             result._stats = self.stats
             with self._copy_lock:  # a copy in progress on another thread: this call queues here
                 t0 = time.perf_counter()
-                for step in steps:
-                    self.engine.run(step, ids, direction == "d2h")
+                self.mover.move(steps, ids, direction == "d2h", per_layer)
                 t1 = time.perf_counter()
             result.seconds, result.queue_seconds, result.queued = t1 - t0, t0 - called, t0
             result._finish()
             return result
         # the clock's reference precedes the start event (a new one is due at most twice a second)
         reference = self._clock.reference(called) if self._clock is not None else None
-        start, end, events = self.engine.submit(direction == "d2h", steps, ids, per_layer)
-        queued = time.perf_counter()
-        result = TransferResult(direction, ids, sel, self.path, called)
-        result.queued = queued
-        result._stats, result._engine, result._start, result._end = self.stats, self.engine, start, end
-        result._reference = reference
+        queued = self.mover.move(steps, ids, direction == "d2h", per_layer)
+        result = self._track(direction, ids, sel, called, queued, reference)
         if per_layer:
-            result._layer_events = {s.layers[0]: e for s, e in zip(steps, events, strict=True)}
+            result._layer_events = {s.layers[0]: e for s, e in zip(steps, queued.layer_events, strict=True)}
+        return result.synchronize() if blocking else result
+
+    def _track(self, direction: str, ids: PageIds, sel: Selection, called: float, queued: Queued,
+               reference: Any) -> TransferResult:
+        """The result of a queued move, timed by its events; earlier moves' stats recorded."""
+        result = TransferResult(direction, ids, sel, self.path, called)
+        result.queued, result._reference = time.perf_counter(), reference
+        result._stats, result._mover = self.stats, self.mover
+        result._start, result._end = queued.start, queued.end
+        if queued.entry is not None:
+            self.mover.own(queued.entry, result)
         if self._pending:
             self.poll()
-        if blocking:
-            return result.synchronize()
         self._pending.append(result)
         return result
 

@@ -3,7 +3,7 @@
 A stage move's graph records its own start and end events, so queuing it is one
 ``cudaGraphLaunch`` -- made from the compiled fast path (``native.py``) through
 the runtime's own function addresses (``Runtime.functions``), with
-``cudaEventQuery`` for a slot whose last reader may still run.  The ctypes entry
+``cudaEventQuery`` for a ring entry whose last reader may still run.  The ctypes entry
 points serve the rest: recording events as graph nodes while capturing
 (``cudaEventRecordWithFlags``), elapsed times, and the page-loop peer of the
 benchmark.  Through torch's Python wrappers each runtime call costs the H200 host

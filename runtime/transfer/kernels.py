@@ -10,7 +10,7 @@ whole stage move is one launch:
   ``CHUNK_BYTES`` (a *chunk table*, built once per buffer selection: word offsets
   of the buffer bases, page strides and chunk lengths), so a 512 KiB state page
   is spread over many warps while a 1 KiB C128 page is one item;
-* work item ``i`` of ``n * C`` copies chunk ``i // n`` of page slot ``i % n``
+* work item ``i`` of ``n * C`` copies chunk ``i // n`` of the move's page ``i % n``
   (chunk-major: a program striding through the items by the grid size meets
   every chunk column; page-major order gave a program the same chunk of every
   page whenever the grid size was a multiple of ``C``, so the programs holding
@@ -22,11 +22,11 @@ whole stage move is one launch:
   writes ran at a tenth of the link speed on the H200);
 * a persistent grid (a fixed number of programs per SM) walks the items,
   each program loading its next item's addresses while it copies the current
-  one, and the page count ``n`` and the ids are read from an id slot, not passed
-  as arguments, so a launch for a given slot is identical for every call and is
+  one, and the page count ``n`` and the ids are read from an entry of the id ring, not
+  passed as arguments, so a launch for a given entry is identical for every call and is
   captured once in a CUDA graph.
 
-The id slot holds ``[n, device ids..., host ids...]`` (on the device: the engine
+A ring entry holds ``[n, device ids..., host ids...]`` (on the device: the engine
 copies it there inside the same graph); host pages are pinned and read/written
 in place through unified addressing (zero-copy), so there is no staging buffer
 and no second copy.  Addresses are word offsets from one anchor tensor.  Bytes
@@ -69,34 +69,29 @@ TABLE_COLUMNS = 5
 if HAVE_TRITON:
 
     @triton.jit
-    def _item_addresses(item, total, chunks, per, table, ids, n, PAGE_MAJOR: tl.constexpr):
+    def _item_addresses(item, total, chunks, per, table, ids, n):
         """Device offset, host offset and words of work item ``item`` (zeros past ``total``)."""
         live = item < total
-        if PAGE_MAJOR:
-            slot = item // chunks
-            chunk = item - slot * chunks
-        else:
-            chunk = item // per
-            slot = item - chunk * per
+        chunk = item // per
+        page = item - chunk * per
         row = table + chunk * 5
-        dev = tl.load(row, mask=live, other=0) + tl.load(ids + 1 + slot, mask=live, other=0) * tl.load(
+        dev = tl.load(row, mask=live, other=0) + tl.load(ids + 1 + page, mask=live, other=0) * tl.load(
             row + 2, mask=live, other=0)
-        host = tl.load(row + 1, mask=live, other=0) + tl.load(ids + 1 + n + slot, mask=live, other=0) * tl.load(
+        host = tl.load(row + 1, mask=live, other=0) + tl.load(ids + 1 + n + page, mask=live, other=0) * tl.load(
             row + 3, mask=live, other=0)
         size = tl.load(row + 4, mask=live, other=0)
         return dev, host, size
 
-    @triton.jit(do_not_specialize=["ids_off"])  # a one-off id slot's offset must not recompile
+    @triton.jit(do_not_specialize=["ids_off"])  # a one-off ring entry's offset must not recompile
     def _stage_copy_kernel(
         anchor,  # pointer every address is a word offset from (int8/16/32/64 by the word size)
         anchor64,  # the same address as an int64 pointer (page ids)
         table,  # int64[C, 5]: the chunk table
-        ids_off,  # int64 offset from anchor64 of the id slot [n, device ids, host ids]
+        ids_off,  # int64 offset from anchor64 of the ring entry [n, device ids, host ids]
         chunks,  # C
         STEP: tl.constexpr,  # words per program-step: 32 lanes x warps x words per lane
         D2H: tl.constexpr,
         LINE: tl.constexpr,  # words per 128-byte line of host memory (1: no alignment)
-        PAGE_MAJOR: tl.constexpr,  # item order: all chunks of a page together (else one chunk of every page)
     ):
         ids = anchor64 + ids_off
         n = tl.load(ids)
@@ -107,12 +102,12 @@ if HAVE_TRITON:
         item = tl.program_id(0).to(tl.int64)
         # the addresses of a program's next item are loaded while it copies the current one, so
         # the latency of the table and id loads is paid once per program, not once per item
-        dev, host, size = _item_addresses(item, total, chunks, per, table, ids, n, PAGE_MAJOR)
+        dev, host, size = _item_addresses(item, total, chunks, per, table, ids, n)
         # while loops, not range(): loop bounds loaded from memory are 1-element arrays in
         # some Triton interpreters, which range() refuses
         while item < total:
             nxt = item + step
-            ndev, nhost, nsize = _item_addresses(nxt, total, chunks, per, table, ids, n, PAGE_MAJOR)
+            ndev, nhost, nsize = _item_addresses(nxt, total, chunks, per, table, ids, n)
             if D2H:
                 src = dev
                 dst = host
@@ -199,18 +194,17 @@ def chunk_sizes(page_bytes: int, chunk_bytes: int) -> list[int]:
 
 
 def launch_stage_copy(anchor, anchor64, table, ids_off: int, geometry: ChunkTable, d2h: bool, programs: int,
-                      num_warps: int = NUM_WARPS, align: bool = True, lane_words: int = LANE_WORDS,
-                      page_major: bool = False) -> None:
+                      num_warps: int = NUM_WARPS, lane_words: int = LANE_WORDS) -> None:
     """Queue the one launch of a stage move on the current stream (no host sync, no allocation).
 
     ``anchor`` is a tensor whose dtype has ``geometry.word`` bytes and whose address the
-    table offsets are relative to, ``anchor64`` the same tensor as int64; the id slot lies
-    ``ids_off`` int64 words from it (pinned host memory on CUDA).  With n = 0 in the slot
+    table offsets are relative to, ``anchor64`` the same tensor as int64; the ring entry lies
+    ``ids_off`` int64 words from it (pinned host memory on CUDA).  With n = 0 in the entry
     the programs exit at once (used to compile before graph capture).
     """
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed; the Triton transfer engine is unavailable")
     _stage_copy_kernel[(max(1, programs),)](
         anchor, anchor64, table, ids_off, geometry.chunks, STEP=32 * num_warps * lane_words, D2H=d2h,
-        LINE=128 // geometry.word if align else 1, PAGE_MAJOR=page_major, num_warps=num_warps,
+        LINE=128 // geometry.word, num_warps=num_warps,
     )

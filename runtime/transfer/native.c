@@ -1,5 +1,5 @@
-/* The compiled fast path of a transfer (``native.py`` builds and loads it): the page-id check
-   and the one-call move.  A CPython extension module; see native.py for why and how. */
+/* The compiled fast path of a transfer: the page-id check, the one-call move and the CPU copy.
+   A CPython extension module built at install (setup.py) and loaded by native.py, which says why. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -7,10 +7,10 @@
 #include <pthread.h>
 #include <unistd.h>
 
-enum { DEV_USED, DEV_PAGES, HOST_USED, HOST_PAGES, DEV_MARKS, HOST_MARKS, GEN, SLOTS, CAP, NEXT, ROWS,
-       ROW_WORDS, QUERY, LAUNCH, BUCKETS, MIN_BUCKET, ERR, WANT_SLOT, WANT_INDEX, WANT_SIZE, RING };
-enum { MARK, OWNED, END, PER_SLOT };
-enum { IDS_BAD = -1, NEED_GRAPH = -2, BUSY = -3, OWNED_SLOT = -4, CUDA_ERROR = -5, NOT_HANDLED = -6 };
+enum { DEV_USED, DEV_PAGES, HOST_USED, HOST_PAGES, DEV_MARKS, HOST_MARKS, GEN, ENTRIES, CAP, NEXT, ROWS,
+       ROW_WORDS, QUERY, LAUNCH, BUCKETS, MIN_BUCKET, ERR, WANT_ENTRY, WANT_INDEX, WANT_SIZE, RING };
+enum { MARK, OWNED, END, PER_ENTRY };
+enum { IDS_BAD = -1, NEED_GRAPH = -2, BUSY = -3, OWNED_ENTRY = -4, CUDA_ERROR = -5, NOT_HANDLED = -6 };
 #define NOT_READY 600 /* cudaErrorNotReady */
 
 typedef int (*query_fn)(void *event);
@@ -116,23 +116,23 @@ static int check_ids(int64_t *ctx, const int64_t *dev, const int64_t *host, int6
     return 1;
 }
 
-static long take_slot_and_launch(int64_t *ctx, const int64_t *dev, const int64_t *host, int64_t n,
+static long take_entry_and_launch(int64_t *ctx, const int64_t *dev, const int64_t *host, int64_t n,
                                  int dest_is_device, const int64_t *execs, void *stream)
 {
     const int64_t k = ctx[NEXT];
-    int64_t *slot = ctx + RING + PER_SLOT * k;
-    ctx[WANT_SLOT] = k;
-    if (slot[OWNED])
-        return OWNED_SLOT;
-    if (slot[MARK]) {
-        int rc = ((query_fn)(intptr_t)ctx[QUERY])((void *)(intptr_t)slot[MARK]);
+    int64_t *entry = ctx + RING + PER_ENTRY * k;
+    ctx[WANT_ENTRY] = k;
+    if (entry[OWNED])
+        return OWNED_ENTRY;
+    if (entry[MARK]) {
+        int rc = ((query_fn)(intptr_t)ctx[QUERY])((void *)(intptr_t)entry[MARK]);
         if (rc == NOT_READY)
             return BUSY;
         if (rc) {
             ctx[ERR] = rc;
             return CUDA_ERROR;
         }
-        slot[MARK] = 0;
+        entry[MARK] = 0;
     }
     int64_t *row = (int64_t *)(intptr_t)ctx[ROWS] + k * ctx[ROW_WORDS];
     if (!check_ids(ctx, dev, host, n, dest_is_device, row + 1))
@@ -156,9 +156,9 @@ static long take_slot_and_launch(int64_t *ctx, const int64_t *dev, const int64_t
         ctx[ERR] = rc;
         return CUDA_ERROR;
     }
-    slot[MARK] = slot[END];
-    slot[OWNED] = 1;
-    ctx[NEXT] = (k + 1) % ctx[SLOTS];
+    entry[MARK] = entry[END];
+    entry[OWNED] = 1;
+    ctx[NEXT] = (k + 1) % ctx[ENTRIES];
     return (long)k;
 }
 
@@ -216,7 +216,7 @@ static PyObject *py_move(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     if (ids_of(args[1], &d)) {
         if (ids_of(args[2], &h)) {
             if (d.n > 0 && h.n == d.n && d.n <= ctx[CAP])
-                code = take_slot_and_launch(ctx, d.data, h.data, d.n, PyObject_IsTrue(args[3]),
+                code = take_entry_and_launch(ctx, d.data, h.data, d.n, PyObject_IsTrue(args[3]),
                                             (const int64_t *)e.buf, stream);
             ids_release(&h);
         }
@@ -368,15 +368,15 @@ static PyObject *py_copy_pages(PyObject *self, PyObject *const *args, Py_ssize_t
 
 static PyMethodDef methods[] = {
     {"ids_ok", (PyCFunction)(void (*)(void))py_ids_ok, METH_FASTCALL, "the boundary checks in one pass"},
-    {"move", (PyCFunction)(void (*)(void))py_move, METH_FASTCALL, "check, fill a slot, launch its graph"},
+    {"move", (PyCFunction)(void (*)(void))py_move, METH_FASTCALL, "check, fill a entry, launch its graph"},
     {"configure", (PyCFunction)(void (*)(void))py_configure, METH_FASTCALL, "the tensor type ids may come as"},
     {"copy_pages", (PyCFunction)(void (*)(void))py_copy_pages, METH_FASTCALL, "CPU pools: memcpy per page"},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_stagecache_native", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__stagecache_native(void)
+PyMODINIT_FUNC PyInit__native(void)
 {
     s_dtype = PyUnicode_InternFromString("dtype");
     s_is_cpu = PyUnicode_InternFromString("is_cpu");

@@ -1,12 +1,12 @@
-"""Page ids at the transfer boundary: converted once, checked in one C pass (or a few numpy steps).
+"""Page ids at the transfer boundary: converted once, then the one page-id check.
 
 Every transfer checks its ids before any byte moves: integers, same count on
 both sides, in range, allocated in the pools' allocators right now, and no
-destination page listed twice (the result would depend on copy order).  The
-checks run in one compiled loop (``native.py``), or where it cannot be built
-as one numpy operation each (Python lists for a few ids), so they stay on even on
-the hot path.  Only once a check failed do the numpy checks run again to name
-what is wrong.
+destination page listed twice (the result would depend on copy order).  The check
+is ``PageChecker.check``: numpy operations over the whole id arrays (the reference),
+or -- where the compiled helper was built at install -- the same answer from one
+compiled pass (``native.py``; tested against the reference), so it stays on even on
+the hot path.  Once it failed, the numpy steps name what is wrong.
 """
 
 from __future__ import annotations
@@ -42,10 +42,6 @@ try:
     from torch import int64 as _INT64
 except ImportError:  # pragma: no cover - torch is a dependency
     _INT64 = _TENSOR = None
-
-#: Up to this many ids the checks run on Python lists (cheaper than numpy's per-call overhead).
-SMALL = 32
-
 
 def as_ids(values: object, what: str, stage: int) -> np.ndarray:
     """Page ids (list, tuple, range, tensor, array) -> contiguous 1-D int64 numpy array; non-integers refused."""
@@ -89,7 +85,7 @@ class PageChecker:
     def __init__(self, stage: int, device: PageAllocator, host: PageAllocator):
         self.stage = stage
         self.allocators = {"device": device, "host": host}
-        # duplicate test without sorting: write each position into its page's slot, read back
+        # duplicate test without sorting: write each position into its page's mark, read back
         self._marks = {side: np.zeros(a.num_pages, dtype=np.int64) for side, a in self.allocators.items()}
         self._positions = np.arange(0, dtype=np.int64)
         self._lock = threading.Lock()  # the numpy checks share ``_marks``
@@ -115,7 +111,7 @@ class PageChecker:
             ok = self._native.ids_ok(self.context.words, dev, host, dest == "device")  # type: ignore[union-attr]
         else:
             with self._lock:
-                ok = self._small_ok(dev.tolist(), host.tolist(), dest) if n <= SMALL else self._vector_ok(dev, host, dest)
+                ok = self._vector_ok(dev, host, dest)
         if not ok:
             with self._lock:
                 for side, ids in (("device", dev), ("host", host)):  # names what is wrong
@@ -136,7 +132,7 @@ class PageChecker:
 
     def _repeated(self, side: str, ids: np.ndarray) -> np.ndarray:
         """Mask of the ids listed more than once, without sorting: each position is written into
-        its page's slot, and a position that does not read back lost to a later duplicate."""
+        its page's mark, and a position that does not read back lost to a later duplicate."""
         n = ids.shape[0]
         if self._positions.shape[0] < n:
             self._positions = np.arange(max(n, 2 * self._positions.shape[0]), dtype=np.int64)
@@ -144,14 +140,6 @@ class PageChecker:
         marks = self._marks[side]
         marks[ids] = pos
         return marks[ids] != pos
-
-    def _small_ok(self, dev: list[int], host: list[int], dest: str) -> bool:
-        """The common move of a few pages: every check on Python lists, True when all pass."""
-        for ids, alloc in ((dev, self.allocators["device"]), (host, self.allocators["host"])):
-            if min(ids) < 0 or max(ids) >= alloc.num_pages or not alloc.all_allocated_list(ids):
-                return False
-        out = dev if dest == "device" else host
-        return len(out) < 2 or len(set(out)) == len(out)
 
     # -- only once a check above failed: find what is wrong and say it ----------------------
     def _check_side(self, side: str, ids: np.ndarray) -> None:

@@ -164,14 +164,14 @@ class TransferStats:
             raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
         rec = TransferRecord(direction, int(nbytes), float(seconds), int(pages), int(layers), path,
                              time.time(), float(queue_seconds))
-        slot = bisect.bisect_left(DURATION_BUCKETS, rec.seconds)
+        bucket = bisect.bisect_left(DURATION_BUCKETS, rec.seconds)
         with self._lock:
             d = self._dirs[direction]
             d.bytes += rec.nbytes
             d.seconds += rec.seconds
             d.count += 1
             d.pages += rec.pages
-            d.buckets[slot] += 1
+            d.buckets[bucket] += 1
             d.queue_seconds += rec.queue_seconds
             if kinds:
                 kid = id(kinds)  # held in kind_sets until folded, so no other tuple can take the id

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 
-from stagecache.runtime.bench.transfer_timing import Clock, Sampling
+from stagecache.runtime.bench.transfer import Clock, Sampling
 
 
 def test_rounds_interleave_and_every_technique_gets_its_samples():

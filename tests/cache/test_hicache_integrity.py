@@ -49,7 +49,7 @@ def test_replay_under_pressure_reloads_exact_bytes(policy, layout):
     # the run really was under pressure and really reloaded from host
     assert s.device_evicted_pages > 200 and s.host_evicted_pages > 0 and s.load_pages > 100
     assert s.host_hit_tokens > 0 and res.pages_verified > s.load_pages
-    assert all(cache.tree.lock[s] == 0 for s in cache.tree.slots())
+    assert all(cache.tree.lock[s] == 0 for s in cache.tree.nodes())
     ceiling = CeilingTracker()
     for r in reqs:
         ceiling.observe(page_view(r, PAGE))

@@ -62,10 +62,10 @@ def lookup(cache, tokens):
     tree = cache.tree
     dev = host = 0
     for key in keys(tokens):
-        slot = tree.slot_of(key)
-        if slot < 0:
+        node = tree.node_of(key)
+        if node < 0:
             break
-        if tree.dev[slot] >= 0:
+        if tree.dev[node] >= 0:
             dev += 1
         else:
             host += 1
@@ -77,8 +77,8 @@ def keys(tokens):
     return page_hashes(np.asarray(tokens[:full * PS]), PS).tolist()
 
 
-def slots(cache, tokens):
-    return [cache.tree.slot_of(k) for k in keys(tokens)]
+def nodes(cache, tokens):
+    return [cache.tree.node_of(k) for k in keys(tokens)]
 
 
 def transfers(cache):
@@ -135,8 +135,8 @@ def test_host_copies_hold_the_written_bytes(layout):
     run(cache, w, req(prefix, out=1))
     run(cache, w, req(page(2, 2), out=1))  # prefix -> host (write-back copy at eviction)
     tree = cache.tree
-    assert [tree.dev[s] for s in slots(cache, prefix)] == [-1, -1]
-    host = [tree.host[s] for s in slots(cache, prefix)]
+    assert [tree.dev[s] for s in nodes(cache, prefix)] == [-1, -1]
+    host = [tree.host[s] for s in nodes(cache, prefix)]
     hashes = w.hashes(prefix)
     assert w.verify(hashes, host, target=cache.host_pools) == []
     cache.host_pools.get_raw_buffer("swa", cache.pools.stage_map.start)[host[1], 0] ^= 1
@@ -167,7 +167,7 @@ def test_verify_names_pool_layer_and_page_of_a_corrupted_host_copy():
     run(cache, w, req(prefix, out=1))
     run(cache, w, req(page(2), out=1))
     run(cache, w, req(page(3), out=1))  # prefix page -> host
-    host_page = cache.tree.host[slots(cache, prefix)[0]]
+    host_page = cache.tree.host[nodes(cache, prefix)[0]]
     gid = cache.pools.stage_map.pool_layers("c128")[0].global_id
     cache.host_pools.get_raw_buffer("c128", gid)[host_page, 3] ^= 0xFF
     h = cache.begin(req(prefix + [1, 2]))
@@ -201,7 +201,7 @@ def test_locked_pages_are_never_evicted_and_out_of_pages_is_clear():
     assert lookup(cache, page(1, 2))[0] == 2
     cache.finish(reader)
     cache.check()
-    assert all(cache.tree.lock[s] == 0 for s in cache.tree.slots())
+    assert all(cache.tree.lock[s] == 0 for s in cache.tree.nodes())
     assert cache.stats.out_of_pages_errors == 7
 
 

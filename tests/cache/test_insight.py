@@ -230,7 +230,7 @@ def test_tombstones_answer_how_a_key_left_or_forget_it_never_lie(ops, keep, big)
                 table.pop(key)
             del live[key]
         assert len(table) == len(live) and table.ghosts <= max(keep, 1) + len(buried)
-        assert all(table.get(key) == slot for key, slot in live.items())
+        assert all(table.get(key) == node for key, node in live.items())
     for k in range(41):
         key = (k << 58) | k if big else k
         got = table.get(key)
@@ -240,12 +240,12 @@ def test_tombstones_answer_how_a_key_left_or_forget_it_never_lie(ops, keep, big)
             assert got <= GHOST and ghost_reason(got) == buried[key]
     if keep >= 1000:  # nothing forgotten
         assert {k for k in buried if table.get(k) <= GHOST} == set(buried)
-    keys, slots = table.items()
-    assert dict(zip(keys.tolist(), slots.tolist(), strict=True)) == live
+    keys, nodes = table.items()
+    assert dict(zip(keys.tolist(), nodes.tolist(), strict=True)) == live
 
 
 def test_popping_a_key_shifts_back_over_tombstones_too():
-    """A run [a][tombstone b][c], all homed at a's slot: removing a must keep c reachable."""
+    """A run [a][tombstone b][c], all homed at a's node: removing a must keep c reachable."""
     table = KeyTable(bits=3, max_ghosts=8)
     home = {}
     for k in range(1, 10_000):

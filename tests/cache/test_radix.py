@@ -32,14 +32,14 @@ from stagecache.runtime.transfer.stats import TransferStats
 
 
 def chain(tree, keys, pages, after=-1):
-    """Insert ``keys`` below ``after`` and return their slots (created or found)."""
+    """Insert ``keys`` below ``after`` and return their nodes (created or found)."""
     tree.insert(after, keys, pages)
-    return [tree.slot_of(k) for k in keys]
+    return [tree.node_of(k) for k in keys]
 
 
-def evict(tree, slot):
-    tree.set_device(slot, -1)
-    tree.remove(slot)
+def evict(tree, node):
+    tree.set_device(node, -1)
+    tree.remove(node)
 
 
 def test_match_follows_keys_and_stops_at_the_first_miss_or_limit():
@@ -143,12 +143,12 @@ def test_lfu_keeps_the_often_used_page_and_ages():
 
 def test_stale_heap_entries_are_compacted_and_order_survives():
     t = RadixTree()
-    slots = [chain(t, [k], [k])[0] for k in range(50)]
+    nodes = [chain(t, [k], [k])[0] for k in range(50)]
     for _ in range(200):  # every touch leaves a stale entry behind
         for k in range(1, 50):
             t.match([k], limit=1)
     assert len(t._heaps[DEVICE]) < 2 * 50 + 4096 + 50
-    assert t.pop(DEVICE) == slots[0]  # never touched again: least recent
+    assert t.pop(DEVICE) == nodes[0]  # never touched again: least recent
 
 
 def test_metadata_under_200_bytes_per_cached_page():
@@ -251,7 +251,7 @@ def test_random_streams_keep_invariants_and_bytes(ops, policy, device_pages, hos
         for h in running:
             cache.finish(h)
         cache.check()
-        assert all(cache.tree.lock[s] == 0 for s in cache.tree.slots())
+        assert all(cache.tree.lock[s] == 0 for s in cache.tree.nodes())
         assert pools.allocator.num_used == cache.tree.device_pages  # nothing leaked
         s = cache.stats
         assert s.device_hit_tokens + s.host_hit_tokens + s.miss_tokens == s.looked_up_tokens
@@ -279,7 +279,7 @@ def test_key_table_behaves_like_a_dict(ops, big):
     for k in range(61):
         key = (k << 58) | k if big else k
         assert table.get(key) == want.get(key, -1)
-    keys, slots = table.items()
-    assert dict(zip(keys.tolist(), slots.tolist(), strict=True)) == want
+    keys, nodes = table.items()
+    assert dict(zip(keys.tolist(), nodes.tolist(), strict=True)) == want
     with pytest.raises(KeyError):
         table.pop(10**6)

@@ -1,4 +1,4 @@
-"""Transfers on a real GPU: every engine, both layouts, bit-identical; events, ordering, stats."""
+"""Transfers on a real GPU: every mover, both layouts, bit-identical; events, ordering, stats."""
 
 from __future__ import annotations
 
@@ -11,13 +11,12 @@ from stagecache.runtime.memory.host_pools import HostPools
 from stagecache.runtime.model.layer_map import build_layout
 from stagecache.runtime.model.pool_kinds import HOST_CACHED as POOLS
 from stagecache.runtime.model.spec import load_spec
-from stagecache.runtime.transfer import engine, native
+from stagecache.runtime.transfer import device, native
 from stagecache.runtime.transfer.controller import TransferController, TransferError
-from stagecache.runtime.transfer.engine import EngineOptions
 from stagecache.runtime.transfer.stats import TransferStats
 
 pytestmark = pytest.mark.gpu
-needs_native = pytest.mark.skipif(native.module() is None, reason="no compiled fast path (C compiler, Python headers)")
+needs_native = pytest.mark.skipif(native.module() is None, reason="the compiled helper was not built at install")
 
 FLASH = load_spec("deepseek-v4-flash")
 TINY = load_spec("tiny-v4")
@@ -46,17 +45,17 @@ def zero(dp):
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
-@pytest.mark.parametrize(("use_triton", "graphs"), [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize("use_triton", [True, False])
 @pytest.mark.parametrize("model", ["tiny-v4", "deepseek-v4-flash"])
-def test_gpu_round_trip_bit_identical(layout, use_triton, graphs, model):
+def test_gpu_round_trip_bit_identical(layout, use_triton, model):
     spec = TINY if model == "tiny-v4" else FLASH
     page_size = 128 if model == "tiny-v4" else 256
     stage = build_layout(spec, 2 if model == "tiny-v4" else 4).stages[1]
     dp, hp = filled(spec, stage, page_size, 40, 64, layout)
     stats = TransferStats()
-    c = TransferController(dp, hp, stats, use_triton=use_triton, options=EngineOptions(graphs=graphs))
+    c = TransferController(dp, hp, stats, use_triton=use_triton)
     assert c.path == ("triton" if use_triton else "torch")
-    rng = random.Random(hash((layout, use_triton, graphs, model)) & 0xFFFF)
+    rng = random.Random(hash((layout, use_triton, model)) & 0xFFFF)
     for host in (list(range(10, 30)), rng.sample(range(64), 20)):  # one long run, then scattered
         src, dst = rng.sample(range(40), 20), rng.sample(range(40), 20)
         before = snapshot(dp)
@@ -98,10 +97,10 @@ def test_gpu_layer_by_layer_wait_on_current_stream():
 
 
 def test_gpu_back_to_back_calls_reuse_the_ring_and_stay_ordered(monkeypatch):
-    """More calls in flight than pinned slots, a call bigger than a slot, and a load right after
+    """More calls in flight than ring entries, a call bigger than an entry, and a load right after
     the backup that writes its host pages: all on one stream, so every result is the latest."""
-    monkeypatch.setattr(engine, "RING_SLOTS", 2)
-    monkeypatch.setattr(engine, "SLOT_PAGES_MAX", 4)
+    monkeypatch.setattr(device, "RING_ENTRIES", 2)
+    monkeypatch.setattr(device, "ENTRY_PAGES_MAX", 4)
     stage = build_layout(FLASH, 4).stages[1]
     dp, hp = filled(FLASH, stage, 256, 48, 64, "layer_first")
     c = TransferController(dp, hp, TransferStats())
@@ -116,7 +115,7 @@ def test_gpu_back_to_back_calls_reuse_the_ring_and_stay_ordered(monkeypatch):
         for pool in POOLS:
             for i, b in enumerate(dp.buffers[pool]):
                 assert torch.equal(b[dst], before[pool][i][src]), (pool, i)
-    big_src, big_host = rng.sample(range(48), 40), rng.sample(range(64), 40)  # > SLOT_PAGES_MAX: ten pieces over two slots
+    big_src, big_host = rng.sample(range(48), 40), rng.sample(range(64), 40)  # > ENTRY_PAGES_MAX: ten pieces over two entries
     before = snapshot(dp)
     c.backup(big_src, big_host, blocking=True)
     for pool in POOLS:
@@ -125,23 +124,23 @@ def test_gpu_back_to_back_calls_reuse_the_ring_and_stay_ordered(monkeypatch):
     c.synchronize()
 
 
-def _ring_word(c, slot, field):
-    return int(c.engine._slots.words[native.RING + native.PER_SLOT * slot + field])
+def _ring_word(c, entry, field):
+    return int(c.mover._ring.words[native.RING + native.PER_ENTRY * entry + field])
 
 
 @needs_native
-def test_gpu_one_call_move_is_timed_by_its_slots_events_until_finished():
-    """A one-launch move is one call into C: its slot's graph records the slot's own events, the
-    slot stays owned (and guarded by the end event) until the move is known finished, then it is
-    free without another query; the DMA time read from those events is the copy's."""
+def test_gpu_one_call_move_is_timed_by_its_entrys_events_until_finished():
+    """A one-launch move is one call into C: its ring entry's graph records the entry's own events,
+    the entry stays owned (and guarded by the end event) until the move is known finished, then it
+    is free without another query; the DMA time read from those events is the copy's."""
     stage = build_layout(TINY, 2).stages[1]
     dp, hp = filled(TINY, stage, 128, 16, 16, "layer_first")
     stats = TransferStats()
     c = TransferController(dp, hp, stats)
-    assert c._one_call
+    assert c.mover._native is not None
     first = c.backup([0, 1], [2, 3])
-    k = int(c.engine._slots.words[native.NEXT] - 1) % engine.RING_SLOTS
-    assert (first._start, first._end) == c.engine.slot_events(k)
+    k = int(c.mover._ring.words[native.NEXT] - 1) % device.RING_ENTRIES
+    assert (first._start, first._end) == c.mover._ring.events[k]
     assert _ring_word(c, k, native.OWNED) == 1 and _ring_word(c, k, native.MARK) == first._end.cuda_event
     first.synchronize()
     assert _ring_word(c, k, native.OWNED) == 0 and _ring_word(c, k, native.MARK) == 0
@@ -155,28 +154,28 @@ def test_gpu_one_call_move_is_timed_by_its_slots_events_until_finished():
 
 @needs_native
 def test_gpu_a_full_ring_finishes_the_oldest_move_before_reusing_its_events():
-    """More one-launch moves in flight than the ring has slots (the stream held busy): the call
-    that comes back to a slot first waits for and finishes the move its events time (its stats
+    """More one-launch moves in flight than the ring has entries (the stream held busy): the call
+    that comes back to an entry first waits for and finishes the move its events time (its stats
     recorded once, with its own DMA time), then reuses them; every copy lands."""
     stage = build_layout(TINY, 2).stages[1]
     dp, hp = filled(TINY, stage, 128, 16, 16, "layer_first")
     stats = TransferStats()
     c = TransferController(dp, hp, stats)
-    for _ in range(engine.RING_SLOTS):  # every slot's graph captured (capturing syncs nothing, but
+    for _ in range(device.RING_ENTRIES):  # every entry's graph captured (capturing syncs nothing, but
         c.backup([15], [15])             # building the kernel's tables does) before the stream is held
     c.synchronize()
     stats = c.stats = TransferStats()
     torch.cuda._sleep(50_000_000)  # the caller's stream is busy: nothing below finishes early
-    moves = [c.backup([i], [i]) for i in range(engine.RING_SLOTS)]
+    moves = [c.backup([i], [i]) for i in range(device.RING_ENTRIES)]
     assert all(m.seconds is None for m in moves)
-    extra = c.backup([engine.RING_SLOTS], [engine.RING_SLOTS])
-    assert moves[0].seconds is not None and 0 < moves[0].seconds < 0.05  # finished to free its slot
+    extra = c.backup([device.RING_ENTRIES], [device.RING_ENTRIES])
+    assert moves[0].seconds is not None and 0 < moves[0].seconds < 0.05  # finished to free its entry
     assert extra._end is moves[0]._end
     c.synchronize()
-    assert stats.snapshot()["d2h"]["count"] == engine.RING_SLOTS + 1
+    assert stats.snapshot()["d2h"]["count"] == device.RING_ENTRIES + 1
     for pool in POOLS:
         for d, h in zip(dp.buffers[pool], hp.buffers[pool], strict=True):
-            n = engine.RING_SLOTS + 1
+            n = device.RING_ENTRIES + 1
             assert torch.equal(h[:n], d[:n].cpu())
 
 

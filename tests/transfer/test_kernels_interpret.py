@@ -1,4 +1,4 @@
-"""The Triton stage-copy kernel and the controller's Triton engine, run on CPU with TRITON_INTERPRET=1.
+"""The Triton stage-copy kernel and the controller's device mover, run on CPU with TRITON_INTERPRET=1.
 
 ``TRITON_INTERPRET`` must be set before triton is first imported, so the checks
 run in a fresh interpreter; the script asserts and prints one line per check.
@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent(r'''
     import torch
     from stagecache.runtime.transfer import kernels
     from stagecache.runtime.transfer.controller import TransferController
-    from stagecache.runtime.transfer.engine import EngineOptions
+    from stagecache.runtime.transfer.device import LaunchShape
     from stagecache.runtime.memory.host_pools import HostPools
     from stagecache.runtime.model.layer_map import build_layout
     from stagecache.runtime.model.pool_kinds import HOST_CACHED as POOLS
@@ -52,10 +52,10 @@ SCRIPT = textwrap.dedent(r'''
         for i in range(L):
             assert torch.equal(host[hid, i], dev[i][did]), (page_bytes, i)
         assert int(host[[p for p in range(P) if p not in hid]].sum()) == 0
-        host.zero_()  # the earlier item order (a page's chunks together) moves the same bytes
-        kernels.launch_stage_copy(view, anchor, table, off, geo, True, programs=3, num_warps=1, page_major=True)
+        host.zero_()  # another grid moves the same bytes
+        kernels.launch_stage_copy(view, anchor, table, off, geo, True, programs=3, num_warps=1)
         for i in range(L):
-            assert torch.equal(host[hid, i], dev[i][did]), (page_bytes, i, "page-major")
+            assert torch.equal(host[hid, i], dev[i][did]), (page_bytes, i, "3 programs")
         for t in dev:
             t.zero_()
         kernels.launch_stage_copy(view, anchor, table, off, geo, False, programs=3, num_warps=1)
@@ -68,7 +68,7 @@ SCRIPT = textwrap.dedent(r'''
         assert int(host.sum()) == 0  # n = 0: nothing moves
         print(f"kernel word={geo.word} ok")
 
-    # 2. the controller's Triton engine: round trip bit-identical for every pool, both layouts,
+    # 2. the controller's device mover: round trip bit-identical for every pool, both layouts,
     #    a layer subset and a layer-by-layer load through the same kernel
     spec = load_spec("tiny-v4")
     stage = build_layout(spec, 2).stages[1]
@@ -82,7 +82,7 @@ SCRIPT = textwrap.dedent(r'''
             for b in bufs:
                 b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8))
         before = {p: [b.clone() for b in bufs] for p, bufs in dp.buffers.items()}
-        c = TransferController(dp, hp, use_triton=True, options=EngineOptions(num_warps=4))
+        c = TransferController(dp, hp, use_triton=True, shape=LaunchShape(num_warps=4))
         src, host, dst = rng.sample(range(6), 3), rng.sample(range(9), 3), rng.sample(range(6), 3)
         r = c.backup(src, host).synchronize()
         assert r.path == "triton", r.path
