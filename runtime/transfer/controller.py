@@ -27,6 +27,7 @@ and the wait ends when its own copy starts (host clock around the copy).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -35,8 +36,9 @@ from typing import Any
 from ..memory.host_pools import HostPools
 from ..memory.pools import StagePools
 from .clock import EventClock, host_time
-from .device import LaunchShape
-from .mover import PageMover, Queued, make_mover
+from .cpu import CpuMover
+from .device import DeviceMover, LaunchShape, have_triton
+from .mover import PageMover, Queued
 from .pages import PageChecker, PageIds, TransferError, as_ids, plain_ids
 from .selection import Selection, select
 from .stats import TransferStats, gbps
@@ -274,6 +276,21 @@ class TransferController:
             self.poll()
         self._pending.append(result)
         return result
+
+
+def make_mover(dp: StagePools, hp: HostPools, use_triton: bool | None = None,
+               shape: LaunchShape | None = None, context: Any = None) -> PageMover:
+    """The mover for these pools: the device mover on CUDA (and under ``TRITON_INTERPRET=1`` when
+    asked for), the CPU mover otherwise."""
+    cuda = dp.device.type == "cuda"
+    if use_triton is None:
+        use_triton = cuda and have_triton()
+    if use_triton and not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise TransferError("use_triton=True needs device pools on CUDA (or TRITON_INTERPRET=1, which runs "
+                            "the kernels on CPU tensors for tests)")
+    if cuda or use_triton:
+        return DeviceMover(dp, hp, shape, context, use_kernel=use_triton)
+    return CpuMover(dp, hp)
 
 
 def _check_mirror(dp: StagePools, hp: HostPools) -> None:

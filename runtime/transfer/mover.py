@@ -1,7 +1,7 @@
 """The one interface of a page mover: what the transfer controller asks of the CPU and device copies.
 
 A mover copies the same token pages of every buffer of a selection between a stage's device
-pools and their host mirror.  Two implementations, chosen by ``make_mover``:
+pools and their host mirror.  Two implementations (the controller picks one, ``controller.make_mover``):
 
 * ``CpuMover`` (``cpu.py``, path ``cpu``) -- CPU pools: the checked reference, synchronous;
 * ``DeviceMover`` (``device.py``, path ``triton``) -- CUDA pools: one graph-replayed kernel launch
@@ -14,14 +14,13 @@ Every move of a device mover is tested byte for byte against the reference.
 
 from __future__ import annotations
 
-import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..memory.host_pools import HostPools
 from ..memory.pools import StagePools
-from .pages import PageIds, TransferError
+from .pages import PageIds
 from .selection import Selection
 
 
@@ -70,22 +69,3 @@ class PageMover(ABC):
 
     def own(self, entry: int, transfer: Any) -> None:  # noqa: B027 - a no-op unless asynchronous
         """``transfer`` is timed by ring entry ``entry``'s events until it is finished."""
-
-
-def make_mover(dp: StagePools, hp: HostPools, use_triton: bool | None = None,
-               shape: Any = None, context: Any = None) -> PageMover:
-    """The mover for these pools: the device mover on CUDA (and under ``TRITON_INTERPRET=1`` when
-    asked for), the CPU mover otherwise."""
-    from .device import DeviceMover, have_triton
-
-    cuda = dp.device.type == "cuda"
-    if use_triton is None:
-        use_triton = cuda and have_triton()
-    if use_triton and not cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise TransferError("use_triton=True needs device pools on CUDA (or TRITON_INTERPRET=1, which runs "
-                            "the kernels on CPU tensors for tests)")
-    if cuda or use_triton:
-        return DeviceMover(dp, hp, shape, context, use_kernel=use_triton)
-    from .cpu import CpuMover
-
-    return CpuMover(dp, hp)
