@@ -21,9 +21,9 @@ goes to stderr.
 from __future__ import annotations
 
 import functools
+import logging
 import random
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -111,8 +111,12 @@ def launch_shape(chunk_bytes: int | None, programs_per_sm: int | None, num_warps
     return LaunchShape(**{k: v for k, v in given.items() if v is not None})
 
 
+_log = logging.getLogger(__name__)
+
+
 def log(msg: str) -> None:
-    print(f"[bench transfer] {msg}", file=sys.stderr, flush=True)
+    """Progress of the bench, on stderr (the CLI shows the bench's INFO lines)."""
+    _log.info("[bench transfer] %s", msg)
 
 
 # -- the clock: The clock of ``bench transfer``: wall time from a call until the device is idle again, the

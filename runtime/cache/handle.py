@@ -33,21 +33,6 @@ class HandleError(StageCacheError, RuntimeError):
     """A handle used twice (finish after finish/abort) or with the wrong cache."""
 
 
-@dataclass(frozen=True, eq=False)
-class PrefixMatch:
-    """``match_prefix`` result: tokens hit per tier and the device pages now holding them."""
-
-    device_tokens: int  # already on device
-    host_tokens: int  # were on host only, loaded to device by this call
-    pages: tuple[int, ...]  # device page ids of the whole matched prefix, in order
-    last_node: int  # the deepest matched node (-1: none)
-    locked: bool
-
-    @property
-    def tokens(self) -> int:
-        return self.device_tokens + self.host_tokens
-
-
 @dataclass(eq=False)
 class Handle:
     """A running request on one stage: its pages, and what was reused."""

@@ -23,23 +23,19 @@ one controller transfer.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
-
-import numpy as np
 
 from .. import defaults
 from ..errors import ConfigError
 from ..memory.allocator import OutOfPagesError, PageAllocator
 from .eviction import DEFAULT_POLICY, make_policy
-from .handle import CacheOutOfPagesError, Handle, HandleError, PrefixMatch
+from .handle import CacheOutOfPagesError, Handle, HandleError
 from .insight import DEFAULT_INSIGHT, DROPPED, FROM_HOST, WRITEBACK, CacheInsight, InsightConfig
-from .kv_writer import page_hashes
 from .pages import page_view
 from .radix import DEVICE, HOST, RadixTree
 from .stats import CacheStats
 
-__all__ = ["CacheOutOfPagesError", "Handle", "HandleError", "HiCache", "PrefixMatch"]
+__all__ = ["CacheOutOfPagesError", "Handle", "HandleError", "HiCache"]
 
 
 class HiCache:
@@ -137,29 +133,6 @@ class HiCache:
                                        self.tree.clock, before)
         self._in_flight[id(handle)] = handle
         return handle
-
-    def match_prefix(self, tokens: Sequence[int], max_pages: int | None = None,
-                     lock: bool = False) -> PrefixMatch:
-        """Longest cached prefix of ``tokens`` (whole pages); host hits are loaded to device.
-
-        The returned pages only stay on device while locked: pass ``lock=True``
-        and call ``release(match)`` when done.  Not counted in ``stats`` (the
-        hit accounting is per request, in ``begin``).
-        """
-        full = len(tokens) // self.page_size
-        keys = page_hashes(np.asarray(tokens, dtype=np.int64)[:full * self.page_size],
-                           self.page_size, self.hash_salt).tolist()
-        m = self._match_and_load(keys, full if max_pages is None else min(max_pages, full))
-        if not lock:
-            self.tree.unlock_path(m.last)
-        dev = self.tree.dev
-        return PrefixMatch(m.device * self.page_size, m.host * self.page_size,
-                           tuple(dev[s] for s in m.path), m.last, lock)
-
-    def release(self, match: PrefixMatch) -> None:
-        """Unlock a ``match_prefix(..., lock=True)`` result."""
-        if match.locked:
-            self.tree.unlock_path(match.last_node)
 
     def _match_and_load(self, keys: list[int], limit: int, before: list[int] | None = None) -> Any:
         """Match, lock the path, load its host run to device; unlocked again on failure.
@@ -372,18 +345,6 @@ class HiCache:
             self.host_alloc.check_allocated(host, "cached host page")
         else:
             assert not host
-
-    def snapshot(self) -> dict[str, Any]:
-        """The cache and pool part of the live stage dict (``exporters/snapshot.py``)."""
-        out = self.stats.snapshot()
-        used, free = self.dev_alloc.num_used, self.dev_alloc.num_free
-        dev_bytes = self.pools.pool_bytes() if self.pools is not None else {}
-        host_bytes = self.host_pools.pool_bytes() if self.host_pools is not None else {}
-        out["pool_pages"] = {p: {"used": used, "free": free} for p in dev_bytes}
-        out["pool_bytes"] = {p: {"device": int(b), "host": int(host_bytes.get(p, 0))}
-                             for p, b in dev_bytes.items()}
-        return out
-
 
 def _ordered(result: Any) -> None:
     """Order later work on the caller's stream after a transfer (no-op on CPU).

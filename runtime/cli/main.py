@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
 
@@ -97,6 +98,34 @@ def _internal_error(command: str, exc: BaseException) -> int:
     return EXIT_INTERNAL
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record comes (not the stream of the first call)."""
+
+    @property  # type: ignore[override]
+    def stream(self):  # noqa: ANN201 - a text stream
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: object) -> None:
+        pass
+
+
+def _configure_logging(command: str) -> None:
+    """Library code reports through ``logging`` (a logger per package); the command shows WARNING
+    and up on stderr, a benchmark its progress (INFO) too; ``STAGECACHE_LOG=debug|info|warning``
+    sets the level of everything."""
+    root = logging.getLogger("stagecache")
+    if not any(isinstance(h, _StderrHandler) for h in root.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        root.addHandler(handler)
+    wanted = os.environ.get("STAGECACHE_LOG", "").upper()
+    root.setLevel(getattr(logging, wanted, None) if wanted in ("DEBUG", "INFO", "WARNING", "ERROR")
+                  else logging.WARNING)
+    if not wanted and command == "bench":
+        logging.getLogger("stagecache.runtime.bench").setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     if not (sys.argv[1:] if argv is None else argv):  # a bare `stagecache`: what can I do here?
@@ -108,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help / --version (0), a bad flag (2, one line from _Parser.error)
         return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
+    _configure_logging(args.command)
     try:
         code = int(args.func(args) or 0)
         sys.stdout.flush()  # a reader that went away shows here, not in the exit-time flush

@@ -71,9 +71,6 @@ class PageAllocator:
         the first ``limit`` ids of this one (a kind sized by a smaller budget)."""
         return int(self._used_np[:max(0, limit)].sum(dtype=np.int64))
 
-    def is_allocated(self, page_id: int) -> bool:
-        return _is_id(page_id) and 0 <= page_id < self.num_pages and bool(self._used[page_id])
-
     def alloc(self, n: int) -> list[int]:
         """``n`` free page ids, or ``OutOfPagesError`` with nothing taken."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:

@@ -16,9 +16,11 @@ kind and tier this reports:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from ..model.pool_kinds import KINDS, POOLS
+from .allocator import PageAllocator
+from .host_pools import HostPools
+from .pools import StagePools
 
 
 @dataclass(frozen=True)
@@ -46,13 +48,13 @@ class Occupancy:
         return self.used / self.capacity if self.capacity else 0.0
 
 
-def _row(pool: str, tier: str, capacity: int, allocator: Any, unit_bytes: int) -> Occupancy:
+def _row(pool: str, tier: str, capacity: int, allocator: PageAllocator, unit_bytes: int) -> Occupancy:
     return Occupancy(pool, tier, "page" if KINDS[pool].paged else "slot",
                      allocator.used_below(capacity), capacity, min(allocator.peak_used, capacity),
                      unit_bytes)
 
 
-def stage_occupancy(pools: Any, host: Any | None = None) -> list[Occupancy]:
+def stage_occupancy(pools: StagePools, host: HostPools | None = None) -> list[Occupancy]:
     """Every pool kind the stage holds buffers of, device rows then host rows (display order)."""
     rows = []
     for p in POOLS:

@@ -155,9 +155,6 @@ class StagePools(StageBuffers):
     def token_page_bytes(self) -> int:
         return self.plan.token_page_bytes
 
-    def planned_bytes(self) -> int:
-        return self.plan.device_bytes
-
     def pool_bytes(self) -> dict[str, int]:
         """Bytes each pool really holds, summed over its tensors (None buffers count 0)."""
         return {pool: sum(t.numel() * t.element_size() for t in bufs if t is not None)

@@ -27,7 +27,7 @@ layer for ``None``) and are indexed by the layer-map id named by ``id_attr``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from ..errors import ConfigError
 from .spec import ModelSpec
@@ -42,6 +42,14 @@ FP32 = 4
 #: Nope values sharing one UE8M0 scale in the V4 KV row, and the FP8 indexer's scale block.
 KV_SCALE_BLOCK = 64
 INDEXER_SCALE_BLOCK = 128
+
+
+class LayerIds(Protocol):
+    """The ids of a layer that index pool buffers (``layer_map.LayerEntry`` or its JSON model)."""
+
+    local: int
+    compress_layer_id: int | None
+    c4_state_id: int | None
 
 
 @dataclass(frozen=True)
@@ -63,7 +71,7 @@ class PoolKind:
     def owns(self, compress_ratio: int) -> bool:
         return self.owner_ratio is None or compress_ratio == self.owner_ratio
 
-    def index_of(self, entry: Any) -> int | None:
+    def index_of(self, entry: LayerIds) -> int | None:
         """The buffer index of a layer entry in this kind (``LayerEntry`` or its JSON model)."""
         return getattr(entry, self.id_attr)
 

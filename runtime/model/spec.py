@@ -44,10 +44,6 @@ class ModelSpec:
     def nope_head_dim(self) -> int:
         return self.head_dim - self.qk_rope_head_dim
 
-    def ratio_layers(self, ratio: int) -> tuple[int, ...]:
-        """Global ids of layers with this compress ratio."""
-        return tuple(i for i, r in enumerate(self.compress_ratios) if r == ratio)
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,

@@ -13,12 +13,12 @@ The records ride on messages the pipeline sends anyway (``pipeline.StagePipe``):
 1. stage ``k`` appends its records for micro-batch ``i`` to the ones it received
    and forwards them in the activation header to ``k + 1``;
 2. the last stage sends all of them back to rank 0 with the credit of ``i``;
-3. rank 0 compares them (``compare``): per request and kind (``DECISIONS``) the
+3. rank 0 compares them (``compare``): per request and decision (``DECISIONS``) the
    agreed value is the one most stages reported (a tie: the larger), and every
    stage with another value disagrees.  It keeps the recent disagreements (the
    request, the stages, their values) for the dashboard;
 4. rank 0 forwards the verdict (per request: the agreed matched prefix and each
-   stage's disagreement kinds) in the header of its next micro-batch, so every
+   stage's disagreeing decisions) in the header of its next micro-batch, so every
    stage counts its *own* disagreements and books the pages it matched below
    the agreed prefix as ``stage_disagreement`` misses (``cache/insight.py``).
    The verdicts still owed when the trace ends go out in one broadcast.
@@ -42,8 +42,8 @@ NFIELDS = len(FIELDS)
 RECENT = 50
 
 
-def kind_values(rec: Sequence[int]) -> tuple[int, int, int, int]:
-    """A record's value per kind; completion is the pages it cached, or -1 if it did not complete."""
+def decision_values(rec: Sequence[int]) -> tuple[int, int, int, int]:
+    """A record's value per decision; completion is the pages it cached, or -1 if it did not complete."""
     return rec[0] + rec[1], rec[1], rec[2], rec[3] if rec[4] else -1
 
 
@@ -54,13 +54,13 @@ def agreed_value(values: Sequence[int]) -> int:
 
 
 def compare(records: Sequence[Sequence[Sequence[int]]]) -> list[tuple[list[int], list[int]]]:
-    """``records[stage][request]`` -> per request: (agreed value per kind, mask per stage).
+    """``records[stage][request]`` -> per request: (agreed value per decision, mask per stage).
 
     A stage's mask has bit ``j`` set when its value of ``DECISION_NAMES[j]`` is not the agreed one.
     """
     out = []
     for r in range(len(records[0])):
-        per_stage = [kind_values(stage[r]) for stage in records]
+        per_stage = [decision_values(stage[r]) for stage in records]
         agreed = [agreed_value([v[j] for v in per_stage]) for j in range(len(DECISION_NAMES))]
         masks = [sum(1 << j for j, a in enumerate(agreed) if v[j] != a) for v in per_stage]
         out.append((agreed, masks))
@@ -93,7 +93,6 @@ class Agreement:
         self.disagreements = dict.fromkeys(DECISION_NAMES, 0)  # this stage's own
         self.compared_requests = 0  # requests whose verdict this stage has applied
         self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT)  # rank 0
-        self.total_disagreements = 0  # rank 0: (request, kind, stage) disagreements seen
         self._local: dict[int, list[list[int]]] = {}  # micro-batch -> own records
         self._upstream: dict[int, list[int]] = {}  # micro-batch -> records of stages < rank
         self._outbox: list[int] = []  # verdict blocks to forward downstream
@@ -102,7 +101,7 @@ class Agreement:
     # -- this stage's records ------------------------------------------------------------------
     def local(self, index: int, records: Sequence[Sequence[int]]) -> None:
         if self.pp_size == 1:  # alone: agreed with itself
-            self.apply(index, [kind_values(r)[0] for r in records], [0] * len(records))
+            self.apply(index, [decision_values(r)[0] for r in records], [0] * len(records))
         else:
             self._local[index] = [list(r) for r in records]
 
@@ -157,9 +156,9 @@ class Agreement:
             return
         self._applied.add(index)
         for mask in masks:
-            for j, kind in enumerate(DECISION_NAMES):
+            for j, decision in enumerate(DECISION_NAMES):
                 if mask >> j & 1:
-                    self.disagreements[kind] += 1
+                    self.disagreements[decision] += 1
         self.compared_requests += len(masks)
         if self.on_verdict is not None:
             self.on_verdict(index, agreed)
@@ -173,12 +172,11 @@ class Agreement:
                   verdict: list[tuple[list[int], list[int]]]) -> None:
         now = time.time()
         for r, (agreed, masks) in enumerate(verdict):
-            for j, kind in enumerate(DECISION_NAMES):
+            for j, decision in enumerate(DECISION_NAMES):
                 stages = [s for s, m in enumerate(masks) if m >> j & 1]
                 if not stages:
                     continue
-                self.total_disagreements += len(stages)
                 self.recent.append({
                     "time": now, "micro_batch": mb.index, "request": self.describe(mb.requests[r]),
-                    "kind": kind, "stages": stages, "agreed": agreed[j],
-                    "values": [kind_values(records[s][r])[j] for s in range(self.pp_size)]})
+                    "kind": decision, "stages": stages, "agreed": agreed[j],
+                    "values": [decision_values(records[s][r])[j] for s in range(self.pp_size)]})

@@ -113,13 +113,8 @@ class PipelineClock:
     activation_bytes_sent: int = 0
     activation_bytes_received: int = 0
     micro_batch: int | None = None  # the one in progress, for the events
-    _t0: float = field(default_factory=time.perf_counter, repr=False)
     _wall: float = field(default_factory=lambda: time.time() - time.perf_counter(), repr=False)
     _events: deque = field(default_factory=lambda: deque(maxlen=TIMELINE_EVENTS), repr=False)
-
-    @property
-    def wall_seconds(self) -> float:
-        return time.perf_counter() - self._t0
 
     def _event(self, kind: str, t0: float, seconds: float) -> None:
         """Keep one span (``t0`` on the ``perf_counter`` clock) in the ring of recent events."""

@@ -22,6 +22,7 @@ name the stage that really died rather than the neighbours that noticed.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import signal
 import sys
@@ -33,6 +34,8 @@ from ..crash_log import write_crash_log
 from ..live import run_dir as rd
 from .heartbeat import Heartbeat, StageFile
 from .options import StageConfig
+
+log = logging.getLogger(__name__)
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -74,6 +77,7 @@ def _parent_alive(pid: int) -> bool:
 def stage_main(cfg: StageConfig) -> None:
     """Process entry point (``multiprocessing`` target); exits with one of the EXIT_* codes."""
     _die_with_parent()
+    _log_to_stderr()
     # Ctrl-C goes to the whole process group; the parent coordinates shutdown (SIGTERM, then SIGKILL).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if not _parent_alive(cfg.parent_pid):
@@ -91,7 +95,7 @@ def stage_main(cfg: StageConfig) -> None:
         log = write_crash_log(f"stage-{cfg.rank}", exc)
         detail = f"{type(exc).__name__}: {exc}" + (f" (traceback: {log})" if log else "")
         _note_failure(cfg, worker, detail, code)
-        print(f"stage {cfg.rank}: error: {detail}", file=sys.stderr, flush=True)
+        log.error("stage %d: error: %s", cfg.rank, detail)
         if os.environ.get("STAGECACHE_DEBUG"):
             traceback.print_exc()
     finally:
@@ -100,6 +104,16 @@ def stage_main(cfg: StageConfig) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # skip atexit work of torch/gloo that can hang with a dead peer
+
+
+def _log_to_stderr() -> None:
+    """A stage process says what went wrong on its stderr, which the serve parent shares."""
+    logger = logging.getLogger("stagecache")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.WARNING)
 
 
 def _note_failure(cfg: StageConfig, worker: StageWorker | None, message: str, code: int) -> None:

@@ -18,6 +18,7 @@ get SIGKILL from the kernel if the parent itself dies (``PR_SET_PDEATHSIG``).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import time
@@ -32,6 +33,8 @@ from ..live.liveness import assess
 from ..live.numbers import RunInfo, StageLive
 from ..live.run_dir import RunDirSource
 from .options import ServeOptions, StageConfig
+
+log = logging.getLogger(__name__)
 
 SUPERVISE_INTERVAL_S = 0.2
 STOP_GRACE_S = 3.0
@@ -72,7 +75,7 @@ class StageProc:
 class Supervisor:
     """Starts the stages, watches them and the run directory, and stops them (always)."""
 
-    def __init__(self, opts: ServeOptions, run_dir: str, log: Callable[[str], None] = print):
+    def __init__(self, opts: ServeOptions, run_dir: str, log: Callable[[str], None] = log.info):
         self.opts = opts
         self.run_dir = run_dir
         self.log = log

@@ -93,9 +93,9 @@ def module() -> Any:
         try:
             mod = _load()
         except ImportError as exc:
-            log.warning("the compiled transfer helper is not installed (%s): transfers run through numpy "
-                        "and Python; reinstall with a C compiler and the Python headers for the fast path",
-                        exc)
+            log.warning("stagecache: the compiled transfer helper is not installed (%s): transfers run "
+                        "through numpy and Python; reinstall with a C compiler and the Python headers for "
+                        "the fast path", exc)
     _LOADED.append(mod)
     return mod
 

@@ -144,20 +144,21 @@ def test_host_copies_hold_the_written_bytes(layout):
     assert [(m.where, m.pool, m.page_index) for m in bad] == [("host", "swa", 1)]
 
 
-def test_match_prefix_loads_host_hits_and_locks_on_request():
+def test_a_running_request_loads_its_host_hits_and_locks_them():
     cache, w = make(device_pages=3)
     prefix = page(1, 2)
     run(cache, w, req(prefix, out=1))
     run(cache, w, req(page(2, 3), out=1))  # prefix -> host
-    m = cache.match_prefix(prefix + [5], lock=True)
-    assert (m.device_tokens, m.host_tokens, len(m.pages)) == (0, 2 * PS, 2)
-    assert w.verify(w.hashes(prefix), list(m.pages)) == []
+    h = cache.begin(req(prefix + [5]))
+    assert (h.device_hit_pages, h.host_hit_pages, len(h.prefix_pages)) == (0, 2, 2)
+    assert w.verify(w.hashes(prefix), h.prefix_pages) == []
     with pytest.raises(CacheOutOfPagesError):  # the locked prefix cannot make room
         cache.begin(req(page(3, 3), out=1))
-    cache.release(m)
+    cache.abort(h)  # unlocks it
     run(cache, w, req(page(3, 3), out=1))
-    again = cache.match_prefix(page(3, 3))
-    assert again.tokens == 3 * PS and not again.locked
+    again = cache.begin(req(page(3, 3)))
+    assert again.matched_pages == again.device_hit_pages == 2  # all a request may reuse: its last page computes
+    cache.abort(again)
     cache.check()
 
 
@@ -289,18 +290,17 @@ def test_handle_misuse_and_bad_policy():
         make(policy="write_bak")
 
 
-def test_snapshot_has_the_live_dict_keys():
+def test_stats_snapshot_has_the_live_dict_keys():
     from live_helpers import blank_live
 
     cache, w = make(device_pages=2)
     for tag in range(1, 4):
         run(cache, w, req(page(tag), out=1))
     run(cache, w, req(page(1) + [1]))
-    snap = cache.snapshot()
+    snap = cache.stats.snapshot()  # what a serving stage's live numbers are made from
     want = blank_live(2, POOLS)
     for key in ("cache_tokens", "host_hit_ratio", "evictions", "requests", "transfer_bytes",
-                "transfer_seconds", "transfer_count", "bandwidth_bytes_per_second",
-                "pool_bytes"):
+                "transfer_seconds", "transfer_count", "bandwidth_bytes_per_second"):
         assert type(snap[key]) is type(want[key]), key
         if isinstance(want[key], dict):
             assert set(snap[key]) <= set(want[key]) and snap[key], key

@@ -369,7 +369,7 @@ def test_sglang_plugin_entry_point(monkeypatch):
     try:
         assert plugin() is att  # once per process
         pool = make_pool(RATIOS[TINY.name], 0, TINY.num_layers)
-        pool.compress_state_pools[TINY.ratio_layers(4)[-1]] = None
+        pool.compress_state_pools[max(i for i, r in enumerate(TINY.compress_ratios) if r == 4)] = None
         with pytest.raises(StageMappingInvalid, match=r"\[stage 0\] c4_state: deepseek_v4_c4_state"):
             hpa.build_deepseek_v4_hicache_stack(
                 params=_Params(), kvcache=pool, load_cache_event=None, storage_backend=None)
