@@ -288,7 +288,7 @@ def _start_dashboard(r: _Run) -> None:
 
     opts = r.opts
     sock = bind_dashboard_socket(opts.host, opts.port)
-    r.dash = DashboardThread(r.sup.source, sock, title=f"stagecache {opts.model_name} pp={opts.pp_size}")
+    r.dash = DashboardThread(r.sup.source, sock, title=f"stagecache {opts.plan.spec.name} pp={opts.pp_size}")
     r.sup.url = r.dash.url
     r.dash.start()
     if not r.dash.server.started:

@@ -49,6 +49,14 @@ def available_memory_bytes(device: torch.device) -> int | None:
     return None  # meta and other devices: no limit we can know
 
 
+def _lookup(pool: str):  # noqa: ANN202 - a method
+    def get(self: StageBuffers, global_layer_id: int) -> torch.Tensor:
+        return self.get_raw_buffer(pool, global_layer_id)
+
+    get.__doc__ = f"The {KINDS[pool].label} buffer of a global layer (``get_raw_buffer('{pool}', ...)``)."
+    return get
+
+
 class StageBuffers:
     """What device pools and their host mirror share: the plan, the buffer lists, and the
     global -> local lookups."""
@@ -68,7 +76,7 @@ class StageBuffers:
     @property
     def kinds(self) -> tuple[str, ...]:
         """Pool kinds this object holds buffers of."""
-        return tuple(p.pool for p in self.plan.pools if p.count)
+        return tuple(p.pool for p in self.plan.pools if p.buffers)
 
     def page_bytes(self, pool: str) -> int:
         """Bytes of one page (one request slot for ``c128_state``) of one buffer of ``pool``."""
@@ -95,27 +103,15 @@ class StageBuffers:
             )
         return buf
 
-    def get_swa_raw_buffer(self, global_layer_id: int) -> torch.Tensor:
-        """SWA buffer of a global layer: the call the PP+HiCache bug got wrong."""
-        return self.get_raw_buffer("swa", global_layer_id)
-
-    def get_c4_raw_buffer(self, global_layer_id: int) -> torch.Tensor:
-        return self.get_raw_buffer("c4", global_layer_id)
-
-    def get_c128_raw_buffer(self, global_layer_id: int) -> torch.Tensor:
-        return self.get_raw_buffer("c128", global_layer_id)
-
-    def get_indexer_raw_buffer(self, global_layer_id: int) -> torch.Tensor:
-        return self.get_raw_buffer("indexer", global_layer_id)
-
-    def get_c4_state_buffer(self, global_layer_id: int) -> torch.Tensor:
-        return self.get_raw_buffer("c4_state", global_layer_id)
-
-    def get_c128_state_buffer(self, global_layer_id: int) -> torch.Tensor:
-        return self.get_raw_buffer("c128_state", global_layer_id)
-
-    def get_c4_indexer_state_buffer(self, global_layer_id: int) -> torch.Tensor:
-        return self.get_raw_buffer("c4_indexer_state", global_layer_id)
+    # The per-kind lookups, as sglang's pool names them (``get_swa_raw_buffer`` is the call the
+    # PP + HiCache bug got wrong): each is ``get_raw_buffer`` of its kind.
+    get_swa_raw_buffer = _lookup("swa")
+    get_c4_raw_buffer = _lookup("c4")
+    get_c128_raw_buffer = _lookup("c128")
+    get_indexer_raw_buffer = _lookup("indexer")
+    get_c4_state_buffer = _lookup("c4_state")
+    get_c128_state_buffer = _lookup("c128_state")
+    get_c4_indexer_state_buffer = _lookup("c4_indexer_state")
 
     def pool_page_bytes(self) -> dict[str, int]:
         """Per pool kind, one page (slot) over its real tensors: what ``serve`` reports, measured."""
@@ -188,7 +184,7 @@ class StagePools(StageBuffers):
 def _check_runtime(plan: StagePlan, where: str) -> None:
     """Pools allocate page-addressable rows: a plan sized the runtime way (sglang's sizing adds
     reserved rows and ring rows that only ``stagecache pools`` reports)."""
-    odd = [p.pool for p in plan.pools if p.count and (p.tensor_rows, p.tensor_row_bytes) != (p.units, p.page_bytes)]
+    odd = [p.pool for p in plan.pools if p.buffers and (p.tensor_rows, p.tensor_row_bytes) != (p.units, p.page_bytes)]
     if odd:
         raise ConfigError(f"{where}: the plan is sized the sglang way ({', '.join(odd)} have reserved or "
                           "ring rows); pools are allocated from a runtime plan (Sizing.runtime)")

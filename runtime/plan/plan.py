@@ -138,13 +138,9 @@ class PoolPlan:
     host_pages: int  # per buffer; 0 for a kind the host tier does not mirror
 
     @property
-    def count(self) -> int:
-        """Buffers, None ones included (what validation compares with the layer map)."""
-        return len(self.buffers)
-
-    @property
     def present(self) -> int:
-        """Buffers that hold a tensor."""
+        """Buffers that hold a tensor (``len(buffers)`` counts the None ones too: what validation
+        compares with the layer map)."""
         return sum(self.buffers)
 
     @property
@@ -162,7 +158,7 @@ class PoolPlan:
 
     def to_dict(self, stage: int) -> dict[str, Any]:
         k = KINDS[self.pool]
-        return {"stage": stage, "pool": self.pool, "buffers": self.count, "present": self.present,
+        return {"stage": stage, "pool": self.pool, "buffers": len(self.buffers), "present": self.present,
                 "budget": k.budget, "host_cached": k.host_cached, "rows_per_page": self.rows_per_page,
                 "row_bytes": self.row_bytes, "page_bytes": self.page_bytes, "device_pages": self.units,
                 "tensor_rows": self.tensor_rows, "tensor_row_bytes": self.tensor_row_bytes,
@@ -216,7 +212,7 @@ class StagePlan:
         return {p.pool: p.buffers for p in self.pools}
 
     def buffer_counts(self) -> dict[str, int]:
-        return {p.pool: p.count for p in self.pools}
+        return {p.pool: len(p.buffers) for p in self.pools}
 
     def expected_buffers(self) -> dict[str, int]:
         """What the layer map says each pool must hold (validation compares the two)."""
@@ -307,11 +303,8 @@ class RunPlan:
         return frozenset(f.name for f in self.faults if f.hits(rank, self.pp_size))
 
     @property
-    def device_bytes(self) -> int:
-        return sum(s.device_bytes for s in self.stages)
-
-    @property
     def host_bytes(self) -> int:
+        """The host tiers of every stage (they may share one host's RAM)."""
         return sum(s.host_bytes for s in self.stages)
 
     def resized(self, sizing: Sizing) -> RunPlan:
@@ -327,7 +320,7 @@ class RunPlan:
             "faults": self.fault_names, "sizing": self.sizing.to_dict(),
             "fingerprint": self.fingerprint.to_dict(), "kinds": self.kinds.to_dict()["kinds"],
             "stages": [s.to_dict() for s in self.stages],
-            "totals": {"device_bytes": self.device_bytes, "host_bytes": self.host_bytes},
+            "totals": {"device_bytes": sum(s.device_bytes for s in self.stages), "host_bytes": self.host_bytes},
         }
 
 

@@ -62,28 +62,8 @@ class ServeOptions:
         return self.plan.pp_size
 
     @property
-    def tp_size(self) -> int:
-        return self.plan.tp_size
-
-    @property
     def page_size(self) -> int:
         return self.plan.page_size
-
-    @property
-    def model_name(self) -> str:
-        return self.plan.spec.name
-
-    @property
-    def faults(self) -> list[str]:
-        return self.plan.fault_names
-
-    @property
-    def device_pages(self) -> int:
-        return self.plan.stage(0).device_pages
-
-    @property
-    def hicache_ratio(self) -> float:
-        return self.plan.sizing.hicache_ratio
 
 
 @dataclass(frozen=True)

@@ -194,7 +194,7 @@ def test_ten_terabytes_of_host_pages_is_refused_before_anything_is_allocated():
     ratio = re.search(r"--hicache-ratio to ([\d.]+)", msg).group(1)
     fits = build_parser().parse_args(["serve", "--requests", "40", "--hicache-ratio", ratio])
     try:
-        assert options_from_args(fits).hicache_ratio == float(ratio)
+        assert options_from_args(fits).plan.sizing.hicache_ratio == float(ratio)
     except ConfigError as again:  # the host's free RAM moved between the two checks: still a fit error
         assert "of RAM" in str(again)
 

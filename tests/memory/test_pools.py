@@ -36,7 +36,7 @@ def test_every_tensor_is_the_plans_shape():
     plan = stage_plan(TINY, S1, 128, 4)
     p = StagePools(plan)
     for pp in plan.pools:
-        assert len(p.buffers[pp.pool]) == pp.count
+        assert len(p.buffers[pp.pool]) == len(pp.buffers)
         assert all(t.shape == (pp.units, pp.page_bytes) for t in p.buffers[pp.pool])
     assert sum(p.pool_bytes().values()) == plan.device_bytes
     assert p.pool_page_bytes() == plan.pool_page_bytes()

@@ -15,17 +15,18 @@ def opts(*argv: str):
 
 def test_plain_serve_is_the_documented_demo():
     o = opts()
-    assert (o.model_name, o.pp_size, o.tp_size, o.page_size) == ("tiny-v4", 4, 1, 256)
+    assert (o.plan.spec.name, o.pp_size, o.plan.tp_size, o.page_size) == ("tiny-v4", 4, 1, 256)
     assert (o.host, o.port, o.dashboard) == ("127.0.0.1", 8000, True)
     assert o.requests == 240 and o.rate == 20.0 and o.micro_batch == 4
-    assert o.device_pages == 64 and o.hicache_ratio == 2.0 and o.hicache_write_policy == "write_through"
+    assert o.plan.stage(0).device_pages == 64 and o.plan.sizing.hicache_ratio == 2.0
+    assert o.hicache_write_policy == "write_through"
     assert o.hidden_size == 256  # tiny-v4's hidden_size
     assert o.hold_seconds is None and not o.exit_after_run  # keep serving the dashboard after the run
-    assert o.faults == [] and o.run_dir is None
+    assert o.plan.faults == () and o.run_dir is None
 
 
 def test_sizes_and_hold_flags():
-    assert opts("--max-total-tokens", "16000").device_pages == 63  # 62.5 rounded up to whole pages
+    assert opts("--max-total-tokens", "16000").plan.stage(0).device_pages == 63  # 62.5 rounded up to pages
     assert opts("--exit-after-run").hold_seconds == 0
     assert opts("--hold-seconds", "7").hold_seconds == 7
     assert opts("--pp-partition", "2,4,3,3").plan.partition == (2, 4, 3, 3)
