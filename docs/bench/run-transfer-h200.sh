@@ -34,8 +34,10 @@ nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 for step in "$@"; do
   case $step in
-    tests) timeout 150 python3 -m pytest -q -p no:cacheprovider -x tests/transfer tests/memory/test_allocator.py \
-             tests/bench/test_transfer_probes.py tests/bench/test_transfer_bench.py \
+    tests) timeout 150 python3 -m pytest -q -p no:cacheprovider -x tests/transfer/test_kernels_gpu.py \
+             tests/transfer/test_transfer_split_gpu.py tests/transfer/test_kernels_interpret.py \
+             tests/transfer/test_controller.py tests/transfer/test_pages.py tests/memory/test_allocator.py \
+             tests/bench/test_transfer_probes.py \
              > "$OUT/pytest-gpu.log" 2>&1; echo "pytest rc=$?"; tail -3 "$OUT/pytest-gpu.log" ;;
     sweep) timeout 200 $BENCH --sweep --mix-pages 1 16 --kind-mib 4 64 \
              --kind c128 --kind indexer --kind c4_indexer_state --max-reps 30 --out "$OUT/sweep.json" \

@@ -225,9 +225,10 @@ class TransferController:
             dev, host = plain_ids(device_pages, "device page", stage), plain_ids(host_pages, "host page", stage)
             reference = self._clock.reference(called)  # type: ignore[union-attr]  # precedes the start event
             queued = self.mover.check_and_move(sel, dev, host, d2h)
-            if queued is not None:
+            if queued is not None:  # the copy is queued: the bookkeeping follows while it runs
+                at = time.perf_counter()
                 ids = PageIds(as_ids(dev, "device page", stage), as_ids(host, "host page", stage))  # numpy views
-                result = self._track(direction, ids, sel, called, queued, reference)
+                result = self._track(direction, ids, sel, called, at, queued, reference)
                 return result.synchronize() if blocking else result
         ids = self.checker.check(device_pages, host_pages, "host" if d2h else "device")
         return self._move(direction, ids, sel, [sel], blocking, called)
@@ -258,16 +259,17 @@ class TransferController:
         # the clock's reference precedes the start event (a new one is due at most twice a second)
         reference = self._clock.reference(called) if self._clock is not None else None
         queued = self.mover.move(steps, ids, direction == "d2h", per_layer)
-        result = self._track(direction, ids, sel, called, queued, reference)
+        result = self._track(direction, ids, sel, called, time.perf_counter(), queued, reference)
         if per_layer:
             result._layer_events = {s.layers[0]: e for s, e in zip(steps, queued.layer_events, strict=True)}
         return result.synchronize() if blocking else result
 
-    def _track(self, direction: str, ids: PageIds, sel: Selection, called: float, queued: Queued,
+    def _track(self, direction: str, ids: PageIds, sel: Selection, called: float, at: float, queued: Queued,
                reference: Any) -> TransferResult:
-        """The result of a queued move, timed by its events; earlier moves' stats recorded."""
+        """The result of a move queued at ``at`` (``perf_counter``), timed by its events; earlier
+        moves' stats recorded."""
         result = TransferResult(direction, ids, sel, self.path, called)
-        result.queued, result._reference = time.perf_counter(), reference
+        result.queued, result._reference = at, reference
         result._stats, result._mover = self.stats, self.mover
         result._start, result._end = queued.start, queued.end
         if queued.entry is not None:
