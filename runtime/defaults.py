@@ -7,7 +7,8 @@ Two groups:
   reproduce (page size, SWA share of the full tokens, request slots, host ratio);
 * stagecache's own (the demo run, ports, the runtime's page space).
 
-docs/defaults.md is rendered from this module and a test keeps the two equal.
+docs/defaults.md is rendered from this module (``python -m stagecache.runtime.defaults``) and a
+test keeps the two equal.
 """
 
 from __future__ import annotations
@@ -37,9 +38,11 @@ HICACHE_RATIO = 2.0
 # -- the host (HiCache) tier -----------------------------------------------------------------------
 #: When device pages are backed up to the host: sglang's ``--hicache-write-policy`` values, in its order.
 WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
+#: The write policy of ``serve`` and ``bench hicache``: every new page is mirrored on the host.
 WRITE_POLICY = "write_through"
 #: Host pool memory layouts, as sglang's ``--hicache-mem-layout``.
 HOST_LAYOUTS = ("layer_first", "page_first")
+#: The host layout: one tensor per buffer, like the device side.
 HOST_LAYOUT = "layer_first"
 
 # -- serve: the demo run ----------------------------------------------------------------------------
@@ -51,18 +54,50 @@ REQUESTS = 240
 RATE = 20.0
 #: Requests per pipeline micro-batch (also the request slots of the per-request pools).
 MICRO_BATCH = 4
-#: Seconds every stage gets to start and report, and torch.distributed's timeout.
+#: Seconds every stage gets to start and report.
 STARTUP_TIMEOUT_S = 120.0
+#: torch.distributed's timeout for init, collectives and point-to-point calls (seconds).
 DIST_TIMEOUT_S = 60.0
-#: A stage beats this often; one whose last beat is older than the timeout is down.
+#: A stage beats this often (seconds) ...
 HEARTBEAT_INTERVAL_S = 1.0
+#: ... and one whose last beat is older than this is down (/readyz 503, ``stagecache_stage_up`` 0).
 HEARTBEAT_TIMEOUT_S = 5.0
 
 # -- listeners ----------------------------------------------------------------------------------------
-#: Address of the dashboard and of the stages' rendezvous and data plane: loopback only.
+#: Address of the dashboard: loopback only.
 HOST = "127.0.0.1"
+#: Address of the stages' rendezvous and data plane: loopback only.
 DIST_HOST = "127.0.0.1"
 #: Dashboard port of ``serve`` and ``dashboard``.
 DASHBOARD_PORT = 8000
 #: The one dashboard port of a live sglang deployment (``STAGECACHE_SGLANG_DASHBOARD_PORT``).
 SGLANG_DASHBOARD_PORT = 9100
+
+
+def render() -> str:
+    """docs/defaults.md's table: every default of this module with its comment (a test keeps the
+    committed file equal to this)."""
+    import ast
+    import inspect
+    import sys
+
+    module = sys.modules[__name__]
+    tree = ast.parse(inspect.getsource(module))
+    lines = inspect.getsource(module).splitlines()
+    rows = []
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            name = node.targets[0].id
+            notes = []
+            k = node.lineno - 2
+            while k >= 0 and lines[k].startswith("#:"):
+                notes.insert(0, lines[k][2:].strip())
+                k -= 1
+            rows.append(f"| `{name}` | `{getattr(module, name)!r}` | {' '.join(notes)} |")
+    return "\n".join(["| default | value | what it is |", "| --- | --- | --- |", *rows]) + "\n"
+
+
+if __name__ == "__main__":
+    print("# Defaults\n\nEvery default a command shows, from `runtime/defaults.py` (regenerate: "
+          "`python -m stagecache.runtime.defaults > docs/defaults.md`).\n")
+    print(render(), end="")

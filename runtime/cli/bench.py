@@ -213,6 +213,8 @@ def _register_hicache(sub: argparse._SubParsersAction) -> None:
                                                 "vs the Belady bound and an infinite cache")
     # tokens traces: --page-size (its default); Mooncake traces: the page is a block
     p.set_defaults(page_size=None, default_page_size=defaults.PAGE_SIZE)
+    next(a for a in p._actions if a.dest == "page_size").help = (
+        f"tokens per page (default {defaults.PAGE_SIZE}; a Mooncake trace: one block, --block-tokens)")
     p.add_argument("--trace", default=None, metavar="FILE",
                    help="JSONL trace, stagecache tokens or Mooncake format (docs/hicache.md); "
                         "default: a generated multi-turn chat trace")

@@ -45,9 +45,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-running-requests", type=int_range(1, 1 << 20), default=defaults.MAX_RUNNING_REQUESTS,
                    help="request slots of the per-request pools (default %(default)s, sglang's for DeepSeek-V4)")
     host = p.add_mutually_exclusive_group()
-    host.add_argument("--hicache-ratio", type=positive_float, default=None,
-                      help=f"host pages = device pages x ratio, per budget (default {defaults.HICACHE_RATIO:g}, "
-                           "as sglang)")
+    host.add_argument("--hicache-ratio", type=positive_float, default=defaults.HICACHE_RATIO,
+                      help="host pages = device pages x ratio, per budget (default %(default)s, as sglang)")
     host.add_argument("--hicache-size-gb", type=float_range(0.0, 1 << 20, low_open=True), default=None,
                       help="refused for DeepSeek-V4, as sglang refuses --hicache-size")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
