@@ -17,7 +17,7 @@ and keep rules and its page keys, whichever format the trace came in.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from .pages import PageView
 
@@ -69,7 +69,23 @@ def belady_hit_tokens(views: Sequence[PageView], capacity: int) -> int:
     """Prompt tokens hit by Belady's MIN at ``capacity`` pages (see module docstring)."""
     if capacity <= 0:
         return 0
-    nxt = _next_uses(views)
+    return _belady(views, _next_uses(views), capacity)
+
+
+def belady_curve(views: Sequence[PageView], capacities: Iterable[int],
+                 progress: Callable[[str, int, int], None] | None = None) -> dict[int, int]:
+    """Belady's hit tokens at each of ``capacities`` (the next uses are found once)."""
+    sizes = sorted({int(c) for c in capacities})
+    nxt = _next_uses(views) if any(c > 0 for c in sizes) else []
+    out: dict[int, int] = {}
+    for i, c in enumerate(sizes):
+        out[c] = _belady(views, nxt, c) if c > 0 else 0
+        if progress is not None:
+            progress("Belady", i + 1, len(sizes))
+    return out
+
+
+def _belady(views: Sequence[PageView], nxt: list[list[int]], capacity: int) -> int:
     cached: dict[int, tuple[int, int]] = {}  # key -> (next use, depth)
     heap: list[tuple[int, int, int]] = []  # (-next use, -depth, key); stale entries skipped
     total = 0
