@@ -147,7 +147,7 @@ def _load_requests(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any]]
     return reqs, info
 
 
-def _page_size(args: argparse.Namespace, fmt: str) -> int:
+def page_size_for(args: argparse.Namespace, fmt: str) -> int:
     """Tokens format: ``--page-size``; Mooncake: one block is one page (``--block-tokens``)."""
     from ..errors import ConfigError
 
@@ -326,7 +326,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     reqs, trace_info = _load_requests(args)
     plan = resolve_plan(args.model, args.pp_size, args.tp_size, args.pp_partition,
-                        _page_size(args, trace_info["format"]), args.fault,
+                        page_size_for(args, trace_info["format"]), args.fault,
                         Sizing.runtime(args.device_pages, hicache_ratio=args.hicache_ratio))
     views = [page_view(r, plan.page_size) for r in reqs]
     trace_info["parse_seconds"] = round(time.perf_counter() - t0, 3)

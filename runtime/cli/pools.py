@@ -32,6 +32,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="what sglang allocates for every stage's device pools and host (HiCache) mirror",
         description="Per PP stage and pool kind: buffers, bytes per page, device and host pages and bytes.",
     )
+    add_sizing_args(p)
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=run)
+
+
+def add_sizing_args(p: argparse.ArgumentParser) -> None:
+    """sglang's sizing flags (``sizing_of`` reads them): this command's and ``advise``'s."""
     size = p.add_mutually_exclusive_group()
     size.add_argument("--max-total-tokens", type=positive_int, default=None,
                       help=f"full-attention tokens per stage (default {defaults.MAX_TOTAL_TOKENS})")
@@ -49,15 +56,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                       help="host pages = device pages x ratio, per budget (default %(default)s, as sglang)")
     host.add_argument("--hicache-size-gb", type=float_range(0.0, 1 << 20, low_open=True), default=None,
                       help="refused for DeepSeek-V4, as sglang refuses --hicache-size")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.set_defaults(func=run)
 
 
 def _gib(value: float | None) -> int | None:
     return int(value * GIB) if value is not None else None
 
 
-def _sizing(args: argparse.Namespace, hicache_ratio: float | None = None) -> Sizing:
+def sizing_of(args: argparse.Namespace, hicache_ratio: float | None = None) -> Sizing:
+    """The sglang sizing the flags of ``add_sizing_args`` ask for."""
     budgets = None if args.mem_budget_gb is None else [_gib(v) for v in args.mem_budget_gb]
     return Sizing.sglang(
         max_total_tokens=args.max_total_tokens,
@@ -72,7 +78,7 @@ def _sizing(args: argparse.Namespace, hicache_ratio: float | None = None) -> Siz
 def plan_of(args: argparse.Namespace) -> RunPlan:
     """The plan sized the sglang way.  sglang runs DeepSeek-V4 with 256-token pages whatever
     --page-size says; the plan takes that page size and the report says when it overrode the flag."""
-    return plan_from_args(args, _sizing(args), page_size=defaults.PAGE_SIZE)
+    return plan_from_args(args, sizing_of(args), page_size=defaults.PAGE_SIZE)
 
 
 def accounting(args: argparse.Namespace) -> dict[str, Any]:
@@ -91,11 +97,11 @@ def accounting(args: argparse.Namespace) -> dict[str, Any]:
         tier = host_tier_check(f"stage {stage.stage} host tier", {p.pool: p.units for p in cached},
                                {p.pool: p.host_pages for p in cached}, 0, None)
         row["host_tier"] = {"status": list(tier.statuses), "reasons": list(tier.reasons)}
-    report["deployment"] = _deployment(plan)
+    report["deployment"] = deployment(plan)
     return report
 
 
-def _deployment(plan: RunPlan) -> dict[str, Any] | None:
+def deployment(plan: RunPlan) -> dict[str, Any] | None:
     """The capacity ledger under memory budgets: each stage alone, the minimum, what it strands."""
     caps = [s.capacity for s in plan.stages]
     if any(c is None for c in caps):
@@ -120,7 +126,7 @@ def this_host(args: argparse.Namespace, report: dict[str, Any]) -> dict[str, Any
         plan = plan_of(args)
 
         def host_bytes(_pages: int, r: float) -> int:
-            return plan.resized(_sizing(args, hicache_ratio=r)).host_bytes
+            return plan.resized(sizing_of(args, hicache_ratio=r)).host_bytes
 
         fit = fitting_ratio(host_bytes, ram_budget(mem), report["stages"][0]["swa_device_pages"],
                             report["sizing"]["hicache_ratio"])

@@ -1,0 +1,223 @@
+"""``stagecache advise``: how much memory each stage should get, from one pass over a trace.
+
+The trace's hit-rate curves at every capacity (``cache/curves.py``: LRU stack
+distances), turned into each stage's bytes and sglang's flags by the run's plan
+(``cache/advice.py``), with Belady's offline optimum at the marked sizes and,
+under ``--mem-budget-gb``, the capacity ledger ``stagecache pools`` prints.
+``--json`` for scripts, ``--plot FILE.html`` for a standalone page; the dashboard
+shows a saved ``--json`` report (``stagecache dashboard --advise FILE``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+from typing import Any
+
+from .. import defaults
+from ..errors import ConfigError
+from .common import add_layout_command, plan_from_args, positive_int
+from .pools import add_sizing_args, deployment, human, print_ledger, sizing_of
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from ..cache.mooncake import DEFAULT_BLOCK_TOKENS
+
+    p = add_layout_command(
+        sub, "advise",
+        help="how much host and device memory each stage needs for a hit rate, from one pass over a trace",
+        description="Hit rate against cache size for every size at once (LRU stack distances over the "
+        "cache's own page keys), per PP stage in bytes, with the sglang flags that buy 50/90/95/99 %% "
+        "of the infinite-cache hit rate, the knee of the curve and Belady's bound. Exit 2: bad input.",
+    )
+    # tokens traces: --page-size (its default); Mooncake traces: the page is a block
+    p.set_defaults(page_size=None, default_page_size=defaults.PAGE_SIZE)
+    next(a for a in p._actions if a.dest == "page_size").help = (
+        f"tokens per page (default {defaults.PAGE_SIZE}; a Mooncake trace: one block, --block-tokens)")
+    p.add_argument("--trace", required=True, metavar="FILE",
+                   help="JSONL trace, stagecache tokens or Mooncake format (docs/hicache.md)")
+    p.add_argument("--trace-format", choices=("auto", "tokens", "mooncake"), default="auto",
+                   help="format of --trace (default: detected from the first line)")
+    p.add_argument("--block-tokens", type=positive_int, default=DEFAULT_BLOCK_TOKENS,
+                   help=f"tokens per Mooncake hash id; one block = one page (default {DEFAULT_BLOCK_TOKENS})")
+    p.add_argument("--skip-bad-lines", action="store_true",
+                   help="skip malformed trace lines (reported) instead of refusing the whole file")
+    add_sizing_args(p)
+    p.add_argument("--no-belady", action="store_true",
+                   help="skip Belady's offline bound at the marked sizes (about a second per size "
+                        "on a 300,000-page trace)")
+    p.add_argument("--json", action="store_true", help="print the JSON report instead of tables")
+    p.add_argument("--plot", metavar="FILE.html", default=None,
+                   help="also write a standalone HTML page with the curves (plotly.js inside)")
+    p.set_defaults(func=run)
+
+
+class ProgressBar:
+    """A rich progress bar on stderr, one row per phase; nothing when stderr is not a terminal."""
+
+    def __init__(self) -> None:
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            SpinnerColumn,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+
+        console = Console(stderr=True)
+        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                                 MofNCompleteColumn(), TimeElapsedColumn(), console=console,
+                                 transient=True, disable=not console.is_terminal)
+        self.tasks: dict[str, Any] = {}
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        task = self.tasks.get(phase)
+        if task is None:
+            task = self.tasks[phase] = self.progress.add_task(phase, total=total or None)
+        self.progress.update(task, completed=done, total=total or None)
+
+    def __enter__(self) -> ProgressBar:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.stop()
+
+
+def _read(args: argparse.Namespace, bar: ProgressBar) -> tuple[list[Any], dict[str, Any]]:
+    from ..cache.traces import TraceError, load_requests
+
+    bar("reading the trace", 0, 0)
+    try:
+        trace = load_requests(args.trace, fmt=args.trace_format, skip_bad=args.skip_bad_lines,
+                              block_tokens=args.block_tokens)
+    except TraceError as exc:
+        if exc.errors and exc.errors[0].line == 0 and len(exc.errors) == 1:  # no line at all
+            raise ConfigError(f"trace {args.trace} is empty: no requests to size a cache by "
+                              "(expected JSONL lines of the tokens or Mooncake format)") from None
+        raise
+    bar("reading the trace", 1, 1)
+    return list(trace.requests), {"source": str(args.trace), "format": trace.format,
+                                  "lines_read": trace.lines_read, "bad_lines": trace.bad_lines,
+                                  "skipped_lines": [str(e) for e in trace.errors]}
+
+
+def advise(args: argparse.Namespace, bar: ProgressBar) -> dict[str, Any]:
+    """The whole report (what ``--json`` prints)."""
+    from ..bench.hicache import page_size_for
+    from ..cache.advice import TARGETS, build_report
+    from ..cache.bounds import belady_curve
+    from ..cache.curves import page_views, trace_curves
+
+    t0 = time.perf_counter()
+    requests, info = _read(args, bar)
+    plan = plan_from_args(args, sizing_of(args), page_size=page_size_for(args, info["format"]))
+    t1 = time.perf_counter()
+    views = page_views(requests, plan.page_size, bar, len(requests))
+    curves = trace_curves(views, bar, lambda i: f"trace {args.trace} line {requests[i].line}")
+    t2 = time.perf_counter()
+    sizes = [curves.total.pages_for(s) for s in TARGETS] + [plan.stage(0).host_pages]
+    belady = {} if args.no_belady else belady_curve(views, sizes, bar)
+    t3 = time.perf_counter()
+    report = build_report(curves, plan, belady, info)
+    report["deployment"] = deployment(plan)
+    report["seconds"] = {"read": round(t1 - t0, 3), "curves": round(t2 - t1, 3),
+                         "belady": round(t3 - t2, 3), "total": round(time.perf_counter() - t0, 3)}
+    report["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    return report
+
+
+def run(args: argparse.Namespace) -> int:
+    with ProgressBar() as bar:
+        report = advise(args, bar)
+    if args.plot:
+        write_plot(args.plot, report)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_report(report)
+    return 0
+
+
+def write_plot(path: str, report: dict[str, Any]) -> None:
+    """A standalone page (plotly.js inside: it opens without a network)."""
+    from stagecache.dashboard.advise_figures import advise_figure
+    from stagecache.dashboard.advise_models import AdviseReport
+
+    fig = advise_figure(AdviseReport.model_validate(report))
+    try:
+        fig.write_html(path, include_plotlyjs=True, full_html=True)
+    except OSError as exc:
+        raise ConfigError(f"--plot {path}: cannot write it: {exc.strerror or exc}") from None
+
+
+# -- tables ---------------------------------------------------------------------------------------
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def _flags(t: dict[str, Any], configured: dict[str, Any]) -> str:
+    ratio = t["host"]["hicache_ratio"]
+    return (f"--hicache-ratio {ratio:g}" if ratio is not None
+            else f"none: {configured['device_pages']:,} device pages reach it")
+
+
+def print_report(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=170)
+    tr, conf = report["trace"], report["configured"]
+    belady = {b["pages"]: b["hit_rate"] for b in report["belady"]}
+    table = Table(title=f"trace {tr['source']}: {tr['requests']:,} requests, {tr['lookup_pages']:,} "
+                        f"pages looked up, {tr['distinct_pages']:,} distinct pages of {tr['page_size']} "
+                        f"tokens; infinite-cache hit rate {_pct(report['ceiling_hit_rate'])}")
+    for col in ("share of ceiling", "host pages", "hit rate", "Belady there",
+                f"with HiCache ({conf['device_pages']:,} device pages)", "device pages alone",
+                "no host tier"):
+        table.add_column(col, justify="right")
+    for t in report["targets"]:
+        h, d = t["host"], t["device"]
+        table.add_row(f"{100 * t['share']:g}%", f"{h['pages']:,}", _pct(h["hit_rate"]),
+                      _pct(belady[h["pages"]]) if h["pages"] in belady else "-", _flags(t, conf),
+                      f"{d['pages']:,}", f"--max-total-tokens {d['max_total_tokens']:,}")
+    knee = report["knee"]
+    table.add_row("knee", f"{knee['host']['pages']:,}", _pct(knee["host"]["hit_rate"]), "", "",
+                  f"{knee['device']['pages']:,}", "", end_section=True)
+    table.add_row("configured", f"{conf['host_pages']:,}", _pct(conf["hit_rate"]),
+                  _pct(belady[conf["host_pages"]]) if conf["host_pages"] in belady else "-",
+                  f"--hicache-ratio {conf['hicache_ratio']:g}", f"{conf['device_pages']:,}",
+                  f"{_pct(conf['device_hit_rate'])} with --max-total-tokens {conf['max_total_tokens']:,}")
+    console.print(table)
+    _print_stages(console, report)
+    if report.get("deployment"):
+        print_ledger(console, report)
+    for note in report["notes"]:
+        console.print(f"note: {note}")
+    if tr["repeated_requests"]:
+        console.print(f"note: {tr['repeated_requests']} request(s) keep again pages past their lookable "
+                      "prefix (a repeated prompt and answer): the device-tier column is an upper bound")
+    s = report["seconds"]
+    console.print(f"read {s['read']} s, curves {s['curves']} s, Belady {s['belady']} s; "
+                  f"peak RSS {report['peak_rss_mib']} MiB")
+
+
+def _print_stages(console: Any, report: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    shares = [f"{100 * t['share']:g}%" for t in report["targets"]]
+    table = Table(title="per stage: host memory with HiCache | device memory with no host tier "
+                        "(KV bytes of the cached pages)")
+    for col in ("stage", "layers", "bytes/page", *(f"host {s}" for s in shares), "host knee",
+                "host configured", *(f"device {s}" for s in shares)):
+        table.add_column(col, justify="right")
+    for s in report["stages"]:
+        table.add_row(str(s["stage"]), f"[{s['start_layer']}, {s['end_layer']})",
+                      f"{s['token_page_bytes']:,}", *(human(t["host_bytes"]) for t in s["targets"]),
+                      human(s["knee"]["host_bytes"]), human(s["configured"]["host_bytes"]),
+                      *(human(t["device_bytes"]) for t in s["targets"]))
+    console.print(table)
