@@ -17,7 +17,7 @@ from ..bench import hicache as bench_hicache
 from ..bench import insight_overhead
 from ..bench import transfer as bench_transfer
 from ..model.pool_kinds import HOST_CACHED
-from . import bench_http
+from . import bench_advise, bench_http
 from .common import (
     add_layout_command,
     fault_spec,
@@ -38,6 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     _register_transfer_split(bench_sub)
     _register_hicache(bench_sub)
     bench_http.register(bench_sub)
+    bench_advise.register(bench_sub)
 
 
 def _register_check(sub: argparse._SubParsersAction) -> None:

@@ -125,10 +125,13 @@ def test_bad_traces_are_one_line_exit_2(tmp_path, capsys, lines, message):
     (["--mem-budget-gb", "1", "1"], "--mem-budget-gb has 2 values; expected one for every stage"),
     (["--hicache-size-gb", "10"], HICACHE_SIZE_REFUSED),
     (["--page-size", "100"], "--page-size 100 must be a multiple of 128"),
-    (["--trace", "/nonexistent/t.jsonl"], "cannot read trace '/nonexistent/t.jsonl'"),
-    (["--plot", "/nonexistent/dir/a.html"], "--plot /nonexistent/dir/a.html: cannot write it"),
+    (["--trace", "{missing}/t.jsonl"], "cannot read trace '{missing}/t.jsonl'"),
+    (["--plot", "{missing}/a.html"], "--plot {missing}/a.html: cannot write it"),
 ])
-def test_bad_flags_are_one_line_exit_2(tokens, capsys, argv, message):
+def test_bad_flags_are_one_line_exit_2(tokens, tmp_path, capsys, argv, message):
+    missing = str(tmp_path / "no-such-dir")
+    argv = [a.format(missing=missing) for a in argv]
+    message = message.format(missing=missing)
     assert main(["advise", "--trace", str(tokens), "--no-belady", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err and "Traceback" not in err, err

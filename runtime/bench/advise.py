@@ -1,0 +1,172 @@
+"""``stagecache bench advise``: one pass for every size against one replay per size, same run.
+
+Without ``advise`` an operator learns what a size buys by replaying the trace at
+that size (``bench hicache --metadata-only``), once per size.  This benchmark
+times both on the same trace in the same process, pinned to one CPU core:
+
+* **curve**: read the trace file, build the page keys, compute both tiers'
+  curves at every capacity (``cache/curves.py``); wall and CPU seconds, and the
+  process's peak RSS right after it (nothing else has run yet);
+* **replays**: the metadata-only HiCache replay (``HiCache.metadata_only``, LRU,
+  write-through, no insight, one request in flight) at ``sizes`` host sizes
+  spread geometrically up to the size that hits the ceiling, each with half as
+  many device pages (sglang's default ``--hicache-ratio 2``); the trace is
+  parsed once for all of them, so the baseline is the cheapest replay there is.
+
+Every replay's device and device + host hit rates are compared with the curves'
+values at its sizes (``max_abs_diff_pp``: 0 when the curve is exact), and
+``ratio_replays_vs_curve`` is the replays' wall time over the curve's.  Without
+``--trace`` the trace is generated (``cache/block_workload.py``, sized like the
+public Mooncake conversation trace) and written to a private temporary file, so
+the curve's time includes parsing it as a user's run would.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SIZES = 20
+
+
+@contextmanager
+def one_core() -> Iterator[int | None]:
+    """Run on one CPU core while the block runs (the claim is per core), then on the cores as
+    before; yields the core, or None where affinity is unknown."""
+    if not hasattr(os, "sched_setaffinity"):
+        yield None
+        return
+    before = os.sched_getaffinity(0)
+    core = min(before)
+    os.sched_setaffinity(0, {core})
+    try:
+        yield core
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def _rss_mib() -> float:
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
+def timed_curve(path: str, fmt: str, page_size: int | None, block_tokens: int) -> dict[str, Any]:
+    """Read ``path`` and compute its curves, timed; the views and curves come back too."""
+    from ..cache.curves import page_views, trace_curves
+    from ..cache.traces import load_requests
+
+    t0, c0 = time.perf_counter(), time.thread_time()
+    trace = load_requests(path, fmt=fmt, block_tokens=block_tokens)
+    page = block_tokens if trace.format == "mooncake" else page_size
+    views = page_views(trace.requests, page)
+    t1 = time.perf_counter()
+    curves = trace_curves(views)
+    t2, c2 = time.perf_counter(), time.thread_time()
+    return {"views": views, "curves": curves, "format": trace.format,
+            "seconds": t2 - t0, "cpu_seconds": c2 - c0, "read_seconds": t1 - t0,
+            "pass_seconds": t2 - t1, "peak_rss_mib": _rss_mib()}
+
+
+def replay_sizes(longest: int, full_pages: int, sizes: int) -> list[tuple[int, int]]:
+    """``sizes`` (device pages, host pages): host pages geometric from twice the longest request
+    to where the curve reaches the ceiling, device pages half of them (at least the longest)."""
+    low = 2 * longest
+    high = max(full_pages, low + sizes)
+    hosts = np.unique(np.rint(np.geomspace(low, high, sizes)).astype(np.int64)).tolist()
+    return [(max(longest, h // 2), h) for h in hosts]
+
+
+def replay_at(views: Sequence[Any], page_size: int, device_pages: int, host_pages: int
+              ) -> dict[str, Any]:
+    """One metadata-only replay (what a user would run per size), timed."""
+    from ..cache.hicache import HiCache
+    from .hicache import replay
+
+    cache = HiCache.metadata_only(page_size, device_pages, host_pages, write_policy="write_through",
+                                  eviction_policy="lru", insight=None)
+    result = replay(views, cache, concurrency=1)
+    s = cache.stats
+    return {"device_pages": device_pages, "host_pages": host_pages,
+            "device_hit_tokens": s.device_hit_tokens, "host_hit_tokens": s.host_hit_tokens,
+            "seconds": round(result.seconds, 4), "cpu_seconds": round(result.cpu_seconds, 4)}
+
+
+def _compare(rows: list[dict[str, Any]], curves: Any) -> dict[str, float]:
+    """Each replay against the curves at its sizes, in percentage points of the prompt tokens."""
+    total = curves.input_tokens
+    worst = {"device": 0.0, "total": 0.0}
+    for r in rows:
+        r["curve_device_hit_tokens"] = curves.device.at(r["device_pages"])
+        r["curve_hit_tokens"] = curves.total.at(r["host_pages"])
+        replayed = r["device_hit_tokens"] + r["host_hit_tokens"]
+        worst["device"] = max(worst["device"],
+                              abs(r["device_hit_tokens"] - r["curve_device_hit_tokens"]) / total * 100)
+        worst["total"] = max(worst["total"], abs(replayed - r["curve_hit_tokens"]) / total * 100)
+    return worst
+
+
+def _trace_file(args: Any, tmp: str) -> tuple[str, dict[str, Any]]:
+    """The trace to time: ``--trace``, or a generated one written to ``tmp``."""
+    from ..cache.block_workload import BlockWorkloadConfig, generate_blocks
+    from ..cache.traces import write_trace
+    from ..errors import ConfigError
+
+    if args.trace:
+        return args.trace, {"source": str(args.trace)}
+    cfg = BlockWorkloadConfig(seed=args.seed, requests=args.requests, block_tokens=args.block_tokens)
+    requests = generate_blocks(cfg)
+    path = str(Path(tmp) / "generated.jsonl")
+    write_trace(path, requests)
+    if args.save_trace:
+        try:
+            write_trace(args.save_trace, requests)
+        except OSError as exc:
+            raise ConfigError(f"--save-trace {args.save_trace}: cannot write it: "
+                              f"{exc.strerror or exc}") from None
+    return path, {"source": "generated", "seed": args.seed, "saved_to": args.save_trace}
+
+
+def run_bench(args: Any) -> dict[str, Any]:
+    with one_core() as core:
+        return _measure(args, core)
+
+
+def _measure(args: Any, core: int | None) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="stagecache-bench-advise-") as tmp:  # 0700
+        path, info = _trace_file(args, tmp)
+        log.info("[bench advise] one pass over %s ...", info["source"])
+        curve = timed_curve(path, args.trace_format, args.page_size, args.block_tokens)
+    views, curves = curve.pop("views"), curve.pop("curves")
+    longest = max(v.pages for v in views)
+    sizes = replay_sizes(longest, curves.total.full_pages, args.sizes)
+    rows = []
+    t0 = time.perf_counter()
+    for i, (dev, host) in enumerate(sizes):
+        log.info("[bench advise] replay %d/%d: %d device + %d host pages", i + 1, len(sizes), dev, host)
+        rows.append(replay_at(views, curves.page_size, dev, host))
+    replay_s = time.perf_counter() - t0
+    worst = _compare(rows, curves)
+    return {
+        "trace": {**info, "format": curve.pop("format"), "requests": curves.requests,
+                  "lookup_pages": curves.lookup_pages, "distinct_pages": curves.distinct_pages,
+                  "page_size": curves.page_size, "longest_request_pages": longest},
+        "cpu_core": core,
+        "curve": {k: round(v, 4) if isinstance(v, float) else v for k, v in curve.items()},
+        "replays": {"sizes": len(rows), "seconds": round(replay_s, 3),
+                    "cpu_seconds": round(sum(r["cpu_seconds"] for r in rows), 3), "per_size": rows},
+        "max_abs_diff_pp": {k: round(v, 6) for k, v in worst.items()},
+        "ratio_replays_vs_curve": round(replay_s / curve["seconds"], 2),
+        "ratio_replays_vs_curve_cpu": round(sum(r["cpu_seconds"] for r in rows)
+                                            / max(curve["cpu_seconds"], 1e-9), 2),
+        "peak_rss_mib": _rss_mib(),
+    }
