@@ -45,7 +45,8 @@ def _marks(report: AdviseReport, tier: str, per_gib: float, colour: str, name: s
     return [
         go.Scatter(x=[p.pages * per_gib for p in points], y=[_pct(p.hit_rate) for p in points],
                    mode="markers+text", text=[f"{t.share * 100:g}%" for t in labelled],
-                   textposition="top left", marker=dict(color=colour, size=8),
+                   textposition="top left", textfont=dict(size=10, color=colour),
+                   marker=dict(color=colour, size=8),
                    hovertext=[f"{name}: {t.share * 100:g}% of the ceiling at {p.pages:,} pages = "
                               f"{p.pages * per_gib:.3g} GiB" for t, p in zip(labelled, points,
                                                                               strict=True)],
@@ -56,7 +57,8 @@ def _marks(report: AdviseReport, tier: str, per_gib: float, colour: str, name: s
                    **common),
         go.Scatter(x=[conf_pages * per_gib], y=[_pct(conf_rate)], mode="markers",
                    marker=dict(color=colour, size=14, symbol="star", line=dict(color="#222", width=1)),
-                   name="configured size", legendgroup="configured", showlegend=first and tier == "host",
+                   name="configured size", legendgroup="configured", legendrank=2000,
+                   showlegend=first and tier == "host",
                    hoverinfo="text",
                    hovertext=[f"{name}: configured {conf_pages:,} {tier} pages = "
                               f"{conf_pages * per_gib:.3g} GiB, {_pct(conf_rate):.3g}% hit"]),
@@ -71,6 +73,7 @@ def _stage_traces(report: AdviseReport, index: int, tier: str) -> list[go.Scatte
     rates = report.curve.hit_rate if tier == "host" else report.curve.device_hit_rate
     line = go.Scatter(x=[p * per_gib for p in report.curve.pages], y=[_pct(r) for r in rates],
                       mode="lines", name=name, legendgroup=name, showlegend=tier == "host",
+                      legendrank=1000 + index,
                       line=dict(color=colour, width=2),
                       hovertemplate=f"{name}<br>%{{x:.3g}} GiB: %{{y:.2f}}%<extra></extra>")
     out = [line, *_marks(report, tier, per_gib, colour, name, index == 0)]
@@ -79,6 +82,7 @@ def _stage_traces(report: AdviseReport, index: int, tier: str) -> list[go.Scatte
             x=[b.pages * per_gib for b in report.belady], y=[_pct(b.hit_rate) for b in report.belady],
             mode="markers", marker=dict(color=colour, size=8, symbol="diamond-open"),
             name="Belady (offline optimum)", legendgroup="belady", showlegend=index == 0,
+            legendrank=2001,
             hoverinfo="text", hovertext=[f"{name}: Belady {_pct(b.hit_rate):.3g}% vs LRU "
                                          f"{_pct(b.lru_hit_rate):.3g}% at {b.pages:,} pages"
                                          for b in report.belady]))

@@ -106,6 +106,9 @@ class TraceSummary(_Model):
     distinct_pages: int = Field(ge=0)
     page_size: int = Field(gt=0)
     repeated_requests: int = Field(ge=0)
+    lines_read: int = Field(default=0, ge=0)
+    bad_lines: int = Field(default=0, ge=0)
+    skipped_lines: list[Annotated[str, Field(max_length=4096)]] = Field(default=[], max_length=100)
 
 
 class PlanSummary(_Model):
@@ -130,7 +133,9 @@ class AdviseReport(_Model):
     curve: Curve
     stages: list[StageAdvice] = Field(min_length=1, max_length=MAX_STAGES)
     deployment: dict[str, int] | None = None
-    notes: list[str] = Field(default=[], max_length=64)
+    notes: list[Annotated[str, Field(max_length=4096)]] = Field(default=[], max_length=64)
+    full_pages: dict[str, int] | None = None
+    seconds: dict[str, float] | None = None
 
 
 class AdviseResponse(BaseModel):

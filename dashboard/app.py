@@ -29,6 +29,8 @@ from stagecache.runtime.live.liveness import liveness_of
 from stagecache.runtime.model.pool_kinds import KINDS
 
 from . import figures, insight_figures, live_figures, occupancy_figures
+from .advise_models import AdviseReport
+from .advise_page import add_advise_routes
 from .caching import same_state, source_state
 from .models import (
     ErrorMessage,
@@ -209,8 +211,10 @@ def add_docs_policy(app: FastAPI) -> None:
         return response
 
 
-def create_app(source: SnapshotSource, *, title: str = "stagecache") -> FastAPI:
-    """The dashboard over ``source``; mount it or run it with ``serve_dashboard``."""
+def create_app(source: SnapshotSource, *, title: str = "stagecache",
+               advise: AdviseReport | None = None) -> FastAPI:
+    """The dashboard over ``source`` (and a saved advise report: ``/advise``); mount it or run it
+    with ``serve_dashboard``."""
     from stagecache import runtime
 
     app: FastAPI = FastAPIOffline(
@@ -238,6 +242,7 @@ def create_app(source: SnapshotSource, *, title: str = "stagecache") -> FastAPI:
 
     add_page_routes(app, reader, title)
     add_api_routes(app, reader)
+    add_advise_routes(app, advise, title)
 
     add_probes(app, source, reader.report, BAD_SOURCE)
     add_metrics_route(app, source)

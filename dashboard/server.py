@@ -22,6 +22,7 @@ from stagecache.exporters.snapshot import SnapshotSource
 from stagecache.runtime.errors import ConfigError
 from stagecache.runtime.net import bind_listener
 
+from .advise_models import AdviseReport
 from .app import create_app
 
 #: Seconds an idle keep-alive connection stays open (uvicorn's ``timeout_keep_alive``).
@@ -75,11 +76,13 @@ class DashboardThread:
 def make_server(
     source: SnapshotSource, host: str = "127.0.0.1", port: int = 8000, *,
     title: str = "stagecache", log_level: str = "warning", keep_alive_s: float = KEEP_ALIVE_S,
+    advise: AdviseReport | None = None,
 ) -> Any:
-    """A ``uvicorn.Server`` for the dashboard; ``.run()`` it (any thread), set ``.should_exit`` to stop."""
+    """A ``uvicorn.Server`` for the dashboard; ``.run()`` it (any thread), set ``.should_exit`` to stop.
+    ``advise``: the report ``/advise`` shows."""
     import uvicorn
 
-    config = uvicorn.Config(create_app(source, title=title), host=host, port=port,
+    config = uvicorn.Config(create_app(source, title=title, advise=advise), host=host, port=port,
                             log_level=log_level, access_log=False, timeout_keep_alive=keep_alive_s,
                             backlog=BACKLOG)
     return uvicorn.Server(config)
@@ -97,6 +100,7 @@ def serve_dashboard(
 def dashboard_in_thread(
     source: SnapshotSource, host: str = "127.0.0.1", port: int = 8000, *,
     title: str = "stagecache", startup_timeout_s: float = 15.0,
+    advise: AdviseReport | None = None,
 ) -> Iterator[str]:
     """Serve the dashboard in a daemon thread while the block runs; yields its base URL.
 
@@ -104,7 +108,7 @@ def dashboard_in_thread(
     rank 0, tests).  Startup waits are bounded; a port that cannot be bound is a
     RuntimeError naming it instead of a silently dead thread.
     """
-    server = make_server(source, host, port, title=title)
+    server = make_server(source, host, port, title=title, advise=advise)
     failure: list[BaseException] = []
 
     def run() -> None:

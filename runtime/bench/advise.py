@@ -6,7 +6,7 @@ times both on the same trace in the same process, pinned to one CPU core:
 
 * **curve**: read the trace file, build the page keys, compute both tiers'
   curves at every capacity (``cache/curves.py``); wall and CPU seconds, and the
-  process's peak RSS right after it (nothing else has run yet);
+  process's peak RSS before and right after it (no replay has run yet);
 * **replays**: the metadata-only HiCache replay (``HiCache.metadata_only``, LRU,
   write-through, no insight, one request in flight) at ``sizes`` host sizes
   spread geometrically up to the size that hits the ceiling, each with half as
@@ -65,6 +65,7 @@ def timed_curve(path: str, fmt: str, page_size: int | None, block_tokens: int) -
     from ..cache.curves import page_views, trace_curves
     from ..cache.traces import load_requests
 
+    rss0 = _rss_mib()  # the interpreter, numpy, torch (the page keys import it): before any work
     t0, c0 = time.perf_counter(), time.thread_time()
     trace = load_requests(path, fmt=fmt, block_tokens=block_tokens)
     page = block_tokens if trace.format == "mooncake" else page_size
@@ -74,7 +75,7 @@ def timed_curve(path: str, fmt: str, page_size: int | None, block_tokens: int) -
     t2, c2 = time.perf_counter(), time.thread_time()
     return {"views": views, "curves": curves, "format": trace.format,
             "seconds": t2 - t0, "cpu_seconds": c2 - c0, "read_seconds": t1 - t0,
-            "pass_seconds": t2 - t1, "peak_rss_mib": _rss_mib()}
+            "pass_seconds": t2 - t1, "rss_before_mib": rss0, "peak_rss_mib": _rss_mib()}
 
 
 def replay_sizes(longest: int, full_pages: int, sizes: int) -> list[tuple[int, int]]:

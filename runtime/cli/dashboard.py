@@ -12,12 +12,15 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import defaults
 from ..bounded_io import read_bounded_text
 from ..errors import ConfigError
 from .common import add_layout_args, plan_from_args, port_number
+
+if TYPE_CHECKING:
+    from stagecache.dashboard.advise_models import AdviseReport
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -37,6 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     # --from-check takes the layout flags exactly like `check` (the same defaults); with
     # --from-json they come from the file
     add_layout_args(p)
+    p.add_argument("--advise", metavar="FILE", type=Path, default=None,
+                   help="also show a saved `stagecache advise --json` report at /advise (hit rate "
+                   "against host GiB per stage)")
     p.add_argument("--host", default=defaults.HOST,
                    help="address to listen on (default %(default)s: this machine only; any other "
                    "address is warned about)")
@@ -71,6 +77,17 @@ def load_json_report(path: Path) -> dict[str, Any]:
     return raw
 
 
+def _advise(path: Path, report: dict[str, Any]) -> AdviseReport:
+    """The saved advise report, checked, for the same pipeline as the preflight view."""
+    from stagecache.dashboard.advise_page import load_advise_report
+
+    advise = load_advise_report(path)
+    if advise.plan.pp_size != report["pp_size"]:
+        raise ConfigError(f"--advise {path}: a report of pp={advise.plan.pp_size}, but the "
+                          f"dashboard shows pp={report['pp_size']}; expected the same --pp-size")
+    return advise
+
+
 def run(args: argparse.Namespace) -> int:
     from stagecache.exporters.snapshot import StaticSource
 
@@ -86,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
         report = preflight(plan_from_args(args)).to_dict()
         what = f"{report['model']} pp={report['pp_size']}" + (
             f" faults={','.join(report['faults'])}" if report["faults"] else "")
+    advise = _advise(args.advise, report) if args.advise is not None else None
     from stagecache.dashboard.server import BACKLOG, make_server
 
     from ..net import bind_listener, exposure_warning
@@ -101,9 +119,11 @@ def run(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     status = "all stages valid" if report["ok"] else "MAPPING ERRORS"
-    print(f"stagecache dashboard: http://{shown}:{port}/  (preflight view of {what}: {status}; "
+    also = f"; advise: http://{shown}:{port}/advise" if advise is not None else ""
+    print(f"stagecache dashboard: http://{shown}:{port}/  (preflight view of {what}: {status}{also}; "
           "Ctrl-C to stop)", flush=True)
-    server = make_server(StaticSource(report), host, port, title=f"stagecache · {report['model']}")
+    server = make_server(StaticSource(report), host, port, title=f"stagecache · {report['model']}",
+                         advise=advise)
     try:
         server.run(sockets=[sock])
     finally:

@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     if not (sys.argv[1:] if argv is None else argv):  # a bare `stagecache`: what can I do here?
         parser.print_usage(sys.stderr)
-        print("stagecache: error: name a command (check, pools, advise, serve, dashboard, bench); "
+        print("stagecache: error: name a command (check, pools, serve, dashboard, bench); "
               "`stagecache --help` describes them", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:

@@ -142,3 +142,28 @@ def test_mooncake_page_is_the_block(mooncake, capsys):
     assert "in Mooncake format one block is one page" in capsys.readouterr().err
     rep = advise_json(capsys, "--trace", str(mooncake), "--block-tokens", "512", "--no-belady")
     assert rep["plan"]["page_size"] == 512 and rep["belady"] == []
+
+
+def test_docs_examples_run(tmp_path):
+    """Every command of docs/advise.md's bash blocks runs as written (exit 0); commands anywhere
+    else in the page sit in blocks marked as not run."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "advise.md").read_text()
+    blocks = re.findall(r"```(\w*)\n(.*?)```", doc, flags=re.S)
+    run = [line for lang, body in blocks if lang == "bash" for line in body.splitlines()
+           if line.startswith("stagecache ")]
+    assert len(run) == 4
+    assert "Not run by the tests" in doc
+    for line in run:
+        cmd = line.replace("stagecache ", f"{sys.executable} -m stagecache.runtime ", 1)
+        r = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, (line, r.stderr[-2000:])
+    bench = json.loads((tmp_path / "bench.json").read_text())
+    assert bench["max_abs_diff_pp"] == {"device": 0.0, "total": 0.0}
+    assert json.loads((tmp_path / "advise.json").read_text())["plan"]["model"] == "deepseek-v4-flash"
+    assert (tmp_path / "advise.html").stat().st_size > 1_000_000

@@ -19,7 +19,7 @@ SHARED = {
     "--dist-host": defaults.DIST_HOST,
 }
 #: Flags whose argparse default is None on purpose, with the default their help states.
-STATED = {("serve", "--device-pages"), ("bench hicache", "--page-size")}
+STATED = {("serve", "--device-pages"), ("bench hicache", "--page-size"), ("advise", "--page-size")}
 
 
 def _commands(parser: argparse.ArgumentParser, prefix: str = "") -> dict[str, argparse.ArgumentParser]:
