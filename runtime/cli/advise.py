@@ -14,12 +14,15 @@ import argparse
 import json
 import resource
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import defaults
 from ..errors import ConfigError
 from .common import add_layout_command, plan_from_args, positive_int
 from .pools import add_sizing_args, deployment, human, print_ledger, sizing_of
+
+if TYPE_CHECKING:
+    from ..cache.curves import Progress
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -57,7 +60,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 class ProgressBar:
     """A rich progress bar on stderr, one row per phase; nothing when stderr is not a terminal."""
 
-    def __init__(self) -> None:
+    def __init__(self, console: Any | None = None) -> None:
         from rich.console import Console
         from rich.progress import (
             BarColumn,
@@ -68,7 +71,7 @@ class ProgressBar:
             TimeElapsedColumn,
         )
 
-        console = Console(stderr=True)
+        console = console if console is not None else Console(stderr=True)
         self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                                  MofNCompleteColumn(), TimeElapsedColumn(), console=console,
                                  transient=True, disable=not console.is_terminal)
@@ -88,7 +91,7 @@ class ProgressBar:
         self.progress.stop()
 
 
-def _read(args: argparse.Namespace, bar: ProgressBar) -> tuple[list[Any], dict[str, Any]]:
+def _read(args: argparse.Namespace, bar: Progress) -> tuple[list[Any], dict[str, Any]]:
     from ..cache.traces import TraceError, load_requests
 
     bar("reading the trace", 0, 0)
@@ -106,8 +109,8 @@ def _read(args: argparse.Namespace, bar: ProgressBar) -> tuple[list[Any], dict[s
                                   "skipped_lines": [str(e) for e in trace.errors]}
 
 
-def advise(args: argparse.Namespace, bar: ProgressBar) -> dict[str, Any]:
-    """The whole report (what ``--json`` prints)."""
+def advise(args: argparse.Namespace, bar: Progress) -> dict[str, Any]:
+    """The whole report (what ``--json`` prints); ``bar(phase, done, total)`` hears each step."""
     from ..bench.hicache import page_size_for
     from ..cache.advice import TARGETS, build_report
     from ..cache.bounds import belady_curve

@@ -167,3 +167,24 @@ def test_docs_examples_run(tmp_path):
     assert bench["max_abs_diff_pp"] == {"device": 0.0, "total": 0.0}
     assert json.loads((tmp_path / "advise.json").read_text())["plan"]["model"] == "deepseek-v4-flash"
     assert (tmp_path / "advise.html").stat().st_size > 1_000_000
+
+
+def test_progress_reports_every_phase_and_the_bar_draws_them(tokens):
+    import io
+
+    from rich.console import Console
+    from stagecache.runtime.cli.advise import ProgressBar, advise
+    from stagecache.runtime.cli.main import build_parser
+
+    heard: list[tuple[str, int, int]] = []
+    args = build_parser().parse_args(["advise", "--trace", str(tokens), "--page-size", "128"])
+    advise(args, lambda phase, done, total: heard.append((phase, done, total)))
+    phases = list(dict.fromkeys(p for p, _, _ in heard))
+    assert phases == ["reading the trace", "page keys", "stack distances", "Belady"]
+    last = {p: (d, t) for p, d, t in heard}
+    assert all(d == t > 0 for d, t in last.values()), last  # every phase ends complete
+    for terminal, drawn in ((True, True), (False, False)):
+        out = io.StringIO()
+        with ProgressBar(Console(file=out, force_terminal=terminal, width=100)) as bar:
+            bar("stack distances", 3, 10)
+        assert ("stack distances" in out.getvalue()) is drawn
