@@ -74,15 +74,45 @@ def belady_hit_tokens(views: Sequence[PageView], capacity: int) -> int:
 
 def belady_curve(views: Sequence[PageView], capacities: Iterable[int],
                  progress: Callable[[str, int, int], None] | None = None) -> dict[int, int]:
-    """Belady's hit tokens at each of ``capacities`` (the next uses are found once)."""
+    """Belady's hit tokens at each of ``capacities`` (the next uses are found once).
+
+    A capacity that holds every page still to be looked up, at every moment, never evicts
+    one MIN would need: it hits the ceiling, and is not simulated.
+    """
     sizes = sorted({int(c) for c in capacities})
     nxt = _next_uses(views) if any(c > 0 for c in sizes) else []
+    enough = _most_awaited(nxt, len(views)) if nxt else 0
+    ceiling: int | None = None
     out: dict[int, int] = {}
     for i, c in enumerate(sizes):
-        out[c] = _belady(views, nxt, c) if c > 0 else 0
+        if c <= 0:
+            out[c] = 0
+        elif c >= enough:
+            if ceiling is None:
+                tracker = CeilingTracker()
+                ceiling = sum(tracker.observe(v) for v in views)
+            out[c] = ceiling
+        else:
+            out[c] = _belady(views, nxt, c)
         if progress is not None:
             progress("Belady", i + 1, len(sizes))
     return out
+
+
+def _most_awaited(nxt: list[list[int]], never: int) -> int:
+    """The most pages kept at once that a later lookup still uses (an upper bound: a page kept
+    twice before its next lookup counts twice)."""
+    steps = [0] * (never + 1)
+    for i, uses in enumerate(nxt):
+        for n in uses:
+            if n < never:
+                steps[i] += 1
+                steps[n] -= 1
+    most = live = 0
+    for d in steps:
+        live += d
+        most = max(most, live)
+    return most
 
 
 def _belady(views: Sequence[PageView], nxt: list[list[int]], capacity: int) -> int:

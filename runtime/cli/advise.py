@@ -32,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         sub, "advise",
         help="how much host and device memory each stage needs for a hit rate, from one pass over a trace",
         description="Hit rate against cache size for every size at once (LRU stack distances over the "
-        "cache's own page keys), per PP stage in bytes, with the sglang flags that buy 50/90/95/99 %% "
+        "cache's own page keys), per PP stage in bytes, with the sglang flags that buy 50/90/95/99 % "
         "of the infinite-cache hit rate, the knee of the curve and Belady's bound. Exit 2: bad input.",
     )
     # tokens traces: --page-size (its default); Mooncake traces: the page is a block
@@ -49,7 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="skip malformed trace lines (reported) instead of refusing the whole file")
     add_sizing_args(p)
     p.add_argument("--no-belady", action="store_true",
-                   help="skip Belady's offline bound at the marked sizes (about a second per size "
+                   help="skip Belady's offline bound at the marked sizes (about a second per simulated size "
                         "on a 300,000-page trace)")
     p.add_argument("--json", action="store_true", help="print the JSON report instead of tables")
     p.add_argument("--plot", metavar="FILE.html", default=None,

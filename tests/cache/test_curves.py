@@ -236,11 +236,16 @@ def test_a_repeated_request_is_counted_and_the_device_curve_bounds_it(token_view
 
 # -- Belady, helpers, bad input -------------------------------------------------------------------
 def test_belady_curve_is_belady_at_each_size(mooncake_views):
+    """Simulated or known to hit the ceiling (sizes that hold every awaited page), the same."""
     curves = trace_curves(mooncake_views)
-    sizes = [0, 30, 120, 600]
+    sizes = [0, 30, 120, 170, 250, 600, 10**6]
     got = belady_curve(mooncake_views, sizes)
     assert got == {c: belady_hit_tokens(mooncake_views, c) for c in sizes}
     assert all(got[c] >= curves.total.at(c) for c in sizes)  # the offline optimum beats LRU
+    assert got[600] == got[10**6] == curves.total.ceiling_tokens > got[120]
+    from stagecache.runtime.cache.bounds import _most_awaited, _next_uses
+
+    assert 170 < _most_awaited(_next_uses(mooncake_views), len(mooncake_views)) <= 250  # both paths ran
 
 
 def test_pages_for_knee_and_samples(block_views):
