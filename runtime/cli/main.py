@@ -82,12 +82,21 @@ def _quiet_stdout() -> None:
 
 
 def _internal_error(command: str, exc: BaseException) -> int:
-    """One line naming the error and the traceback's log file (``$STAGECACHE_DEBUG``: print it)."""
+    """One line naming the error and the traceback's log file (``$STAGECACHE_DEBUG``: print it).
+
+    A crash-log directory that is not private (another user made it, or can write it) is not
+    written into: that is exit 2, naming the directory and its owner, and the error it hid.
+    """
     from ..crash_log import write_crash_log
 
-    log = write_crash_log(command, exc)
-    where = f"traceback in {log}" if log else "the traceback could not be written"
     text = str(exc).splitlines()[0][:300] if str(exc) else ""
+    try:
+        log = write_crash_log(command, exc)
+    except ConfigError as refused:
+        print(f"stagecache {command}: error: {refused} (the internal error {type(exc).__name__}"
+              f"{': ' + text if text else ''} was not logged)", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    where = f"traceback in {log}" if log else "the traceback could not be written"
     print(f"stagecache {command}: internal error: {type(exc).__name__}"
           f"{': ' + text if text else ''} ({where}; set STAGECACHE_DEBUG=1 to print it)",
           file=sys.stderr)

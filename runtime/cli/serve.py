@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import signal
 import sys
@@ -173,8 +172,8 @@ def _check_paths(args: argparse.Namespace) -> None:
             raise ConfigError(f"--trace {args.trace!r} is a directory; expected a JSONL trace file")
         if not trace.is_file():
             raise ConfigError(f"--trace {args.trace!r}: no such file; expected a JSONL trace file")
-    if args.run_dir is not None:
-        check_run_dir_flag(args.run_dir)
+    if args.run_dir is not None:  # used by its real path from here on
+        args.run_dir = str(check_run_dir_flag(args.run_dir))
 
 
 def options_from_args(args: argparse.Namespace) -> ServeOptions:
@@ -275,11 +274,6 @@ def _prepare_run_dir(opts: ServeOptions, console: Console) -> tuple[str, bool, R
             console.print(f"removed {len(removed)} run dir(s) left by killed runs: "
                           + ", ".join(str(r) for r in removed), markup=False)
         return str(path), True, lock
-    try:
-        os.makedirs(opts.run_dir, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"--run-dir {opts.run_dir!r}: cannot create: {exc.strerror or exc}; "
-                          "expected a writable directory") from None
     return opts.run_dir, False, prepare_user_run_dir(Path(opts.run_dir))
 
 
@@ -344,8 +338,9 @@ def _close(r: _Run, old_handlers: dict[int, Any]) -> None:
     if r.opts.json and r.summary is not None:
         r.summary["exit_code"] = r.code
         print(json.dumps(r.summary, indent=2, default=str), flush=True)
+    replaced = r.lock.replaced()
     r.lock.release()
-    if r.own_run_dir:
+    if r.own_run_dir and replaced is None:  # never remove what another directory holds
         shutil.rmtree(r.run_dir, ignore_errors=True)
 
 
@@ -357,6 +352,7 @@ def serve(opts: ServeOptions) -> int:
     console = Console(opts.json)
     run_dir, own, lock = _prepare_run_dir(opts, console)
     sup = Supervisor(opts, run_dir, log=lambda text: console.print(text, markup=False))
+    sup.guard = lock.replaced
     r = _Run(opts, console, run_dir, own, lock, sup)
     fired: list[int] = []
     old_handlers = _install_signal_handlers(fired)

@@ -92,8 +92,7 @@ def stage_main(cfg: StageConfig) -> None:
         _note_failure(cfg, worker, f"lost a peer: {exc}", code)
     except Exception as exc:  # report the failure in one line + the stage file, not a bare traceback
         code = EXIT_FAILED
-        log = write_crash_log(f"stage-{cfg.rank}", exc)
-        detail = f"{type(exc).__name__}: {exc}" + (f" (traceback: {log})" if log else "")
+        detail = f"{type(exc).__name__}: {exc}" + _crash_note(f"stage-{cfg.rank}", exc)
         _note_failure(cfg, worker, detail, code)
         log.error("stage %d: error: %s", cfg.rank, detail)
         if os.environ.get("STAGECACHE_DEBUG"):
@@ -104,6 +103,17 @@ def stage_main(cfg: StageConfig) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # skip atexit work of torch/gloo that can hang with a dead peer
+
+
+def _crash_note(what: str, exc: BaseException) -> str:
+    """`` (traceback: FILE)``, or why there is none (a crash-log directory that is not private)."""
+    from ..errors import ConfigError
+
+    try:
+        crash = write_crash_log(what, exc)
+    except ConfigError as refused:
+        return f" (traceback not written: {refused})"
+    return f" (traceback: {crash})" if crash else ""
 
 
 def _log_to_stderr() -> None:

@@ -89,6 +89,9 @@ class Supervisor:
         self.started_at = time.time()
         self.url: str | None = None
         self.exit_codes: dict[int, int | None] = {}
+        #: Why the run dir can no longer be trusted (``RunDirLock.replaced``); None: it can.
+        self.guard: Callable[[], str | None] = lambda: None
+        self._write_failing = False
 
     # -- run.json / snapshot.json ------------------------------------------------------------------
     def run_info(self) -> RunInfo:
@@ -103,9 +106,28 @@ class Supervisor:
             time=time.time(),
         )
 
-    def write_run_file(self) -> None:
-        rd.write_text_atomic(Path(self.run_dir) / rd.RUN_FILE, self.run_info().model_dump_json())
-        rd.write_json_atomic(Path(self.run_dir) / rd.SNAPSHOT_FILE, self.source.snapshot())
+    def write_run_file(self) -> bool:
+        """Rewrite run.json and snapshot.json; False when the write failed.
+
+        A failed write (disk full, a read-only file system) must not stop the run or the
+        dashboard: it is logged (once until a write works again), counted
+        (``stagecache_run_file_write_failures_total``) and retried on the next tick.
+        """
+        try:
+            rd.write_text_atomic(Path(self.run_dir) / rd.RUN_FILE, self.run_info().model_dump_json())
+            rd.write_json_atomic(Path(self.run_dir) / rd.SNAPSHOT_FILE, self.source.snapshot())
+        except OSError as exc:
+            self.source.write_failures += 1
+            if not self._write_failing:
+                log.warning("cannot write %s in %s: %s; retrying (the run and the dashboard go on)",
+                            rd.RUN_FILE, self.run_dir, exc.strerror or exc)
+            self._write_failing = True
+            return False
+        if self._write_failing:
+            log.warning("%s written again after %d failed write(s)", rd.RUN_FILE,
+                        self.source.write_failures)
+        self._write_failing = False
+        return True
 
     def fail(self, why: str, stage: int | None) -> None:
         """Record the failure once: what, which stage, when (kept in run.json until exit)."""
@@ -226,6 +248,10 @@ class Supervisor:
     def _step(self, first_seen: dict[int, float], deadline: float,
               progress: Observer) -> bool:
         """One supervisor tick; True when the run is over (done, refused or failed)."""
+        replaced = self.guard()
+        if replaced is not None:
+            self.fail(f"{replaced}; stopped, its files cannot be trusted", None)
+            return True
         report = self.source.startup()
         if self.phase == "starting" and report is not None:
             self.phase = "serving" if report.get("ok") else "refused"

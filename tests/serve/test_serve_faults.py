@@ -147,7 +147,7 @@ def test_exit_on_error_exits_1_when_a_stage_dies(tmp_path):
 
 
 def test_a_killed_serve_leaves_a_run_dir_that_the_next_start_removes(tmp_path):
-    env = {"TMPDIR": str(tmp_path)}
+    env = {"TMPDIR": str(tmp_path), "XDG_RUNTIME_DIR": ""}  # the run root under $TMPDIR
     root = tmp_path / f"stagecache-serve-{os.getuid()}"
     out = tmp_path / "out1.txt"
     proc = start([*PACED, "--no-dashboard"], out, env=env)
