@@ -136,6 +136,14 @@ def _configure_logging(command: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns its exit code (Ctrl-C at any point, startup included: 130)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     if not (sys.argv[1:] if argv is None else argv):  # a bare `stagecache`: what can I do here?
         parser.print_usage(sys.stderr)
@@ -166,5 +174,28 @@ def main(argv: list[str] | None = None) -> int:
         return _internal_error(args.command, exc)
 
 
+#: Exit codes of an interrupt: the process ends at once, without the interpreter's teardown.
+INTERRUPTED = (130, 143)
+
+
+def entry() -> None:
+    """The ``stagecache`` executable: ``main()``, then exit.
+
+    After Ctrl-C or SIGTERM the command has already stopped its work and cleaned up (its
+    ``finally`` blocks ran); what is left is the interpreter's own teardown of torch and
+    friends, which takes about a second.  An interrupted command skips it (stdout and
+    stderr are flushed first), so Ctrl-C ends any command well within a second.
+    """
+    code = main()
+    if code in INTERRUPTED:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

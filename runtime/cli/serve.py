@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import defaults
+from ..bounded_io import path_kind
 from ..errors import ConfigError
 from ..net import exposure_warning
 from ..serve.options import (
@@ -52,6 +53,11 @@ if TYPE_CHECKING:  # the dashboard (FastAPI) and the supervisor load only when s
 
     from ..serve.supervisor import Supervisor
     from .serve_console import Console
+
+
+#: The shortest ``--dist-timeout``: below it the stages cannot even connect, and torch reports
+#: that with a C++ backtrace instead of an error line.
+MIN_DIST_TIMEOUT_S = 1.0
 
 
 class _Stop(Exception):
@@ -157,8 +163,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                       help="exit as soon as the trace is served (no dashboard hold)")
     p.add_argument("--startup-timeout", type=seconds, default=defaults.STARTUP_TIMEOUT_S,
                    help="seconds for every stage to start and report (default %(default)g)")
-    p.add_argument("--dist-timeout", type=seconds, default=defaults.DIST_TIMEOUT_S,
-                   help="torch.distributed timeout for init, collectives and p2p (default %(default)g s)")
+    p.add_argument("--dist-timeout", type=float_range(MIN_DIST_TIMEOUT_S, 86400.0),
+                   default=defaults.DIST_TIMEOUT_S, metavar="S",
+                   help="torch.distributed timeout for init, collectives and p2p (default %(default)g s, "
+                   f"at least {MIN_DIST_TIMEOUT_S:g}: connecting the stages takes about that long)")
     p.add_argument("--json", action="store_true",
                    help="print a machine-readable final summary on stdout (progress goes to stderr)")
     p.set_defaults(func=run)
@@ -167,11 +175,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _check_paths(args: argparse.Namespace) -> None:
     """File and directory flags: exit 2 naming the flag before anything is read or started."""
     if args.trace is not None:
-        trace = Path(args.trace)
-        if trace.is_dir():
+        kind = path_kind(args.trace, f"--trace {args.trace!r}")
+        if kind == "dir":
             raise ConfigError(f"--trace {args.trace!r} is a directory; expected a JSONL trace file")
-        if not trace.is_file():
+        if kind is None:
             raise ConfigError(f"--trace {args.trace!r}: no such file; expected a JSONL trace file")
+        if kind == "other":
+            raise ConfigError(f"--trace {args.trace!r} is not a regular file (a FIFO, device or "
+                              "socket is never read); expected a JSONL trace file")
     if args.run_dir is not None:  # used by its real path from here on
         args.run_dir = str(check_run_dir_flag(args.run_dir))
 

@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..bounded_io import path_kind
 from ..errors import ConfigError
 from ..private_fs import check_ancestors, check_private_dir, ensure_private_dir, user_state_base
 
@@ -150,15 +151,16 @@ def prepare_user_run_dir(run_dir: Path) -> RunDirLock:
 def check_run_dir_flag(value: str) -> Path:
     """``--run-dir``: an existing directory, or a path whose parent is one (exit 2 otherwise)."""
     path = Path(value)
-    if path.exists() and not path.is_dir():
+    kind = path_kind(path, f"--run-dir {value!r}")
+    if kind is not None and kind != "dir":
         raise ConfigError(f"--run-dir {value!r} is not a directory; expected a directory "
                           "(created if missing) for the run's files")
-    if not path.exists():
+    if kind is None:
         parent = path.parent if str(path.parent) else Path(".")
-        if not parent.is_dir():
+        if path_kind(parent, f"--run-dir {value!r}") != "dir":
             raise ConfigError(f"--run-dir {value!r}: parent {str(parent)!r} is not a directory; "
                               "expected a path inside an existing directory")
-    probe = path if path.exists() else path.parent
+    probe = path if kind else path.parent
     if not os.access(probe, os.W_OK | os.X_OK):
         raise ConfigError(f"--run-dir {value!r}: {str(probe)!r} is not writable; expected a "
                           "writable directory")
