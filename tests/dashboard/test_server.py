@@ -25,7 +25,7 @@ def _serving(keep_alive_s: float = 5.0) -> DashboardThread:
 
 
 def _request(s: socket.socket) -> bytes:
-    s.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+    s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     data = b""
     while b"\r\n\r\n" not in data or not data.endswith(b'"ok"}'):
         chunk = s.recv(4096)
