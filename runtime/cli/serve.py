@@ -140,8 +140,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="dashboard port (default %(default)s; 0 = any free port)")
     p.add_argument("--no-dashboard", action="store_true", help="do not start the dashboard / metrics server")
     p.add_argument("--dist-host", default=defaults.DIST_HOST, metavar="ADDR",
-                   help="address the stages' rendezvous (TCPStore) and gloo/nccl data plane bind "
-                   "(default %(default)s; any other address is warned about)")
+                   help="address the stages' gloo/nccl data plane binds (default %(default)s; any "
+                   "other address is warned about; the rendezvous is a file in the private run dir)")
     p.add_argument("--run-dir", default=None,
                    help="directory for the stages' snapshot files (default: a temporary one, removed at exit)")
     p.add_argument("--heartbeat-timeout", type=float_range(2 * defaults.HEARTBEAT_INTERVAL_S, 3600.0),
@@ -235,7 +235,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
 def exposure_warnings(opts: ServeOptions) -> list[str]:
     """Loud warnings for every listener that is not loopback-only."""
     out = [exposure_warning("--dist-host", opts.dist_host,
-                            "the stages' rendezvous (torch TCPStore) and gloo/nccl data plane")]
+                            "the stages' gloo/nccl data plane")]
     if opts.dashboard:
         out.append(exposure_warning("--host", opts.host, "the dashboard, its JSON API and /metrics"))
     return [w for w in out if w]

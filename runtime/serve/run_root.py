@@ -142,7 +142,8 @@ def prepare_user_run_dir(run_dir: Path) -> RunDirLock:
     """Create (0700) or check a ``--run-dir``, lock it and remove the previous run's files."""
     ensure_private_dir(run_dir, "--run-dir")
     lock = claim(run_dir)
-    for stale in [*run_dir.glob("stage-*.json"), *(run_dir / name for name in RUN_FILES)]:
+    for stale in [*run_dir.glob("stage-*.json"), *run_dir.glob("rendezvous-*.store"),
+                  *(run_dir / name for name in RUN_FILES)]:
         with contextlib.suppress(FileNotFoundError):
             stale.unlink()
     return lock

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import time
 from collections.abc import Callable
@@ -33,6 +34,7 @@ from ..live.liveness import assess
 from ..live.numbers import RunInfo, StageLive
 from ..live.run_dir import RunDirSource
 from .options import ServeOptions, StageConfig
+from .rendezvous import new_store_path
 
 log = logging.getLogger(__name__)
 
@@ -151,8 +153,10 @@ class Supervisor:
         ctx = mp.get_context(method)
         if method == "forkserver":
             ctx.set_forkserver_preload(list(STAGE_PRELOAD))
+        secret = secrets.token_bytes(32)  # seals the startup exchange (exchange.py)
+        store = new_store_path(self.run_dir)  # the rendezvous, private to the run dir
         for rank in range(self.opts.pp_size):
-            cfg = StageConfig(rank, self.opts, self.run_dir, os.getpid())
+            cfg = StageConfig(rank, self.opts, self.run_dir, os.getpid(), secret, store)
             proc = ctx.Process(target=stage_main, args=(cfg,), name=f"stagecache-stage-{rank}", daemon=False)
             proc.start()
             self.procs.append(StageProc(rank, proc))
