@@ -46,9 +46,15 @@ COMMAND_MODULES = (
 )
 
 
+def one_line(text: str) -> str:
+    """``text`` with every character that is not printable escaped (``\\x1e``, ``\\n``): a user's
+    value can neither break the message into lines nor send control sequences to the terminal."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, exit 2 (argparse prints usage + error)
-        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message}\n")
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {one_line(message)}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -160,7 +166,7 @@ def _main(argv: list[str] | None) -> int:
         sys.stdout.flush()  # a reader that went away shows here, not in the exit-time flush
         return code
     except ConfigError as exc:
-        print(f"stagecache {args.command}: error: {exc}", file=sys.stderr)
+        print(f"stagecache {args.command}: error: {one_line(str(exc))}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except StageMappingInvalid as exc:
         print(f"stagecache {args.command}: {exc}", file=sys.stderr)
