@@ -12,12 +12,14 @@ package ships, served from this app: they work without any network.
 
 from __future__ import annotations
 
+import html
 import time
 from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Query, Request
 from fastapi.middleware.gzip import GZipMiddleware
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
@@ -200,6 +202,28 @@ DOCS_CSP = ("default-src 'self'; img-src 'self' data:; style-src 'self' 'unsafe-
             "script-src 'self' 'unsafe-inline'; worker-src 'self' blob:; connect-src 'self'")
 
 
+def add_docs_pages(app: FastAPI) -> None:
+    """/docs and /redoc over the fastapi-offline files, with the title HTML-escaped: FastAPI puts
+    it into ``<title>`` as it is, and the title holds the model's name (a config's path)."""
+    title = html.escape(app.title)
+    favicon = "static/favicon.svg"
+
+    @app.get(DOCS_URL, include_in_schema=False)
+    async def swagger_ui() -> HTMLResponse:
+        return get_swagger_ui_html(
+            openapi_url=app.openapi_url or "/openapi.json", title=f"{title} - Swagger UI",
+            swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
+            swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css", swagger_favicon_url=favicon,
+            swagger_ui_parameters=app.swagger_ui_parameters)
+
+    @app.get(REDOC_URL, include_in_schema=False)
+    async def redoc() -> HTMLResponse:
+        return get_redoc_html(openapi_url=app.openapi_url or "/openapi.json",
+                              title=f"{title} - ReDoc",
+                              redoc_js_url=f"{DOCS_ASSETS}/redoc.standalone.js",
+                              with_google_fonts=False, redoc_favicon_url=favicon)
+
+
 def add_docs_policy(app: FastAPI) -> None:
     docs = {DOCS_URL, REDOC_URL}
 
@@ -222,10 +246,10 @@ def create_app(source: SnapshotSource, *, title: str = "stagecache",
         version=getattr(runtime, "__version__", "0"),
         description="Read-only view of stagecache's PP stages: layer maps, pool validation, "
         "live cache numbers. Data comes from one SnapshotSource.",
-        docs_url=DOCS_URL, redoc_url=REDOC_URL, static_url=DOCS_ASSETS,
-        favicon_url="static/favicon.svg",
+        docs_url=None, redoc_url=None, static_url=DOCS_ASSETS,  # the pages: add_docs_pages
         swagger_ui_parameters={"validatorUrl": None},  # never call the online spec validator
     )
+    add_docs_pages(app)
     app.add_middleware(GZipMiddleware, minimum_size=2048)  # plotly.min.js is ~4.8 MB raw
     add_docs_policy(app)
     app.mount("/static", StaticFiles(directory=str(HERE / "static")), name="static")

@@ -44,7 +44,9 @@ def source_state(source: SnapshotSource) -> tuple[Any, ...] | None:
     except Exception:  # noqa: BLE001 - a broken source is reported by the collector itself
         return None
     ups = tuple((h.stage, h.up) for h in verdict.stages)
-    return (startup, run, tuple(stages.items()), ups, verdict.failed_stage)
+    # the parent's in-memory counters (RunDirSource.write_failures) go with the verdicts
+    parent = (verdict.failed_stage, getattr(source, "write_failures", None))
+    return (startup, run, tuple(stages.items()), ups, parent)
 
 
 def same_state(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:

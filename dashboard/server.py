@@ -5,7 +5,8 @@ for ``serve`` instead of a dashboard that silently never comes up.  The socket
 is created with protocol ``IPPROTO_TCP``: asyncio sets ``TCP_NODELAY`` only on
 connections accepted from such a socket, and without it every keep-alive
 response waits out Nagle's algorithm against the client's delayed ACK (~40 ms).
-Idle keep-alive connections are closed after ``KEEP_ALIVE_S``.
+Idle keep-alive connections are closed after ``KEEP_ALIVE_S``; ``guard`` adds the rest of
+what a hostile client meets (Host allowlist, request-head deadline, connection and request caps).
 """
 
 from __future__ import annotations
@@ -24,11 +25,14 @@ from stagecache.runtime.net import bind_listener
 
 from .advise_models import AdviseReport
 from .app import create_app
+from .guard import HEADER_TIMEOUT_S, RequestGuard, allowed_hosts, protocol_class
 
 #: Seconds an idle keep-alive connection stays open (uvicorn's ``timeout_keep_alive``).
 KEEP_ALIVE_S = 5.0
-#: Pending connections the kernel queues before the server accepts them.
-BACKLOG = 1024
+#: Pending connections the kernel queues before the server accepts them (capped by the kernel's
+#: somaxconn): deep enough that a burst of a few thousand connections is queued, not dropped
+#: (a dropped handshake costs the client a 1 s SYN retransmit).
+BACKLOG = 4096
 
 
 def bind_dashboard_socket(host: str, port: int) -> socket.socket:
@@ -46,11 +50,12 @@ class DashboardThread:
     """The dashboard app (with /metrics) on a pre-bound socket, in a daemon thread of the parent."""
 
     def __init__(self, source: Any, sock: socket.socket, title: str,
-                 keep_alive_s: float = KEEP_ALIVE_S):
+                 keep_alive_s: float = KEEP_ALIVE_S, header_timeout_s: float = HEADER_TIMEOUT_S):
         host, port = sock.getsockname()[:2]
         self.sock = sock
         self.url = f"http://{f'[{host}]' if ':' in host else host}:{port}/"
-        self.server = make_server(source, host, port, title=title, keep_alive_s=keep_alive_s)
+        self.server = make_server(source, host, port, title=title, keep_alive_s=keep_alive_s,
+                                  header_timeout_s=header_timeout_s)
         self.thread = threading.Thread(target=self._run, name="dashboard", daemon=True)
         self.error: BaseException | None = None
 
@@ -76,15 +81,21 @@ class DashboardThread:
 def make_server(
     source: SnapshotSource, host: str = "127.0.0.1", port: int = 8000, *,
     title: str = "stagecache", log_level: str = "warning", keep_alive_s: float = KEEP_ALIVE_S,
+    header_timeout_s: float = HEADER_TIMEOUT_S,
     advise: AdviseReport | None = None,
 ) -> Any:
     """A ``uvicorn.Server`` for the dashboard; ``.run()`` it (any thread), set ``.should_exit`` to stop.
-    ``advise``: the report ``/advise`` shows."""
+
+    Hardened (``guard``): a Host allowlist, HEAD on every GET route, a request-head deadline,
+    a cap on open connections and on requests in flight, a raised file-descriptor limit.
+    ``advise``: the report ``/advise`` shows.
+    """
     import uvicorn
 
-    config = uvicorn.Config(create_app(source, title=title, advise=advise), host=host, port=port,
-                            log_level=log_level, access_log=False, timeout_keep_alive=keep_alive_s,
-                            backlog=BACKLOG)
+    app = RequestGuard(create_app(source, title=title, advise=advise), allowed_hosts(host))
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                            timeout_keep_alive=keep_alive_s, backlog=BACKLOG,
+                            http=protocol_class(header_timeout_s))
     return uvicorn.Server(config)
 
 

@@ -308,15 +308,24 @@ LIVENESS_FAMILIES: tuple[Family, ...] = (
            samples=one(lambda hv: 1 if hv[1].failed_stage == hv[0].stage else 0)),
 )
 
+#: The serving parent's own health (``RunDirSource.write_failures``; absent without a parent).
+PARENT_FAMILIES: tuple[Family, ...] = (
+    Family("stagecache_run_file_write_failures_total", "counter",
+           "Failed writes of the serving parent's run.json / snapshot.json (disk full, read-only "
+           "file system); each is logged and retried while the run and the dashboard go on",
+           samples=one(lambda n: n)),
+)
+
 #: Not produced from a report or a stage: the package itself.
 BUILD_INFO = Family("stagecache_build_info", "info", "stagecache's version (value 1)", ("version",))
 
 
 def all_families() -> tuple[tuple[str, Family], ...]:
-    """``(scope, family)`` in exposition order; scope is build, run, startup, live or liveness."""
+    """``(scope, family)`` in exposition order; scope is build, run, startup, live, liveness
+    or parent."""
     return (("build", BUILD_INFO), *(("run", f) for f in RUN_FAMILIES),
             *(("startup", f) for f in STARTUP_FAMILIES), *(("live", f) for f in LIVE_FAMILIES),
-            *(("liveness", f) for f in LIVENESS_FAMILIES))
+            *(("liveness", f) for f in LIVENESS_FAMILIES), *(("parent", f) for f in PARENT_FAMILIES))
 
 
 def label_names(scope: str, fam: Family) -> tuple[str, ...]:

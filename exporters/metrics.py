@@ -91,11 +91,18 @@ class StageCollector(Collector):
         verdict = liveness_of(self.source, time.time()) if live else None
         metrics = {fam.name: new_family(scope, fam) for scope, fam in all_families()}
         for scope, fam in all_families():
-            for prefix, item in self._inputs(scope, report, live, model, verdict):
+            inputs = self._parent() if scope == "parent" else \
+                self._inputs(scope, report, live, model, verdict)
+            for prefix, item in inputs:
                 for values, value in fam.samples(item):
                     add_sample(metrics[fam.name], scope, fam, prefix, values, value)
         metrics["stagecache_build_info"].add_metric([], {"version": _version()})
         yield from metrics.values()
+
+    def _parent(self) -> list[tuple[tuple[str, ...], Any]]:
+        """The serving parent's counters, when the source has a parent (``RunDirSource``)."""
+        failures = getattr(self.source, "write_failures", None)
+        return [((), failures)] if isinstance(failures, int) else []
 
     @staticmethod
     def _inputs(scope: str, report: Mapping[str, Any] | None, live: Mapping[int, StageLive],

@@ -23,7 +23,7 @@ BEGIN = "<!-- BEGIN GENERATED: python -m stagecache.exporters.reference -->"
 END = "<!-- END GENERATED -->"
 DOC = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
 SCOPES = {"build": "package", "run": "run (startup report)", "startup": "stage (startup report)", "liveness": "stage (liveness verdict, as /readyz)",
-          "live": "stage (live numbers)"}
+          "live": "stage (live numbers)", "parent": "serving parent"}
 
 
 class _NoSource:

@@ -1,5 +1,3 @@
-import sys
+from .cli.main import entry
 
-from .cli.main import main
-
-sys.exit(main())
+entry()

@@ -66,7 +66,7 @@ HEARTBEAT_TIMEOUT_S = 5.0
 # -- listeners ----------------------------------------------------------------------------------------
 #: Address of the dashboard: loopback only.
 HOST = "127.0.0.1"
-#: Address of the stages' rendezvous and data plane: loopback only.
+#: Address of the stages' data plane: loopback only (the rendezvous is a file in the run dir).
 DIST_HOST = "127.0.0.1"
 #: Dashboard port of ``serve`` and ``dashboard``.
 DASHBOARD_PORT = 8000

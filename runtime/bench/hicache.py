@@ -43,6 +43,10 @@ from .insight_overhead import (
 )
 
 DEFAULT_REQUESTS = 2000
+#: The most requests one replay takes (generated, or read from a trace): every request's tokens
+#: stay in memory for the whole replay, so the bound keeps a typo from exhausting RAM.  The
+#: public Mooncake traces have at most ~24,000 lines.
+MAX_REQUESTS = 100_000
 #: Bytes per direction of the same-run bandwidth measurement.
 BANDWIDTH_PROBE_BYTES = 32 << 20
 

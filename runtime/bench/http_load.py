@@ -71,10 +71,31 @@ def percentiles(samples_ms: list[float]) -> dict[str, float]:
 
 
 def _split(url: str) -> tuple[str, int]:
-    u = urllib.parse.urlsplit(url)
+    try:
+        u = urllib.parse.urlsplit(url)
+        port = u.port
+    except ValueError as exc:  # a port out of range or not a number
+        raise ConfigError(f"--url {url[:80]!r}: {exc}; expected http://HOST:PORT/") from None
     if u.scheme != "http" or not u.hostname:
-        raise ConfigError(f"--url {url!r}: expected http://HOST:PORT/")
-    return u.hostname, u.port or 80
+        raise ConfigError(f"--url {url[:80]!r}: expected http://HOST:PORT/")
+    return u.hostname, port or 80
+
+
+def check_url(url: str, timeout_s: float = 5.0) -> None:
+    """``--url`` names a server that answers /healthz: exit 2 before any load is sent otherwise."""
+    host, port = _split(url)
+    conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
+    try:
+        status, _ms = _get(conn, "/healthz")
+    except (OSError, http.client.HTTPException) as exc:
+        why = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+        raise ConfigError(f"--url {url[:80]!r}: cannot reach /healthz ({why}); expected the URL "
+                          "of a running stagecache dashboard") from None
+    finally:
+        conn.close()
+    if status != 200:
+        raise ConfigError(f"--url {url[:80]!r}: /healthz answered {status}; expected the URL of a "
+                          "running stagecache dashboard")
 
 
 def _get(conn: http.client.HTTPConnection, path: str) -> tuple[int, float]:

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from ..bounded_io import open_regular
 from ..errors import ConfigError
 from .mooncake import DEFAULT_BLOCK_TOKENS, MOONCAKE_KEYS, BlockRequest, PrefixCheck, parse_mooncake
 from .trace_fields import checked_keys, id_array, int_field, require, time_field
@@ -269,8 +270,8 @@ def load_requests(path: str | os.PathLike[str], fmt: str = "auto", limit: int | 
                   skip_bad: bool = False, block_tokens: int = DEFAULT_BLOCK_TOKENS,
                   vocab: int = 32000) -> Trace:
     """Read a trace file of either format, streaming, stopping after ``limit`` good requests."""
-    try:
-        with open(path, "rb") as f:
+    try:  # a regular file only: a FIFO would block the read forever
+        with open_regular(path, f"trace {str(path)!r}", "a JSONL trace file") as f:
             return parse_trace(f, str(path), skip_bad, vocab, fmt, limit, block_tokens)
     except OSError as exc:
         raise ConfigError(f"cannot read trace {str(path)!r}: {exc.strerror or exc}") from None

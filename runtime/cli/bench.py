@@ -20,10 +20,13 @@ from ..model.pool_kinds import HOST_CACHED
 from . import bench_advise, bench_http
 from .common import (
     add_layout_command,
+    bench_device,
+    device_name,
     fault_spec,
     int_range,
     nonneg_float,
     nonneg_int,
+    output_file,
     positive_float,
     positive_int,
 )
@@ -79,7 +82,8 @@ def _register_transfer(sub: argparse._SubParsersAction) -> None:
                    help="tokens per page (default %(default)s)")
     p.add_argument("--hicache-layout", "--layout", dest="layout", choices=defaults.HOST_LAYOUTS,
                    default=defaults.HOST_LAYOUT, help="host pool memory layout (default %(default)s)")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    p.add_argument("--device", type=device_name, default=None,
+                   help="cuda, cuda:N or cpu (default: cuda if available)")
     p.add_argument("--min-reps", type=positive_int, default=None, help="timed calls at least (cpu 3, cuda 10)")
     p.add_argument("--max-reps", type=positive_int, default=None, help="timed calls at most (cpu 40, cuda 100)")
     p.add_argument("--budget", type=positive_float, default=None,
@@ -98,11 +102,13 @@ def _register_transfer(sub: argparse._SubParsersAction) -> None:
                    help="also time link probes on the same pages: two hand-written CUDA copy kernels and one "
                    "copy-engine batch (cudaMemcpyBatchAsync, CUDA 12.8+): how close any copy of scattered pages "
                    "gets to the ceiling; CUDA, compute capability 9.0+")
-    p.add_argument("--out", default=None, help="also write the JSON report to this file")
+    p.add_argument("--out", type=output_file("--out"), default=None,
+                   help="also write the JSON report to this file (checked before the run)")
     p.add_argument("--json", action="store_true", help="print the JSON report (default: the markdown table)")
     p.add_argument("--render", default=None, metavar="JSON",
                    help="no run: render a saved report as the docs' markdown table")
-    p.add_argument("--into", default=None, metavar="DOC", help="with --render: replace the table inside DOC")
+    p.add_argument("--into", type=output_file("--into"), default=None, metavar="DOC",
+                   help="with --render: replace the table inside DOC")
     p.set_defaults(func=_run_transfer)
 
 
@@ -116,9 +122,7 @@ def _run_transfer(args: argparse.Namespace) -> int:
     from ..errors import ConfigError
     from ..model.spec import load_spec
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: no CUDA device is available here")
+    device = bench_device(args.device)
     cuda = device.startswith("cuda")
     if args.probes:
         from ..bench.transfer_probes import unavailable
@@ -150,22 +154,23 @@ def _run_transfer(args: argparse.Namespace) -> int:
 
 def _render_transfer(args: argparse.Namespace) -> int:
     from ..bench import transfer_report
+    from ..bounded_io import read_bounded_text
     from ..errors import ConfigError
 
+    text = read_bounded_text(args.render, 16 << 20, f"--render {args.render}", "a bench transfer report")
     try:
-        with open(args.render) as f:
-            report = json.load(f)
+        report = json.loads(text)
         section = transfer_report.render(report, args.render)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"--render {args.render}: not a bench transfer report ({e})") from None
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        raise ConfigError(f"--render {args.render}: not a bench transfer report "
+                          f"({str(e)[:200]})") from None
     if not args.into:
         print(section, end="")
         return 0
+    doc = read_bounded_text(args.into, 16 << 20, f"--into {args.into}", "a Markdown document")
     try:
-        with open(args.into) as f:
-            doc = f.read()
         new = transfer_report.replace_section(doc, section)
-    except (OSError, ValueError) as e:
+    except ValueError as e:
         raise ConfigError(f"--into {args.into}: {e}") from None
     with open(args.into, "w") as f:
         f.write(new)
@@ -184,20 +189,18 @@ def _register_transfer_split(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--big-pages", type=positive_int, default=128,
                    help="pages of the long backup the small load queues behind (default %(default)s)")
     p.add_argument("--calls", type=positive_int, default=200, help="calls per timed block (default %(default)s)")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    p.add_argument("--device", type=device_name, default=None,
+                   help="cuda, cuda:N or cpu (default: cuda if available)")
     p.set_defaults(func=_run_transfer_split)
 
 
 def _run_transfer_split(args: argparse.Namespace) -> int:
-    import torch
 
     from ..bench import transfer_split
     from ..errors import ConfigError
     from ..model.spec import load_spec
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: no CUDA device is available here")
+    device = bench_device(args.device)
     if not 0 <= args.stage < args.pp:
         raise ConfigError(f"--stage {args.stage}: stages of --pp-size {args.pp} are 0..{args.pp - 1}")
     settings = transfer_split.SplitSettings(device=device, pp=args.pp, stage=args.stage, page_size=args.page_size,
@@ -225,10 +228,11 @@ def _register_hicache(sub: argparse._SubParsersAction) -> None:
                    help=f"tokens per Mooncake hash id; one block = one page (default {DEFAULT_BLOCK_TOKENS})")
     p.add_argument("--skip-bad-lines", action="store_true",
                    help="skip malformed trace lines (reported) instead of refusing the whole file")
-    p.add_argument("--save-trace", default=None, metavar="FILE", help="write the replayed trace as JSONL")
-    p.add_argument("--requests", type=positive_int, default=None,
+    p.add_argument("--save-trace", type=output_file("--save-trace"), default=None, metavar="FILE",
+                   help="write the replayed trace as JSONL")
+    p.add_argument("--requests", type=int_range(1, bench_hicache.MAX_REQUESTS), default=None,
                    help=f"requests to generate (default {bench_hicache.DEFAULT_REQUESTS}), or the first N "
-                        "of --trace (reading stops there)")
+                        f"of --trace (reading stops there); at most {bench_hicache.MAX_REQUESTS}")
     p.add_argument("--seed", type=nonneg_int, default=0, help="seed of the generated trace (default 0)")
     p.add_argument("--think-time", type=nonneg_float, default=30.0, help="mean seconds between a session's turns (default %(default)s)")
     p.add_argument("--session-gap", type=nonneg_float, default=1.5, help="mean seconds between session starts (default %(default)s)")
@@ -245,10 +249,11 @@ def _register_hicache(sub: argparse._SubParsersAction) -> None:
                    help="no tensors: tree, tiers, eviction and counted transfers only (any capacity)")
     p.add_argument("--hicache-layout", choices=defaults.HOST_LAYOUTS, default=defaults.HOST_LAYOUT,
                    help="host pool memory layout (default %(default)s)")
-    p.add_argument("--concurrency", type=positive_int, default=4, help="requests in flight at once, their pages locked (default %(default)s)")
+    p.add_argument("--concurrency", type=int_range(1, 4096), default=4, help="requests in flight at once, their pages locked (default %(default)s)")
     p.add_argument("--stage", type=nonneg_int, action="append", default=None,
                    help="replay only this stage (repeatable; default all stages)")
-    p.add_argument("--device", default="cpu", help="torch device of the device pools: cpu or cuda (default %(default)s)")
+    p.add_argument("--device", type=device_name, default="cpu",
+                   help="torch device of the device pools: cpu, cuda or cuda:N (default %(default)s)")
     p.add_argument("--threads", type=int_range(1, 1024), default=1,
                    help="torch CPU threads (default 1: small copies are fastest single-threaded)")
     p.add_argument("--verify", action="store_true", help="check every reused page byte for byte")
@@ -259,7 +264,7 @@ def _register_hicache(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--insight-sample", type=positive_int, default=insight_overhead.DEFAULT_INSIGHT_SAMPLE,
                    metavar="K", help="lifetimes: watch the entries of every K-th lookup (default "
                    "%(default)s; miss reasons are exact whatever K)")
-    p.add_argument("--seen-keys", type=positive_int, default=1 << 18, metavar="N",
+    p.add_argument("--seen-keys", type=int_range(1, 1 << 26), default=1 << 18, metavar="N",
                    help="evicted keys remembered to tell them from never-seen ones (default %(default)s)")
     p.add_argument("--insight-overhead", type=int_range(0, 200), metavar="R", default=None,
                    help="what the insight costs the replay: R pairs of metadata-only replays with and "

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-from pathlib import Path
 
-from ..errors import ConfigError
-from .common import int_range, positive_int
+from .common import int_range, output_file, positive_int
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -30,23 +27,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="skip the same-run baseline (the app on a socket without TCP_NODELAY)")
     p.add_argument("--no-keep-alive-check", action="store_true",
                    help="skip timing how long an idle keep-alive connection stays open")
-    p.add_argument("--out", default=None, help="also write the JSON here")
+    p.add_argument("--out", type=output_file("--out"), default=None, help="also write the JSON here")
     p.set_defaults(func=run)
 
 
-def _check_out(path: str | None) -> None:
-    if path is None:
-        return
-    parent = Path(path).resolve().parent
-    if Path(path).is_dir() or not parent.is_dir() or not os.access(parent, os.W_OK):
-        raise ConfigError(f"--out {path!r}: cannot write there; expected a file path in a writable "
-                          "directory")
-
-
 def run(args: argparse.Namespace) -> int:
-    from ..bench.http_load import HttpBenchOptions, run_bench
+    from ..bench.http_load import HttpBenchOptions, check_url, run_bench
 
-    _check_out(args.out)
+    if args.url is not None:
+        check_url(args.url)
     res = run_bench(HttpBenchOptions(
         url=args.url, clients=args.clients, requests=args.requests, idle_requests=args.idle_requests,
         while_serving=args.while_serving, baseline=not args.no_baseline,

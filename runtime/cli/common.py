@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from collections.abc import Callable
 
 from .. import defaults
+from ..bounded_io import check_output_path
 from ..errors import ConfigError
 from ..model.spec import PRESETS
 from ..plan.faults import FAULTS
@@ -22,19 +24,28 @@ from ..plan.plan import RunPlan, Sizing
 
 #: Largest value an integer flag takes unless it says otherwise (fits int64 everywhere).
 INT_MAX = 2**63 - 1
+#: What a number flag is written as: ASCII digits only.  ``int()`` and ``float()`` also take
+#: Unicode digits ('٣') and '_' separators, which no user means on a command line.
+_ASCII_INT = re.compile(r"[+-]?[0-9]{1,40}")
+_ASCII_FLOAT = re.compile(r"[+-]?(?:[0-9]{1,400}(?:\.[0-9]{0,400})?|\.[0-9]{1,400})(?:[eE][+-]?[0-9]{1,6})?"
+                          r"|[+-]?(?:inf|infinity|nan)", re.IGNORECASE)
+
+
+def shown(text: str, limit: int = 40) -> str:
+    """A user's value as an error line shows it: ``repr``, cut to ``limit`` characters."""
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} characters)"
 
 
 def int_range(low: int, high: int = INT_MAX) -> Callable[[str], int]:
-    """argparse type: an integer in ``[low, high]``."""
+    """argparse type: an integer in ``[low, high]``, written in ASCII digits."""
     accepted = "a positive integer" if low == 1 else f"an integer >= {low}"
     if high != INT_MAX:
         accepted += f" <= {high}"
 
     def parse(text: str) -> int:
-        try:
-            value = int(text.strip())
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {accepted}, got {text!r}") from None
+        if not _ASCII_INT.fullmatch(text.strip()):  # also bounds the length: no 4,300-digit int()
+            raise argparse.ArgumentTypeError(f"expected {accepted}, got {shown(text)}")
+        value = int(text.strip())
         if not low <= value <= high:
             raise argparse.ArgumentTypeError(f"expected {accepted}, got {value}")
         return value
@@ -53,13 +64,12 @@ def float_range(low: float, high: float = math.inf, *, low_open: bool = False) -
     accepted = f"a finite number {op} {_num(low)}" + (f" and <= {_num(high)}" if high != math.inf else "")
 
     def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {accepted}, got {text!r}") from None
+        if not _ASCII_FLOAT.fullmatch(text.strip()):
+            raise argparse.ArgumentTypeError(f"expected {accepted}, got {shown(text)}")
+        value = float(text)
         in_range = (value > low if low_open else value >= low) and value <= high
         if not math.isfinite(value) or not in_range:
-            raise argparse.ArgumentTypeError(f"expected {accepted}, got {text!r}")
+            raise argparse.ArgumentTypeError(f"expected {accepted}, got {shown(text)}")
         return value
 
     parse.__name__ = f"float[{low},{high}]"
@@ -81,11 +91,47 @@ def fault_spec(text: str) -> str:
     name, at, stage = text.partition("@")
     if name not in FAULTS:
         raise argparse.ArgumentTypeError(
-            f"unknown --fault {name!r}; known faults: {', '.join(FAULTS)} (as NAME or NAME@STAGE)")
-    if at and not stage.isdigit():
+            f"unknown --fault {shown(name)}; known faults: {', '.join(FAULTS)} (as NAME or NAME@STAGE)")
+    if at and (not _ASCII_INT.fullmatch(stage) or stage[0] in "+-"):
         raise argparse.ArgumentTypeError(
-            f"{text!r}: expected a stage number (integer >= 0) after '@', got {stage!r}")
+            f"{shown(text)}: expected a stage number (integer >= 0) after '@', got {shown(stage)}")
     return text
+
+
+def device_name(text: str) -> str:
+    """argparse type of a bench's ``--device``: ``cpu``, ``cuda`` or ``cuda:N``."""
+    if not re.fullmatch(r"cpu|cuda(?::[0-9]{1,3})?", text):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {shown(text)}")
+    return text
+
+
+def bench_device(text: str | None) -> str:
+    """A bench's ``--device`` (default: cuda when there is one); exit 2 for a CUDA device this
+    machine does not have, before any work starts."""
+    import torch
+
+    device = text or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda"):
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ConfigError(f"--device {device}: no CUDA device is available here")
+        if int(device.partition(":")[2] or 0) >= count:
+            raise ConfigError(f"--device {device}: this machine has {count} CUDA device(s), "
+                              f"cuda:0..cuda:{count - 1}")
+    return device
+
+
+def output_file(flag: str) -> Callable[[str], str]:
+    """argparse type of a file a command writes (``--out``): checked before any work starts."""
+
+    def parse(text: str) -> str:
+        try:
+            return check_output_path(text, flag)
+        except ConfigError as exc:  # argparse names the flag itself
+            raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{flag} ")) from None
+
+    parse.__name__ = "output file"
+    return parse
 
 
 def add_layout_args(p: argparse.ArgumentParser) -> None:
@@ -123,7 +169,8 @@ def plan_from_args(args: argparse.Namespace, sizing: Sizing | None = None,
 
 
 __all__ = [
-    "ConfigError", "add_layout_args", "add_layout_command", "fault_spec", "float_range", "int_range",
+    "ConfigError", "add_layout_args", "add_layout_command", "bench_device", "device_name", "fault_spec",
+    "float_range", "int_range", "output_file", "shown",
     "nonneg_float", "nonneg_int", "nonneg_seconds", "plan_from_args", "port_number",
     "positive_float", "positive_int", "seconds",
 ]

@@ -47,9 +47,15 @@ COMMAND_MODULES = (
 )
 
 
+def one_line(text: str) -> str:
+    """``text`` with every character that is not printable escaped (``\\x1e``, ``\\n``): a user's
+    value can neither break the message into lines nor send control sequences to the terminal."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, exit 2 (argparse prints usage + error)
-        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message}\n")
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {one_line(message)}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,12 +89,21 @@ def _quiet_stdout() -> None:
 
 
 def _internal_error(command: str, exc: BaseException) -> int:
-    """One line naming the error and the traceback's log file (``$STAGECACHE_DEBUG``: print it)."""
+    """One line naming the error and the traceback's log file (``$STAGECACHE_DEBUG``: print it).
+
+    A crash-log directory that is not private (another user made it, or can write it) is not
+    written into: that is exit 2, naming the directory and its owner, and the error it hid.
+    """
     from ..crash_log import write_crash_log
 
-    log = write_crash_log(command, exc)
-    where = f"traceback in {log}" if log else "the traceback could not be written"
     text = str(exc).splitlines()[0][:300] if str(exc) else ""
+    try:
+        log = write_crash_log(command, exc)
+    except ConfigError as refused:
+        print(f"stagecache {command}: error: {refused} (the internal error {type(exc).__name__}"
+              f"{': ' + text if text else ''} was not logged)", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    where = f"traceback in {log}" if log else "the traceback could not be written"
     print(f"stagecache {command}: internal error: {type(exc).__name__}"
           f"{': ' + text if text else ''} ({where}; set STAGECACHE_DEBUG=1 to print it)",
           file=sys.stderr)
@@ -128,6 +143,14 @@ def _configure_logging(command: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns its exit code (Ctrl-C at any point, startup included: 130)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     if not (sys.argv[1:] if argv is None else argv):  # a bare `stagecache`: what can I do here?
         parser.print_usage(sys.stderr)
@@ -144,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()  # a reader that went away shows here, not in the exit-time flush
         return code
     except ConfigError as exc:
-        print(f"stagecache {args.command}: error: {exc}", file=sys.stderr)
+        print(f"stagecache {args.command}: error: {one_line(str(exc))}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except StageMappingInvalid as exc:
         print(f"stagecache {args.command}: {exc}", file=sys.stderr)
@@ -158,5 +181,28 @@ def main(argv: list[str] | None = None) -> int:
         return _internal_error(args.command, exc)
 
 
+#: Exit codes of an interrupt: the process ends at once, without the interpreter's teardown.
+INTERRUPTED = (130, 143)
+
+
+def entry() -> None:
+    """The ``stagecache`` executable: ``main()``, then exit.
+
+    After Ctrl-C or SIGTERM the command has already stopped its work and cleaned up (its
+    ``finally`` blocks ran); what is left is the interpreter's own teardown of torch and
+    friends, which takes about a second.  An interrupted command skips it (stdout and
+    stderr are flushed first), so Ctrl-C ends any command well within a second.
+    """
+    code = main()
+    if code in INTERRUPTED:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

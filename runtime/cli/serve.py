@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import signal
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import defaults
+from ..bounded_io import path_kind
 from ..errors import ConfigError
 from ..net import exposure_warning
 from ..serve.options import (
@@ -53,6 +53,11 @@ if TYPE_CHECKING:  # the dashboard (FastAPI) and the supervisor load only when s
 
     from ..serve.supervisor import Supervisor
     from .serve_console import Console
+
+
+#: The shortest ``--dist-timeout``: below it the stages cannot even connect, and torch reports
+#: that with a C++ backtrace instead of an error line.
+MIN_DIST_TIMEOUT_S = 1.0
 
 
 class _Stop(Exception):
@@ -135,8 +140,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="dashboard port (default %(default)s; 0 = any free port)")
     p.add_argument("--no-dashboard", action="store_true", help="do not start the dashboard / metrics server")
     p.add_argument("--dist-host", default=defaults.DIST_HOST, metavar="ADDR",
-                   help="address the stages' rendezvous (TCPStore) and gloo/nccl data plane bind "
-                   "(default %(default)s; any other address is warned about)")
+                   help="address the stages' gloo/nccl data plane binds (default %(default)s; any "
+                   "other address is warned about; the rendezvous is a file in the private run dir)")
     p.add_argument("--run-dir", default=None,
                    help="directory for the stages' snapshot files (default: a temporary one, removed at exit)")
     p.add_argument("--heartbeat-timeout", type=float_range(2 * defaults.HEARTBEAT_INTERVAL_S, 3600.0),
@@ -158,8 +163,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                       help="exit as soon as the trace is served (no dashboard hold)")
     p.add_argument("--startup-timeout", type=seconds, default=defaults.STARTUP_TIMEOUT_S,
                    help="seconds for every stage to start and report (default %(default)g)")
-    p.add_argument("--dist-timeout", type=seconds, default=defaults.DIST_TIMEOUT_S,
-                   help="torch.distributed timeout for init, collectives and p2p (default %(default)g s)")
+    p.add_argument("--dist-timeout", type=float_range(MIN_DIST_TIMEOUT_S, 86400.0),
+                   default=defaults.DIST_TIMEOUT_S, metavar="S",
+                   help="torch.distributed timeout for init, collectives and p2p (default %(default)g s, "
+                   f"at least {MIN_DIST_TIMEOUT_S:g}: connecting the stages takes about that long)")
     p.add_argument("--json", action="store_true",
                    help="print a machine-readable final summary on stdout (progress goes to stderr)")
     p.set_defaults(func=run)
@@ -168,13 +175,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _check_paths(args: argparse.Namespace) -> None:
     """File and directory flags: exit 2 naming the flag before anything is read or started."""
     if args.trace is not None:
-        trace = Path(args.trace)
-        if trace.is_dir():
+        kind = path_kind(args.trace, f"--trace {args.trace!r}")
+        if kind == "dir":
             raise ConfigError(f"--trace {args.trace!r} is a directory; expected a JSONL trace file")
-        if not trace.is_file():
+        if kind is None:
             raise ConfigError(f"--trace {args.trace!r}: no such file; expected a JSONL trace file")
-    if args.run_dir is not None:
-        check_run_dir_flag(args.run_dir)
+        if kind == "other":
+            raise ConfigError(f"--trace {args.trace!r} is not a regular file (a FIFO, device or "
+                              "socket is never read); expected a JSONL trace file")
+    if args.run_dir is not None:  # used by its real path from here on
+        args.run_dir = str(check_run_dir_flag(args.run_dir))
 
 
 def options_from_args(args: argparse.Namespace) -> ServeOptions:
@@ -225,7 +235,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
 def exposure_warnings(opts: ServeOptions) -> list[str]:
     """Loud warnings for every listener that is not loopback-only."""
     out = [exposure_warning("--dist-host", opts.dist_host,
-                            "the stages' rendezvous (torch TCPStore) and gloo/nccl data plane")]
+                            "the stages' gloo/nccl data plane")]
     if opts.dashboard:
         out.append(exposure_warning("--host", opts.host, "the dashboard, its JSON API and /metrics"))
     return [w for w in out if w]
@@ -275,11 +285,6 @@ def _prepare_run_dir(opts: ServeOptions, console: Console) -> tuple[str, bool, R
             console.print(f"removed {len(removed)} run dir(s) left by killed runs: "
                           + ", ".join(str(r) for r in removed), markup=False)
         return str(path), True, lock
-    try:
-        os.makedirs(opts.run_dir, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"--run-dir {opts.run_dir!r}: cannot create: {exc.strerror or exc}; "
-                          "expected a writable directory") from None
     return opts.run_dir, False, prepare_user_run_dir(Path(opts.run_dir))
 
 
@@ -344,8 +349,9 @@ def _close(r: _Run, old_handlers: dict[int, Any]) -> None:
     if r.opts.json and r.summary is not None:
         r.summary["exit_code"] = r.code
         print(json.dumps(r.summary, indent=2, default=str), flush=True)
+    replaced = r.lock.replaced()
     r.lock.release()
-    if r.own_run_dir:
+    if r.own_run_dir and replaced is None:  # never remove what another directory holds
         shutil.rmtree(r.run_dir, ignore_errors=True)
 
 
@@ -357,6 +363,7 @@ def serve(opts: ServeOptions) -> int:
     console = Console(opts.json)
     run_dir, own, lock = _prepare_run_dir(opts, console)
     sup = Supervisor(opts, run_dir, log=lambda text: console.print(text, markup=False))
+    sup.guard = lock.replaced
     r = _Run(opts, console, run_dir, own, lock, sup)
     fired: list[int] = []
     old_handlers = _install_signal_handlers(fired)

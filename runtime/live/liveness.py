@@ -5,7 +5,7 @@ Kubernetes separates three questions, and so does ``serve``:
 * liveness (``/healthz``): does the serving process answer?  Answering is the proof.
 * startup (``/startupz``): did startup validation pass?  The startup report says.
 * readiness (``/readyz``): can the pipeline take work *now*?  Every stage process
-  alive, its layer map valid, a heartbeat newer than the heartbeat timeout, a
+  alive and done starting (``serve``: its phase is past "starting"), its layer map valid, a heartbeat newer than the heartbeat timeout, a
   host tier whose status is not one of ``memory.host_tier.NOT_READY_STATUSES``
   (``exceeds_ram``), and the stages agreeing on their cache decisions: no more
   than ``--max-disagreements`` per-request disagreements (``agreement.py``) --
@@ -107,8 +107,13 @@ def last_beat(live: StageLive) -> float | None:
 
 
 def stage_health(stage: int, live: StageLive | None, exit_code: int | None, now: float,
-                 timeout: float) -> StageHealth:
-    """One stage's verdict: exited, failed, never beat, stale heartbeat, or up."""
+                 timeout: float, starting_is_down: bool = False) -> StageHealth:
+    """One stage's verdict: exited, failed, still starting, never beat, stale heartbeat, or up.
+
+    ``starting_is_down``: a stage that says it is still starting is not up (``serve``'s
+    stages say "serving" once they have the startup verdict; an sglang process has no
+    such phase, so there it stays off).
+    """
     beat = last_beat(live) if live is not None else None
     age = max(0.0, now - beat) if beat is not None else None
     base = {"stage": stage, "pid": live.pid if live else None,
@@ -122,6 +127,8 @@ def stage_health(stage: int, live: StageLive | None, exit_code: int | None, now:
     if live.phase in ("failed", "done", "refused"):
         why = f"failed: {live.error}" if live.phase == "failed" else f"phase {live.phase}"
         return StageHealth(**base, up=False, reason=why)
+    if starting_is_down and live.phase == "starting":
+        return StageHealth(**base, up=False, reason="still starting")
     if age is None:
         return StageHealth(**base, up=False, reason="no heartbeat yet")
     if age > timeout:
@@ -147,7 +154,8 @@ def assess(run: RunInfo | None, startup: Mapping[str, Any] | None,
     health = []
     for k in ids:
         code = run.exit_codes.get(k) if run else None
-        health.append(stage_health(k, as_live(stages.get(k)), code, now, timeout))
+        health.append(stage_health(k, as_live(stages.get(k)), code, now, timeout,
+                                   starting_is_down=run is not None))
     ok = _startup_ok(startup)
     reasons = []
     if run is not None and run.phase != "serving":

@@ -147,6 +147,8 @@ class RunDirSource:
     def __init__(self, run_dir: str | os.PathLike[str]):
         self.run_dir = Path(run_dir)
         self._files = ParsedFiles()
+        #: Failed writes of run.json / snapshot.json by the serving parent (each retried).
+        self.write_failures = 0
 
     def startup(self) -> dict[str, Any] | None:
         """The startup report rank 0 wrote, or None while stages are still starting."""

@@ -34,12 +34,13 @@ def parse_partition(text: str | Sequence[int] | None) -> tuple[int, ...] | None:
         return None
     if isinstance(text, str):
         parts = [p.strip() for p in text.split(",")]
-        try:
-            values = tuple(int(p) for p in parts)
-        except ValueError:
+        # ASCII digits only (int() also takes '٣' and '1_0'), at most 6 each: no 4,300-digit int()
+        if not all(p.isascii() and p.isdigit() and len(p) <= 6 for p in parts):
+            shown = repr(text) if len(text) <= 60 else repr(text[:60]) + f"... ({len(text)} characters)"
             raise ConfigError(
-                f"invalid --pp-partition {text!r}: expected comma-separated integers like 11,11,11,10"
-            ) from None
+                f"invalid --pp-partition {shown}: expected comma-separated integers like 11,11,11,10"
+            )
+        values = tuple(int(p) for p in parts)
     else:
         values = tuple(int(v) for v in text)
     return values

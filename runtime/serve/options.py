@@ -74,6 +74,10 @@ class StageConfig:
     opts: ServeOptions
     run_dir: str
     parent_pid: int = 0
+    #: The run's secret: seals the stages' startup messages (``exchange``); never on a socket.
+    secret: bytes = b""
+    #: The rendezvous (a torch FileStore) inside the private run dir (``rendezvous``).
+    store_path: str = ""
 
     @property
     def backend(self) -> str:

@@ -1,13 +1,14 @@
-"""The stages' rendezvous (torch TCPStore) and data plane (gloo/nccl), bound to one address.
+"""The stages' rendezvous (a file in the private run dir) and data plane (gloo/nccl) on one address.
 
-torch's TCPStore, left to itself, listens on every interface (``[::]:port``) and
-answers anyone, unauthenticated.  So rank 0 binds the listening socket itself,
-on ``--dist-host`` (loopback by default), and hands it to the store
-(``master_listen_fd``); the port it got goes to the other stages through the run
-directory (``rendezvous.json``), so no port is guessed and none can be stolen
-between a check and its use.  gloo and nccl pick their interface from
-``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``, set to the interface that
-carries the same address.  Nothing a stage opens listens anywhere else.
+The rendezvous is a torch ``FileStore`` inside the run directory, which is 0700 and ours
+(``private_fs``): no other user can open it, and nothing listens for it.  (torch's
+``TCPStore`` answers anyone who connects to its port, unauthenticated: on a shared host any
+local user could read every key or write its own -- e.g. a rank's data-plane address, so a
+stage connects to them.)  Each run gets a store file of its own name, so a reused
+``--run-dir`` never hands a stage the keys of an earlier run.  gloo and nccl pick their
+interface from ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``, set to the interface that
+carries ``--dist-host`` (loopback by default); what travels over that data plane at startup
+is sealed JSON (``exchange``), never pickle.
 """
 
 from __future__ import annotations
@@ -16,18 +17,15 @@ import contextlib
 import datetime
 import fcntl
 import ipaddress
-import os
+import secrets
 import socket
 import struct
-import time
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from ..net import bind_listener
 
 _SIOCGIFADDR = 0x8915
-RENDEZVOUS_POLL_S = 0.02
 
 
 def _ipv4_of(name: str) -> str | None:
@@ -92,33 +90,15 @@ def data_plane_env(interface: str) -> dict[str, str]:
     return {"GLOO_SOCKET_IFNAME": interface, "NCCL_SOCKET_IFNAME": interface}
 
 
-def make_store(rank: int, world_size: int, host: str, run_dir: str, timeout_s: float,
-               alive: Any = None) -> Any:
-    """Rank 0: the TCPStore server on a socket bound to ``host``; others: a client of it.
+def new_store_path(run_dir: str) -> str:
+    """A fresh rendezvous file name in ``run_dir`` for one run (``rendezvous-<random>.store``)."""
+    return str(Path(run_dir) / f"rendezvous-{secrets.token_hex(8)}.store")
 
-    ``alive()`` (optional) is polled while waiting for rank 0's port, so a stage
-    whose parent died stops waiting at once.
-    """
+
+def make_store(store_path: str, world_size: int, timeout_s: float) -> Any:
+    """The run's rendezvous: a ``FileStore`` at ``store_path`` (the same file for every stage)."""
     import torch.distributed as dist
 
-    from ..live.run_dir import RENDEZVOUS_FILE, read_json, write_json_atomic
-
-    timeout = datetime.timedelta(seconds=timeout_s)
-    path = Path(run_dir) / RENDEZVOUS_FILE
-    if rank == 0:
-        sock = bind_listener(host, 0)
-        port = sock.getsockname()[1]
-        store = dist.TCPStore(host, port, world_size, True, timeout, wait_for_workers=False,
-                              master_listen_fd=sock.detach())
-        write_json_atomic(path, {"host": host, "port": port, "pid": os.getpid()})
-        return store
-    deadline = time.monotonic() + timeout_s
-    while True:
-        data = read_json(path)
-        if isinstance(data, dict) and isinstance(data.get("port"), int):
-            return dist.TCPStore(host, data["port"], world_size, False, timeout)
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s:g} s waiting for rank 0's rendezvous port")
-        if alive is not None and not alive():
-            raise RuntimeError("the serve parent process is gone")
-        time.sleep(RENDEZVOUS_POLL_S)
+    store = dist.FileStore(store_path, world_size)
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))
+    return store

@@ -6,10 +6,17 @@ dies (SIGKILL included), so "the lock can be taken" is an exact test for "the
 owner is gone" -- no pid that could have been reused, no timestamp guess.
 
 Temporary run directories are made under one known parent per user
-(``$TMPDIR/stagecache-serve-<uid>``); every ``serve`` start first removes the
-ones whose owner is gone, so a run killed with SIGKILL leaves nothing behind
-past the next start.  A ``--run-dir`` of the user's is never removed, only
-locked (two runs cannot share one) and emptied of the previous run's files.
+(``$XDG_RUNTIME_DIR/stagecache-serve``, else ``$TMPDIR/stagecache-serve-<uid>``);
+every ``serve`` start first removes the ones whose owner is gone, so a run
+killed with SIGKILL leaves nothing behind past the next start.  A ``--run-dir``
+of the user's is never removed, only locked (two runs cannot share one) and
+emptied of the previous run's files.
+
+Both are private (``private_fs``): the root and a ``--run-dir`` are used only
+when they are ours, not symlinks, writable by nobody else, under parents that
+nobody else can rename them out of; otherwise exit 2 naming the path and its
+owner.  A ``--run-dir`` is then used by its real path, so a symlink above it
+that changes later cannot redirect the run.
 """
 
 from __future__ import annotations
@@ -23,7 +30,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..bounded_io import path_kind
 from ..errors import ConfigError
+from ..private_fs import check_ancestors, check_private_dir, ensure_private_dir, user_state_base
 
 LOCK_FILE = ".lock"
 #: Files of a previous run that a reused ``--run-dir`` is emptied of.
@@ -33,10 +42,9 @@ UNLOCKED_GRACE_S = 60.0
 
 
 def run_root() -> Path:
-    """The per-user parent of temporary run directories (created 0700)."""
-    root = Path(tempfile.gettempdir()) / f"stagecache-serve-{os.getuid()}"
-    root.mkdir(mode=0o700, exist_ok=True)
-    return root
+    """The per-user parent of temporary run directories (created 0700, or checked private)."""
+    return ensure_private_dir(user_state_base("stagecache-serve"), "run root",
+                              "remove it, or pass --run-dir DIR")
 
 
 @dataclass
@@ -45,6 +53,19 @@ class RunDirLock:
 
     path: Path
     fd: int | None
+    identity: tuple[int, int] | None = None  # (device, inode) of the directory when claimed
+
+    def replaced(self) -> str | None:
+        """Why ``path`` is no longer the directory this lock claimed (None: it still is)."""
+        if self.identity is None:
+            return None
+        try:
+            st = os.lstat(self.path)
+        except OSError as exc:
+            return f"run dir {str(self.path)!r} is gone ({exc.strerror or exc})"
+        if (st.st_dev, st.st_ino) != self.identity:
+            return f"run dir {str(self.path)!r} was replaced by another directory while the run used it"
+        return None
 
     def release(self) -> None:
         if self.fd is not None:
@@ -55,7 +76,7 @@ class RunDirLock:
 
 def _try_lock(lock_path: Path) -> int | None:
     """An fd holding the exclusive lock, or None when a live process holds it."""
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -78,7 +99,8 @@ def claim(run_dir: Path, flag: str = "--run-dir") -> RunDirLock:
                           f"(pid {owner}); expected a directory no running serve uses")
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
-    return RunDirLock(run_dir, fd)
+    st = os.lstat(run_dir)
+    return RunDirLock(run_dir, fd, (st.st_dev, st.st_ino))
 
 
 def sweep_stale(root: Path) -> list[Path]:
@@ -117,9 +139,11 @@ def new_temp_run_dir() -> tuple[Path, RunDirLock, list[Path]]:
 
 
 def prepare_user_run_dir(run_dir: Path) -> RunDirLock:
-    """Lock a ``--run-dir`` and remove the previous run's files from it."""
+    """Create (0700) or check a ``--run-dir``, lock it and remove the previous run's files."""
+    ensure_private_dir(run_dir, "--run-dir")
     lock = claim(run_dir)
-    for stale in [*run_dir.glob("stage-*.json"), *(run_dir / name for name in RUN_FILES)]:
+    for stale in [*run_dir.glob("stage-*.json"), *run_dir.glob("rendezvous-*.store"),
+                  *(run_dir / name for name in RUN_FILES)]:
         with contextlib.suppress(FileNotFoundError):
             stale.unlink()
     return lock
@@ -128,16 +152,21 @@ def prepare_user_run_dir(run_dir: Path) -> RunDirLock:
 def check_run_dir_flag(value: str) -> Path:
     """``--run-dir``: an existing directory, or a path whose parent is one (exit 2 otherwise)."""
     path = Path(value)
-    if path.exists() and not path.is_dir():
+    kind = path_kind(path, f"--run-dir {value!r}")
+    if kind is not None and kind != "dir":
         raise ConfigError(f"--run-dir {value!r} is not a directory; expected a directory "
                           "(created if missing) for the run's files")
-    if not path.exists():
+    if kind is None:
         parent = path.parent if str(path.parent) else Path(".")
-        if not parent.is_dir():
+        if path_kind(parent, f"--run-dir {value!r}") != "dir":
             raise ConfigError(f"--run-dir {value!r}: parent {str(parent)!r} is not a directory; "
                               "expected a path inside an existing directory")
-    probe = path if path.exists() else path.parent
+    probe = path if kind else path.parent
     if not os.access(probe, os.W_OK | os.X_OK):
         raise ConfigError(f"--run-dir {value!r}: {str(probe)!r} is not writable; expected a "
                           "writable directory")
-    return path
+    check_ancestors(path, "--run-dir")
+    if os.path.lexists(path):
+        check_private_dir(path, "--run-dir")
+        return Path(os.path.realpath(path))
+    return Path(os.path.realpath(path.parent)) / path.name

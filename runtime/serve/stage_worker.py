@@ -3,7 +3,7 @@
 ``serve`` starts ``stage_main(config)`` once per stage (spawn).  A stage builds
 *only its own* pools, from its own ``StageLayerMap`` -- nothing global is
 allocated anywhere, which is the point of stage-local pools -- and reports the
-real inventory of those tensors to rank 0 over ``gather_object``.  Rank 0 builds
+real inventory of those tensors to rank 0 (sealed JSON, ``exchange``).  Rank 0 builds
 the ``StartupReport`` (per-stage validation plus the cross-stage tiling check),
 writes it to the run directory, and broadcasts the verdict: every stage then
 either serves the trace or stops before touching a request.
@@ -92,8 +92,7 @@ def stage_main(cfg: StageConfig) -> None:
         _note_failure(cfg, worker, f"lost a peer: {exc}", code)
     except Exception as exc:  # report the failure in one line + the stage file, not a bare traceback
         code = EXIT_FAILED
-        log = write_crash_log(f"stage-{cfg.rank}", exc)
-        detail = f"{type(exc).__name__}: {exc}" + (f" (traceback: {log})" if log else "")
+        detail = f"{type(exc).__name__}: {exc}" + _crash_note(f"stage-{cfg.rank}", exc)
         _note_failure(cfg, worker, detail, code)
         log.error("stage %d: error: %s", cfg.rank, detail)
         if os.environ.get("STAGECACHE_DEBUG"):
@@ -104,6 +103,17 @@ def stage_main(cfg: StageConfig) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # skip atexit work of torch/gloo that can hang with a dead peer
+
+
+def _crash_note(what: str, exc: BaseException) -> str:
+    """`` (traceback: FILE)``, or why there is none (a crash-log directory that is not private)."""
+    from ..errors import ConfigError
+
+    try:
+        crash = write_crash_log(what, exc)
+    except ConfigError as refused:
+        return f" (traceback not written: {refused})"
+    return f" (traceback: {crash})" if crash else ""
 
 
 def _log_to_stderr() -> None:
@@ -128,6 +138,20 @@ def _note_failure(cfg: StageConfig, worker: StageWorker | None, message: str, co
             rd.write_text_atomic(rd.stage_file(cfg.run_dir, cfg.rank), live.model_dump_json())
     except OSError:
         pass
+
+
+def _inventory_of(message: Any, rank: int) -> tuple[Any, dict[str, int]]:
+    """A stage's startup message as (``PoolInventory``, page bytes per pool), shape-checked."""
+    from ..plan.inventory import PoolInventory
+    from .exchange import ExchangeRefused
+
+    try:
+        stage, buffers, nbytes = message["stage"], message["buffers"], message["pool_page_bytes"]
+        inventory = PoolInventory(int(stage), {str(p): tuple(bool(b) for b in flags)
+                                               for p, flags in buffers.items()})
+        return inventory, {str(p): int(n) for p, n in nbytes.items()}
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise ExchangeRefused(f"stage {rank}'s inventory is not an inventory") from None
 
 
 def _is_peer_error(exc: BaseException) -> bool:
@@ -226,9 +250,7 @@ class StageWorker:
             torch.cuda.set_device(self.rank)
         os.environ.update(data_plane_env(cfg.opts.dist_interface))
         timeout = datetime.timedelta(seconds=cfg.opts.dist_timeout)
-        store = self._call(lambda: make_store(
-            self.rank, cfg.opts.pp_size, cfg.opts.dist_host, cfg.run_dir, cfg.opts.dist_timeout,
-            alive=lambda: _parent_alive(cfg.parent_pid)))
+        store = self._call(lambda: make_store(cfg.store_path, cfg.opts.pp_size, cfg.opts.dist_timeout))
         self._call(lambda: dist.init_process_group(
             cfg.backend, store=store, rank=self.rank, world_size=cfg.opts.pp_size, timeout=timeout,
         ))
@@ -237,24 +259,23 @@ class StageWorker:
     def _startup(self, inventory: Any, pool_page_bytes: dict[str, int]) -> bool:
         """Gather what every stage really allocated to rank 0, which validates it against the plan
         and publishes the report; every stage then gets the verdict."""
-        import torch.distributed as dist
-
         from ..validation.report import build_report
+        from .exchange import all_gather_json, broadcast_json
 
-        mine = {"stage": self.rank, "inventory": inventory, "pool_page_bytes": pool_page_bytes}
-        gathered: list[Any] | None = [None] * self.cfg.opts.pp_size if self.rank == 0 else None
-        self._call(lambda: dist.gather_object(mine, gathered, dst=0))
-        verdict: list[Any] = [None]
+        cfg = self.cfg
+        mine = {"stage": self.rank, "buffers": {k: list(v) for k, v in inventory.buffers.items()},
+                "pool_page_bytes": pool_page_bytes}
+        gathered = self._call(lambda: all_gather_json(mine, cfg.secret, cfg.opts.pp_size,
+                                                      cfg.torch_device))
+        ok = None
         if self.rank == 0:
-            assert gathered is not None
-            got = sorted(gathered, key=lambda g: g["stage"])
-            plan = self.cfg.opts.plan
-            report = build_report(plan.layout, [g["inventory"] for g in got], plan.page_size,
-                                  plan.fault_names, [g["pool_page_bytes"] for g in got])
-            rd.write_json_atomic(os.path.join(self.cfg.run_dir, rd.STARTUP_FILE), report.to_dict())
-            verdict = [report.ok]
-        self._call(lambda: dist.broadcast_object_list(verdict, src=0))
-        return bool(verdict[0])
+            got = [_inventory_of(g, k) for k, g in enumerate(gathered)]
+            plan = cfg.opts.plan
+            report = build_report(plan.layout, [inv for inv, _ in got], plan.page_size,
+                                  plan.fault_names, [nbytes for _, nbytes in got])
+            rd.write_json_atomic(os.path.join(cfg.run_dir, rd.STARTUP_FILE), report.to_dict())
+            ok = report.ok
+        return broadcast_json(ok, cfg.secret, self.rank, 0, cfg.torch_device) is True
 
     # -- the request loop ----------------------------------------------------------------------
     def _serve(self, requests: list[Any]) -> None:
@@ -281,14 +302,17 @@ class StageWorker:
     def _final_verdicts(self) -> None:
         """Rank 0's verdicts on the last micro-batches came with credits after its last send:
         one broadcast hands them to every stage (the stage agreement, ``agreement.py``)."""
-        import torch.distributed as dist
+        from .exchange import ExchangeRefused, broadcast_json
 
         agreement = self.cache.agreement
         if self.cfg.opts.pp_size < 2:
             return
-        owed: list[Any] = [agreement.owed() if self.rank == 0 else None]
-        self._call(lambda: dist.broadcast_object_list(owed, src=0))
-        agreement.take_verdicts(owed[0], forward=False)
+        mine = agreement.owed() if self.rank == 0 else None
+        owed = self._call(lambda: broadcast_json(mine, self.cfg.secret, self.rank, 0,
+                                                 self.cfg.torch_device))
+        if not isinstance(owed, list) or not all(type(w) is int for w in owed):
+            raise ExchangeRefused("stage 0's final verdicts are not a list of integers")
+        agreement.take_verdicts(owed, forward=False)
 
     def _pace(self, t0: float, mb: Any) -> float:
         """Open-loop arrivals: micro-batch i may start once its last request has arrived."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import time
 from collections.abc import Callable
@@ -33,6 +34,7 @@ from ..live.liveness import assess
 from ..live.numbers import RunInfo, StageLive
 from ..live.run_dir import RunDirSource
 from .options import ServeOptions, StageConfig
+from .rendezvous import new_store_path
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +91,9 @@ class Supervisor:
         self.started_at = time.time()
         self.url: str | None = None
         self.exit_codes: dict[int, int | None] = {}
+        #: Why the run dir can no longer be trusted (``RunDirLock.replaced``); None: it can.
+        self.guard: Callable[[], str | None] = lambda: None
+        self._write_failing = False
 
     # -- run.json / snapshot.json ------------------------------------------------------------------
     def run_info(self) -> RunInfo:
@@ -103,9 +108,28 @@ class Supervisor:
             time=time.time(),
         )
 
-    def write_run_file(self) -> None:
-        rd.write_text_atomic(Path(self.run_dir) / rd.RUN_FILE, self.run_info().model_dump_json())
-        rd.write_json_atomic(Path(self.run_dir) / rd.SNAPSHOT_FILE, self.source.snapshot())
+    def write_run_file(self) -> bool:
+        """Rewrite run.json and snapshot.json; False when the write failed.
+
+        A failed write (disk full, a read-only file system) must not stop the run or the
+        dashboard: it is logged (once until a write works again), counted
+        (``stagecache_run_file_write_failures_total``) and retried on the next tick.
+        """
+        try:
+            rd.write_text_atomic(Path(self.run_dir) / rd.RUN_FILE, self.run_info().model_dump_json())
+            rd.write_json_atomic(Path(self.run_dir) / rd.SNAPSHOT_FILE, self.source.snapshot())
+        except OSError as exc:
+            self.source.write_failures += 1
+            if not self._write_failing:
+                log.warning("cannot write %s in %s: %s; retrying (the run and the dashboard go on)",
+                            rd.RUN_FILE, self.run_dir, exc.strerror or exc)
+            self._write_failing = True
+            return False
+        if self._write_failing:
+            log.warning("%s written again after %d failed write(s)", rd.RUN_FILE,
+                        self.source.write_failures)
+        self._write_failing = False
+        return True
 
     def fail(self, why: str, stage: int | None) -> None:
         """Record the failure once: what, which stage, when (kept in run.json until exit)."""
@@ -129,8 +153,10 @@ class Supervisor:
         ctx = mp.get_context(method)
         if method == "forkserver":
             ctx.set_forkserver_preload(list(STAGE_PRELOAD))
+        secret = secrets.token_bytes(32)  # seals the startup exchange (exchange.py)
+        store = new_store_path(self.run_dir)  # the rendezvous, private to the run dir
         for rank in range(self.opts.pp_size):
-            cfg = StageConfig(rank, self.opts, self.run_dir, os.getpid())
+            cfg = StageConfig(rank, self.opts, self.run_dir, os.getpid(), secret, store)
             proc = ctx.Process(target=stage_main, args=(cfg,), name=f"stagecache-stage-{rank}", daemon=False)
             proc.start()
             self.procs.append(StageProc(rank, proc))
@@ -226,6 +252,10 @@ class Supervisor:
     def _step(self, first_seen: dict[int, float], deadline: float,
               progress: Observer) -> bool:
         """One supervisor tick; True when the run is over (done, refused or failed)."""
+        replaced = self.guard()
+        if replaced is not None:
+            self.fail(f"{replaced}; stopped, its files cannot be trusted", None)
+            return True
         report = self.source.startup()
         if self.phase == "starting" and report is not None:
             self.phase = "serving" if report.get("ok") else "refused"

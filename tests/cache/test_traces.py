@@ -139,5 +139,5 @@ def test_every_bad_line_is_listed_and_empty_or_missing_files_are_clear(tmp_path)
     path.write_text("\n\n")
     with pytest.raises(TraceError, match="no requests"):
         load_trace(path)
-    with pytest.raises(ConfigError, match="cannot read trace"):
+    with pytest.raises(ConfigError, match=r"trace '.*': cannot read: No such file or directory"):
         load_trace(tmp_path / "missing.jsonl")

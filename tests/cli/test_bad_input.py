@@ -10,6 +10,7 @@ file, and a reader that closes stdout early is a quiet exit.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from stagecache.runtime.model import spec as spec_module
 
 CLI = [sys.executable, "-m", "stagecache.runtime"]
 #: Appended before a serve case's own flags (argparse keeps the last value), so a bad value that
@@ -110,7 +112,7 @@ CASES = [
     ("hicache-check-neg", ["bench", "hicache", "--check-every", "-2"], "argument --check-every: expected an integer >= 0"),
     ("hicache-ratio-nan", ["bench", "hicache", "--hicache-ratio", "nan"], "argument --hicache-ratio: " + FLOAT_BAD),
     ("http-clients-zero", ["bench", "http", "--clients", "0"], "argument --clients: expected a positive integer"),
-    ("http-out-nowhere", ["bench", "http", "--out", "{dir}/none/out.json"], "--out '{dir}/none/out.json': cannot write there"),
+    ("http-out-nowhere", ["bench", "http", "--out", "{dir}/none/out.json"], "argument --out: '{dir}/none/out.json': '{dir}/none' is not a directory"),
     ("http-requests-neg", ["bench", "http", "--requests", "-5"], "argument --requests: expected a positive integer"),
     # -- dashboard and check ---------------------------------------------------------------------------
     ("dash-json-missing", ["dashboard", "--from-json", "{dir}/none.json"], "--from-json {dir}/none.json: cannot read"),
@@ -157,6 +159,14 @@ def _make_files(d: Path) -> dict[str, str]:
         with open(d / name, "wb") as f:
             f.truncate(size)  # sparse: instant, and never read whole by a bounded loader
         files[name.split(".")[0]] = str(d / name)
+    tiny = json.loads((Path(spec_module.__file__).parent / "presets" / "tiny-v4.json").read_text())
+    put("ratiofloat.json", json.dumps({**tiny, "compress_ratios": [
+        float(r) if r == 4 else r for r in tiny["compress_ratios"]]}))
+    put("swa.json", json.dumps({**tiny, "sliding_window": 10**18}))
+    put("bigint.json", '{"head_dim": ' + "1" * 5000 + "}")
+    put("adversarial.json", '"\\' * (1 << 19))  # 1 MiB of escaped quotes: quadratic for a regex
+    os.mkfifo(d / "fifo.json")
+    files["fifo"] = str(d / "fifo.json")
     (d / "emptydir").mkdir()
     files["emptydir"] = str(d / "emptydir")
     (d / "cfgdir" / "config.json").mkdir(parents=True)
@@ -234,3 +244,76 @@ def test_a_reader_closing_stdout_early_is_a_quiet_exit():
     err = proc.stderr.read().decode()
     code = proc.wait(60)
     assert err == "" and code == 128 + signal.SIGPIPE
+
+
+def test_a_config_under_a_directory_without_permission_is_one_line(tmp_path):
+    """As another user (uid 65534): the parent exists but cannot be searched."""
+    from attacker import as_nobody
+    from stagecache.runtime.errors import ConfigError
+    from stagecache.runtime.model.spec import load_config
+
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o700)
+    (locked / "config.json").write_text("{}")
+    tmp_path.chmod(0o755)
+
+    def refused() -> None:
+        with pytest.raises(ConfigError, match=rf"model config '{locked}/config.json': cannot look at "
+                           "it: Permission denied"):
+            load_config(str(locked / "config.json"))
+
+    as_nobody(refused)
+
+
+#: Hardening cases, run in-process (``main(argv)``: no interpreter start per case, so the table
+#: costs a second): numbers written oddly, files that are not files, work that must not start.
+IN_PROCESS = [
+    ("int-5000-digits", ["check", "--model", "tiny-v4", "--pp-size", "1" * 5000],
+     "argument --pp-size: expected a positive integer <= 4096, got '" + "1" * 40 + "'... (5000 characters)"),
+    ("int-unicode-digits", ["check", "--model", "tiny-v4", "--pp-size", "\u0661\u0662"],
+     "argument --pp-size: expected a positive integer <= 4096, got '\u0661\u0662'"),
+    ("int-underscore", ["pools", "--model", "tiny-v4", "--max-total-tokens", "1_000"],
+     "argument --max-total-tokens: expected a positive integer, got '1_000'"),
+    ("float-underscore", ["pools", "--model", "tiny-v4", "--mem-budget-gb", "1_0"], "argument --mem-budget-gb: " + FLOAT_BAD),
+    ("fault-superscript-stage", ["check", "--model", "tiny-v4", "--fault", "global-swa@\u00b2"],
+     "expected a stage number (integer >= 0) after '@', got '\u00b2'"),
+    ("model-ratio-float", ["check", "--model", "{ratiofloat}"], "compress_ratios[2] = 4.0 is not supported"),
+    ("model-swa-1e18", ["check", "--model", "{swa}"],
+     "field 'sliding_window' must be a positive integer <= 1048576, got 1000000000000000000"),
+    ("model-int-5000-digits", ["check", "--model", "{bigint}"], "Exceeds the limit (4300 digits)"),
+    ("model-adversarial-1mib", ["check", "--model", "{adversarial}"], "is not valid JSON"),
+    ("model-fifo", ["check", "--model", "{fifo}"], "model config '{fifo}' is not a regular file"),
+    ("model-name-too-long", ["check", "--model", "{dir}/" + "a" * 300 + ".json"], "File name too long"),
+    ("serve-trace-fifo", S("--trace", "{fifo}"), "--trace '{fifo}' is not a regular file"),
+    ("hicache-trace-fifo", ["bench", "hicache", "--trace", "{fifo}"], "trace '{fifo}' is not a regular file"),
+    ("dash-json-fifo", ["dashboard", "--from-json", "{fifo}"], "--from-json {fifo} is not a regular file"),
+    ("serve-dist-timeout-tiny", S("--dist-timeout", "0.001"),
+     "argument --dist-timeout: expected a finite number >= 1 and <= 86400, got '0.001'"),
+    ("transfer-device-bogus", ["bench", "transfer", "--device", "bogus"],
+     "argument --device: expected cpu, cuda or cuda:N, got 'bogus'"),
+    ("transfer-out-nowhere", ["bench", "transfer", "--device", "cpu", "--out", "{dir}/none/out.json"],
+     "argument --out: '{dir}/none/out.json': '{dir}/none' is not a directory"),
+    ("hicache-save-trace-dir", ["bench", "hicache", "--save-trace", "{dir}"], "argument --save-trace: '{dir}' is a directory"),
+    ("hicache-requests-1e9", ["bench", "hicache", "--requests", "1000000000"],
+     "argument --requests: expected a positive integer <= 100000, got 1000000000"),
+    ("http-closed-port", ["bench", "http", "--url", "http://127.0.0.1:1/"],
+     "--url 'http://127.0.0.1:1/': cannot reach /healthz (Connection refused)"),
+    ("http-port-out-of-range", ["bench", "http", "--url", "http://127.0.0.1:99999/"], "Port out of range"),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory):
+    return _make_files(tmp_path_factory.mktemp("bad-input-in-process"))
+
+
+@pytest.mark.parametrize("cid, argv, needle", IN_PROCESS, ids=[c[0] for c in IN_PROCESS])
+def test_hardening_inputs_exit_2_with_one_line(cid, argv, needle, bad_files, capsys):
+    from stagecache.runtime.cli.main import main
+
+    code = main([_fill(a, bad_files) for a in argv])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    assert code == 2, f"exit {code}:\n{out}{err}"
+    [line] = [ln for ln in err.splitlines() if ln.strip()]
+    assert _fill(needle, bad_files) in line

@@ -64,6 +64,13 @@ def test_startup_not_reported_or_failed_is_not_ready():
     assert "startup validation failed" in assess(run(), bad, stages, NOW).reasons[0]
 
 
+def test_a_stage_still_starting_is_not_ready_though_the_run_serves():
+    """Rank 0 wrote the report (the run serves) before stage 1 took the verdict."""
+    v = assess(run(), REPORT, {0: live(0, 0.1), 1: live(1, 0.1, phase="starting")}, NOW)
+    assert not v.ready and v.reasons == ["stage 1: still starting"]
+    assert [h.up for h in v.stages] == [True, False]
+
+
 def test_a_stage_that_failed_or_never_reported_is_down():
     v = assess(run(), REPORT, {0: live(0, 0.1, phase="failed", error="ValueError: x")}, NOW)
     assert v.stages[0].reason == "failed: ValueError: x" and v.stages[0].error == "ValueError: x"
@@ -112,7 +119,8 @@ def _fresh_run_dir(tmp_path, stale_stage: int | None) -> rd.RunDirSource:
     for k in range(2):
         beat = now - (30 if k == stale_stage else 0.2)
         rd.write_text_atomic(rd.stage_file(tmp_path, k),
-                             StageLive(stage=k, pid=100 + k, heartbeat_at=beat).model_dump_json())
+                             StageLive(stage=k, pid=100 + k, phase="serving",
+                                       heartbeat_at=beat).model_dump_json())
     return rd.RunDirSource(tmp_path)
 
 

@@ -1,0 +1,175 @@
+"""What a hostile client meets at the dashboard (``dashboard/guard.py``), on a real server.
+
+Host header allowlist (DNS rebinding), HEAD on every GET route, a request-head deadline for
+silent and half-sent connections, a cap on open connections that evicts the longest-waiting
+idle one, and -- against a real ``stagecache serve`` -- 2,000 idle sockets held open by one
+client while /healthz keeps answering fast and serve keeps running.
+"""
+
+from __future__ import annotations
+
+import http.client
+import resource
+import signal
+import socket
+import statistics
+import time
+
+import httpx
+import pytest
+from plans import report
+from stagecache.dashboard.app import create_app
+from stagecache.dashboard.server import DashboardThread, bind_dashboard_socket
+from stagecache.exporters.snapshot import StaticSource
+
+HEAD = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n"  # no blank line: the head never ends
+
+
+def _serving(**kw) -> DashboardThread:
+    dash = DashboardThread(StaticSource(report("tiny-v4", 2)), bind_dashboard_socket("127.0.0.1", 0),
+                           "t", **kw)
+    dash.start()
+    assert dash.server.started
+    return dash
+
+
+def _port(dash: DashboardThread) -> int:
+    return dash.sock.getsockname()[1]
+
+
+def _closed_by_server(s: socket.socket, within: float) -> bool:
+    s.settimeout(within)
+    try:
+        return s.recv(1) == b""
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_only_this_servers_names_are_accepted_in_host():
+    dash = _serving()
+    port = _port(dash)
+    try:
+        url = f"http://127.0.0.1:{port}/healthz"
+        for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", "LOCALHOST", "127.0.0.1"):
+            assert httpx.get(url, headers={"Host": host}, timeout=5).status_code == 200, host
+        for host in (f"evil.example:{port}", "attacker.test", f"127.0.0.2:{port}", "[::2]:80", "a:b:c"):
+            r = httpx.get(url, headers={"Host": host}, timeout=5)
+            assert r.status_code == 400, host
+            assert r.text.startswith(f"Host {host!r} is not served here; allowed: 127.0.0.1, [::1], localhost")
+    finally:
+        dash.stop()
+
+
+def test_head_is_answered_on_every_get_route_with_the_get_headers_and_no_body():
+    dash = _serving()
+    base = f"http://127.0.0.1:{_port(dash)}"
+    app = create_app(StaticSource(report("tiny-v4", 2)))
+    paths = [r.path.replace("{stage}", "0") for r in app.routes
+             if "GET" in getattr(r, "methods", ()) and "{" not in r.path.replace("{stage}", "")]
+    assert {"/", "/healthz", "/readyz", "/metrics", "/docs", "/redoc", "/api/stages"} <= set(paths)
+    try:
+        with httpx.Client(base_url=base, timeout=30) as c:
+            for path in paths:
+                get, head = c.get(path), c.head(path)
+                assert head.status_code == get.status_code != 405, path
+                assert head.content == b"", path
+                assert head.headers.get("content-type") == get.headers.get("content-type"), path
+    finally:
+        dash.stop()
+
+
+def test_a_silent_or_half_sent_connection_is_closed_at_the_head_deadline():
+    dash = _serving(header_timeout_s=0.5, keep_alive_s=30)
+    port = _port(dash)
+    try:
+        silent = socket.create_connection(("127.0.0.1", port))
+        slow = socket.create_connection(("127.0.0.1", port))
+        slow.sendall(HEAD)  # slowloris: a head that never ends
+        t0 = time.monotonic()
+        assert _closed_by_server(silent, 10) and _closed_by_server(slow, 10)
+        assert 0.4 <= time.monotonic() - t0 < 5
+        # after a response, the next head has the same deadline (keep-alive is 30 s here)
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(HEAD + b"\r\n")
+            answer = b""
+            while not answer.endswith(b'"ok"}'):
+                answer += s.recv(4096)
+            assert answer.startswith(b"HTTP/1.1 200")
+            s.sendall(b"GET /he")
+            assert _closed_by_server(s, 10)
+        silent.close()
+        slow.close()
+    finally:
+        dash.stop()
+
+
+def test_past_the_connection_cap_the_longest_waiting_idle_connection_goes():
+    dash = _serving()
+    dash.server.config.http_protocol_class.max_connections = 8
+    port = _port(dash)
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(20)]
+    try:
+        assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).status_code == 200
+        closed = [_closed_by_server(s, 5 if i < 13 else 0.05) for i, s in enumerate(idle)]
+        assert all(closed[:13]) and not any(closed[13:])  # the oldest went first, the newest stay
+    finally:
+        for s in idle:
+            s.close()
+        dash.stop()
+
+
+def _healthz_ms(port: int) -> float:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    t0 = time.perf_counter()
+    conn.request("GET", "/healthz")
+    resp = conn.getresponse()
+    resp.read()
+    conn.close()
+    assert resp.status == 200
+    return (time.perf_counter() - t0) * 1e3
+
+
+def test_two_thousand_idle_sockets_do_not_starve_a_real_serve(tmp_path):
+    from serve_helpers import start, stop, wait_for
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2300:
+        pytest.skip(f"the fd hard limit ({hard}) is too low for 2,000 client sockets")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2300), hard))
+    out = tmp_path / "out.txt"
+    proc = start(["--model", "tiny-v4", "--pp-size", "2", "--requests", "8", "--rate", "0",
+                  "--hold-seconds", "300", "--port", "0", "--run-dir", str(tmp_path / "run")], out)
+    held: list[socket.socket] = []
+    try:
+        line = wait_for(lambda: next((ln for ln in out.read_text().splitlines()
+                                      if ln.startswith("dashboard serving")), None),
+                        120, "the run to finish and the dashboard to hold", proc, out)
+        port = int(line.split("http://127.0.0.1:")[1].split("/")[0])
+        for i in range(2000):
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            if i % 2:
+                s.sendall(HEAD)
+            held.append(s)
+        # the first answer waits for the server to accept the burst (~0.5 ms a connection);
+        # from then on the 2,000 sockets are only held open
+        first = _healthz_ms(port)
+        latencies = sorted(_healthz_ms(port) for _ in range(50))
+        assert proc.poll() is None, out.read_text()
+        print(f"/healthz with 2,000 idle sockets held: first (behind the burst) {first:.0f} ms; "
+              f"then p50 {statistics.median(latencies):.1f} ms, p90 {latencies[44]:.1f} ms, "
+              f"max {latencies[-1]:.1f} ms")
+        assert first < 5000 and latencies[-1] < 100, latencies
+        # past the cap (1,000) the oldest waiting sockets were closed at once; every other one
+        # at its head deadline (10 s)
+        deadline = time.monotonic() + 30
+        assert all(_closed_by_server(s, max(0.01, deadline - time.monotonic())) for s in held)
+        assert proc.poll() is None and _healthz_ms(port) < 1000
+        assert stop(proc, signal.SIGINT) == 0  # Ctrl-C while holding: the run's own code
+    finally:
+        for s in held:
+            s.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
