@@ -12,7 +12,6 @@ from contextlib import ExitStack
 import pytest
 import torch
 from l3_support import mooncake_master
-
 from stagecache.runtime.storage.base import Outcome
 from stagecache.runtime.storage.file import FileStore
 from stagecache.runtime.storage.memory import MemoryStore

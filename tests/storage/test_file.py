@@ -6,7 +6,6 @@ import os
 
 import pytest
 import torch
-
 from stagecache.runtime.storage.base import Outcome, StoreUnavailable
 from stagecache.runtime.storage.file import HEADER, SUFFIX, FileStore
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 from plans import run_plan
-
 from stagecache.runtime.storage.keys import KeySpace, check_key, key_space, overlapping
 
 

@@ -8,7 +8,6 @@ import time
 import pytest
 import torch
 from l3_support import mooncake_master, need_mooncake
-
 from stagecache.runtime.storage.base import Outcome, StoreUnavailable
 from stagecache.runtime.storage.master import MooncakeMaster, free_port, parse_address
 

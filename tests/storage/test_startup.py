@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from plans import run_plan
-
 from stagecache.runtime.storage.file import FileStore
 from stagecache.runtime.storage.keys import KeySpace, key_space
 from stagecache.runtime.storage.startup import check_manifest, check_probe, write_probe

@@ -14,8 +14,8 @@ def mooncake_unavailable() -> str | None:
         import mooncake.store  # noqa: F401
     except Exception as exc:  # noqa: BLE001 - any load failure is a reason to skip
         return f"mooncake wheel not loadable: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
-    from stagecache.runtime.storage.master import master_binary
     from stagecache.runtime.storage.base import StoreUnavailable
+    from stagecache.runtime.storage.master import master_binary
 
     try:
         master_binary()
