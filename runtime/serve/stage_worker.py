@@ -181,7 +181,9 @@ class StageWorker:
         self.cache = build_stage_cache(self)
         cache = self.cache  # the heartbeat re-checks the host tier while the stage waits
         self.stage_file.refresh = lambda: {"host_tier": cache.host_tier.live()}
-        report_ok = self._startup(self.cache.pools.inventory(), self.cache.pools.pool_page_bytes())
+        l3_errors = self.cache.l3.startup(lambda: self._call(lambda: dist.barrier()))
+        report_ok = self._startup(self.cache.pools.inventory(), self.cache.pools.pool_page_bytes(),
+                                  l3_errors)
         if not report_ok:
             self.phase = "refused"
             self.publish(force=True)
@@ -196,6 +198,8 @@ class StageWorker:
     def close(self) -> None:
         if self.heartbeat is not None:
             self.heartbeat.stop()
+        if self.cache is not None:
+            self.cache.l3.close()
         if self.dist_ready:
             try:
                 import torch.distributed as dist
@@ -234,14 +238,20 @@ class StageWorker:
         ))
         self.dist_ready = True
 
-    def _startup(self, inventory: Any, pool_page_bytes: dict[str, int]) -> bool:
+    def _startup(self, inventory: Any, pool_page_bytes: dict[str, int],
+                 l3_errors: list[str] | None = None) -> bool:
         """Gather what every stage really allocated to rank 0, which validates it against the plan
-        and publishes the report; every stage then gets the verdict."""
+        (and adds every stage's L3 startup errors) and publishes the report; every stage then gets
+        the verdict."""
+        import dataclasses
+
         import torch.distributed as dist
 
+        from ..errors import MappingError
         from ..validation.report import build_report
 
-        mine = {"stage": self.rank, "inventory": inventory, "pool_page_bytes": pool_page_bytes}
+        mine = {"stage": self.rank, "inventory": inventory, "pool_page_bytes": pool_page_bytes,
+                "l3_errors": list(l3_errors or ())}
         gathered: list[Any] | None = [None] * self.cfg.opts.pp_size if self.rank == 0 else None
         self._call(lambda: dist.gather_object(mine, gathered, dst=0))
         verdict: list[Any] = [None]
@@ -251,6 +261,10 @@ class StageWorker:
             plan = self.cfg.opts.plan
             report = build_report(plan.layout, [g["inventory"] for g in got], plan.page_size,
                                   plan.fault_names, [g["pool_page_bytes"] for g in got])
+            l3 = tuple(MappingError(g["stage"], "l3", "a store of this deployment, own keys", "refused",
+                                    e) for g in got for e in g["l3_errors"])
+            if l3:
+                report = dataclasses.replace(report, cross_errors=report.cross_errors + l3)
             rd.write_json_atomic(os.path.join(self.cfg.run_dir, rd.STARTUP_FILE), report.to_dict())
             verdict = [report.ok]
         self._call(lambda: dist.broadcast_object_list(verdict, src=0))
