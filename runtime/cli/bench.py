@@ -37,6 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     _register_transfer(bench_sub)
     _register_transfer_split(bench_sub)
     _register_hicache(bench_sub)
+    _register_l3(bench_sub)
     bench_http.register(bench_sub)
 
 
@@ -266,6 +267,44 @@ def _register_hicache(sub: argparse._SubParsersAction) -> None:
                    f"{insight_overhead.DEFAULT_OVERHEAD_REPEATS}, with --metadata-only 0; 0: not measured)")
     p.add_argument("--json", action="store_true", help="print the full JSON result instead of the table")
     p.set_defaults(func=_run_hicache)
+
+
+def _register_l3(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("l3", help="time each L3 backend against the plain I/O beneath it: file store vs "
+                       "sequential write/read on the same disk, Mooncake store vs direct Mooncake calls (JSON)")
+    p.add_argument("--backend", choices=("file", "mooncake", "all"), default="all",
+                   help="which backends to time (default %(default)s; mooncake needs stagecache[l3])")
+    p.add_argument("--pages", type=int_range(1, 4096), default=32,
+                   help="objects per batch (default %(default)s)")
+    p.add_argument("--page-mib", type=positive_float, default=4.0,
+                   help="MiB per object (default %(default)g, one page of a large stage)")
+    p.add_argument("--rounds", type=int_range(1, 50), default=3,
+                   help="interleaved rounds per technique; the median counts (default %(default)s)")
+    p.add_argument("--dir", default=None, metavar="DIR",
+                   help="file backend: where both the store and the plain file go (default: $TMPDIR)")
+    p.add_argument("--json", action="store_true", help="accepted for symmetry: the output is always JSON")
+    p.set_defaults(func=_run_l3)
+
+
+def _run_l3(args: argparse.Namespace) -> int:
+    from ..bench import l3 as bench_l3
+    from ..errors import ConfigError
+    from ..storage.base import StoreUnavailable
+
+    backends = ["file", "mooncake"] if args.backend == "all" else [args.backend]
+    if "mooncake" in backends:
+        from ..storage.mooncake import _import_store
+
+        try:
+            _import_store()
+        except StoreUnavailable as exc:
+            raise ConfigError(str(exc)) from None
+    try:
+        res = bench_l3.run_bench(backends, args.pages, args.page_mib, args.rounds, args.dir)
+    except StoreUnavailable as exc:
+        raise ConfigError(str(exc)) from None
+    print(json.dumps(res, indent=2))
+    return 0
 
 
 def _run_hicache(args: argparse.Namespace) -> int:

@@ -21,6 +21,7 @@ import logging
 import os
 import stat
 import struct
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,6 +36,8 @@ log = logging.getLogger(__name__)
 MAGIC = b"SCL3obj1"
 HEADER = struct.Struct("<8sQI4x")  # magic, payload bytes, CRC-32C of the payload
 SUFFIX = ".obj"
+#: A temporary file older than this is a dead writer's, removed when a store opens the directory.
+STALE_TEMP_S = 600.0
 _OPEN_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 _OPEN_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -119,7 +122,7 @@ class FileStore(L3Store):
             for entry in it:
                 name = entry.name
                 if name.startswith(".tmp-"):
-                    self._unlink(name)  # a writer died between create and rename
+                    self._stale_temp(entry)
                     continue
                 if not name.endswith(SUFFIX) or not self._owned(name[:-len(SUFFIX)]):
                     continue
@@ -129,6 +132,15 @@ class FileStore(L3Store):
         for _, key, size in sorted(found):
             self._index[key] = size
             self.stats.used_bytes += size
+
+    def _stale_temp(self, entry: os.DirEntry) -> None:
+        """A temporary file left by a writer that died between create and rename; one younger
+        than ``STALE_TEMP_S`` may be another process's write in flight (stages share the directory)."""
+        try:
+            if time.time() - entry.stat(follow_symlinks=False).st_mtime > STALE_TEMP_S:
+                self._unlink(entry.name)
+        except FileNotFoundError:
+            pass
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, check_key(key) + SUFFIX)

@@ -35,10 +35,24 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def _in_package() -> str | None:
+    """The binary the wheel ships inside the ``mooncake`` package (an install with --target)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("mooncake")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        path = Path(folder) / BINARY
+        if path.is_file() and os.access(path, os.X_OK):
+            return str(path)
+    return None
+
+
 def master_binary() -> str:
-    """The ``mooncake_master`` of this interpreter's environment, else the one on PATH."""
+    """The ``mooncake_master`` of this interpreter's environment, else the wheel's own, else PATH."""
     beside = Path(sys.executable).with_name(BINARY)
-    found = str(beside) if beside.exists() else shutil.which(BINARY)
+    found = str(beside) if beside.exists() else _in_package() or shutil.which(BINARY)
     if not found:
         raise StoreUnavailable(f"{BINARY} not found (beside {sys.executable} or on PATH): "
                                "pip install 'stagecache[l3]' (mooncake-transfer-engine-non-cuda)")

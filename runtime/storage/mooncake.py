@@ -51,6 +51,7 @@ def describe(code: int) -> str:
 
 
 def _import_store() -> type:
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # read when the library loads: INFO logs every call
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as exc:
@@ -71,7 +72,6 @@ class MooncakeStore(L3Store):
         super().__init__()
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", hostname)
         os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
-        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # the client logs every call at INFO
         cls = _import_store()
         self.master, self.probe_interval, self.health_key = master, probe_interval, health_key
         self.stats.capacity_bytes = segment_bytes

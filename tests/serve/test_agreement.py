@@ -82,7 +82,7 @@ def test_l3_pages_count_as_matched_and_loaded_and_travel_to_later_stages():
     # what stage 1 follows: stage 0's device + host pages and its L3 pages, per request
     assert stages[1].head(0, 2) == [(2, 3), (0, 0)]
     assert stages[0].head(0, 2) is None
-    (agreed, _), _ = compare([[[1, 1, 0, 2, 1, 3]], [[1, 1, 0, 2, 1, 3]]])
+    [(agreed, _)] = compare([[[1, 1, 0, 2, 1, 3]], [[1, 1, 0, 2, 1, 3]]])
     assert agreed[:2] == [5, 4]  # matched = device + host + L3; loaded = host + L3
 
 
@@ -160,7 +160,8 @@ def test_a_skewed_stage_is_counted_alerted_and_makes_the_run_not_ready(tmp_path:
     for k, s in stages.items():
         m = s["insight"]["miss_tokens"]
         assert sum(m["host"].values()) == s["cache_tokens"]["miss"], (k, m)
-        assert sum(m["device"].values()) == s["cache_tokens"]["miss"] + s["cache_tokens"]["host"]
+        t = s["cache_tokens"]
+        assert sum(m["device"].values()) == t["miss"] + t["host"] + t["storage"]
         assert (m["host"]["stage_disagreement"] > 0) == (k == 2), (k, m)
     assert stages[2]["insight"]["skewed_pages"] > 0
     text = out.read_text()

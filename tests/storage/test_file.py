@@ -103,8 +103,11 @@ def test_reopening_keeps_objects_and_their_lru_order(tmp_path):
 def test_leftover_temporary_files_are_removed_and_writes_are_whole(tmp_path):
     (tmp_path / "l3").mkdir(mode=0o700)
     (tmp_path / "l3" / ".tmp-deadbeef").write_bytes(b"half")
+    os.utime(tmp_path / "l3" / ".tmp-deadbeef", (1, 1))  # a dead writer's
+    (tmp_path / "l3" / ".tmp-inflight").write_bytes(b"now")  # another process writing right now
     store = FileStore(tmp_path / "l3")
     assert not (tmp_path / "l3" / ".tmp-deadbeef").exists()
+    (tmp_path / "l3" / ".tmp-inflight").unlink()  # kept: it was young
     store.batch_set_from([key(1)], [[page(1)]])
     assert [p.name for p in (tmp_path / "l3").iterdir()] == [key(1) + SUFFIX]
     assert os.stat(tmp_path / "l3" / (key(1) + SUFFIX)).st_mode & 0o777 == 0o600
