@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from stagecache.runtime.integrations.storage_keys import TABLE, facts, verdict
 
 ROOT = Path(__file__).resolve().parents[2]
