@@ -57,13 +57,13 @@ def test_a_damaged_object_is_a_miss_and_an_error_never_data(tmp_path, damage):
     path = tmp_path / "l3" / (key(1) + SUFFIX)
     data = bytearray(path.read_bytes())
     if damage == "flip":
-        data[HEADER.size + 500] ^= 0x01
+        data[500] ^= 0x01
     elif damage == "truncate":
         data = data[:-1]
     elif damage == "extend":
         data += b"\0"
     else:
-        data[0] ^= 0xFF
+        data[-HEADER.size] ^= 0xFF
     path.write_bytes(bytes(data))
     dst = torch.zeros(1024, dtype=torch.uint8)
     assert store.batch_get_into([key(1)], [[dst]]) == [Outcome.CORRUPT]
