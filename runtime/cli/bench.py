@@ -27,6 +27,7 @@ from .common import (
     positive_float,
     positive_int,
 )
+from .l3_args import add_l3_args, l3_options
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -266,6 +267,7 @@ def _register_hicache(sub: argparse._SubParsersAction) -> None:
                    "without it, the median difference as a share of the replay time (default "
                    f"{insight_overhead.DEFAULT_OVERHEAD_REPEATS}, with --metadata-only 0; 0: not measured)")
     p.add_argument("--json", action="store_true", help="print the full JSON result instead of the table")
+    add_l3_args(p, defaults.BENCH_L3_BACKEND)
     p.set_defaults(func=_run_hicache)
 
 
@@ -313,6 +315,9 @@ def _run_hicache(args: argparse.Namespace) -> int:
 
     if args.verify and args.metadata_only:
         raise ConfigError("--verify checks page bytes; --metadata-only has none: use one of them")
+    args.l3_options = l3_options(args)
+    if args.l3_options.enabled and args.metadata_only:
+        raise ConfigError(f"--l3 {args.l3}: L3 holds page bytes; --metadata-only has none: use one of them")
     if args.no_insight and args.insight_overhead:
         raise ConfigError("--insight-overhead compares runs with and without the insight; "
                           "--no-insight turns it off: use one of them")
