@@ -16,14 +16,15 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..errors import StageCacheError
 
+if TYPE_CHECKING:  # the CLI imports this module to parse flags: no torch import for that
+    import torch
+
 #: One page of one pool kind in the host tier: its segments, in buffer order.
-Segments = Sequence[torch.Tensor]
+Segments = Sequence["torch.Tensor"]
 
 
 class Outcome(IntEnum):
