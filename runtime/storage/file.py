@@ -36,7 +36,9 @@ from .keys import SCHEME, check_key
 log = logging.getLogger(__name__)
 
 MAGIC = b"SCL3obj1"
-HEADER = struct.Struct("<8sQI4x")  # the trailer: magic, payload bytes, CRC-32C of the payload
+#: The trailer: magic, payload bytes, CRC-32C of the payload, a reserved word that must be 0 (so a
+#: changed byte anywhere in the file is caught: the payload by the checksum, the trailer by value).
+HEADER = struct.Struct("<8sQII")
 SUFFIX = ".obj"
 #: Objects of one batch read whose files are opened (and asked for) before the first is read.
 READ_AHEAD_OBJECTS = 32
@@ -190,7 +192,7 @@ class FileStore(L3Store):
         try:
             fd = os.open(tmp, _OPEN_NEW, 0o600)
             try:
-                _write_all(fd, [*buffers, HEADER.pack(MAGIC, payload, crc)])
+                _write_all(fd, [*buffers, HEADER.pack(MAGIC, payload, crc, 0)])
             finally:
                 os.close(fd)
             os.rename(tmp, path)
@@ -233,9 +235,9 @@ class FileStore(L3Store):
             return Outcome.FAILED
         finally:
             os.close(fd)
-        magic, length, crc = HEADER.unpack(head)
-        if got != HEADER.size + payload or magic != MAGIC or length != payload:
-            return self._corrupt(key, "bad header or short read")
+        magic, length, crc, reserved = HEADER.unpack(head)
+        if got != HEADER.size + payload or magic != MAGIC or length != payload or reserved:
+            return self._corrupt(key, "bad trailer or short read")
         value = 0
         for b in buffers:
             value = crc32c.crc32c(b, value)
@@ -279,15 +281,19 @@ class FileStore(L3Store):
         return out
 
     def _exists(self, keys: Sequence[str]) -> list[bool]:
+        """Up to the first key not stored (``batch_exists`` counts the leading run only)."""
         out = []
         for key in keys:
             if key in self._index:
                 out.append(True)
                 continue
             try:
-                out.append(stat.S_ISREG(os.stat(self._path(key), follow_symlinks=False).st_mode))
+                found = stat.S_ISREG(os.stat(self._path(key), follow_symlinks=False).st_mode)
             except FileNotFoundError:
-                out.append(False)
+                found = False
+            out.append(found)
+            if not found:
+                break
         return out
 
     def get(self, key: str) -> bytes | None:

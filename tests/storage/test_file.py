@@ -72,6 +72,23 @@ def test_a_damaged_object_is_a_miss_and_an_error_never_data(tmp_path, damage):
     assert store.batch_exists([key(1)]) == 0
 
 
+def test_a_change_of_any_byte_of_the_file_is_caught(tmp_path):
+    store = FileStore(tmp_path / "l3")
+    src = torch.arange(64, dtype=torch.uint8)
+    store.batch_set_from([key(1)], [[src]])
+    path = tmp_path / "l3" / (key(1) + SUFFIX)
+    good = path.read_bytes()
+    assert len(good) == 64 + HEADER.size
+    for i in range(len(good)):  # payload and trailer alike
+        store.batch_set_from([key(1)], [[src]])
+        bad = bytearray(good)
+        bad[i] ^= 0x01
+        path.write_bytes(bytes(bad))
+        dst = torch.zeros(64, dtype=torch.uint8)
+        assert store.batch_get_into([key(1)], [[dst]]) == [Outcome.CORRUPT], i
+    assert store.stats.errors["corrupt"] == len(good) and store.stats.reads == 0
+
+
 def test_size_bound_evicts_least_recently_used(tmp_path):
     one = HEADER.size + 1024
     store = FileStore(tmp_path / "l3", capacity_bytes=3 * one, owner=OWNER)
