@@ -17,11 +17,17 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..cache.storage_tier import BANDWIDTH_BUCKETS_GBPS, StorageTier
 from ..storage.base import StoreUnavailable
 from ..storage.startup import check_manifest, check_probe, write_probe
+
+if TYPE_CHECKING:
+    from ..cache.storage_tier import BandwidthHistogram
+    from ..live.numbers import L3Live, SampledHistogram
+    from ..memory.host_pools import HostPools
+    from .options import StageConfig
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +35,7 @@ log = logging.getLogger(__name__)
 class StageL3:
     """The stage's L3 tier, if ``--l3`` asked for one (``tier`` None otherwise)."""
 
-    def __init__(self, cfg: Any, stage: int, host: Any):
+    def __init__(self, cfg: StageConfig, stage: int, host: HostPools):
         self.cfg, self.stage, self.host = cfg, stage, host
         self.opts = cfg.opts.l3
         self.tier: StorageTier | None = None
@@ -92,13 +98,13 @@ class StageL3:
             self.tier.store.close()
 
 
-def _histogram(h: Any) -> Any:
+def _histogram(h: BandwidthHistogram) -> SampledHistogram:
     from ..live.numbers import SampledHistogram
 
     return SampledHistogram(le=list(BANDWIDTH_BUCKETS_GBPS), counts=h.cumulative(), sum=h.sum)
 
 
-def l3_live(tier: StorageTier | None, page_size: int) -> Any:
+def l3_live(tier: StorageTier | None, page_size: int) -> L3Live:
     """The stage's ``StageLive.l3``."""
     from ..live.numbers import L3Directions, L3Live
 

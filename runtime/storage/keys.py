@@ -21,6 +21,8 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from ..plan.plan import RunPlan
+
 SCHEME = "sc1"
 #: The store-wide manifest: which deployment (fingerprint) the store's keys belong to.
 MANIFEST_KEY = f"{SCHEME}.manifest"
@@ -79,11 +81,10 @@ class KeySpace:
                 f"deployment {self.digest})")
 
 
-def key_space(plan: object, stage: int, tp_rank: int = 0) -> KeySpace:
-    """Stage ``stage``'s key space in ``plan`` (a ``RunPlan``): its digest and layer range."""
-    sp = plan.stage(stage)  # type: ignore[attr-defined]
-    m = sp.layer_map
-    return KeySpace(plan.fingerprint.digest, tp_rank, stage, m.start, m.end)  # type: ignore[attr-defined]
+def key_space(plan: RunPlan, stage: int, tp_rank: int = 0) -> KeySpace:
+    """Stage ``stage``'s key space in ``plan``: the deployment's digest and the stage's layers."""
+    m = plan.stage(stage).layer_map
+    return KeySpace(plan.fingerprint.digest, tp_rank, stage, m.start, m.end)
 
 
 def overlapping(spaces: Sequence[KeySpace]) -> list[tuple[KeySpace, KeySpace]]:

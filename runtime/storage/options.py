@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from .. import defaults
 from ..model.pool_kinds import KINDS
+from ..plan.plan import RunPlan, StagePlan
 from .base import L3Store, StoreUnavailable
 from .file import HEADER, FileStore
 from .keys import KeySpace, key_space
@@ -32,25 +33,24 @@ class L3Options:
         return self.backend != "none"
 
 
-def object_bytes(stage_plan: object) -> dict[str, int]:
+def object_bytes(stage_plan: StagePlan) -> dict[str, int]:
     """Bytes of one L3 object per host-cached pool kind of a stage (one page, every buffer)."""
-    return {p.pool: p.present * p.page_bytes for p in stage_plan.pools  # type: ignore[attr-defined]
+    return {p.pool: p.present * p.page_bytes for p in stage_plan.pools
             if p.present and p.host_pages and KINDS[p.pool].host_cached}
 
 
-def capacity_pages(plan: object, size_bytes: int) -> int:
+def capacity_pages(plan: RunPlan, size_bytes: int) -> int:
     """Pages every stage may keep so that all stages together stay within ``size_bytes``."""
-    per_page = sum(sum(b + HEADER.size for b in object_bytes(s).values())
-                   for s in plan.stages)  # type: ignore[attr-defined]
+    per_page = sum(sum(b + HEADER.size for b in object_bytes(s).values()) for s in plan.stages)
     return size_bytes // per_page if per_page else 0
 
 
-def stage_capacity_bytes(plan: object, stage: int, size_bytes: int) -> int:
-    own = sum(b + HEADER.size for b in object_bytes(plan.stage(stage)).values())  # type: ignore[attr-defined]
+def stage_capacity_bytes(plan: RunPlan, stage: int, size_bytes: int) -> int:
+    own = sum(b + HEADER.size for b in object_bytes(plan.stage(stage)).values())
     return capacity_pages(plan, size_bytes) * own
 
 
-def open_store(opts: L3Options, plan: object, stage: int, tp_rank: int = 0) -> tuple[L3Store, KeySpace]:
+def open_store(opts: L3Options, plan: RunPlan, stage: int, tp_rank: int = 0) -> tuple[L3Store, KeySpace]:
     """Stage ``stage``'s store and key space (``StoreUnavailable`` with one line if it cannot open)."""
     space = key_space(plan, stage, tp_rank)
     if opts.backend == "file":
@@ -66,6 +66,6 @@ def open_store(opts: L3Options, plan: object, stage: int, tp_rank: int = 0) -> t
 
         if not opts.mooncake_master:
             raise StoreUnavailable("--l3 mooncake needs a master address (--l3-mooncake-master)")
-        segment = max(64 << 20, opts.size_bytes // max(1, plan.pp_size))  # type: ignore[attr-defined]
+        segment = max(64 << 20, opts.size_bytes // max(1, plan.pp_size))
         return MooncakeStore(opts.mooncake_master, segment, probe_interval=opts.probe_interval), space
     raise StoreUnavailable(f"--l3 {opts.backend!r}: no store to open")
