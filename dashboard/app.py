@@ -30,7 +30,7 @@ from stagecache.exporters.snapshot import SnapshotSource
 from stagecache.runtime.live.liveness import liveness_of
 from stagecache.runtime.model.pool_kinds import KINDS
 
-from . import figures, insight_figures, live_figures, occupancy_figures
+from . import figures, insight_figures, l3_view, live_figures, occupancy_figures
 from .advise_models import AdviseReport
 from .advise_page import add_advise_routes
 from .caching import same_state, source_state
@@ -111,6 +111,7 @@ def page_context(reader: Reader, title: str, window_s: float) -> dict[str, Any]:
         # host-tier status and pool occupancy (their own section; static/occupancy.js updates them)
         "occupancy_figure": figures.to_json_dict(occupancy_figures.occupancy_figure(stage_ids, live)),
         "host_tiers": occupancy_figures.host_tier_rows(stage_ids, live),
+        "l3_rows": l3_view.l3_rows(stage_ids, live),
         # stage agreement (static/insight.js updates it); the miss-reasons chart is in live_figures
         "agreement": insight_figures.agreement_view(live, liveness.max_disagreements),
         "poll_ms": POLL_MS,

@@ -105,6 +105,7 @@ def bubble_figure(stage_ids: Sequence[int], history: Mapping[int, Sequence[Stage
 
 TOKEN_BARS = (("device_hit_tokens_per_s", "device hits", "#1f77b4"),
               ("host_hit_tokens_per_s", "host hits", "#2ca02c"),
+              ("storage_hit_tokens_per_s", "L3 hits", "#9467bd"),
               ("miss_tokens_per_s", "misses", "#ff7f0e"))
 
 

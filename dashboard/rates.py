@@ -28,6 +28,7 @@ COUNTERS: dict[str, Callable[[StageLive], float]] = {
     "lookup_tokens": lambda s: s.cache_tokens.looked_up,
     "device_hit_tokens": lambda s: s.cache_tokens.device,
     "host_hit_tokens": lambda s: s.cache_tokens.host,
+    "storage_hit_tokens": lambda s: s.cache_tokens.storage,
     "miss_tokens": lambda s: s.cache_tokens.miss,
     "d2h_bytes": lambda s: s.transfer_bytes.d2h,
     "h2d_bytes": lambda s: s.transfer_bytes.h2d,
@@ -61,9 +62,10 @@ class StageRates(BaseModel):
     lookup_tokens_per_s: float | None = None
     device_hit_tokens_per_s: float | None = None
     host_hit_tokens_per_s: float | None = None
+    storage_hit_tokens_per_s: float | None = Field(None, description="tokens/s found in L3")
     miss_tokens_per_s: float | None = None
     host_hit_rate: float | None = Field(None, description="host-hit / looked-up tokens in the window")
-    hit_rate: float | None = Field(None, description="(device + host hits) / looked-up tokens")
+    hit_rate: float | None = Field(None, description="(device + host + L3 hits) / looked-up tokens")
     d2h_bytes_per_s: float | None = None
     h2d_bytes_per_s: float | None = None
     d2h_copy_bandwidth: float | None = Field(None, description="bytes / seconds spent copying")
@@ -104,8 +106,10 @@ def rates_of(stage: int, times: Sequence[float], rows: Sequence[Sequence[float]]
         requests_per_s=per_s["requests"], lookup_tokens_per_s=per_s["lookup_tokens"],
         device_hit_tokens_per_s=per_s["device_hit_tokens"],
         host_hit_tokens_per_s=per_s["host_hit_tokens"], miss_tokens_per_s=per_s["miss_tokens"],
+        storage_hit_tokens_per_s=per_s["storage_hit_tokens"],
         host_hit_rate=_ratio(inc["host_hit_tokens"], inc["lookup_tokens"]),
-        hit_rate=_ratio(inc["host_hit_tokens"] + inc["device_hit_tokens"], inc["lookup_tokens"]),
+        hit_rate=_ratio(inc["host_hit_tokens"] + inc["device_hit_tokens"] + inc["storage_hit_tokens"],
+                        inc["lookup_tokens"]),
         d2h_bytes_per_s=per_s["d2h_bytes"], h2d_bytes_per_s=per_s["h2d_bytes"],
         d2h_copy_bandwidth=_ratio(inc["d2h_bytes"], inc["d2h_seconds"]),
         h2d_copy_bandwidth=_ratio(inc["h2d_bytes"], inc["h2d_seconds"]),

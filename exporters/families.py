@@ -29,11 +29,14 @@ from stagecache.runtime.memory.host_tier import HOST_TIER_STATUSES
 
 from .family import Family, Samples, cumulative_buckets, one, per
 from .insight_families import CACHE_INSIGHT_FAMILIES, INSIGHT_LABEL_VALUES, INSIGHT_LABELS
+from .l3_families import L3_FAMILIES, L3_LABEL_VALUES, L3_LABELS
 
 #: Labels of every per-stage family, in this order (sglang's vocabulary).
 STAGE_LABELS: tuple[str, ...] = ("model_name", "pp_rank", "tp_rank")
 
 TIERS = ("device", "host")
+#: Where a prefix hit was found: the two memory tiers and L3.
+HIT_TIERS = (*TIERS, "storage")
 DIRECTIONS = ("d2h", "h2d")
 #: ``StageLive.cache_pages`` field -> ``operation`` label value.
 HICACHE_OPERATIONS = {"backup": "backup", "load": "load", "dropped": "drop",
@@ -49,7 +52,8 @@ LABELS: dict[str, str] = {
                "(KV is replicated across TP) (sglang's label)",
     "pool": "KV pool kind, named by the stage's own inventory (swa, c4, c128, ...); on transfer "
             "families `all` where the source reports no per-kind split (sglang hooks)",
-    "tier": "memory tier: `device` or `host` (where pages or bytes live, where a prefix hit was found)",
+    "tier": "memory tier: `device` or `host` (where pages or bytes live); where a prefix hit was "
+            "found also `storage` (L3)",
     "direction": "host<->device copy direction: `d2h` (backup to host) or `h2d` (load from host)",
     "space": "page-id space: pages shared by every pool drawing on it (`device`, `host`)",
     "operation": "HiCache page operation: `backup`, `load`, `drop`, `backup_skip`",
@@ -61,12 +65,13 @@ LABELS: dict[str, str] = {
     "stagecache_stage_phase": "a stage phase (state set): " + ", ".join(PHASES),
     "stagecache_host_tier_status": "a host-tier status (state set): " + ", ".join(HOST_TIER_STATUSES),
     **INSIGHT_LABELS,
+    **L3_LABELS,
 }
 
 #: Closed value sets, checked by the tests for every exposed sample.
 LABEL_VALUES: dict[str, tuple[str, ...]] = {
-    "tier": TIERS, "direction": DIRECTIONS, "operation": tuple(HICACHE_OPERATIONS.values()),
-    **INSIGHT_LABEL_VALUES,
+    "tier": HIT_TIERS, "direction": DIRECTIONS, "operation": tuple(HICACHE_OPERATIONS.values()),
+    **INSIGHT_LABEL_VALUES, **L3_LABEL_VALUES,
 }
 
 def _n(value: Any) -> float:
@@ -223,7 +228,7 @@ LIVE_FAMILIES: tuple[Family, ...] = (
            "Prompt tokens looked up in the prefix cache", samples=one(lambda s: s.cache_tokens.looked_up)),
     Family("stagecache_prefix_hit_tokens_total", "counter",
            "Looked-up tokens the prefix cache found, by the tier they were found in", ("tier",),
-           per(TIERS, lambda s, t: getattr(s.cache_tokens, t))),
+           per(HIT_TIERS, lambda s, t: getattr(s.cache_tokens, t))),
     Family("stagecache_evicted_pages_total", "counter",
            "Pages evicted from a tier (device: to host or dropped; host: dropped)", ("tier",),
            per(TIERS, lambda s, t: getattr(s.evictions, t))),
@@ -293,7 +298,7 @@ POOL_OCCUPANCY_FAMILIES: tuple[Family, ...] = (
 )
 
 
-LIVE_FAMILIES += HOST_TIER_FAMILIES + POOL_OCCUPANCY_FAMILIES + CACHE_INSIGHT_FAMILIES
+LIVE_FAMILIES += HOST_TIER_FAMILIES + POOL_OCCUPANCY_FAMILIES + CACHE_INSIGHT_FAMILIES + L3_FAMILIES
 
 #: One stage's liveness, ``(StageHealth, Liveness)`` of ``serve.liveness``: /readyz's verdict.
 LIVENESS_FAMILIES: tuple[Family, ...] = (

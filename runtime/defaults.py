@@ -45,6 +45,16 @@ HOST_LAYOUTS = ("layer_first", "page_first")
 #: The host layout: one tensor per buffer, like the device side.
 HOST_LAYOUT = "layer_first"
 
+# -- L3: the storage tier behind the host tier ----------------------------------------------------
+#: L3 backends: the embedded file store, Mooncake Store (a cluster), or none.
+L3_BACKENDS = ("none", "file", "mooncake")
+#: ``serve``'s L3: the embedded file store, in the run directory unless ``--l3-dir`` names one.
+L3_BACKEND = "file"
+#: ``bench hicache``'s L3: none unless asked for, so its figures compare device + host as before.
+BENCH_L3_BACKEND = "none"
+#: Bytes of L3 for the whole deployment (every stage keeps the same number of pages), in GiB.
+L3_SIZE_GB = 1.0
+
 # -- serve: the demo run ----------------------------------------------------------------------------
 #: Device token pages per stage.
 DEVICE_PAGES = 64

@@ -41,6 +41,26 @@
     });
   }
 
+  function updateL3(stages) {
+    stages.forEach(function (s) {
+      var row = document.querySelector('#l3-table tr[data-stage="' + s.stage + '"]');
+      var t = s.l3;
+      if (!row || !t || t.backend === "none") return;
+      var cell = row.querySelector(".l3-state");
+      cell.textContent = t.up ? "up" : "down";
+      cell.className = "l3-state " + (t.up ? "ok" : "warn");
+      row.querySelector(".l3-backend").textContent = t.backend;
+      row.querySelector(".l3-used").textContent = bytes(t.used_bytes);
+      row.querySelector(".l3-capacity").textContent = t.capacity_bytes ? bytes(t.capacity_bytes) : "backend's";
+      row.querySelector(".l3-prefetched").textContent = t.prefetched_tokens;
+      row.querySelector(".l3-backuped").textContent = t.backuped_tokens;
+      row.querySelector(".l3-errors").textContent =
+        Object.keys(t.errors).reduce(function (n, k) { return n + t.errors[k]; }, 0);
+      row.querySelector(".l3-fallback").textContent = t.fallback_pages;
+      row.querySelector(".l3-reason").textContent = t.down_reason || "";
+    });
+  }
+
   function updateHeatmap(stages) {
     if (!gd || !gd.data || !gd.layout.meta) return;
     var meta = gd.layout.meta, byStage = {}, seen = {};
@@ -76,6 +96,7 @@
     var stages = ev.detail.stages || [];
     if (!stages.length) return;
     updateTable(stages);
+    updateL3(stages);
     updateHeatmap(stages);
     state.updates += 1;
   });

@@ -12,6 +12,9 @@ Traces: stagecache's token JSONL or Mooncake's block-hash JSONL (detected, or
 ``--trace-format``), or a generated chat trace.  In Mooncake format a block is a
 page, so the page size is ``--block-tokens``.
 
+``--l3 file|mooncake``: the ``hicache`` mode gets an L3 tier behind the host tier (payload mode
+only: L3 holds real bytes); every stage keeps its own key space in one store, which starts empty.
+
 ``--metadata-only``: no tensors.  Every stage sees the same requests and has the
 same page-id space, so its decisions are the same; the cache is replayed once
 and each stage's bytes are its pages moved times its bytes per page (memory
@@ -24,10 +27,14 @@ page with the bytes written for it (``kv_writer``); a mismatch exits 1.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import os
 import resource
+import tempfile
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -232,7 +239,7 @@ def _stats_row(cache: Any, result: Any, page_bytes: int, device_pages: int) -> d
 
 
 def _payload_run(stage: StagePlan, reqs: Sequence[Any], args: argparse.Namespace,
-                 host: bool, insight: bool | None = None) -> dict[str, Any]:
+                 host: bool, insight: bool | None = None, l3: Any = None) -> dict[str, Any]:
     import torch
 
     from ..cache.hicache import HiCache
@@ -248,8 +255,10 @@ def _payload_run(stage: StagePlan, reqs: Sequence[Any], args: argparse.Namespace
 
         host_pools = HostPools(pools, layout=args.hicache_layout)
         controller = TransferController(pools, host_pools, TransferStats())
+    storage = l3(stage.stage, host_pools) if l3 is not None and host_pools is not None else None
     cache = timed(HiCache(pools, host_pools, controller, write_policy=args.write_policy,
-                          eviction_policy=args.eviction_policy, insight=insight_config(args, insight)))
+                          eviction_policy=args.eviction_policy, insight=insight_config(args, insight),
+                          storage=storage))
     writer = KvWriter(pools, seed=args.seed)
     result = replay(reqs, cache, writer, verify=args.verify, concurrency=args.concurrency,
                     check_every=args.check_every)
@@ -257,7 +266,11 @@ def _payload_run(stage: StagePlan, reqs: Sequence[Any], args: argparse.Namespace
         controller.synchronize()
     if pools.device.type == "cuda":
         torch.cuda.synchronize(pools.device)
-    return _stats_row(cache, result, pools.token_page_bytes(), args.device_pages)
+    row = _stats_row(cache, result, pools.token_page_bytes(), args.device_pages)
+    if storage is not None:
+        row["l3"] = storage.to_dict()
+        storage.store.close()
+    return row
 
 
 def _metadata_run(views: Sequence[Any], page_size: int, host_pages: int,
@@ -275,13 +288,13 @@ def _metadata_run(views: Sequence[Any], page_size: int, host_pages: int,
 
 
 def _run_modes(plan: RunPlan, stages: list[StagePlan], reqs: list[Any], views: list[Any], host_pages: int,
-               args: argparse.Namespace) -> tuple[dict[str, list[dict[str, Any]]], dict[str, int]]:
+               args: argparse.Namespace, l3: Any = None) -> tuple[dict[str, list[dict[str, Any]]], dict[str, int]]:
     """Per mode, one row per stage; and the cached pages (tree nodes) each mode ended with."""
     modes: dict[str, list[dict[str, Any]]] = {"hicache": [], "device_only": []}
     nodes: dict[str, int] = {}
     if not args.metadata_only:
         for sm in stages:
-            modes["hicache"].append(_payload_run(sm, reqs, args, host=True))
+            modes["hicache"].append(_payload_run(sm, reqs, args, host=True, l3=l3))
             modes["device_only"].append(_payload_run(sm, reqs, args, host=False))
         return modes, nodes
     for mode, pages in (("hicache", host_pages), ("device_only", 0)):
@@ -308,6 +321,37 @@ def _overhead(plan: RunPlan, views: list[Any], host_pages: int, args: argparse.N
 
         out["paired"] = measure(run, args.insight_overhead, row["replay"]["cpu_seconds"])
     return out
+
+
+@contextlib.contextmanager
+def l3_tiers(args: argparse.Namespace, plan: RunPlan) -> Iterator[Any]:
+    """``(stage, host pools) -> StorageTier`` for ``--l3``, over one store that starts empty (a
+    private temporary directory, or a local mooncake_master), or None without ``--l3``."""
+    from ..cache.storage_tier import StorageTier
+    from ..storage.options import open_store
+    from ..storage.views import HostPageViews
+
+    opts = getattr(args, "l3_options", None)
+    if opts is None or not opts.enabled:
+        yield None
+        return
+    with contextlib.ExitStack() as stack:
+        if opts.backend == "file" and not opts.dir:
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="stagecache-bench-l3-"))
+            opts = dataclasses.replace(opts, dir=os.path.join(tmp, "l3"))
+        if opts.backend == "mooncake" and not opts.mooncake_master:
+            from ..storage.master import MooncakeMaster
+
+            master = stack.enter_context(MooncakeMaster())
+            opts = dataclasses.replace(opts, mooncake_master=master.address)
+
+        def tier(stage: int, host_pools: Any) -> StorageTier:
+            store, space = open_store(opts, plan, stage)
+            if opts.reset and stage == 0:
+                store.reset()
+            return StorageTier(store, space, HostPageViews(host_pools))
+
+        yield tier
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -350,7 +394,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     t_bw = time.perf_counter()
     bandwidth = measure_bandwidth(plan, ranks[0], args.device)  # first: its tensors are freed
     bandwidth_s = time.perf_counter() - t_bw
-    modes, nodes = _run_modes(plan, stages, reqs, views, host_pages, args)
+    with l3_tiers(args, plan) as l3:
+        modes, nodes = _run_modes(plan, stages, reqs, views, host_pages, args, l3)
     t_bounds = time.perf_counter()
     ceiling = CeilingTracker()
     for v in views:

@@ -45,13 +45,20 @@ class Handle:
     host_hit_pages: int
     prefix_pages: list[int]  # device page ids of the reused prefix (tree-owned, locked)
     new_pages: list[int]  # device page ids for pages matched_pages.. (request-owned)
+    storage_hit_pages: int = 0  # pages read from L3 (after the host ones, before new_pages)
+    fallback_pages: int = 0  # pages taken as L3's that this stage rewrote (refill), after those
     done: bool = field(default=False)
     sampled: bool = field(default=False)  # the insight watches what this request caches
     misses: Any = field(default=None)  # its MissRecord when the insight defers accounting
 
     @property
     def matched_pages(self) -> int:
-        return self.device_hit_pages + self.host_hit_pages
+        return self.device_hit_pages + self.host_hit_pages + self.storage_pages
+
+    @property
+    def storage_pages(self) -> int:
+        """Pages the L3 step added to the prefix: read back, or rewritten (fallback)."""
+        return self.storage_hit_pages + self.fallback_pages
 
     @property
     def last_node(self) -> int:

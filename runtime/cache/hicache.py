@@ -19,10 +19,20 @@ cannot make room (every host page locked, or no host tier); ``write_through`` co
 inserted page at ``finish``; ``write_through_selective`` copies a page once
 ``selective_threshold`` lookups used it.  Copies of one call are batched into
 one controller transfer.
+
+With an L3 tier (``storage_tier.StorageTier``): a lookup whose device + host match stops short
+asks L3 for the following pages, reads the leading run it holds into fresh host pages (whole
+pages only: every pool kind's object, checked) and adds them to the tree as host-only nodes, so
+the one load of the host run brings them to the device.  L3 gets a copy of every page the host
+tier gets one of, when it gets it: so writes to L3 follow the host tier's write policy.  A
+stage that must take the same pages as its pipeline's head stage (``begin(..., follow=)``) and
+cannot read some of them has them rewritten by ``refill`` (what a recompute would produce),
+counted as ``fallback_pages``: the stages' decisions never depend on one stage's L3.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import defaults
@@ -32,8 +42,12 @@ from .eviction import DEFAULT_POLICY, make_policy
 from .handle import CacheOutOfPagesError, Handle, HandleError
 from .insight import DEFAULT_INSIGHT, DROPPED, FROM_HOST, WRITEBACK, CacheInsight, InsightConfig
 from .pages import page_view
-from .radix import DEVICE, HOST, RadixTree
+from .radix import DEVICE, HOST, Match, RadixTree
 from .stats import CacheStats
+from .storage_tier import StorageTier
+
+#: ``refill(page keys, host pages)``: write the bytes of pages L3 could not give back.
+Refill = Callable[[Sequence[int], Sequence[int]], None]
 
 __all__ = ["CacheOutOfPagesError", "Handle", "HandleError", "HiCache"]
 
@@ -44,7 +58,10 @@ class HiCache:
     def __init__(self, pools: Any, host_pools: Any | None = None, controller: Any | None = None,
                  write_policy: str = "write_back", stats: CacheStats | None = None,
                  selective_threshold: int = 2, hash_salt: int = 0,
-                 eviction_policy: str = DEFAULT_POLICY, insight: InsightConfig | None = DEFAULT_INSIGHT):
+                 eviction_policy: str = DEFAULT_POLICY, insight: InsightConfig | None = DEFAULT_INSIGHT,
+                 storage: StorageTier | None = None):
+        if storage is not None and host_pools is None:
+            raise ConfigError("an L3 tier needs a host tier (L3 pages are read into host pages)")
         if host_pools is not None and controller is None:
             raise ConfigError("a host tier needs a transfer controller (device<->host copies)")
         if host_pools is not None and host_pools.page_size != pools.page_size:
@@ -57,6 +74,7 @@ class HiCache:
         self._setup(pools.page_size, stage, pools.allocator,
                     host_pools.allocator if host_pools is not None else None,
                     write_policy, stats, selective_threshold, hash_salt, eviction_policy, insight)
+        self.storage = storage
 
     @classmethod
     def metadata_only(cls, page_size: int, device_pages: int, host_pages: int = 0, stage: int = 0,
@@ -88,6 +106,8 @@ class HiCache:
         self.eviction_policy = eviction_policy
         self._in_flight: dict[int, Handle] = {}
         self._pending: dict[int, int] = {}  # host page -> device page: write-back copies not yet made
+        self._pending_keys: dict[int, int] = {}  # host page -> its page key (for the L3 copy)
+        self.storage: StorageTier | None = None
         #: miss reasons and sampled lifetimes (``insight.py``); None: not kept
         self.insight = None if insight is None else CacheInsight(insight, stats, self.tree._node)
 
@@ -103,17 +123,22 @@ class HiCache:
         self._watch = value.watch if value is not None else ({}, {})
 
     # -- request flow -----------------------------------------------------------------------
-    def begin(self, request: Any) -> Handle:
-        """Match the prompt, load host hits to device, allocate the rest, lock the prefix.
+    def begin(self, request: Any, follow: tuple[int, int] | None = None,
+              refill: Refill | None = None) -> Handle:
+        """Match the prompt, fetch L3 hits to host, load host hits to device, allocate the rest,
+        lock the prefix.
 
         ``request``: a ``Request`` (token ids), a ``BlockRequest`` (Mooncake), a
-        ``PageView`` of either, or anything with ``tokens`` (all prompt).
+        ``PageView`` of either, or anything with ``tokens`` (all prompt).  ``follow``: the
+        (device + host, L3) pages the pipeline's head stage matched: this stage takes the same
+        L3 pages when its own tree matched the same, rewriting with ``refill`` what L3 cannot
+        give back (see the module docstring).
         """
         view = page_view(request, self.page_size, self.hash_salt)
         keys = view.keys.tolist()
         ins = self.insight
         before = [] if ins is not None and ins.sampled else None
-        match = self._match_and_load(keys, view.max_hit, before)  # locked from here
+        match, l3 = self._match_and_load(keys, view.max_hit, before, follow, refill)  # locked
         try:
             new_pages = self._alloc_device(len(keys) - match.pages)
         except OutOfPagesError:
@@ -121,10 +146,13 @@ class HiCache:
             self.stats.out_of_pages_errors += 1
             raise
         dev = self.tree.dev
-        hit, hit_dev = view.hit_tokens(match.pages), view.hit_tokens(match.device)
-        self.stats.record_lookup(hit_dev, hit - hit_dev, view.input_len - hit)
-        handle = Handle(request, view, keys, match.path, match.device, match.host,
-                        [dev[s] for s in match.path], new_pages)
+        read = match.pages - l3[1]  # the fallback pages come last: they were computed, not read
+        hit, hit_dev = view.hit_tokens(read), view.hit_tokens(match.device)
+        hit_host = view.hit_tokens(match.pages - l3[0]) - hit_dev
+        self.stats.record_lookup(hit_dev, hit_host, view.input_len - hit, hit - hit_dev - hit_host)
+        handle = Handle(request, view, keys, match.path, match.device, match.host - l3[0],
+                        [dev[s] for s in match.path], new_pages, storage_hit_pages=l3[0] - l3[1],
+                        fallback_pages=l3[1])
         if ins is not None:
             if before is not None:
                 handle.sampled = True
@@ -134,15 +162,21 @@ class HiCache:
         self._in_flight[id(handle)] = handle
         return handle
 
-    def _match_and_load(self, keys: list[int], limit: int, before: list[int] | None = None) -> Any:
-        """Match, lock the path, load its host run to device; unlocked again on failure.
+    def _match_and_load(self, keys: list[int], limit: int, before: list[int] | None = None,
+                        follow: tuple[int, int] | None = None, refill: Refill | None = None
+                        ) -> tuple[Any, tuple[int, int]]:
+        """Match, lock the path, extend it from L3, load its host run to device; unlocked again
+        on failure.  Returns the match and (L3 pages, of them rewritten by ``refill``).
 
         ``before`` (a sampled lookup): gets the path's old stamps; what it loads is watched.
         """
         tree = self.tree
         match = tree.match(keys, limit, offer=False, before=before)
         tree.lock_path(match.last)
+        l3 = (0, 0)
         try:
+            if self.storage is not None and match.pages < limit:
+                match, l3 = self._prefetch(keys, match, limit, follow, refill)
             if match.host:
                 self._load(match.path[match.device:], before is not None)
             if self.write_policy == "write_through_selective" and self.host_alloc is not None:
@@ -154,7 +188,39 @@ class HiCache:
             tree.unlock_path(match.last)
             self.stats.out_of_pages_errors += 1
             raise
-        return match
+        return match, l3
+
+    def _prefetch(self, keys: list[int], match: Any, limit: int, follow: tuple[int, int] | None,
+                  refill: Refill | None) -> tuple[Any, tuple[int, int]]:
+        """Extend the locked ``match`` with the L3 pages that follow it, read into host pages."""
+        m = match.pages
+        if follow is None:
+            want = self.storage.exists(keys[m:limit])
+        else:  # the head stage's L3 pages, if this stage's tree matched what the head's did
+            want = min(follow[1], limit - m) if m == follow[0] else 0
+        hosts: list[int] = []
+        while len(hosts) < want:
+            page = self._host_page()
+            if page < 0:
+                break
+            hosts.append(page)
+        if not hosts:
+            return match, (0, 0)
+        got = self.storage.fetch(keys[m:m + len(hosts)], hosts)
+        fallback = 0
+        if follow is not None and got < len(hosts) and refill is not None:
+            refill(keys[m + got:m + len(hosts)], hosts[got:])
+            fallback = len(hosts) - got
+            self.storage.counters.fallback_pages += fallback
+            got = len(hosts)
+        if got < len(hosts):
+            self.host_alloc.free(hosts[got:])
+        if not got:
+            return match, (0, 0)
+        nodes = self.tree.insert_host(match.last, keys[m:m + got], hosts[:got])
+        self.tree.lock_path(nodes[-1])
+        self.tree.unlock_path(match.last)
+        return Match(match.path + nodes, match.device, match.miss), (got, fallback)
 
     def finish(self, handle: Handle) -> int:
         """Cache the request's keepable pages, free the rest, back up (write-through), unlock;
@@ -241,7 +307,9 @@ class HiCache:
             hosts = list(self._pending)
             self._copy("d2h", [self._pending[h] for h in hosts], hosts)
             self.stats.backup_pages += len(hosts)
+            self._to_storage([self._pending_keys[h] for h in hosts], hosts)
             self._pending = {}
+            self._pending_keys = {}
 
     def _evict_device(self, node: int) -> int:
         """Take ``node`` off the device (backing it up or dropping it); returns its device page."""
@@ -254,6 +322,7 @@ class HiCache:
             if host_page >= 0:
                 tree.set_host(node, host_page)
                 self._pending[host_page] = page
+                self._pending_keys[host_page] = tree.key[node]
                 written_back = True
         if node in self._watch[0]:
             self._insight.left_device(node, written_back, tree.stamp)
@@ -279,6 +348,7 @@ class HiCache:
         page = tree.host[node]
         # its write-back copy is no longer wanted (nor ever made: a miss reason of its own)
         why = FROM_HOST if self._pending.pop(page, None) is None else WRITEBACK
+        self._pending_keys.pop(page, None)
         self.stats.host_evicted_pages += 1
         if node in self._watch[1]:
             self._insight.died(1, node, tree.stamp)
@@ -301,9 +371,18 @@ class HiCache:
             for s, h in reversed(list(zip(nodes, hosts, strict=False))):
                 self.tree.set_host(s, h)  # deepest first: only the deepest becomes a candidate
             self.stats.backup_pages += len(hosts)
+            self._to_storage([self.tree.key[s] for s in nodes[:len(hosts)]], hosts)
             if watch and self.insight is not None:
                 self.insight.born(1, nodes[:len(hosts)])
         return len(hosts)
+
+    def _to_storage(self, keys: list[int], hosts: list[int]) -> None:
+        """L3 gets a copy of what the host tier just got (once the copy is in host memory)."""
+        if self.storage is None or not keys:
+            return
+        if self.controller is not None:
+            self.controller.synchronize()
+        self.storage.backup(keys, hosts)
 
     def discard(self, key: int) -> bool:
         """Lose one cached page from both tiers (an unlocked leaf): what ``--fault radix-skew``

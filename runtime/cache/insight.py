@@ -6,8 +6,8 @@ Outcome counters (device hit / host hit / miss) say *what* happened; this says
 **Miss reasons.**  Every prompt token a lookup does not find in a tier gets
 exactly one reason, so per tier the reasons sum to that tier's misses:
 
-* device tier -- tokens not found on the device (host hits + misses);
-* host tier -- tokens found nowhere (what the forward pass computes).
+* device tier -- tokens not found on the device (host and L3 hits + misses);
+* host tier -- tokens found nowhere, L3 included (what the forward pass computes).
 
 Reasons (``MISS_REASONS``):
 
@@ -202,11 +202,13 @@ class CacheInsight:
         """Per tier, reason -> tokens (device: not on device; host: found nowhere)."""
         counts, s = list(self.counts), self.stats
         if not self.defer:  # what immediate lookups did not classify explicitly
-            within = self.hittable - s.device_hit_tokens - s.host_hit_tokens
+            within = self.hittable - s.device_hit_tokens - s.host_hit_tokens - s.storage_hit_tokens
             counts[NEVER] = within - counts[FROM_HOST] - counts[DROPPED] - counts[WRITEBACK]
             counts[TAIL] = s.miss_tokens - within
         host = dict(zip(MISS_REASONS, counts, strict=True))
-        return {"device": dict(host, evicted_from_device=s.host_hit_tokens), "host": host}
+        # a page found in L3 left a device too (only device pages are ever written out)
+        return {"device": dict(host, evicted_from_device=s.host_hit_tokens + s.storage_hit_tokens),
+                "host": host}
 
     def histograms(self) -> dict[str, dict[str, dict[str, Any]]]:
         return self.lifetimes.snapshot()

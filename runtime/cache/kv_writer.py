@@ -126,20 +126,29 @@ class KvWriter:
     def _view(buf: torch.Tensor, plan: _PoolPlan) -> torch.Tensor:
         return buf.view(torch.int64) if plan.aligned else buf
 
-    def write(self, hashes: np.ndarray, pages: Sequence[int]) -> int:
-        """Fill ``pages`` (one id per hash) in every buffer of every pool; returns bytes written."""
+    def write(self, hashes: np.ndarray, pages: Sequence[int], target: Any | None = None) -> int:
+        """Fill ``pages`` (one id per hash) in every buffer of every pool; returns bytes written.
+
+        ``target``: the pools to write (default: this stage's device pools; the ``HostPools``
+        to write host pages, as a recompute of pages L3 could not give back does).
+        """
         if len(hashes) != len(pages):
             raise ValueError(f"write: {len(hashes)} page hashes for {len(pages)} pages")
         if not len(pages):
             return 0
-        idx = torch.as_tensor(list(pages), dtype=torch.long, device=self.device)
+        target = self.pools if target is None else target
+        dev = self.device if target is self.pools else torch.device("cpu")
+        hashes = np.asarray(hashes, dtype=np.uint64)
+        idx = torch.as_tensor(list(pages), dtype=torch.long, device=dev)
         written = 0
         for plan in self.plans:
-            data = self.expected(plan, hashes, self.device)
+            if target is not self.pools and plan.pool not in target.kinds:
+                continue
+            data = self.expected(plan, hashes, dev)
             if not plan.aligned:
                 data = data.view(torch.uint8)[..., :plan.page_bytes]
             for layer, gid in enumerate(plan.gids):
-                buf = self._view(self.pools.get_raw_buffer(plan.pool, gid), plan)
+                buf = self._view(target.get_raw_buffer(plan.pool, gid), plan)
                 buf[idx] = data[layer]
                 written += len(pages) * plan.page_bytes
         return written

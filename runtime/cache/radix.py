@@ -271,6 +271,22 @@ class RadixTree:
             self.offer(prev)  # the chain's tip; nodes above it have a device child now
         return created, duplicates
 
+    def insert_host(self, after: int, keys: list[int], host_pages: list[int]) -> list[int]:
+        """Cache ``keys`` below node ``after`` as host-only nodes on ``host_pages`` (pages read
+        from L3); none of the keys may be cached yet.  Returns the new nodes, root side first."""
+        t = self._tick()
+        nodes: list[int] = []
+        prev = after
+        for k, page in zip(keys, host_pages, strict=True):
+            if self._node.get(k) >= 0:
+                raise RadixError(f"page key {k} is cached already: L3 pages extend a matched prefix")
+            node = self._new(k, prev, t, 0)  # born on device, moved to host at once (the counts follow)
+            self.set_host(node, page)
+            self.set_device(node, -1)
+            nodes.append(node)
+            prev = node
+        return nodes
+
     # -- locks ----------------------------------------------------------------------------------
     def lock_path(self, node: int) -> None:
         lock, parent = self.lock, self.parent

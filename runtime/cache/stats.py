@@ -1,7 +1,8 @@
 """Per-stage prefix-cache counters: hits by tier, misses, evictions, and the transfer totals.
 
 Every prompt token a request looks up lands in exactly one bucket -- device
-hit, host hit or miss -- so ``device + host + miss == looked-up tokens`` always
+hit, host hit, storage (L3) hit or miss -- so ``device + host + storage + miss == looked-up
+tokens`` always
 holds and the host hit rate is ``host / looked-up`` (the figure the dashboard
 and the Prometheus exporter show as ``host_hit_ratio``).  Evictions are counted
 in *pages* (the unit that moves): ``device`` = pages that left the device tier
@@ -27,6 +28,7 @@ class CacheStats:
     requests: int = 0
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0
+    storage_hit_tokens: int = 0  # found in L3 and read back whole (prefetched through host)
     miss_tokens: int = 0
     computed_tokens: int = 0  # tokens the forward pass had to write (misses + outputs)
     device_evicted_pages: int = 0  # device -> host (or dropped, see below)
@@ -39,16 +41,18 @@ class CacheStats:
     transfer: Any = field(default=None, repr=False, compare=False)  # TransferStats or None
 
     # -- recording -------------------------------------------------------------------------
-    def record_lookup(self, device_tokens: int, host_tokens: int, miss_tokens: int) -> None:
+    def record_lookup(self, device_tokens: int, host_tokens: int, miss_tokens: int,
+                      storage_tokens: int = 0) -> None:
         self.requests += 1
         self.device_hit_tokens += device_tokens
         self.host_hit_tokens += host_tokens
+        self.storage_hit_tokens += storage_tokens
         self.miss_tokens += miss_tokens
 
     # -- derived ---------------------------------------------------------------------------
     @property
     def looked_up_tokens(self) -> int:
-        return self.device_hit_tokens + self.host_hit_tokens + self.miss_tokens
+        return self.device_hit_tokens + self.host_hit_tokens + self.storage_hit_tokens + self.miss_tokens
 
     def _ratio(self, n: int) -> float:
         total = self.looked_up_tokens
@@ -64,7 +68,11 @@ class CacheStats:
 
     @property
     def hit_ratio(self) -> float:
-        return self._ratio(self.device_hit_tokens + self.host_hit_tokens)
+        return self._ratio(self.device_hit_tokens + self.host_hit_tokens + self.storage_hit_tokens)
+
+    @property
+    def storage_hit_ratio(self) -> float:
+        return self._ratio(self.storage_hit_tokens)
 
     def _transfer_fields(self) -> dict[str, Any]:
         zero = {"d2h": 0, "h2d": 0}
@@ -89,7 +97,7 @@ class CacheStats:
             "stage": self.stage,
             "requests": self.requests,
             "cache_tokens": {"device": self.device_hit_tokens, "host": self.host_hit_tokens,
-                             "miss": self.miss_tokens},
+                             "storage": self.storage_hit_tokens, "miss": self.miss_tokens},
             "host_hit_ratio": self.host_hit_ratio,
             "evictions": {"device": self.device_evicted_pages, "host": self.host_evicted_pages},
         }
@@ -101,6 +109,7 @@ class CacheStats:
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "transfer"}
         d.update(looked_up_tokens=self.looked_up_tokens, hit_ratio=self.hit_ratio,
                  device_hit_ratio=self.device_hit_ratio, host_hit_ratio=self.host_hit_ratio,
+                 storage_hit_ratio=self.storage_hit_ratio,
                  moved_pages={"d2h": self.backup_pages, "h2d": self.load_pages})
         d.update(self._transfer_fields())
         return d

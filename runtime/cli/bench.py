@@ -30,6 +30,7 @@ from .common import (
     positive_float,
     positive_int,
 )
+from .l3_args import add_l3_args, l3_options
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -40,6 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     _register_transfer(bench_sub)
     _register_transfer_split(bench_sub)
     _register_hicache(bench_sub)
+    _register_l3(bench_sub)
     bench_http.register(bench_sub)
     bench_advise.register(bench_sub)
 
@@ -271,7 +273,46 @@ def _register_hicache(sub: argparse._SubParsersAction) -> None:
                    "without it, the median difference as a share of the replay time (default "
                    f"{insight_overhead.DEFAULT_OVERHEAD_REPEATS}, with --metadata-only 0; 0: not measured)")
     p.add_argument("--json", action="store_true", help="print the full JSON result instead of the table")
+    add_l3_args(p, defaults.BENCH_L3_BACKEND)
     p.set_defaults(func=_run_hicache)
+
+
+def _register_l3(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("l3", help="time each L3 backend against the plain I/O beneath it: file store vs "
+                       "sequential write/read on the same disk, Mooncake store vs direct Mooncake calls (JSON)")
+    p.add_argument("--backend", choices=("file", "mooncake", "all"), default="all",
+                   help="which backends to time (default %(default)s; mooncake needs stagecache[l3])")
+    p.add_argument("--pages", type=int_range(1, 4096), default=32,
+                   help="objects per batch (default %(default)s)")
+    p.add_argument("--page-mib", type=positive_float, default=4.0,
+                   help="MiB per object (default %(default)g, one page of a large stage)")
+    p.add_argument("--rounds", type=int_range(1, 50), default=3,
+                   help="interleaved rounds per technique; the median counts (default %(default)s)")
+    p.add_argument("--dir", default=None, metavar="DIR",
+                   help="file backend: where both the store and the plain file go (default: $TMPDIR)")
+    p.add_argument("--json", action="store_true", help="accepted for symmetry: the output is always JSON")
+    p.set_defaults(func=_run_l3)
+
+
+def _run_l3(args: argparse.Namespace) -> int:
+    from ..bench import l3 as bench_l3
+    from ..errors import ConfigError
+    from ..storage.base import StoreUnavailable
+
+    backends = ["file", "mooncake"] if args.backend == "all" else [args.backend]
+    if "mooncake" in backends:
+        from ..storage.mooncake import _import_store
+
+        try:
+            _import_store()
+        except StoreUnavailable as exc:
+            raise ConfigError(str(exc)) from None
+    try:
+        res = bench_l3.run_bench(backends, args.pages, args.page_mib, args.rounds, args.dir)
+    except StoreUnavailable as exc:
+        raise ConfigError(str(exc)) from None
+    print(json.dumps(res, indent=2))
+    return 0
 
 
 def _run_hicache(args: argparse.Namespace) -> int:
@@ -280,6 +321,9 @@ def _run_hicache(args: argparse.Namespace) -> int:
 
     if args.verify and args.metadata_only:
         raise ConfigError("--verify checks page bytes; --metadata-only has none: use one of them")
+    args.l3_options = l3_options(args)
+    if args.l3_options.enabled and args.metadata_only:
+        raise ConfigError(f"--l3 {args.l3}: L3 holds page bytes; --metadata-only has none: use one of them")
     if args.no_insight and args.insight_overhead:
         raise ConfigError("--insight-overhead compares runs with and without the insight; "
                           "--no-insight turns it off: use one of them")

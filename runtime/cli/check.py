@@ -7,6 +7,7 @@ import json
 
 from ..model.pool_kinds import POOLS
 from ..validation.report import StartupReport, preflight
+from .check_storage import add_storage_args, print_findings, storage_findings
 from .common import add_layout_command, plan_from_args
 
 
@@ -14,16 +15,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = add_layout_command(sub, "check", help="validate every PP stage's layer map and pool sizes",
                            description="Exit 0: every stage valid; 1: mapping errors found; 2: bad input.")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    add_storage_args(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     report = preflight(plan_from_args(args))
+    storage = storage_findings(args, report.pp_size)
     if args.json:
-        print(json.dumps(report.to_dict(), indent=2))
+        out = report.to_dict()
+        if args.sglang_storage:
+            out["sglang_storage"] = storage
+        print(json.dumps(out, indent=2))
     else:
         print_report(report)
-    return 0 if report.ok else 1
+        if storage:
+            print_findings(storage)
+    return 0 if report.ok and not any(f["level"] == "error" for f in storage) else 1
 
 
 def print_report(report: StartupReport) -> None:

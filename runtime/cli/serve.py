@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import signal
 import sys
@@ -47,11 +48,13 @@ from .common import (
     positive_int,
     seconds,
 )
+from .l3_args import add_l3_args, l3_options
 
 if TYPE_CHECKING:  # the dashboard (FastAPI) and the supervisor load only when serve runs
     from stagecache.dashboard.server import DashboardThread
 
     from ..serve.supervisor import Supervisor
+    from ..storage.master import MooncakeMaster
     from .serve_console import Console
 
 
@@ -114,6 +117,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="when device pages are backed up to host (default %(default)s)")
     p.add_argument("--hicache-layout", choices=defaults.HOST_LAYOUTS, default=defaults.HOST_LAYOUT,
                    help="host pool memory layout (default %(default)s)")
+    add_l3_args(p, defaults.L3_BACKEND)
     p.add_argument("--trace", default=None, metavar="FILE",
                    help="JSONL request trace (default: a generated multi-turn chat trace)")
     p.add_argument("--requests", type=int_range(1, MAX_REQUESTS), default=None,
@@ -228,7 +232,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         exit_after_run=args.exit_after_run, startup_timeout=args.startup_timeout,
         dist_timeout=args.dist_timeout, json=args.json, dist_host=dist_host,
         dist_interface=dist_interface, heartbeat_timeout=args.heartbeat_timeout,
-        max_disagreements=args.max_disagreements,
+        max_disagreements=args.max_disagreements, l3=l3_options(args),
     )
 
 
@@ -273,6 +277,7 @@ class _Run:
     sup: Supervisor
     t0: float = field(default_factory=time.perf_counter)
     dash: DashboardThread | None = None
+    master: MooncakeMaster | None = None  # the local mooncake_master serve started
     summary: dict[str, Any] | None = None
     code: int = 1
 
@@ -340,8 +345,27 @@ def _finished(r: _Run, phase: str) -> int:
     return code
 
 
+def _start_master(r: _Run) -> None:
+    """``--l3 mooncake`` without a master address: start one on loopback for this run."""
+    import dataclasses
+
+    from ..storage.base import StoreUnavailable
+    from ..storage.master import MooncakeMaster
+
+    r.master = MooncakeMaster(log_path=os.path.join(r.run_dir, "mooncake_master.log"))
+    try:
+        address = r.master.start()
+    except StoreUnavailable as exc:
+        raise ConfigError(f"--l3 mooncake: {exc}") from None
+    r.opts = dataclasses.replace(r.opts, l3=dataclasses.replace(r.opts.l3, mooncake_master=address))
+    r.sup.opts = r.opts
+    r.console.print(f"L3: mooncake_master pid {r.master.pid} on {address}", markup=False)
+
+
 def _close(r: _Run, old_handlers: dict[int, Any]) -> None:
     r.sup.stop()
+    if r.master is not None:
+        r.master.stop()
     if r.dash is not None:
         r.dash.stop()
     for sig, handler in old_handlers.items():
@@ -373,6 +397,8 @@ def serve(opts: ServeOptions) -> int:
         for warning in exposure_warnings(opts):  # once the addresses are known to work
             print(warning, file=sys.stderr, flush=True)
         console.print(f"run dir: {run_dir}", markup=False)
+        if opts.l3.backend == "mooncake" and not opts.l3.mooncake_master:
+            _start_master(r)
         try:
             sup.start()
             with Progress(opts, console) as progress:

@@ -66,7 +66,7 @@ class Progress:
         last = stages.get(self.opts.pp_size - 1) or StageLive(stage=self.opts.pp_size - 1)
         total = max((s.total_requests for s in stages.values()), default=0) or None
         tok = last.cache_tokens
-        hit = (tok.device + tok.host) / tok.looked_up if tok.looked_up else 0.0
+        hit = (tok.device + tok.host + tok.storage) / tok.looked_up if tok.looked_up else 0.0
         info = f"hit {hit:.0%}  host-hit {last.host_hit_ratio:.0%}"
         self.bar.update(self.task, total=total, completed=last.requests, info=info)
         if not self.console.rich.is_terminal:
@@ -107,7 +107,7 @@ def print_summary(console: Console, summary: dict[str, Any]) -> None:
     table = Table(title=f"{summary['model']} pp={summary['pp_size']}: {summary['phase']} "
                         f"in {summary['wall_seconds']:.1f} s, {summary['micro_batches']} micro-batches",
                   box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=True, pad_edge=False)
-    for col in ("stage", "layers", "req", "tokens d/h/m", "host hit", "B d2h/h2d",
+    for col in ("stage", "layers", "req", "tokens d/h/L3/m", "host hit", "B d2h/h2d",
                 "s busy/bub/idle", "bubble"):
         table.add_column(col, justify="right", no_wrap=True)
     for r in summary["stages"]:
@@ -116,7 +116,7 @@ def print_summary(console: Console, summary: dict[str, Any]) -> None:
         table.add_row(
             str(r["stage"]), f"[{layers[0]},{layers[1]})" if None not in layers else "?",
             str(r["requests"]),
-            "/".join(_si(tok.get(t, 0)) for t in ("device", "host", "miss")),
+            "/".join(_si(tok.get(t, 0)) for t in ("device", "host", "storage", "miss")),
             f"{r['host_hit_ratio']:.1%}",
             f"{_si(tb.get('d2h', 0))}/{_si(tb.get('h2d', 0))}",
             f"{r['stage_seconds']:.1f}/{r['bubble_seconds']:.1f}/{r['idle_seconds']:.1f}",
@@ -124,7 +124,7 @@ def print_summary(console: Console, summary: dict[str, Any]) -> None:
         )
     console.print(table)
     if summary["micro_batches"]:
-        console.print(f"tokens: device hit / host hit / miss; bubble = bub / (busy + bub); ideal for "
+        console.print(f"tokens: device hit / host hit / L3 hit / miss; bubble = bub / (busy + bub); ideal for "
                       f"pp={summary['pp_size']}, m={summary['micro_batches']}: "
                       f"{summary['ideal_bubble_fraction']:.0%}")
     if summary["phase"] == "done" and summary["pp_size"] > 1:
@@ -135,4 +135,4 @@ def print_summary(console: Console, summary: dict[str, Any]) -> None:
         compared = min((r.get("compared_requests", 0) for r in summary["stages"]), default=0)
         agree = (f"[red]stages disagreed: {odd}[/red] (requests per kind, by stage)" if odd else
                  f"cache decisions identical on every stage ({compared} requests compared)")
-        console.print(f"{agree}; {verified} host-loaded pages verified byte for byte")
+        console.print(f"{agree}; {verified} host- and L3-loaded pages verified byte for byte")

@@ -60,6 +60,9 @@ class StageHealth(BaseModel):
     reason: str | None = Field(None, description="why the stage is not up")
     host_tier: list[str] = Field(default_factory=list,
                                  description="the stage's host-tier statuses (empty: not checked)")
+    l3: str = Field("off", description="the stage's L3 backend: off, up or down (down leaves the "
+                    "run ready: the stage serves from device and host)")
+    l3_reason: str | None = Field(None, description="why L3 is down")
 
 
 class Liveness(BaseModel):
@@ -119,7 +122,8 @@ def stage_health(stage: int, live: StageLive | None, exit_code: int | None, now:
     base = {"stage": stage, "pid": live.pid if live else None,
             "phase": live.phase if live else "unknown", "exit_code": exit_code,
             "heartbeat_at": beat, "heartbeat_age_s": age, "error": live.error if live else None,
-            "host_tier": list(live.host_tier.status) if live else []}
+            "host_tier": list(live.host_tier.status) if live else [],
+            "l3": _l3_state(live), "l3_reason": live.l3.down_reason if live else None}
     if exit_code is not None:
         return StageHealth(**base, up=False, reason=f"process exited with code {exit_code}")
     if live is None:
@@ -135,6 +139,12 @@ def stage_health(stage: int, live: StageLive | None, exit_code: int | None, now:
         return StageHealth(**base, up=False,
                            reason=f"no heartbeat for {age:.1f} s (limit {timeout:g} s)")
     return StageHealth(**base, up=True)
+
+
+def _l3_state(live: StageLive | None) -> str:
+    if live is None or live.l3.backend == "none":
+        return "off"
+    return "up" if live.l3.up else "down"
 
 
 def _startup_ok(startup: Mapping[str, Any] | None) -> bool | None:
@@ -169,6 +179,8 @@ def assess(run: RunInfo | None, startup: Mapping[str, Any] | None,
     reasons += [f"stage {h.stage}: {h.reason}" for h in health if not h.up]
     tier_errors, warnings = host_tier_findings(stages, [h.stage for h in health if h.up])
     reasons += tier_errors
+    warnings += [f"stage {h.stage}: L3 down ({h.l3_reason}); serving from device and host"
+                 for h in health if h.l3 == "down"]
     limit = run.max_disagreements if run is not None else None
     total, why = agreement_verdict([as_live(stages.get(k)) for k in ids], limit)
     if why:

@@ -35,11 +35,12 @@ class TierTokens(_Model):
 
     device: int = 0
     host: int = 0
+    storage: int = 0  # found in L3 (read back whole, through the host tier)
     miss: int = 0
 
     @property
     def looked_up(self) -> int:
-        return self.device + self.host + self.miss
+        return self.device + self.host + self.storage + self.miss
 
 
 class TierPages(_Model):
@@ -248,6 +249,40 @@ class StageAgreement(_Model):
         default_factory=list, description="rank 0 only: the latest disagreements, oldest first")
 
 
+class L3Directions(_Model):
+    """One figure per L3 direction: prefetch = L3 to host, backup = host to L3."""
+
+    prefetch: float = 0.0
+    backup: float = 0.0
+
+
+class L3Live(_Model):
+    """The stage's L3 tier (``cache/storage_tier.py``): its backend's health and its traffic."""
+
+    backend: str = Field("none", description="none, file or mooncake")
+    up: bool = Field(True, description="false while the backend does not answer (Mooncake master gone)")
+    down_reason: str | None = None
+    downs: int = Field(0, description="times the backend went down")
+    prefetched_tokens: int = Field(0, description="tokens read from L3 into the host tier")
+    backuped_tokens: int = Field(0, description="tokens written to L3 (sglang's spelling)")
+    backup_failed_pages: int = Field(0, description="pages a write refused (full, failed, down)")
+    fallback_pages: int = Field(0, description="pages the head stage took from L3 that this stage "
+                                "could not read and rewrote")
+    bytes: L3Directions = Field(default_factory=L3Directions)
+    seconds: L3Directions = Field(default_factory=L3Directions)
+    objects: L3Directions = Field(default_factory=L3Directions, description="objects read / written")
+    misses: int = Field(0, description="objects looked for and not found")
+    skipped: int = Field(0, description="objects not tried while the backend was down")
+    errors: dict[str, int] = Field(default_factory=dict, description="corrupt, failed, no_space")
+    evictions: int = Field(0, description="objects the store dropped to make room")
+    used_bytes: int = 0
+    capacity_bytes: int = Field(0, description="0: bounded by the backend itself")
+    prefetch_bandwidth: SampledHistogram = Field(
+        default_factory=SampledHistogram, description="GB/s of each prefetch batch")
+    backup_bandwidth: SampledHistogram = Field(
+        default_factory=SampledHistogram, description="GB/s of each backup batch")
+
+
 class StageLive(_Model):
     """Everything one PP stage reports while it runs (``stage-<k>.json``)."""
 
@@ -301,6 +336,8 @@ class StageLive(_Model):
     # cache insight and stage agreement
     insight: CacheInsightLive = Field(default_factory=CacheInsightLive)
     agreement: StageAgreement = Field(default_factory=StageAgreement)
+    # the storage tier behind the host tier
+    l3: L3Live = Field(default_factory=L3Live)
 
     @property
     def bubble_fraction(self) -> float:

@@ -5,8 +5,9 @@ must take the same decisions.  Engines that do not check this have crashed when
 stages disagreed on a request's matched prefix or on its completion; here each
 stage reports, per request, a compact record (``FIELDS``):
 
-    device pages matched, host pages matched (= loaded h2d), pages backed up (d2h)
-    while serving it, pages it newly cached at the end, and whether it completed.
+    device pages matched, host pages matched (loaded h2d), pages backed up (d2h)
+    while serving it, pages it newly cached at the end, whether it completed, and the pages it
+    took from L3 (read into host, then loaded h2d: they count as matched and loaded).
 
 The records ride on messages the pipeline sends anyway (``pipeline.StagePipe``):
 
@@ -36,7 +37,8 @@ from typing import Any
 
 from ..live.numbers import DECISION_NAMES
 
-FIELDS = ("device_pages", "host_pages", "backed_up_pages", "cached_pages", "completed")
+FIELDS = ("device_pages", "host_pages", "backed_up_pages", "cached_pages", "completed",
+          "storage_pages")
 NFIELDS = len(FIELDS)
 #: How many recent disagreements rank 0 keeps for the dashboard.
 RECENT = 50
@@ -44,7 +46,8 @@ RECENT = 50
 
 def decision_values(rec: Sequence[int]) -> tuple[int, int, int, int]:
     """A record's value per decision; completion is the pages it cached, or -1 if it did not complete."""
-    return rec[0] + rec[1], rec[1], rec[2], rec[3] if rec[4] else -1
+    l3 = rec[5] if len(rec) > 5 else 0
+    return rec[0] + rec[1] + l3, rec[1] + l3, rec[2], rec[3] if rec[4] else -1
 
 
 def agreed_value(values: Sequence[int]) -> int:
@@ -118,6 +121,15 @@ class Agreement:
         n = self.rank * len(mb.requests) * NFIELDS
         self._upstream[mb.index] = list(words[:n])
         self.take_verdicts(words[n:], forward=self.rank < self.pp_size - 1)
+
+    def head(self, index: int, requests: int) -> list[tuple[int, int]] | None:
+        """Stage 0's (device + host pages, L3 pages) per request of micro-batch ``index``, as
+        received (stages > 0): what a stage takes from L3 follows its pipeline's head."""
+        words = self._upstream.get(index)
+        if self.rank == 0 or not words or len(words) < requests * NFIELDS:
+            return None
+        return [(words[r * NFIELDS] + words[r * NFIELDS + 1], words[r * NFIELDS + 5])
+                for r in range(requests)]
 
     def credit(self, mb: Any) -> list[int]:
         """Last stage: what goes back to rank 0 with the credit: every stage's records."""

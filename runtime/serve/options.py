@@ -16,6 +16,7 @@ from .. import defaults
 from ..errors import ConfigError
 from ..memory.host_tier import MemInfo
 from ..plan.plan import RunPlan, StagePlan
+from ..storage.options import L3Options
 
 #: Upper bounds of flags whose size is otherwise only limited by memory (each stage holds the trace).
 MAX_REQUESTS = 100_000
@@ -55,6 +56,7 @@ class ServeOptions:
     dist_interface: str = "lo"  # the interface carrying dist_host (gloo/nccl SOCKET_IFNAME)
     heartbeat_timeout: float = defaults.HEARTBEAT_TIMEOUT_S  # an older heartbeat: not ready / not up
     max_disagreements: int = 0  # more stage disagreements than this: not ready (agreement.py)
+    l3: L3Options = L3Options()  # the storage tier behind the host tier (storage/options.py)
 
     # -- what the plan holds, read from it (never a second copy) --------------------------------
     @property

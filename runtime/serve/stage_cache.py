@@ -31,6 +31,7 @@ import numpy as np
 
 from ..cache.insight import InsightConfig
 from ..errors import ConfigError, StageCacheError
+from .stage_l3 import StageL3, l3_live
 
 #: ``serve`` keeps its cache insight on the wall clock, every event sampled (a forward pass dwarfs
 #: it), with miss reasons deferred until the stages' agreed prefix is known (``agreement.py``).
@@ -158,11 +159,12 @@ class StageCache:
         self.transfer_stats = TransferStats()
         self.cache = None
         self.writer = None
+        self.l3 = StageL3(cfg, self.stage, self.host)
         if self.valid:  # an invalid stage never serves; its transfer stack is not needed
             self.controller = TransferController(self.pools, self.host, self.transfer_stats)
             self.stats = CacheStats(self.stage, cfg.opts.page_size, transfer=self.transfer_stats)
             self.cache = HiCache(self.pools, self.host, self.controller, cfg.opts.hicache_write_policy,
-                                 stats=self.stats, insight=SERVE_INSIGHT)
+                                 stats=self.stats, insight=SERVE_INSIGHT, storage=self.l3.open())
             self.writer = KvWriter(self.pools)
         self._agreement_setup(worker)
         self.compute = LayerCompute([e.global_id for e in self.stage_map.layers], cfg.opts.hidden_size,
@@ -196,10 +198,11 @@ class StageCache:
     def _begin_all(self, mb: Any, backed: list[int]) -> list[Any]:
         """``begin`` every request (all aborted if one fails), counting each one's backups."""
         handles = []
+        head = self.agreement.head(mb.index, len(mb.requests)) if self.cache.storage else None
         try:
-            for req in mb.requests:
+            for i, req in enumerate(mb.requests):
                 before = self.stats.backup_pages
-                handles.append(self.cache.begin(req))
+                handles.append(self.cache.begin(req, head[i] if head else None, self._refill))
                 backed.append(self.stats.backup_pages - before)
         except Exception:
             for h in handles:
@@ -214,7 +217,7 @@ class StageCache:
             before = self.stats.backup_pages
             cached = self.cache.finish(h)
             records.append((h.device_hit_pages, h.host_hit_pages, b + self.stats.backup_pages - before,
-                            cached, 1))
+                            cached, 1, h.storage_pages))
             self._finished += 1
             if self.skew and self._finished % 4 == 0 and h.view.cacheable:
                 self.skewed_pages += self.cache.discard(int(h.keys[h.view.cacheable - 1]))
@@ -245,7 +248,7 @@ class StageCache:
                 self.writer.write(h.new_hashes, h.new_pages)
                 req = h.request
                 decisions.append((req.session, req.turn, h.device_hit_pages, h.host_hit_pages,
-                                  len(h.new_pages)))
+                                  len(h.new_pages), h.storage_pages))
                 computed.append(np.asarray(h.tokens[h.matched_pages * ps:]))
             tokens = np.concatenate(computed) if computed else np.zeros(1, dtype=np.int64)
             if act_in is None:
@@ -260,17 +263,22 @@ class StageCache:
         return act_out, decision_digest(decisions)
 
     def _verify_loaded(self, h: Any) -> None:
-        """Check the KV bytes of the pages just loaded from host (the ones a PP bug would corrupt)."""
-        if not h.host_hit_pages:
+        """Check the KV bytes of the pages just loaded from host (the ones a PP bug would corrupt),
+        L3's included (they came through the host tier)."""
+        if h.matched_pages == h.device_hit_pages:
             return
         lo, hi = h.device_hit_pages, h.matched_pages
         bad = self.writer.verify(h.hashes[lo:hi], h.prefix_pages[lo:hi], page_offset=lo)
         self.verified_pages += hi - lo
         if bad:
             raise KvMismatchError(
-                f"stage {self.stage}: {len(bad)} page(s) loaded from host have wrong KV bytes, "
+                f"stage {self.stage}: {len(bad)} page(s) loaded from host or L3 have wrong KV bytes, "
                 f"first: {bad[0]}"
             )
+
+    def _refill(self, keys: Any, host_pages: Any) -> None:
+        """Write the KV of pages this stage's pipeline took from L3 but this stage could not read."""
+        self.writer.write(np.asarray(keys, dtype=np.uint64), host_pages, target=self.host)
 
     # -- live numbers -----------------------------------------------------------------------------
     def live_fields(self) -> dict[str, Any]:
@@ -298,6 +306,7 @@ class StageCache:
         fields.update(insight_live_fields(self.cache.insight, self.agreement, self.skewed_pages))
         fields.update(transfer_live_fields(self.transfer_stats))
         fields["kv_verified_pages"] = self.verified_pages
+        fields["l3"] = l3_live(self.cache.storage, self.page_size)
         fields["computed_rows"] = self.computed_rows
         return fields
 
@@ -308,7 +317,7 @@ def cache_live_fields(stats: Any) -> dict[str, Any]:
 
     return {
         "cache_tokens": TierTokens(device=stats.device_hit_tokens, host=stats.host_hit_tokens,
-                                   miss=stats.miss_tokens),
+                                   storage=stats.storage_hit_tokens, miss=stats.miss_tokens),
         "host_hit_ratio": stats.host_hit_ratio,
         "evictions": TierPages(device=stats.device_evicted_pages, host=stats.host_evicted_pages),
         "cache_pages": CachePages(backup=stats.backup_pages, load=stats.load_pages,

@@ -140,8 +140,9 @@ def _note_failure(cfg: StageConfig, worker: StageWorker | None, message: str, co
         pass
 
 
-def _inventory_of(message: Any, rank: int) -> tuple[Any, dict[str, int]]:
-    """A stage's startup message as (``PoolInventory``, page bytes per pool), shape-checked."""
+def _inventory_of(message: Any, rank: int) -> tuple[Any, dict[str, int], list[str]]:
+    """A stage's startup message as (``PoolInventory``, page bytes per pool, L3 startup errors),
+    shape-checked."""
     from ..plan.inventory import PoolInventory
     from .exchange import ExchangeRefused
 
@@ -149,7 +150,8 @@ def _inventory_of(message: Any, rank: int) -> tuple[Any, dict[str, int]]:
         stage, buffers, nbytes = message["stage"], message["buffers"], message["pool_page_bytes"]
         inventory = PoolInventory(int(stage), {str(p): tuple(bool(b) for b in flags)
                                                for p, flags in buffers.items()})
-        return inventory, {str(p): int(n) for p, n in nbytes.items()}
+        errors = [str(e) for e in message.get("l3_errors", ())]
+        return inventory, {str(p): int(n) for p, n in nbytes.items()}, errors
     except (KeyError, TypeError, ValueError, AttributeError):
         raise ExchangeRefused(f"stage {rank}'s inventory is not an inventory") from None
 
@@ -205,7 +207,9 @@ class StageWorker:
         self.cache = build_stage_cache(self)
         cache = self.cache  # the heartbeat re-checks the host tier while the stage waits
         self.stage_file.refresh = lambda: {"host_tier": cache.host_tier.live()}
-        report_ok = self._startup(self.cache.pools.inventory(), self.cache.pools.pool_page_bytes())
+        l3_errors = self.cache.l3.startup(lambda: self._call(lambda: dist.barrier()))
+        report_ok = self._startup(self.cache.pools.inventory(), self.cache.pools.pool_page_bytes(),
+                                  l3_errors)
         if not report_ok:
             self.phase = "refused"
             self.publish(force=True)
@@ -220,6 +224,8 @@ class StageWorker:
     def close(self) -> None:
         if self.heartbeat is not None:
             self.heartbeat.stop()
+        if self.cache is not None:
+            self.cache.l3.close()
         if self.dist_ready:
             try:
                 import torch.distributed as dist
@@ -256,23 +262,32 @@ class StageWorker:
         ))
         self.dist_ready = True
 
-    def _startup(self, inventory: Any, pool_page_bytes: dict[str, int]) -> bool:
+    def _startup(self, inventory: Any, pool_page_bytes: dict[str, int],
+                 l3_errors: list[str] | None = None) -> bool:
         """Gather what every stage really allocated to rank 0, which validates it against the plan
-        and publishes the report; every stage then gets the verdict."""
+        (and adds every stage's L3 startup errors) and publishes the report; every stage then gets
+        the verdict."""
+        import dataclasses
+
+        from ..errors import MappingError
         from ..validation.report import build_report
         from .exchange import all_gather_json, broadcast_json
 
         cfg = self.cfg
         mine = {"stage": self.rank, "buffers": {k: list(v) for k, v in inventory.buffers.items()},
-                "pool_page_bytes": pool_page_bytes}
+                "pool_page_bytes": pool_page_bytes, "l3_errors": [str(e) for e in l3_errors or ()]}
         gathered = self._call(lambda: all_gather_json(mine, cfg.secret, cfg.opts.pp_size,
                                                       cfg.torch_device))
         ok = None
         if self.rank == 0:
             got = [_inventory_of(g, k) for k, g in enumerate(gathered)]
             plan = cfg.opts.plan
-            report = build_report(plan.layout, [inv for inv, _ in got], plan.page_size,
-                                  plan.fault_names, [nbytes for _, nbytes in got])
+            report = build_report(plan.layout, [inv for inv, _, _ in got], plan.page_size,
+                                  plan.fault_names, [nbytes for _, nbytes, _ in got])
+            l3 = tuple(MappingError(k, "l3", "a store of this deployment, own keys", "refused", e)
+                       for k, (_, _, errors) in enumerate(got) for e in errors)
+            if l3:
+                report = dataclasses.replace(report, cross_errors=report.cross_errors + l3)
             rd.write_json_atomic(os.path.join(cfg.run_dir, rd.STARTUP_FILE), report.to_dict())
             ok = report.ok
         return broadcast_json(ok, cfg.secret, self.rank, 0, cfg.torch_device) is True

@@ -350,7 +350,7 @@ SUMMARY_FIELDS = {
     "stage", "pid", "phase", "local_layers", "requests", "steps", "cache_tokens", "host_hit_ratio",
     "evictions", "transfer_bytes", "transfer_count", "bandwidth_bytes_per_second",
     "stage_seconds", "bubble_seconds", "idle_seconds", "activation_bytes_sent",
-    "kv_verified_pages", "error",
+    "kv_verified_pages", "error", "l3",
 }
 
 

@@ -17,6 +17,7 @@ from live_helpers import blank_live
 from plans import report
 from stagecache.dashboard.server import dashboard_in_thread
 from stagecache.exporters.snapshot import StaticSource
+from stagecache.runtime.live.numbers import L3Live
 from stagecache.runtime.model.pool_kinds import POOLS
 
 PP = 4
@@ -44,7 +45,11 @@ def live_numbers(stage: int) -> dict:
     d = blank_live(stage, POOLS)
     d.update(time=1_700_000_000.0 + stage, steps=10 + stage, requests=3 + stage, phase="serving",
              total_requests=10, stage_seconds=1.5, bubble_seconds=0.25)
-    d["cache_tokens"] = {"device": 1000 * (stage + 1), "host": 200 * (stage + 1), "miss": 50 + stage}
+    d["cache_tokens"] = {"device": 1000 * (stage + 1), "host": 200 * (stage + 1),
+                         "storage": 30 * (stage + 1), "miss": 50 + stage}
+    d["l3"] = L3Live(backend="mooncake", up=stage != 1, downs=int(stage == 1),
+                     down_reason="mooncake master 127.0.0.1:9 unreachable (code -900)" if stage == 1 else None,
+                     prefetched_tokens=256, errors={"corrupt": 0, "failed": stage, "no_space": 0}).model_dump()
     d["transfer_bytes"] = {"d2h": 4096 * (stage + 1), "h2d": 2048}
     d["transfer_seconds"] = {"d2h": 0.001, "h2d": 0.002}
     d["transfer_count"] = {"d2h": 2, "h2d": 1}
@@ -221,6 +226,15 @@ def test_no_write_endpoints(servers):
 
 
 # -- live numbers ------------------------------------------------------------------------------------
+
+
+def test_the_page_shows_each_stages_l3_health(servers):
+    page = servers["live"].get("/").text
+    assert 'id="l3-table"' in page
+    rows = page.split('class="l3-row"')[1:]
+    assert len(rows) == PP
+    assert 'class="l3-state warn">down' in rows[1] and "unreachable (code -900)" in rows[1]
+    assert 'class="l3-state ok">up' in rows[0] and ">mooncake<" in rows[0]
 
 
 def test_summary_is_empty_in_a_preflight_view(servers):

@@ -37,7 +37,8 @@ def live(stage: int, scale: int = 1) -> dict:
     d = blank_live(stage, POOLS)
     d.update(
         model_name="tiny-v4", phase="serving", steps=5 * scale, requests=20 * scale, total_requests=64,
-        cache_tokens={"device": 1000 * scale, "host": 300 * scale, "miss": 700 * scale},
+        cache_tokens={"device": 1000 * scale, "host": 300 * scale, "storage": 100 * scale,
+                      "miss": 700 * scale},
         evictions={"device": 7, "host": 2},
         cache_pages={"backup": 11, "load": 4, "dropped": 1, "backup_skipped": 3},
         transfer_bytes={"d2h": 4096 * scale, "h2d": 2048 * scale},
@@ -49,6 +50,10 @@ def live(stage: int, scale: int = 1) -> dict:
         stage_seconds=1.5, bubble_seconds=0.5, activation_bytes_sent=100 * (3 - stage),
         activation_bytes_received=100 * stage,
     )
+    d["l3"] = {"backend": "file", "prefetched_tokens": 256 * scale, "backuped_tokens": 512 * scale,
+               "bytes": {"prefetch": 4096, "backup": 8192}, "seconds": {"prefetch": 0.01, "backup": 0.02},
+               "errors": {"corrupt": 1, "failed": 0, "no_space": 0},
+               "prefetch_bandwidth": {"le": [1.0, 2.0], "counts": [1, 2, 2], "sum": 2.5}}
     # host-tier sanity and pool occupancy
     d["host_tier"] = {"status": ["smaller_than_device"] if stage == 1 else ["ok"], "reasons": ["r"],
                       "mem_available_bytes": 8 << 30, "reserve_bytes": 1 << 30}
@@ -129,8 +134,11 @@ def test_counters_for_everything_cumulative_gauges_for_states():
                   "evicted_pages", "bubble_seconds", "busy_seconds")
     for part in cumulative:
         assert any(part in n and n.endswith("_total") for n in METRIC_NAMES), part
-    # no since-start ratio or mean bandwidth gauge: those are rate() in recording rules
-    assert not any("hit_ratio" in n or "bandwidth" in n for n in METRIC_NAMES)
+    # no since-start ratio or mean bandwidth gauge: those are rate() in recording rules (sglang's
+    # storage bandwidths are histograms of one observation per batch: kept under their names)
+    assert not any(("hit_ratio" in n or "bandwidth" in n) and types[n] != "histogram"
+                   for n in METRIC_NAMES)
+    assert types["stagecache_prefetch_bandwidth"] == types["stagecache_backup_bandwidth"] == "histogram"
     assert not any("millis" in n or "_ms" in n or "kib" in n.lower() for n in METRIC_NAMES)
 
 
@@ -192,8 +200,18 @@ def test_no_report_yet_means_no_startup_samples_but_live_numbers_still_export():
 
 def test_live_values_per_stage_and_label():
     smp = series_by_name(scrape(StaticSource(report(), {0: live(0), 1: live(1, scale=2)})))
-    assert sample_value(smp, "stagecache_prefix_lookup_tokens_total", pp_rank="1") == 4000
+    assert sample_value(smp, "stagecache_prefix_lookup_tokens_total", pp_rank="1") == 4200
     assert sample_value(smp, "stagecache_prefix_hit_tokens_total", pp_rank="1", tier="device") == 2000
+    assert sample_value(smp, "stagecache_prefix_hit_tokens_total", pp_rank="1", tier="storage") == 200
+    # L3: sglang's storage metric names, with its storage_backend label and pp_rank
+    assert sample_value(smp, "stagecache_storage_prefetch_hit_tokens_total", pp_rank="1",
+                        storage_backend="file") == 200
+    assert sample_value(smp, "stagecache_prefetched_tokens_total", pp_rank="1") == 512
+    assert sample_value(smp, "stagecache_backuped_tokens_total", pp_rank="0") == 512
+    assert sample_value(smp, "stagecache_l3_bytes_total", pp_rank="0", l3_direction="backup") == 8192
+    assert sample_value(smp, "stagecache_l3_errors_total", pp_rank="0", error="corrupt") == 1
+    assert sample_value(smp, "stagecache_l3_up", pp_rank="0") == 1
+    assert sample_value(smp, "stagecache_prefetch_bandwidth_count", pp_rank="0") == 2
     assert sample_value(smp, "stagecache_transfer_bytes_total", pp_rank="0", direction="h2d") == 2048
     assert sample_value(smp, "stagecache_pool_bytes", pp_rank="0", pool="swa", tier="host") == 2 << 20
     assert sample_value(smp, "stagecache_evicted_pages_total", pp_rank="0", tier="device") == 7

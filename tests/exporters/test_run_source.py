@@ -38,7 +38,7 @@ def test_partial_stage_file_gets_every_key(tmp_path):
                                                       "cache_tokens": {"miss": 5}})
     s = RunDirSource(tmp_path).stages()[3]
     assert set(blank_live(3)) == set(s.model_dump())
-    assert s.cache_tokens.model_dump() == {"device": 0, "host": 0, "miss": 5}
+    assert s.cache_tokens.model_dump() == {"device": 0, "host": 0, "storage": 0, "miss": 5}
     assert s.error == "boom" and s.phase == "failed" and s.requests == 0
 
 

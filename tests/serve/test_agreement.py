@@ -53,7 +53,8 @@ def test_records_and_verdicts_travel_down_the_pipe_and_back_without_loss():
     """Three stages in one process: the words each would send, handed on by hand."""
     verdicts: dict[int, list] = {0: [], 1: [], 2: []}
     stages = [Agreement(k, 3, on_verdict=lambda i, a, k=k: verdicts[k].append((i, a))) for k in range(3)]
-    recs = {0: [[2, 0, 0, 1, 1]], 1: [[2, 0, 0, 1, 1]], 2: [[1, 0, 0, 1, 1]]}  # stage 2 matched less
+    # device pages, host pages, backed up, cached, completed, L3 pages: stage 2 matched less
+    recs = {0: [[2, 0, 0, 1, 1, 0]], 1: [[2, 0, 0, 1, 1, 0]], 2: [[1, 0, 0, 1, 1, 0]]}
     for mb in (_Mb(0, 1), _Mb(1, 1)):
         for k, st in enumerate(stages):
             st.local(mb.index, recs[k])
@@ -71,6 +72,18 @@ def test_records_and_verdicts_travel_down_the_pipe_and_back_without_loss():
     recent = list(stages[0].recent)
     assert [(r["kind"], r["stages"], r["agreed"], r["values"]) for r in recent] == [
         ("matched_prefix", [2], 2, [2, 2, 1])] * 2
+
+
+def test_l3_pages_count_as_matched_and_loaded_and_travel_to_later_stages():
+    stages = [Agreement(k, 2) for k in range(2)]
+    mb = _Mb(0, 2)
+    stages[0].local(0, [[1, 1, 0, 2, 1, 3], [0, 0, 0, 1, 1, 0]])
+    stages[1].upstream(mb, stages[0].downstream(mb))
+    # what stage 1 follows: stage 0's device + host pages and its L3 pages, per request
+    assert stages[1].head(0, 2) == [(2, 3), (0, 0)]
+    assert stages[0].head(0, 2) is None
+    [(agreed, _)] = compare([[[1, 1, 0, 2, 1, 3]], [[1, 1, 0, 2, 1, 3]]])
+    assert agreed[:2] == [5, 4]  # matched = device + host + L3; loaded = host + L3
 
 
 # -- /readyz ---------------------------------------------------------------------------------------
@@ -147,7 +160,8 @@ def test_a_skewed_stage_is_counted_alerted_and_makes_the_run_not_ready(tmp_path:
     for k, s in stages.items():
         m = s["insight"]["miss_tokens"]
         assert sum(m["host"].values()) == s["cache_tokens"]["miss"], (k, m)
-        assert sum(m["device"].values()) == s["cache_tokens"]["miss"] + s["cache_tokens"]["host"]
+        t = s["cache_tokens"]
+        assert sum(m["device"].values()) == t["miss"] + t["host"] + t["storage"]
         assert (m["host"]["stage_disagreement"] > 0) == (k == 2), (k, m)
     assert stages[2]["insight"]["skewed_pages"] > 0
     text = out.read_text()

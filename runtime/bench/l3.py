@@ -1,0 +1,213 @@
+"""``stagecache bench l3``: each L3 backend against the plain I/O beneath it, same run, same bytes.
+
+* **file**: the store's ``batch_set_from`` / ``batch_get_into`` of ``pages`` objects of
+  ``page_mib`` MiB (a trailer, a CRC-32C, temp file + rename per object) against one plain
+  sequential ``write`` / ``readinto`` of the same bytes into one file in the same directory
+  (same disk).  Writes go to the page cache in both (nothing is fsynced); *cold* reads come from
+  the disk in both (every file is fsynced and dropped from the page cache with
+  ``posix_fadvise(DONTNEED)`` first, untimed); *warm* reads (page cache) are reported too, and
+  so is the same bytes' plain I/O as one file per object (``per_file_plain_gbps``): what the
+  file system gives the store's access pattern before the store adds anything.
+* **mooncake**: the store's calls against direct ``batch_put_from`` / ``batch_get_into`` calls of
+  the same client on the same registered buffers and object sizes (a real ``mooncake_master``
+  on 127.0.0.1, started and stopped here).
+
+Each technique runs ``rounds`` times, interleaved, with fresh keys and files per round; the
+median round counts.  Every read is checked byte for byte against what was written.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..storage.file import SUFFIX, FileStore, private_dir
+
+TARGETS = {"file": 0.8, "mooncake": 0.9}
+
+
+def _pages(n: int, nbytes: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1234)
+    return torch.randint(0, 256, (n, nbytes), generator=g, dtype=torch.uint8)
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else 0.0
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _drop_cache(paths: list[Path]) -> None:
+    """Flush and forget the files' pages, so the next read comes from the disk (untimed)."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _row(name: str, base: list[float], store: list[float], nbytes: int) -> dict[str, Any]:
+    b, s = _gbps(nbytes, statistics.median(base)), _gbps(nbytes, statistics.median(store))
+    return {"operation": name, "baseline_gbps": round(b, 3), "store_gbps": round(s, 3),
+            "ratio": round(s / b, 3) if b else None}
+
+
+def _plain_round(root: Path, src: torch.Tensor, dst: torch.Tensor) -> dict[str, float]:
+    path = root / f"plain-{os.urandom(4).hex()}.bin"
+    views = [memoryview(p.numpy()) for p in src]
+
+    def write() -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            for v in views:
+                os.write(fd, v)
+        finally:
+            os.close(fd)
+
+    def read() -> None:
+        with open(path, "rb", buffering=0) as f:
+            for p in dst:
+                f.readinto(memoryview(p.numpy()))
+
+    out = {"write": _timed(write)}
+    _drop_cache([path])
+    out["read_cold"] = _timed(read)
+    out["read_warm"] = _timed(read)
+    path.unlink()
+    return out
+
+
+def _per_file_round(root: Path, src: torch.Tensor, dst: torch.Tensor) -> dict[str, float]:
+    """The store's file pattern without the store: one plain file per object, plain ``read``."""
+    folder = root / f"files-{os.urandom(4).hex()}"
+    folder.mkdir(mode=0o700)
+    paths = [folder / f"{i}.bin" for i in range(len(src))]
+
+    def write() -> None:
+        for path, p in zip(paths, src, strict=True):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.write(fd, memoryview(p.numpy()))
+            finally:
+                os.close(fd)
+
+    def read() -> None:
+        for path, p in zip(paths, dst, strict=True):
+            with open(path, "rb", buffering=0) as f:
+                f.readinto(memoryview(p.numpy()))
+
+    out = {"write": _timed(write)}
+    _drop_cache(paths)
+    out["read_cold"] = _timed(read)
+    out["read_warm"] = _timed(read)
+    for path in paths:
+        path.unlink()
+    folder.rmdir()
+    return out
+
+
+def _store_round(root: Path, src: torch.Tensor, dst: torch.Tensor) -> dict[str, float]:
+    store = FileStore(root / f"store-{os.urandom(4).hex()}")
+    keys = [f"sc1.0123456789abcdef.t0.p0.L0-1.swa.{i:016x}" for i in range(len(src))]
+    out = {"write": _timed(lambda: store.batch_set_from(keys, [[p] for p in src]))}
+    _drop_cache([store.root / (k + SUFFIX) for k in keys])
+    for name in ("read_cold", "read_warm"):
+        dst.zero_()
+        out[name] = _timed(lambda: store.batch_get_into(keys, [[p] for p in dst]))
+        if not torch.equal(dst, src):
+            raise RuntimeError("bench l3: the file store read back other bytes than it wrote")
+    store.reset()
+    store.root.rmdir()
+    return out
+
+
+def bench_file(pages: int, page_bytes: int, rounds: int, directory: str | None) -> dict[str, Any]:
+    src, dst = _pages(pages, page_bytes), torch.zeros(pages, page_bytes, dtype=torch.uint8)
+    with tempfile.TemporaryDirectory(dir=directory, prefix="stagecache-bench-l3-") as tmp:
+        root = private_dir(Path(tmp))
+        plain, per_file, store = [], [], []
+        for _ in range(rounds):
+            plain.append(_plain_round(root, src, dst))
+            per_file.append(_per_file_round(root, src, dst))
+            store.append(_store_round(root, src, dst))
+        nbytes = pages * page_bytes
+        ops = ("write", "read_cold", "read_warm")
+        rows = [_row(op, [r[op] for r in plain], [r[op] for r in store], nbytes) for op in ops]
+        # the same bytes as one plain file per object: what the file system gives that pattern,
+        # so the store's own cost (names, trailer, checksum, rename) is the ratio to this
+        for row, op in zip(rows, ops, strict=True):
+            pf = _gbps(nbytes, statistics.median(r[op] for r in per_file))
+            row["per_file_plain_gbps"] = round(pf, 3)
+            row["ratio_to_per_file"] = round(row["store_gbps"] / pf, 3) if pf else None
+        return {"backend": "file", "directory": str(Path(tmp).parent), "pages": pages,
+                "page_bytes": page_bytes, "rounds": rounds, "rows": rows,
+                "target": TARGETS["file"], "target_rows": ["write", "read_cold"],
+                "meets_target": all(r["ratio"] >= TARGETS["file"] for r in rows
+                                    if r["operation"] in ("write", "read_cold"))}
+
+
+def _mooncake_rounds(store: Any, src: torch.Tensor, dst: torch.Tensor, rounds: int) -> dict[str, list]:
+    client = store.client
+    ptrs = [p.data_ptr() for p in src]
+    dptrs = [p.data_ptr() for p in dst]
+    sizes = [int(p.numel()) for p in src]
+    times: dict[str, list] = {"direct_write": [], "store_write": [], "direct_read": [], "store_read": []}
+    for r in range(rounds):
+        dk = [f"direct.{r}.{i}" for i in range(len(src))]
+        sk = [f"sc1.0123456789abcdef.t0.p0.L0-1.swa.{r:08x}{i:08x}" for i in range(len(src))]
+        times["direct_write"].append(_timed(lambda dk=dk: client.batch_put_from(dk, ptrs, sizes)))
+        times["store_write"].append(_timed(lambda sk=sk: store.batch_set_from(sk, [[p] for p in src])))
+        for kind, keys in (("direct_read", dk), ("store_read", sk)):
+            dst.zero_()
+            if kind == "direct_read":
+                times[kind].append(_timed(lambda keys=keys: client.batch_get_into(keys, dptrs, sizes)))
+            else:
+                times[kind].append(_timed(lambda keys=keys: store.batch_get_into(keys, [[p] for p in dst])))
+            if not torch.equal(dst, src):
+                raise RuntimeError(f"bench l3: mooncake {kind} read back other bytes than were written")
+        client.remove_by_regex(rf"^(direct\.{r}\.|sc1\.)", True)
+    return times
+
+
+def bench_mooncake(pages: int, page_bytes: int, rounds: int) -> dict[str, Any]:
+    from ..storage.master import MooncakeMaster
+    from ..storage.mooncake import MooncakeStore
+
+    src, dst = _pages(pages, page_bytes), torch.zeros(pages, page_bytes, dtype=torch.uint8)
+    with MooncakeMaster() as master, MooncakeStore(master.address, 3 * pages * page_bytes) as store:
+        store.register([src, dst])
+        _mooncake_rounds(store, src, dst, 1)  # warm-up: first touches of the segment
+        t = _mooncake_rounds(store, src, dst, rounds)
+    nbytes = pages * page_bytes
+    rows = [_row("write", t["direct_write"], t["store_write"], nbytes),
+            _row("read", t["direct_read"], t["store_read"], nbytes)]
+    return {"backend": "mooncake", "transport": "tcp, 127.0.0.1, one client", "pages": pages,
+            "page_bytes": page_bytes, "rounds": rounds, "rows": rows, "target": TARGETS["mooncake"],
+            "target_rows": ["write", "read"],
+            "meets_target": all(r["ratio"] >= TARGETS["mooncake"] for r in rows)}
+
+
+def run_bench(backends: list[str], pages: int, page_mib: float, rounds: int,
+              directory: str | None) -> dict[str, Any]:
+    page_bytes = int(page_mib * (1 << 20))
+    out: dict[str, Any] = {"page_bytes": page_bytes, "pages": pages, "results": []}
+    for b in backends:
+        if b == "file":
+            out["results"].append(bench_file(pages, page_bytes, rounds, directory))
+        else:
+            out["results"].append(bench_mooncake(pages, page_bytes, rounds))
+    out["meets_targets"] = all(r["meets_target"] for r in out["results"])
+    return out

@@ -1,0 +1,74 @@
+"""``stagecache check --sglang-storage``: does an sglang backend's L3 key keep PP stages apart?
+
+In this environment (no sglang) the answers come from the documented table; in ``.venv-sglang``
+they are computed by calling sglang 0.5.23's own key builders, and must equal the table.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from stagecache.runtime.integrations.storage_keys import TABLE, facts, verdict
+
+ROOT = Path(__file__).resolve().parents[2]
+VENV_PY = ROOT / ".venv-sglang" / "bin" / "python"
+
+
+def _check(*args: str, python: str = sys.executable, env: dict | None = None):
+    return subprocess.run([python, "-W", "ignore", "-m", "stagecache.runtime.cli.main", "check", *args],
+                          capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
+
+
+def test_backends_without_the_pp_rank_are_an_error_under_pp_in_strict_mode():
+    proc = _check("--pp-size", "4", "--sglang-storage", "nixl", "--sglang-storage", "file",
+                  "--strict", "--json")
+    assert proc.returncode == 1, proc.stderr
+    found = {f["backend"]: f for f in json.loads(proc.stdout)["sglang_storage"]}
+    assert found["nixl"]["level"] == "error" and "do not carry the PP rank" in found["nixl"]["message"]
+    assert found["file"]["level"] == "warning" and found["file"]["missing"] == ["dtype", "layout"]
+    assert found["nixl"]["table_because"]  # no sglang here: the table, and why
+
+
+def test_without_strict_a_collision_is_a_warning_and_one_stage_has_none():
+    proc = _check("--pp-size", "4", "--sglang-storage", "all", "--json")
+    assert proc.returncode == 0, proc.stderr
+    levels = {f["backend"]: f["level"] for f in json.loads(proc.stdout)["sglang_storage"]}
+    assert levels["hf3fs"] == levels["eic"] == "warning" and levels["tensorcast"] == "ok"
+    assert verdict(TABLE["nixl"], pp_size=1)[0] == "warning"  # one stage: nothing to collide with
+
+
+def test_the_table_names_the_backends_the_issue_lists():
+    no_pp = sorted(b for b, f in TABLE.items() if not f.pp_rank)
+    assert no_pp == ["eic", "hf3fs", "nixl"]
+    assert [b for b, f in TABLE.items() if f.dtype] == ["tensorcast"]
+    assert facts("nixl")[0] is TABLE["nixl"]
+
+
+def _symlinked_package(tmp_path: Path) -> Path:
+    """This checkout as the ``stagecache`` package, ahead of .venv-sglang's own install."""
+    pkg = tmp_path / "path" / "stagecache"
+    pkg.mkdir(parents=True)
+    for part in ("runtime", "exporters", "dashboard"):
+        (pkg / part).symlink_to(ROOT / part)
+    return pkg.parent
+
+
+def test_sglangs_own_key_functions_agree_with_the_table(tmp_path):
+    if not VENV_PY.exists():
+        pytest.skip(".venv-sglang not built: run bash tests/setup.d/50-sglang.sh")
+    env = {"PYTHONPATH": str(_symlinked_package(tmp_path)), "PATH": "/usr/bin:/bin"}
+    proc = _check("--pp-size", "4", "--sglang-storage", "file", "--sglang-storage", "mooncake",
+                  "--json", python=str(VENV_PY), env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    found = {f["backend"]: f for f in json.loads(proc.stdout)["sglang_storage"]}
+    assert found["file"]["how"] == "sglang", found["file"]
+    for backend, f in found.items():
+        row = TABLE[backend]
+        assert [f[p] for p in ("pp_rank", "model", "dtype", "layout")] == \
+            [row.pp_rank, row.model, row.dtype, row.layout], backend
+        if f["how"] != "sglang":  # the Mooncake wheel is optional there
+            assert backend == "mooncake" and f["table_because"]
