@@ -340,8 +340,11 @@ def _finished(r: _Run, phase: str) -> int:
         return code
     try:
         _hold(r.console, r.opts, r.dash, phase)
-    except _Stop:
-        pass
+    except _Stop as stop:
+        # Interrupted while holding: the shell's code for the signal, unless the run itself failed
+        # (that code must not be hidden by the Ctrl-C that closed the dashboard).
+        if code == 0:
+            return 130 if stop.signum == signal.SIGINT else 143
     return code
 
 
