@@ -8,7 +8,6 @@ figure is drawn once.  Without a report both routes say how to get one (404).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 from fastapi.templating import Jinja2Templates
 from pydantic import ValidationError
-from stagecache.runtime.bounded_io import read_bounded_text
+from stagecache.runtime.bounded_io import read_bounded_json
 from stagecache.runtime.errors import ConfigError
 
 from .advise_figures import GIB, figure_json
@@ -32,15 +31,8 @@ NO_REPORT = ("no advise report: start the dashboard with --advise FILE, FILE bei
 
 def load_advise_report(path: Path) -> AdviseReport:
     """A saved ``stagecache advise --json`` report, checked: one ConfigError line otherwise."""
-    text = read_bounded_text(path, MAX_ADVISE_BYTES, f"--advise {path}",
-                             "a `stagecache advise --json` report")
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"--advise {path}: not JSON (line {exc.lineno}: {exc.msg})") from None
-    except RecursionError:
-        raise ConfigError(f"--advise {path}: JSON nested too deeply; expected "
-                          "`stagecache advise --json` output") from None
+    raw = read_bounded_json(path, MAX_ADVISE_BYTES, f"--advise {path}",
+                            "a `stagecache advise --json` report")
     try:
         return AdviseReport.model_validate(raw)
     except ValidationError as exc:

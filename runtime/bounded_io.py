@@ -16,6 +16,7 @@ find it cannot save its result.
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from pathlib import Path
@@ -60,6 +61,20 @@ def read_bounded_text(path: str | os.PathLike[str], limit: int, what: str, expec
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{what} is not UTF-8 text (byte {exc.start}: {exc.reason}); "
                           f"expected {expected}") from None
+
+
+def read_bounded_json(path: str | os.PathLike[str], limit: int, what: str, expected: str) -> object:
+    """The JSON value in ``path`` (read as ``read_bounded_text``); any defect is one ConfigError
+    line naming ``what`` and ``expected``: saved reports come back from users' disks."""
+    text = read_bounded_text(path, limit, what, expected)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{what}: not JSON (line {exc.lineno}: {exc.msg}); expected {expected}") from None
+    except RecursionError:
+        raise ConfigError(f"{what}: JSON nested too deeply; expected {expected}") from None
+    except ValueError as exc:  # an integer of more than 4,300 digits
+        raise ConfigError(f"{what}: {str(exc).split(';')[0]}; expected {expected}") from None
 
 
 def path_kind(path: str | os.PathLike[str], what: str) -> str | None:

@@ -16,9 +16,8 @@ import resource
 import time
 from typing import TYPE_CHECKING, Any
 
-from .. import defaults
 from ..errors import ConfigError
-from .common import add_layout_command, plan_from_args, positive_int
+from .common import add_layout_command, add_trace_args, plan_from_args
 from .pools import add_sizing_args, deployment, human, print_ledger, sizing_of
 
 if TYPE_CHECKING:
@@ -26,7 +25,6 @@ if TYPE_CHECKING:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from ..cache.mooncake import DEFAULT_BLOCK_TOKENS
 
     p = add_layout_command(
         sub, "advise",
@@ -35,18 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "cache's own page keys), per PP stage in bytes, with the sglang flags that buy 50/90/95/99 % "
         "of the infinite-cache hit rate, the knee of the curve and Belady's bound. Exit 2: bad input.",
     )
-    # tokens traces: --page-size (its default); Mooncake traces: the page is a block
-    p.set_defaults(page_size=None, default_page_size=defaults.PAGE_SIZE)
-    next(a for a in p._actions if a.dest == "page_size").help = (
-        f"tokens per page (default {defaults.PAGE_SIZE}; a Mooncake trace: one block, --block-tokens)")
-    p.add_argument("--trace", required=True, metavar="FILE",
-                   help="JSONL trace, stagecache tokens or Mooncake format (docs/hicache.md)")
-    p.add_argument("--trace-format", choices=("auto", "tokens", "mooncake"), default="auto",
-                   help="format of --trace (default: detected from the first line)")
-    p.add_argument("--block-tokens", type=positive_int, default=DEFAULT_BLOCK_TOKENS,
-                   help=f"tokens per Mooncake hash id; one block = one page (default {DEFAULT_BLOCK_TOKENS})")
-    p.add_argument("--skip-bad-lines", action="store_true",
-                   help="skip malformed trace lines (reported) instead of refusing the whole file")
+    add_trace_args(p, "JSONL trace, stagecache tokens or Mooncake format (docs/hicache.md)",
+                   required=True)
     add_sizing_args(p)
     p.add_argument("--no-belady", action="store_true",
                    help="skip Belady's offline bound at the marked sizes (about a second per simulated size "

@@ -20,6 +20,7 @@ from ..model.pool_kinds import HOST_CACHED
 from . import bench_advise, bench_http
 from .common import (
     add_layout_command,
+    add_trace_args,
     bench_device,
     device_name,
     fault_spec,
@@ -213,23 +214,11 @@ def _run_transfer_split(args: argparse.Namespace) -> int:
 
 def _register_hicache(sub: argparse._SubParsersAction) -> None:
     from ..cache.eviction import DEFAULT_POLICY, POLICIES
-    from ..cache.mooncake import DEFAULT_BLOCK_TOKENS
 
     p = add_layout_command(sub, "hicache", help="replay a trace: prefix-cache hits with HiCache vs device only "
                                                 "vs the Belady bound and an infinite cache")
-    # tokens traces: --page-size (its default); Mooncake traces: the page is a block
-    p.set_defaults(page_size=None, default_page_size=defaults.PAGE_SIZE)
-    next(a for a in p._actions if a.dest == "page_size").help = (
-        f"tokens per page (default {defaults.PAGE_SIZE}; a Mooncake trace: one block, --block-tokens)")
-    p.add_argument("--trace", default=None, metavar="FILE",
-                   help="JSONL trace, stagecache tokens or Mooncake format (docs/hicache.md); "
-                        "default: a generated multi-turn chat trace")
-    p.add_argument("--trace-format", choices=("auto", "tokens", "mooncake"), default="auto",
-                   help="format of --trace (default: detected from the first line)")
-    p.add_argument("--block-tokens", type=positive_int, default=DEFAULT_BLOCK_TOKENS,
-                   help=f"tokens per Mooncake hash id; one block = one page (default {DEFAULT_BLOCK_TOKENS})")
-    p.add_argument("--skip-bad-lines", action="store_true",
-                   help="skip malformed trace lines (reported) instead of refusing the whole file")
+    add_trace_args(p, "JSONL trace, stagecache tokens or Mooncake format (docs/hicache.md); "
+                      "default: a generated multi-turn chat trace", required=False)
     p.add_argument("--save-trace", type=output_file("--save-trace"), default=None, metavar="FILE",
                    help="write the replayed trace as JSONL")
     p.add_argument("--requests", type=int_range(1, bench_hicache.MAX_REQUESTS), default=None,

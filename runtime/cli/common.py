@@ -161,6 +161,23 @@ def add_layout_command(sub: argparse._SubParsersAction, name: str, help: str,
     return p
 
 
+def add_trace_args(p: argparse.ArgumentParser, trace_help: str, *, required: bool) -> None:
+    """The flags of a command that reads a prefix-cache trace (either format). A Mooncake trace
+    fixes the page (one block), so --page-size defaults to None and resolves per format later."""
+    from ..cache.mooncake import DEFAULT_BLOCK_TOKENS
+
+    p.set_defaults(page_size=None, default_page_size=defaults.PAGE_SIZE)
+    next(a for a in p._actions if a.dest == "page_size").help = (
+        f"tokens per page (default {defaults.PAGE_SIZE}; a Mooncake trace: one block, --block-tokens)")
+    p.add_argument("--trace", required=required, default=None, metavar="FILE", help=trace_help)
+    p.add_argument("--trace-format", choices=("auto", "tokens", "mooncake"), default="auto",
+                   help="format of --trace (default: detected from the first line)")
+    p.add_argument("--block-tokens", type=positive_int, default=DEFAULT_BLOCK_TOKENS,
+                   help=f"tokens per Mooncake hash id; one block = one page (default {DEFAULT_BLOCK_TOKENS})")
+    p.add_argument("--skip-bad-lines", action="store_true",
+                   help="skip malformed trace lines (reported) instead of refusing the whole file")
+
+
 def plan_from_args(args: argparse.Namespace, sizing: Sizing | None = None,
                    page_size: int | None = None) -> RunPlan:
     """The run's plan from the flags of ``add_layout_args`` (and a sizing): built once, here."""
@@ -169,7 +186,7 @@ def plan_from_args(args: argparse.Namespace, sizing: Sizing | None = None,
 
 
 __all__ = [
-    "ConfigError", "add_layout_args", "add_layout_command", "bench_device", "device_name", "fault_spec",
+    "ConfigError", "add_layout_args", "add_layout_command", "add_trace_args", "bench_device", "device_name", "fault_spec",
     "float_range", "int_range", "output_file", "shown",
     "nonneg_float", "nonneg_int", "nonneg_seconds", "plan_from_args", "port_number",
     "positive_float", "positive_int", "seconds",

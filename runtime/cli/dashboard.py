@@ -9,13 +9,12 @@ no live numbers (``stagecache serve`` mounts the same app over live stages).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import defaults
-from ..bounded_io import read_bounded_text
+from ..bounded_io import read_bounded_json
 from ..errors import ConfigError
 from .common import add_layout_args, plan_from_args, port_number
 
@@ -59,15 +58,8 @@ def load_json_report(path: Path) -> dict[str, Any]:
     """A saved check report, validated: a clear one-line ConfigError for anything else."""
     from stagecache.dashboard.view import ReportShapeError, parse_report
 
-    text = read_bounded_text(path, MAX_REPORT_BYTES, f"--from-json {path}",
-                             "a `stagecache check --json` report")
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"--from-json {path}: not JSON (line {exc.lineno}: {exc.msg})") from None
-    except RecursionError:
-        raise ConfigError(f"--from-json {path}: JSON nested too deeply; expected "
-                          "`stagecache check --json` output") from None
+    raw = read_bounded_json(path, MAX_REPORT_BYTES, f"--from-json {path}",
+                            "a `stagecache check --json` report")
     if not isinstance(raw, dict):
         raise ConfigError(f"--from-json {path}: expected a JSON object, got {type(raw).__name__}")
     try:

@@ -125,7 +125,7 @@ def test_bad_traces_are_one_line_exit_2(tmp_path, capsys, lines, message):
     (["--mem-budget-gb", "1", "1"], "--mem-budget-gb has 2 values; expected one for every stage"),
     (["--hicache-size-gb", "10"], HICACHE_SIZE_REFUSED),
     (["--page-size", "100"], "--page-size 100 must be a multiple of 128"),
-    (["--trace", "{missing}/t.jsonl"], "cannot read trace '{missing}/t.jsonl'"),
+    (["--trace", "{missing}/t.jsonl"], "trace '{missing}/t.jsonl': cannot read"),
     (["--plot", "{missing}/a.html"], "--plot {missing}/a.html: cannot write it"),
 ])
 def test_bad_flags_are_one_line_exit_2(tokens, tmp_path, capsys, argv, message):
