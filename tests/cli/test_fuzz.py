@@ -40,13 +40,22 @@ def _stop(*_args, **_kw):
 def no_work():
     """Every place a command hands over to real work ends the case instead."""
     from stagecache.dashboard import server
-    from stagecache.runtime.bench import check, hicache, http_load, transfer, transfer_split
+    from stagecache.runtime.bench import (
+        advise,
+        check,
+        hicache,
+        http_load,
+        l3,
+        transfer,
+        transfer_split,
+    )
     from stagecache.runtime.cli import serve
 
     mp = pytest.MonkeyPatch()
     for module, name in ((serve, "serve"), (check, "run_bench"), (hicache, "run_bench"),
                          (transfer, "run_bench"), (transfer_split, "run_bench"),
-                         (http_load, "run_bench"), (server, "make_server")):
+                         (http_load, "run_bench"), (advise, "run_bench"), (l3, "run_bench"),
+                         (server, "make_server")):
         mp.setattr(module, name, _stop)
     main(["check", "--model", "tiny-v4"])  # imports done before any case is timed
     yield

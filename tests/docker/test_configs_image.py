@@ -81,7 +81,7 @@ def run_from_wheel(site: Path, *argv: str) -> subprocess.CompletedProcess[str]:
 
 def test_wheel_declares_the_stagecache_command(wheel_dir: Path) -> None:
     (info,) = wheel_dir.glob("stagecache-*.dist-info")
-    assert "stagecache = stagecache.runtime.cli.main:main" in (info / "entry_points.txt").read_text()
+    assert "stagecache = stagecache.runtime.cli.main:entry" in (info / "entry_points.txt").read_text()
 
 
 def test_cli_from_the_image_install_runs_check(wheel_dir: Path) -> None:
