@@ -124,6 +124,8 @@ def bench_file(pages: int, page_bytes: int, rounds: int, directory: str | None) 
     src, dst = _pages(pages, page_bytes), torch.zeros(pages, page_bytes, dtype=torch.uint8)
     with tempfile.TemporaryDirectory(dir=directory, prefix="stagecache-bench-l3-") as tmp:
         root = private_dir(Path(tmp))
+        _plain_round(root, src, dst)  # warm-up, untimed: the first touches of the buffers and
+        _store_round(root, src, dst)  # of the page cache's free pages cost either one alone
         plain, store = [], []
         for r in range(rounds):  # which goes first alternates: neither always follows the other
             for run in ((_plain_round, _store_round) if r % 2 == 0 else (_store_round, _plain_round)):
