@@ -307,8 +307,10 @@ class FileStore(L3Store):
             os.close(fd)
 
     # -- reading --------------------------------------------------------------------------------
-    def _read_batch(self, keys: Sequence[str], views: Sequence[list[memoryview]]) -> list[Outcome]:
-        """Read the objects in file order, each with one ``preadv``; check them."""
+    def _read_batch(self, keys: Sequence[str], views: Sequence[list[memoryview]],
+                    threaded: bool = True) -> list[Outcome]:
+        """Read the objects in file order, each with one ``preadv``; check them (on the checksum
+        thread when ``threaded``: no two objects of the batch are read into the same bytes)."""
         out = [Outcome.MISSING] * len(keys)
         todo = []
         for i, key in enumerate(keys):
@@ -328,7 +330,7 @@ class FileStore(L3Store):
                 if fd is None:
                     self._lose(rec.seg)
                     continue
-                out[i], check = self._read_one(fd, rec, views[i])
+                out[i], check = self._read_one(fd, rec, views[i], threaded)
                 if check is not None:
                     checks.append((i, rec, check))
         finally:
@@ -365,7 +367,8 @@ class FileStore(L3Store):
                 opened[seg.seq] = None
         return opened[seg.seq]
 
-    def _read_one(self, fd: int, rec: _Record, payload: list[memoryview]) -> tuple[Outcome, Check | None]:
+    def _read_one(self, fd: int, rec: _Record, payload: list[memoryview],
+                  threaded: bool) -> tuple[Outcome, Check | None]:
         """Read one record; (FAILED or CORRUPT, None) or (OK so far, its pending checksum)."""
         h = rec.head
         head = bytearray(h.head)
@@ -378,7 +381,7 @@ class FileStore(L3Store):
             return self._corrupt(h.key, f"short record: {got} of {h.size} bytes"), None
         if parse_head(head) != h:
             return self._corrupt(h.key, "its head changed"), None
-        return Outcome.OK, crc_async(payload, h.payload)
+        return Outcome.OK, crc_async(payload, h.payload, threaded)
 
     def _corrupt(self, key: str, why: str) -> Outcome:
         """Drop a bad object; its tombstone is written when the batch's reads are done."""
@@ -395,7 +398,9 @@ class FileStore(L3Store):
 
     # -- the interface --------------------------------------------------------------------------
     def _get_into(self, keys: Sequence[str], views: Sequence[Segments]) -> list[Outcome]:
-        return self._read_batch(keys, [[_mv(t) for t in segs] for segs in views])
+        starts = [t.data_ptr() for segs in views for t in segs]
+        distinct = len(set(starts)) == len(starts)  # else a later read overwrites a checked one
+        return self._read_batch(keys, [[_mv(t) for t in segs] for segs in views], distinct)
 
     def _set_from(self, keys: Sequence[str], views: Sequence[Segments]) -> list[Outcome]:
         """Append the new objects, each object's checksum computed while the one before it is

@@ -210,13 +210,14 @@ class Done:
 Check = Future[int] | Done
 
 
-def crc_async(buffers: Sequence[memoryview], nbytes: int) -> Check:
+def crc_async(buffers: Sequence[memoryview], nbytes: int, threaded: bool = True) -> Check:
     """The payload's CRC-32C: on the checksum thread for a large payload (``crc32c`` releases
     the GIL for large buffers, so it runs beside the caller's next ``pwritev``/``preadv``), else
-    at once.  One thread: checksums of one batch come back in order, and a 2-core host keeps a
+    at once (also when ``threaded`` is False: the caller is about to reuse the buffers).  One
+    thread: checksums of one batch come back in order, and a 2-core host keeps a
     core for the copy."""
     global _pool
-    if nbytes < THREAD_CRC_FROM:
+    if nbytes < THREAD_CRC_FROM or not threaded:
         return Done(crc_of(buffers))
     if _pool is None:
         _pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l3-crc")

@@ -241,3 +241,17 @@ def test_reset_removes_every_stagecache_object_only(tmp_path):
     (tmp_path / "l3" / "notes.txt").write_text("mine")
     assert store.reset() == 2
     assert [p.name for p in (tmp_path / "l3").iterdir()] == ["notes.txt"]
+
+
+def test_large_objects_read_into_the_same_buffer_are_each_checked(tmp_path):
+    """Checksums run beside the reads; two keys read into one buffer must not fail each other."""
+    store = FileStore(tmp_path / "l3")
+    big = torch.stack([torch.full((1 << 20,), i, dtype=torch.uint8) for i in range(4)])
+    keys = [key(i) for i in range(4)]
+    assert store.batch_set_from(keys, [[p] for p in big]) == [Outcome.OK] * 4
+    dst = torch.zeros(1 << 20, dtype=torch.uint8)
+    assert store.batch_get_into(keys, [[dst]] * 4) == [Outcome.OK] * 4
+    assert bool((dst == 3).all())
+    out = torch.zeros_like(big)
+    assert store.batch_get_into(keys, [[p[:1000], p[1000:]] for p in out]) == [Outcome.OK] * 4
+    assert torch.equal(out, big) and store.stats.error_count == 0
