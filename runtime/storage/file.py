@@ -47,7 +47,6 @@ from .segments import (
     Check,
     Head,
     crc_async,
-    head_bytes,
     pack_head,
     parse_head,
     parse_segment_name,
@@ -419,7 +418,8 @@ class FileStore(L3Store):
             crc = check.result()
             if key in self._index:  # the same key twice in one batch
                 continue
-            out[i] = self._append(key, arrays, n, crc) if self._room(record_bound(n, len(key))) else Outcome.NO_SPACE
+            fits = self._room(record_bound(n, len(key)))
+            out[i] = self._append(key, arrays, n, crc) if fits else Outcome.NO_SPACE
         return out
 
     def _exists(self, keys: Sequence[str]) -> list[bool]:
@@ -519,5 +519,3 @@ class FileStore(L3Store):
             return Outcome.NO_SPACE if exc.errno in (errno.ENOSPC, errno.EDQUOT) else Outcome.FAILED
         return Outcome.OK
 
-
-__all__ = ["HEADER", "SEGMENT_BYTES", "SUFFIX", "FileStore", "head_bytes", "private_dir", "record_bound"]
