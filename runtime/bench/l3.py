@@ -1,19 +1,19 @@
 """``stagecache bench l3``: each L3 backend against the plain I/O beneath it, same run, same bytes.
 
 * **file**: the store's ``batch_set_from`` / ``batch_get_into`` of ``pages`` objects of
-  ``page_mib`` MiB (a trailer, a CRC-32C, temp file + rename per object) against one plain
+  ``page_mib`` MiB (a record each: head, CRC-32C, appended to a segment file) against one plain
   sequential ``write`` / ``readinto`` of the same bytes into one file in the same directory
   (same disk).  Writes go to the page cache in both (nothing is fsynced); *cold* reads come from
   the disk in both (every file is fsynced and dropped from the page cache with
-  ``posix_fadvise(DONTNEED)`` first, untimed); *warm* reads (page cache) are reported too, and
-  so is the same bytes' plain I/O as one file per object (``per_file_plain_gbps``): what the
-  file system gives the store's access pattern before the store adds anything.
+  ``posix_fadvise(DONTNEED)`` first, untimed); *warm* reads (page cache) are reported too.
 * **mooncake**: the store's calls against direct ``batch_put_from`` / ``batch_get_into`` calls of
   the same client on the same registered buffers and object sizes (a real ``mooncake_master``
   on 127.0.0.1, started and stopped here).
 
-Each technique runs ``rounds`` times, interleaved, with fresh keys and files per round; the
-median round counts.  Every read is checked byte for byte against what was written.
+Each technique runs ``rounds`` times, interleaved (which goes first alternates), with fresh keys
+and files per round; the median round counts, and every round's figures are printed too (on a
+shared machine they vary by several times: ``round_ratio_median`` is the median of the rounds'
+own ratios, each technique against the baseline timed beside it).  Every read is checked byte for byte against what was written.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from ..storage.file import SUFFIX, FileStore, private_dir
+from ..storage.file import FileStore, private_dir
+from ..storage.segments import SEGMENT_SUFFIX
 
 TARGETS = {"file": 0.8, "mooncake": 0.9}
 
@@ -48,6 +49,12 @@ def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
+def _settle() -> None:
+    """Write back whatever is dirty before a timed write (untimed), so that neither technique
+    pays for the other's writeback: each starts from the same state of the page cache."""
+    os.sync()
+
+
 def _drop_cache(paths: list[Path]) -> None:
     """Flush and forget the files' pages, so the next read comes from the disk (untimed)."""
     for p in paths:
@@ -60,9 +67,14 @@ def _drop_cache(paths: list[Path]) -> None:
 
 
 def _row(name: str, base: list[float], store: list[float], nbytes: int) -> dict[str, Any]:
+    """Medians, their ratio, and every round's figures (a shared machine's noise, shown as is)."""
     b, s = _gbps(nbytes, statistics.median(base)), _gbps(nbytes, statistics.median(store))
+    paired = [bt / st for bt, st in zip(base, store, strict=True) if st > 0]
     return {"operation": name, "baseline_gbps": round(b, 3), "store_gbps": round(s, 3),
-            "ratio": round(s / b, 3) if b else None}
+            "ratio": round(s / b, 3) if b else None,
+            "round_ratio_median": round(statistics.median(paired), 3) if paired else None,
+            "rounds_baseline_gbps": [round(_gbps(nbytes, t), 3) for t in base],
+            "rounds_store_gbps": [round(_gbps(nbytes, t), 3) for t in store]}
 
 
 def _plain_round(root: Path, src: torch.Tensor, dst: torch.Tensor) -> dict[str, float]:
@@ -82,6 +94,7 @@ def _plain_round(root: Path, src: torch.Tensor, dst: torch.Tensor) -> dict[str, 
             for p in dst:
                 f.readinto(memoryview(p.numpy()))
 
+    _settle()
     out = {"write": _timed(write)}
     _drop_cache([path])
     out["read_cold"] = _timed(read)
@@ -90,40 +103,13 @@ def _plain_round(root: Path, src: torch.Tensor, dst: torch.Tensor) -> dict[str, 
     return out
 
 
-def _per_file_round(root: Path, src: torch.Tensor, dst: torch.Tensor) -> dict[str, float]:
-    """The store's file pattern without the store: one plain file per object, plain ``read``."""
-    folder = root / f"files-{os.urandom(4).hex()}"
-    folder.mkdir(mode=0o700)
-    paths = [folder / f"{i}.bin" for i in range(len(src))]
-
-    def write() -> None:
-        for path, p in zip(paths, src, strict=True):
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.write(fd, memoryview(p.numpy()))
-            finally:
-                os.close(fd)
-
-    def read() -> None:
-        for path, p in zip(paths, dst, strict=True):
-            with open(path, "rb", buffering=0) as f:
-                f.readinto(memoryview(p.numpy()))
-
-    out = {"write": _timed(write)}
-    _drop_cache(paths)
-    out["read_cold"] = _timed(read)
-    out["read_warm"] = _timed(read)
-    for path in paths:
-        path.unlink()
-    folder.rmdir()
-    return out
-
-
 def _store_round(root: Path, src: torch.Tensor, dst: torch.Tensor) -> dict[str, float]:
     store = FileStore(root / f"store-{os.urandom(4).hex()}")
     keys = [f"sc1.0123456789abcdef.t0.p0.L0-1.swa.{i:016x}" for i in range(len(src))]
+    _settle()
     out = {"write": _timed(lambda: store.batch_set_from(keys, [[p] for p in src]))}
-    _drop_cache([store.root / (k + SUFFIX) for k in keys])
+    store.close()  # the written segment is sealed, as after a batch that filled it
+    _drop_cache(sorted(store.root.glob("*" + SEGMENT_SUFFIX)))
     for name in ("read_cold", "read_warm"):
         dst.zero_()
         out[name] = _timed(lambda: store.batch_get_into(keys, [[p] for p in dst]))
@@ -138,20 +124,15 @@ def bench_file(pages: int, page_bytes: int, rounds: int, directory: str | None) 
     src, dst = _pages(pages, page_bytes), torch.zeros(pages, page_bytes, dtype=torch.uint8)
     with tempfile.TemporaryDirectory(dir=directory, prefix="stagecache-bench-l3-") as tmp:
         root = private_dir(Path(tmp))
-        plain, per_file, store = [], [], []
-        for _ in range(rounds):
-            plain.append(_plain_round(root, src, dst))
-            per_file.append(_per_file_round(root, src, dst))
-            store.append(_store_round(root, src, dst))
+        _plain_round(root, src, dst)  # warm-up, untimed: the first touches of the buffers and
+        _store_round(root, src, dst)  # of the page cache's free pages cost either one alone
+        plain, store = [], []
+        for r in range(rounds):  # which goes first alternates: neither always follows the other
+            for run in ((_plain_round, _store_round) if r % 2 == 0 else (_store_round, _plain_round)):
+                (plain if run is _plain_round else store).append(run(root, src, dst))
         nbytes = pages * page_bytes
         ops = ("write", "read_cold", "read_warm")
         rows = [_row(op, [r[op] for r in plain], [r[op] for r in store], nbytes) for op in ops]
-        # the same bytes as one plain file per object: what the file system gives that pattern,
-        # so the store's own cost (names, trailer, checksum, rename) is the ratio to this
-        for row, op in zip(rows, ops, strict=True):
-            pf = _gbps(nbytes, statistics.median(r[op] for r in per_file))
-            row["per_file_plain_gbps"] = round(pf, 3)
-            row["ratio_to_per_file"] = round(row["store_gbps"] / pf, 3) if pf else None
         return {"backend": "file", "directory": str(Path(tmp).parent), "pages": pages,
                 "page_bytes": page_bytes, "rounds": rounds, "rows": rows,
                 "target": TARGETS["file"], "target_rows": ["write", "read_cold"],

@@ -80,7 +80,7 @@ class StageL3:
         errors = [self.error] if self.error else []
         if tier is not None and self.stage == 0:
             if self.opts.reset:
-                log.warning("L3 %s: --l3-reset: removed %d objects", self.where, tier.store.reset())
+                log.warning("L3 %s: --l3-reset: removed %d files", self.where, tier.store.reset())
             err = check_manifest(tier.store, self.cfg.opts.plan.fingerprint.to_dict(), self.where)
             errors += [err] if err else []
         barrier()

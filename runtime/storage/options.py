@@ -13,8 +13,9 @@ from .. import defaults
 from ..model.pool_kinds import KINDS
 from ..plan.plan import RunPlan, StagePlan
 from .base import L3Store, StoreUnavailable
-from .file import HEADER, FileStore
+from .file import FileStore
 from .keys import KeySpace, key_space
+from .segments import record_bound
 
 
 @dataclass(frozen=True)
@@ -41,12 +42,12 @@ def object_bytes(stage_plan: StagePlan) -> dict[str, int]:
 
 def capacity_pages(plan: RunPlan, size_bytes: int) -> int:
     """Pages every stage may keep so that all stages together stay within ``size_bytes``."""
-    per_page = sum(sum(b + HEADER.size for b in object_bytes(s).values()) for s in plan.stages)
+    per_page = sum(sum(record_bound(b) for b in object_bytes(s).values()) for s in plan.stages)
     return size_bytes // per_page if per_page else 0
 
 
 def stage_capacity_bytes(plan: RunPlan, stage: int, size_bytes: int) -> int:
-    own = sum(b + HEADER.size for b in object_bytes(plan.stage(stage)).values())
+    own = sum(record_bound(b) for b in object_bytes(plan.stage(stage)).values())
     return capacity_pages(plan, size_bytes) * own
 
 

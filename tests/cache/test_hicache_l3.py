@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from l3_support import corrupt_records
 from plans import run_plan
 from stagecache.runtime.cache.hicache import HiCache
 from stagecache.runtime.cache.kv_writer import KvWriter
@@ -13,7 +14,7 @@ from stagecache.runtime.cache.storage_tier import StorageTier
 from stagecache.runtime.cache.traces import WorkloadConfig, generate
 from stagecache.runtime.memory.host_pools import HostPools
 from stagecache.runtime.memory.pools import StagePools
-from stagecache.runtime.storage.file import SUFFIX, FileStore
+from stagecache.runtime.storage.file import FileStore
 from stagecache.runtime.storage.keys import key_space
 from stagecache.runtime.storage.memory import MemoryStore
 from stagecache.runtime.storage.views import HostPageViews
@@ -72,10 +73,7 @@ def test_a_corrupt_object_is_a_miss_and_an_error_never_data(tmp_path):
     store = FileStore(tmp_path / "l3")
     first, w1, _ = _cache(store)
     _replay(first, w1)
-    for path in (tmp_path / "l3").glob(f"*.c4.*{SUFFIX}"):
-        data = bytearray(path.read_bytes())
-        data[0] ^= 1
-        path.write_bytes(bytes(data))
+    assert corrupt_records(tmp_path / "l3", ".c4.") > 0
     again, w2, _ = _cache(store)
     assert _replay(again, w2) == 0
     assert store.stats.errors["corrupt"] > 0

@@ -42,3 +42,26 @@ def mooncake_master() -> Iterator[object]:
         yield master
     finally:
         master.stop()
+
+
+def corrupt_records(directory, *key_parts: str, at: int = 0) -> int:
+    """Flip one payload byte (``at``, from the payload's start) of every page object in the file
+    store's segments whose key contains each of ``key_parts``; how many were flipped."""
+    import os
+    from pathlib import Path
+
+    from stagecache.runtime.storage.segments import SEGMENT_SUFFIX, scan
+
+    n = 0
+    for path in sorted(Path(directory).glob("*" + SEGMENT_SUFFIX)):
+        fd = os.open(path, os.O_RDWR)
+        try:
+            records, _ = scan(fd, os.fstat(fd).st_size)
+            for off, head in records:
+                if all(p in head.key for p in key_parts) and head.payload > at:
+                    where = off + head.head + at
+                    os.pwrite(fd, bytes([os.pread(fd, 1, where)[0] ^ 0x5A]), where)
+                    n += 1
+        finally:
+            os.close(fd)
+    return n
