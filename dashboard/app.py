@@ -25,7 +25,7 @@ from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 from fastapi_offline import FastAPIOffline
 from prometheus_client.exposition import choose_encoder
-from stagecache.exporters.metrics import make_registry
+from stagecache.exporters.metrics import make_registry, process_registry
 from stagecache.exporters.snapshot import SnapshotSource
 from stagecache.runtime.live.liveness import liveness_of
 from stagecache.runtime.model.pool_kinds import KINDS
@@ -172,14 +172,17 @@ def add_api_routes(app: FastAPI, reader: Reader) -> None:
 def add_metrics_route(app: FastAPI, source: SnapshotSource) -> None:
     """/metrics: prometheus-client's registry and encoder (text or OpenMetrics, by Accept).
 
-    The text is rendered again only when what it shows can have changed: while the
-    source hands out the same objects (``RunDirSource`` does until a file changes)
-    and every stage keeps its up/down verdict, the last rendering is still exact.
+    The stagecache families are rendered again only when what they show can have changed:
+    while the source hands out the same objects (``RunDirSource`` does until a file changes)
+    and every stage keeps its up/down verdict, the last rendering is still exact.  The
+    process's own ``process_*`` / ``python_*`` families follow, read fresh on every scrape
+    (the OpenMetrics ``# EOF`` line ends the whole body, once).
     """
     registry = make_registry(source)
+    process = process_registry()
     rendered: dict[str, tuple[Any, bytes]] = {}
 
-    def render(encoder: Any, content_type: str) -> bytes:
+    def ours(encoder: Any, content_type: str) -> bytes:
         key = source_state(source)
         last = rendered.get(content_type)
         if key is not None and last is not None and same_state(last[0], key):
@@ -188,6 +191,9 @@ def add_metrics_route(app: FastAPI, source: SnapshotSource) -> None:
         if key is not None:
             rendered[content_type] = (key, body)
         return body
+
+    def render(encoder: Any, content_type: str) -> bytes:
+        return ours(encoder, content_type).removesuffix(b"# EOF\n") + encoder(process)
 
     @app.get("/metrics", response_class=Response, summary="Prometheus exposition",
              responses={200: {"content": {"text/plain": {}, "application/openmetrics-text": {}},

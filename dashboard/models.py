@@ -143,6 +143,7 @@ class RunState(BaseModel):
     requests_done: int = Field(description="requests every stage has finished")
     requests_planned: int = Field(description="requests in the trace (0 until known)")
     progress: float | None = Field(description="requests_done / requests_planned, when known")
+    finished_at: float | None = Field(None, description="unix time the run finished (phase done)")
 
 
 class MetricsSummary(BaseModel):

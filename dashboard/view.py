@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
+from stagecache.runtime.live.liveness import utc_text
 from stagecache.runtime.model.pool_kinds import KINDS, POOLS
 
 from .models import (
@@ -156,10 +157,11 @@ def run_state(report: StartupReportModel | None, stages: Sequence[StageLive],
     run = run or {}
     done, planned, progress = _progress(stages)
 
-    def state(phase: str, detail: str) -> RunState:
+    def state(phase: str, detail: str, finished_at: float | None = None) -> RunState:
         return RunState(phase=phase, live=phase in ("starting", "validating", "running"),
                         detail=detail, requests_done=done, requests_planned=planned,
-                        progress=1.0 if phase == "done" and planned else progress)
+                        progress=1.0 if phase == "done" and planned else progress,
+                        finished_at=finished_at)
 
     failure = _failure(stages, run)
     if failure:
@@ -172,7 +174,9 @@ def run_state(report: StartupReportModel | None, stages: Sequence[StageLive],
             return state("preflight", "preflight view: a check report, no run")
         return state("starting", "waiting for the stages to report")
     if run.get("phase") == "done" or (stages and all(s.phase == "done" for s in stages)):
-        return state("done", f"finished {done} requests")
+        at = run.get("finished_at") or max((s.time for s in stages if s.time), default=None)
+        when = f" at {utc_text(at)}" if at else ""
+        return state("done", f"run finished{when}: {done} requests served", finished_at=at)
     if report is None:
         if stages:
             return state("validating", "stages are building and validating their pools")

@@ -133,7 +133,23 @@ def make_registry(source: SnapshotSource) -> CollectorRegistry:
     return registry
 
 
+def process_registry() -> CollectorRegistry:
+    """The prometheus-client default collectors of the serving process, in a registry of their
+    own: ``process_*`` (CPU seconds, resident memory, open fds, start time) and ``python_*``
+    (interpreter version, garbage collector), the families every Prometheus user expects.
+
+    Kept apart from ``make_registry`` because they change on every scrape, while the stagecache
+    families are rendered again only when the run directory changes (``dashboard.app``)."""
+    from prometheus_client import GCCollector, PlatformCollector, ProcessCollector
+
+    registry = CollectorRegistry(auto_describe=True)
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
+    return registry
+
+
 #: Names as they appear in the exposition (counters with ``_total``, histograms by base name).
 METRIC_NAMES: tuple[str, ...] = tuple(fam.name for _scope, fam in all_families())
 
-__all__ = ["METRIC_NAMES", "StageCollector", "exposed_name", "make_registry"]
+__all__ = ["METRIC_NAMES", "StageCollector", "exposed_name", "make_registry", "process_registry"]

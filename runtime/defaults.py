@@ -58,10 +58,12 @@ L3_SIZE_GB = 1.0
 # -- serve: the demo run ----------------------------------------------------------------------------
 #: Device token pages per stage.
 DEVICE_PAGES = 64
-#: Requests of the generated multi-turn chat trace.
-REQUESTS = 240
+#: Requests of the generated multi-turn chat trace: at ``RATE`` they arrive over 80 s, so a
+#: browser opened on the printed URL sees the charts live for more than a minute
+#: (``--requests`` shortens the run).
+REQUESTS = 960
 #: Request arrivals per second at stage 0: slow enough to watch the dashboard live.
-RATE = 20.0
+RATE = 12.0
 #: Requests per pipeline micro-batch (also the request slots of the per-request pools).
 MICRO_BATCH = 4
 #: Seconds every stage gets to start and report.

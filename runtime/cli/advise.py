@@ -17,7 +17,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
-from .common import add_layout_command, add_trace_args, plan_from_args
+from .common import add_layout_command, add_trace_args, output_console, plan_from_args
 from .pools import add_sizing_args, deployment, human, print_ledger, sizing_of
 
 if TYPE_CHECKING:
@@ -49,7 +49,6 @@ class ProgressBar:
     """A rich progress bar on stderr, one row per phase; nothing when stderr is not a terminal."""
 
     def __init__(self, console: Any | None = None) -> None:
-        from rich.console import Console
         from rich.progress import (
             BarColumn,
             MofNCompleteColumn,
@@ -59,7 +58,7 @@ class ProgressBar:
             TimeElapsedColumn,
         )
 
-        console = console if console is not None else Console(stderr=True)
+        console = console if console is not None else output_console(stderr=True)
         self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                                  MofNCompleteColumn(), TimeElapsedColumn(), console=console,
                                  transient=True, disable=not console.is_terminal)
@@ -158,10 +157,9 @@ def _flags(t: dict[str, Any], configured: dict[str, Any]) -> str:
 
 
 def print_report(report: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=170)
+    console = output_console()
     tr, conf = report["trace"], report["configured"]
     belady = {b["pages"]: b["hit_rate"] for b in report["belady"]}
     table = Table(title=f"trace {tr['source']}: {tr['requests']:,} requests, {tr['lookup_pages']:,} "

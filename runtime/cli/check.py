@@ -8,7 +8,7 @@ import json
 from ..model.pool_kinds import POOLS
 from ..validation.report import StartupReport, preflight
 from .check_storage import add_storage_args, print_findings, storage_findings
-from .common import add_layout_command, plan_from_args
+from .common import add_layout_command, output_console, plan_from_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -35,10 +35,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_report(report: StartupReport) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=200)
+    console = output_console()
     title = (
         f"{report.model}: {report.num_layers} layers, pp={report.pp_size} tp={report.tp_size}, "
         f"page={report.page_size}" + (f", faults={','.join(report.faults)}" if report.faults else "")

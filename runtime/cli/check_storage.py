@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from ..integrations.storage_keys import BACKENDS, facts, verdict
+from .common import output_console
 
 
 def add_storage_args(p: argparse.ArgumentParser) -> None:
@@ -37,11 +38,10 @@ def storage_findings(args: argparse.Namespace, pp_size: int) -> list[dict[str, A
 
 
 def print_findings(findings: list[dict[str, Any]]) -> None:
-    from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
-    console = Console(width=200)
+    console = output_console()
     table = Table(title="sglang 0.5.23 L3 keys: does a key carry ...")
     for col in ("backend", "pp rank", "model", "dtype", "layout", "from", "verdict"):
         table.add_column(col)

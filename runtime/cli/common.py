@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import math
 import re
+import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING, TextIO
 
 from .. import defaults
 from ..bounded_io import check_output_path
@@ -22,6 +24,9 @@ from ..plan.faults import FAULTS
 from ..plan.inputs import resolve_plan
 from ..plan.plan import RunPlan, Sizing
 
+if TYPE_CHECKING:  # rich loads only when a command prints
+    from rich.console import Console
+
 #: Largest value an integer flag takes unless it says otherwise (fits int64 everywhere).
 INT_MAX = 2**63 - 1
 #: What a number flag is written as: ASCII digits only.  ``int()`` and ``float()`` also take
@@ -29,6 +34,24 @@ INT_MAX = 2**63 - 1
 _ASCII_INT = re.compile(r"[+-]?[0-9]{1,40}")
 _ASCII_FLOAT = re.compile(r"[+-]?(?:[0-9]{1,400}(?:\.[0-9]{0,400})?|\.[0-9]{1,400})(?:[eE][+-]?[0-9]{1,6})?"
                           r"|[+-]?(?:inf|infinity|nan)", re.IGNORECASE)
+
+
+#: Columns of output that is not a terminal (a pipe, a file, a CI log): so wide that no line is
+#: ever broken, so the URL line can be clicked and copied and a table row stays one grep-able line.
+UNWRAPPED_WIDTH = 10_000
+
+
+def output_console(file: TextIO | None = None, stderr: bool = False, highlight: bool = True) -> Console:
+    """The rich console of a command's human output: on a terminal, its width (rich reads it);
+    anywhere else, never hard-wrapped (rich would otherwise break every line at 80 columns)."""
+    from rich.console import Console
+
+    stream = file or (sys.stderr if stderr else sys.stdout)
+    terminal = stream.isatty() if hasattr(stream, "isatty") else False
+    if terminal:
+        return Console(file=file, stderr=stderr, highlight=highlight)
+    return Console(file=file, stderr=stderr, highlight=highlight, width=UNWRAPPED_WIDTH,
+                   soft_wrap=True)
 
 
 def shown(text: str, limit: int = 40) -> str:
@@ -188,6 +211,6 @@ def plan_from_args(args: argparse.Namespace, sizing: Sizing | None = None,
 __all__ = [
     "ConfigError", "add_layout_args", "add_layout_command", "add_trace_args", "bench_device", "device_name", "fault_spec",
     "float_range", "int_range", "output_file", "shown",
-    "nonneg_float", "nonneg_int", "nonneg_seconds", "plan_from_args", "port_number",
+    "nonneg_float", "nonneg_int", "nonneg_seconds", "output_console", "plan_from_args", "port_number",
     "positive_float", "positive_int", "seconds",
 ]

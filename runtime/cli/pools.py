@@ -18,6 +18,7 @@ from .common import (
     add_layout_command,
     float_range,
     int_range,
+    output_console,
     plan_from_args,
     positive_float,
     positive_int,
@@ -167,12 +168,11 @@ def _title(report: dict[str, Any]) -> str:
 
 
 def print_accounting(report: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     from ..model.pool_kinds import KINDS
 
-    console = Console(width=160)
+    console = output_console()
     table = Table(title=_title(report))
     for col, just in (("stage", "right"), ("layers", "left"), ("pool", "left"), ("buffers", "right"),
                       ("sized by", "left"), ("B/page", "right"), ("device pages", "right"),

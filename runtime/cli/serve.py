@@ -120,6 +120,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_l3_args(p, defaults.L3_BACKEND)
     p.add_argument("--trace", default=None, metavar="FILE",
                    help="JSONL request trace (default: a generated multi-turn chat trace)")
+    p.add_argument("--trace-format", choices=("auto", "tokens", "mooncake"), default="auto",
+                   help="--trace's format: auto (default: told from the first line), tokens "
+                   "(session + input_ids) or mooncake (timestamp, input_length, hash_ids)")
     p.add_argument("--requests", type=int_range(1, MAX_REQUESTS), default=None,
                    help=f"requests to generate, or to take from --trace (default {defaults.REQUESTS} "
                    "generated; all of --trace)")
@@ -207,7 +210,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
                                                hicache_ratio=args.hicache_ratio))
     dist_host, dist_interface = resolve_dist_host(args.dist_host)
     requests = args.requests or (0 if args.trace else defaults.REQUESTS)
-    trace = build_trace(args.trace, requests, args.seed)  # TraceError (exit 2) lists bad lines
+    trace = build_trace(args.trace, requests, args.seed, args.trace_format)  # TraceError (exit 2) lists bad lines
     check_trace_fits(trace, plan.page_size, device_pages, args.micro_batch)
     if args.rate > 0 and args.micro_batch / args.rate > args.dist_timeout / 2:
         gap = args.micro_batch / args.rate
@@ -232,7 +235,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         exit_after_run=args.exit_after_run, startup_timeout=args.startup_timeout,
         dist_timeout=args.dist_timeout, json=args.json, dist_host=dist_host,
         dist_interface=dist_interface, heartbeat_timeout=args.heartbeat_timeout,
-        max_disagreements=args.max_disagreements, l3=l3_options(args),
+        max_disagreements=args.max_disagreements, l3=l3_options(args), trace_format=args.trace_format,
     )
 
 

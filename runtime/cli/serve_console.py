@@ -18,11 +18,10 @@ class Console:
     """Human output: stdout normally, stderr under --json (stdout is then only the JSON summary)."""
 
     def __init__(self, json_mode: bool):
-        from rich.console import Console as RichConsole
+        from .common import output_console
 
         self.json_mode = json_mode
-        self.rich = RichConsole(file=sys.stderr if json_mode else sys.stdout, highlight=False,
-                                width=None if (sys.stderr if json_mode else sys.stdout).isatty() else 160)
+        self.rich = output_console(file=sys.stderr if json_mode else sys.stdout, highlight=False)
 
     def print(self, *args: Any, **kw: Any) -> None:
         self.rich.print(*args, **kw)

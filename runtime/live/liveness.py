@@ -22,6 +22,7 @@ run directory holds and the clock -- nothing here is stored -- so ``/readyz``,
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
 
@@ -34,7 +35,7 @@ from .numbers import RunInfo, StageLive
 M = TypeVar("M", bound=BaseModel)
 
 __all__ = ["HEARTBEAT_INTERVAL_S", "HEARTBEAT_TIMEOUT_S", "Liveness", "StageHealth",
-           "assess", "disagreeing", "liveness_of", "run_of"]
+           "assess", "disagreeing", "finished_reason", "liveness_of", "run_of", "utc_text"]
 
 
 def disagreeing(per_stage: Iterable[tuple[int, Mapping[str, int]]]) -> dict[int, dict[str, int]]:
@@ -77,6 +78,7 @@ class Liveness(BaseModel):
     failure: str | None = None
     failed_stage: int | None = None
     failed_at: float | None = None
+    finished_at: float | None = Field(None, description="unix time the run finished its trace")
     stages: list[StageHealth]
     reasons: list[str] = Field(description="why the run is not ready (empty when ready)")
     warnings: list[str] = Field(default_factory=list,
@@ -168,7 +170,9 @@ def assess(run: RunInfo | None, startup: Mapping[str, Any] | None,
                                    starting_is_down=run is not None))
     ok = _startup_ok(startup)
     reasons = []
-    if run is not None and run.phase != "serving":
+    if run is not None and run.phase == "done":
+        reasons.append(finished_reason(run))
+    elif run is not None and run.phase != "serving":
         reasons.append(f"run is {run.phase}" + (f": {run.failure}" if run.failure else ""))
     if ok is None:
         reasons.append("startup validation has not been reported yet")
@@ -189,8 +193,21 @@ def assess(run: RunInfo | None, startup: Mapping[str, Any] | None,
         ready=not reasons, warnings=warnings, phase=run.phase if run else "unknown", startup_ok=ok,
         heartbeat_timeout_s=timeout, failure=run.failure if run else None,
         failed_stage=run.failed_stage if run else None, failed_at=run.failed_at if run else None,
-        stages=health, reasons=reasons, time=now, disagreements=total, max_disagreements=limit,
+        finished_at=run.finished_at if run else None, stages=health, reasons=reasons, time=now, disagreements=total, max_disagreements=limit,
     )
+
+
+def utc_text(t: float) -> str:
+    """``t`` (unix time) as the page and the probes show it: ``2026-12-04 10:31:07 UTC``."""
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
+
+
+def finished_reason(run: RunInfo) -> str:
+    """Why a finished run answers 503: the readiness probe asks "can it take work now?", and a
+    run whose stages served their whole trace and exited cannot, though nothing went wrong."""
+    when = f" at {utc_text(run.finished_at)}" if run.finished_at else ""
+    return (f"run finished{when}: every stage served the whole trace and exited, so none takes "
+            "work (not a failure; the dashboard shows the finished run until the command exits)")
 
 
 def agreement_verdict(stages: list[StageLive | None], limit: int | None) -> tuple[int, str | None]:

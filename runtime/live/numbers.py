@@ -358,6 +358,8 @@ class RunInfo(_Model):
     failure: str | None = Field(None, description="why the run stopped, naming the stage")
     failed_stage: int | None = Field(None, description="the stage the failure names, if one")
     failed_at: float | None = Field(None, description="unix time the failure was detected")
+    finished_at: float | None = Field(None, description="unix time every stage had served the "
+                                      "whole trace (phase done)")
     pp_size: int = 0
     model: str = ""
     device: str = ""

@@ -57,6 +57,7 @@ class ServeOptions:
     heartbeat_timeout: float = defaults.HEARTBEAT_TIMEOUT_S  # an older heartbeat: not ready / not up
     max_disagreements: int = 0  # more stage disagreements than this: not ready (agreement.py)
     l3: L3Options = L3Options()  # the storage tier behind the host tier (storage/options.py)
+    trace_format: str = "auto"  # --trace's format: auto (detected from line 1), tokens, mooncake
 
     # -- what the plan holds, read from it (never a second copy) --------------------------------
     @property

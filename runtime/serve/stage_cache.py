@@ -52,12 +52,13 @@ class KvMismatchError(StageCacheError):
     """Bytes loaded back from host are not the bytes written: the cache returned wrong KV."""
 
 
-def build_trace(trace: str | None, requests: int, seed: int) -> list[Any]:
-    """The request stream every stage replays: a JSONL file (first ``requests``) or a generated one."""
+def build_trace(trace: str | None, requests: int, seed: int, fmt: str = "auto") -> list[Any]:
+    """The request stream every stage replays: a JSONL file (first ``requests``, in format ``fmt``)
+    or a generated one."""
     from ..cache.traces import WorkloadConfig, generate, load_requests
 
     if trace:
-        return list(load_requests(trace, limit=requests or None).requests)
+        return list(load_requests(trace, fmt=fmt, limit=requests or None).requests)
     return generate(WorkloadConfig(seed=seed, requests=requests, **SERVE_WORKLOAD))
 
 
@@ -174,7 +175,8 @@ class StageCache:
 
     # -- startup --------------------------------------------------------------------------------
     def load_trace(self) -> list[Any]:
-        return build_trace(self.cfg.opts.trace, self.cfg.opts.requests, self.cfg.opts.seed)
+        return build_trace(self.cfg.opts.trace, self.cfg.opts.requests, self.cfg.opts.seed,
+                           self.cfg.opts.trace_format)
 
     def _agreement_setup(self, worker: Any) -> None:
         """Stage agreement (``agreement.py``) and the ``radix-skew`` fault that tests it."""

@@ -87,6 +87,7 @@ class Supervisor:
         self.failure: str | None = None
         self.failed_stage: int | None = None
         self.failed_at: float | None = None
+        self.finished_at: float | None = None  # when every stage finished the trace
         self.stale: set[int] = set()  # stages whose heartbeat the supervisor saw go stale
         self.started_at = time.time()
         self.url: str | None = None
@@ -99,7 +100,7 @@ class Supervisor:
     def run_info(self) -> RunInfo:
         return RunInfo(
             phase=self.phase, failure=self.failure, failed_stage=self.failed_stage,
-            failed_at=self.failed_at, pp_size=self.opts.pp_size, model=self.opts.plan.spec.name,
+            failed_at=self.failed_at, finished_at=self.finished_at, pp_size=self.opts.pp_size, model=self.opts.plan.spec.name,
             device=self.opts.device, url=self.url, parent_pid=os.getpid(),
             pids={p.rank: p.pid for p in self.procs},
             exit_codes={p.rank: p.exitcode for p in self.procs},
@@ -273,6 +274,7 @@ class Supervisor:
                 self.fail("every stage exited before startup validation was reported", None)
             elif self.phase == "serving":
                 self.phase = "done"
+                self.finished_at = time.time()
             return True
         if self.phase == "starting" and time.monotonic() > deadline:
             waiting = [str(k) for k in range(self.opts.pp_size)

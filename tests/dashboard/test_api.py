@@ -318,6 +318,29 @@ def test_metrics_is_prometheus_text(servers):
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     names = {f.name for f in text_string_to_metric_families(r.text)}  # raises on a bad format
     assert {"stagecache_requests", "stagecache_build_info", "stagecache_model_info"} <= names
+    # the prometheus-client default collectors of the serving process, beside ours
+    assert {"process_cpu_seconds", "process_resident_memory_bytes", "process_open_fds",
+            "process_start_time_seconds", "python_info", "python_gc_collections"} <= names, names
+    assert len([n for n in names if n.startswith(("process_", "python_"))]) >= 8
+
+
+def test_process_metrics_are_read_at_every_scrape(servers):
+    """The stagecache families come from a cache while the run directory is unchanged; the
+    process's own CPU seconds must not (a cached body would freeze them)."""
+    import time
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def cpu() -> float:
+        text = servers["live"].get("/metrics").text
+        (fam,) = [f for f in text_string_to_metric_families(text) if f.name == "process_cpu_seconds"]
+        return fam.samples[0].value
+
+    first = cpu()
+    end = time.process_time() + 0.3
+    while time.process_time() < end:  # burn 0.3 s of this process's CPU (the server's own)
+        pass
+    assert cpu() >= first + 0.2
 
 
 def test_metrics_speaks_openmetrics_when_asked(servers):
@@ -325,8 +348,10 @@ def test_metrics_speaks_openmetrics_when_asked(servers):
 
     r = servers["live"].get("/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"})
     assert r.headers["content-type"].startswith("application/openmetrics-text")
-    types = {f.name: f.type for f in text_string_to_metric_families(r.text)}
+    types = {f.name: f.type for f in text_string_to_metric_families(r.text)}  # one # EOF, at the end
     assert types["stagecache_build"] == "info" and types["stagecache_stage_phase"] == "stateset"
+    assert types["process_cpu_seconds"] == "counter" and types["python_info"] == "info"
+    assert r.text.count("# EOF") == 1 and r.text.endswith("# EOF\n")
 
 
 def test_api_docs_are_served_offline_from_the_app(servers):
