@@ -23,6 +23,42 @@
     var el = document.getElementById("layer-map-" + fig.layout.meta.stage);
     if (el) Plotly.newPlot(el, fig.data, fig.layout, plotConfig);
   });
+  // Chart titles are one line from the server; where the chart is narrower than its title (a
+  // phone, a grid column), the title is broken into lines that fit and the top margin grows to
+  // hold them, so no title is ever cut by the chart's edge.  Runs after every poll and resize.
+  var measure = document.createElement("canvas").getContext("2d");
+  function fitTitle(gd) {
+    var fl = gd._fullLayout, t = gd.layout && gd.layout.title;
+    var text = typeof t === "string" ? t : t && t.text;
+    if (!fl || !text || !gd.clientWidth) return;
+    if (gd.dataset.title === undefined) {
+      gd.dataset.title = text;
+      gd.dataset.marginTop = fl.margin.t;
+    }
+    var font = fl.title.font;
+    measure.font = font.size + "px " + font.family;
+    var avail = gd.clientWidth - 24, lines = [], line = "";
+    gd.dataset.title.split(/\s+|<br>/).forEach(function (word) {
+      var next = line ? line + " " + word : word;
+      if (line && measure.measureText(next).width > avail) { lines.push(line); line = word; } else { line = next; }
+    });
+    lines.push(line);
+    var wrapped = lines.join("<br>");
+    if (wrapped === text) return;
+    var top = Number(gd.dataset.marginTop) + (lines.length - 1) * Math.ceil(font.size * 1.3);
+    Plotly.relayout(gd, { "title.text": wrapped, "margin.t": top });
+  }
+  function fitTitles() {
+    document.querySelectorAll(".js-plotly-plot").forEach(fitTitle);
+  }
+  window.stagecacheFitTitles = fitTitles;
+  var resizing = null;
+  window.addEventListener("resize", function () {
+    window.clearTimeout(resizing);
+    resizing = window.setTimeout(fitTitles, 150); // after plotly's own responsive resize
+  });
+  window.addEventListener("load", fitTitles);
+
   var liveFigures = readJson("live-figures") || {};
   Object.keys(liveFigures).forEach(function (key) {
     Plotly.newPlot("chart-" + key, liveFigures[key].data, liveFigures[key].layout, plotConfig);
@@ -151,6 +187,7 @@
       .then(function (summary) {
         state.polls += 1;
         update(summary);
+        fitTitles();
         setPollState("updated " + new Date().toLocaleTimeString(), false);
       })
       .catch(function (err) {

@@ -160,7 +160,8 @@ def output_file(flag: str) -> Callable[[str], str]:
 def add_layout_args(p: argparse.ArgumentParser) -> None:
     """The plan's flags, with the defaults of ``runtime.defaults`` (the same in every command)."""
     p.add_argument("--model", default=defaults.MODEL,
-                   help=f"preset ({', '.join(PRESETS)}) or path to a Hugging Face config.json "
+                   help=f"preset ({', '.join(PRESETS)}), path to a Hugging Face config.json, or a Hub "
+                   "repo id (ORG/NAME) whose config.json is in the local Hugging Face cache "
                    "(default %(default)s)")
     p.add_argument("--pp-size", type=int_range(1, 4096), default=defaults.PP_SIZE,
                    help="number of pipeline-parallel stages (default %(default)s)")

@@ -29,7 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Serve the web dashboard (stage table, layer maps, /metrics, /docs) for a "
         "layout planned like `stagecache check` (--from-check, same flags) or for a saved "
         "`stagecache check --json` report (--from-json). No stage runs, so there are no live "
-        "numbers: `stagecache serve` shows those. Exit 0 on Ctrl-C; 2: bad input.",
+        "numbers: `stagecache serve` shows those. Runs until Ctrl-C: exit 130 (SIGTERM: 143); 2: bad input.",
     )
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--from-check", action="store_true",

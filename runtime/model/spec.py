@@ -17,6 +17,7 @@ from typing import Any
 
 from ..bounded_io import path_kind, read_bounded_text
 from ..errors import ConfigError
+from .hf_cache import config_path, is_repo_id
 
 #: Compress ratios DeepSeek V4 uses: 0 = SWA only, 4 = C4 (+indexer, state), 128 = C128.
 SUPPORTED_RATIOS = (0, 4, 128)
@@ -168,6 +169,8 @@ def load_config(model: str) -> tuple[dict[str, Any], str]:
         return json.loads(text), model
     path = Path(model)
     kind = path_kind(path, f"model config {model!r}")
+    if kind is None and is_repo_id(model):  # deepseek-ai/DeepSeek-V4-Flash: the local HF cache
+        path, kind = config_path(model), "file"
     if not path.suffix == ".json" and kind is None:
         raise ConfigError(
             f"unknown model {model!r}: not a preset ({', '.join(PRESETS)}) and no such config file"
@@ -192,7 +195,8 @@ def load_config(model: str) -> tuple[dict[str, Any], str]:
 
 
 def load_spec(model: str) -> ModelSpec:
-    """A preset name (``deepseek-v4-flash``, ``tiny-v4``) or a path to a config.json."""
+    """A preset name (``deepseek-v4-flash``, ``tiny-v4``), a path to a config.json, or a Hugging
+    Face repo id whose config.json is in the local cache (``model.hf_cache``)."""
     cfg, name = load_config(model)
     return spec_from_config(cfg, name=name)
 
