@@ -270,7 +270,7 @@ def _register_l3(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("l3", help="time each L3 backend against the plain I/O beneath it: file store vs "
                        "sequential write/read on the same disk, Mooncake store vs direct Mooncake calls (JSON)")
     p.add_argument("--backend", choices=("file", "mooncake", "all"), default="all",
-                   help="which backends to time (default %(default)s; mooncake needs stagecache[l3])")
+                   help="which backends to time (default %(default)s; mooncake needs the l3 extra: pip install '.[l3]')")
     p.add_argument("--pages", type=int_range(1, 4096), default=32,
                    help="objects per batch (default %(default)s)")
     p.add_argument("--page-mib", type=positive_float, default=4.0,

@@ -55,7 +55,7 @@ def master_binary() -> str:
     found = str(beside) if beside.exists() else _in_package() or shutil.which(BINARY)
     if not found:
         raise StoreUnavailable(f"{BINARY} not found (beside {sys.executable} or on PATH): "
-                               "pip install 'stagecache[l3]' (mooncake-transfer-engine-non-cuda)")
+                               "pip install '.[l3]' in a stagecache checkout (mooncake-transfer-engine-non-cuda)")
     return found
 
 

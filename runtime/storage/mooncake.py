@@ -56,7 +56,7 @@ def _import_store() -> type:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as exc:
         raise StoreUnavailable(
-            f"--l3 mooncake needs the Mooncake wheel: pip install 'stagecache[l3]' "
+            f"--l3 mooncake needs the Mooncake wheel: pip install '.[l3]' in a stagecache checkout "
             f"(mooncake-transfer-engine-non-cuda; Debian package libibverbs1) ({exc})") from None
     return MooncakeDistributedStore
 

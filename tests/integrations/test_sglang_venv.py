@@ -67,7 +67,7 @@ def test_integration_without_sglang_says_how_to_install():
     """)
     assert proc.returncode == 0, proc.stderr
     assert "IMPORTERROR stagecache.runtime.integrations.sglang needs sglang: " \
-           "pip install 'stagecache[sglang]'" in proc.stdout
+           "pip install '.[sglang]' in a stagecache checkout" in proc.stdout
 
 
 LIVE_SUITES = ("tests/integrations/test_sglang_live.py", "tests/integrations/test_sglang_live_server.py", "tests/integrations/test_sglang_live_pools.py")

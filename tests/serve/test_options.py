@@ -17,7 +17,7 @@ def test_plain_serve_is_the_documented_demo():
     o = opts()
     assert (o.plan.spec.name, o.pp_size, o.plan.tp_size, o.page_size) == ("tiny-v4", 4, 1, 256)
     assert (o.host, o.port, o.dashboard) == ("127.0.0.1", 8000, True)
-    assert o.requests == 240 and o.rate == 20.0 and o.micro_batch == 4
+    assert o.requests == 960 and o.rate == 12.0 and o.micro_batch == 4  # 80 s of arrivals
     assert o.plan.stage(0).device_pages == 64 and o.plan.sizing.hicache_ratio == 2.0
     assert o.hicache_write_policy == "write_through"
     assert o.hidden_size == 256  # tiny-v4's hidden_size

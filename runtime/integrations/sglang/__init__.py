@@ -12,7 +12,7 @@ stack disagreed about how many layers a stage owns.
   stack is built and its transfers are counted (``install``/``attach``,
   ``SglangSource``, ``wrap_controller``, the ``sglang_plugin`` entry point).
 
-Tested against sglang 0.5.23 (``pip install 'stagecache[sglang]'``); see docs/sglang.md.
+Tested against sglang 0.5.23 (``pip install '.[sglang]'`` in a checkout); see docs/sglang.md.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ try:  # the integration is optional; the core package never imports sglang
     import sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler  # noqa: F401
 except ImportError as exc:  # pragma: no cover - exercised in the no-sglang environment
     raise ImportError(
-        "stagecache.runtime.integrations.sglang needs sglang: pip install 'stagecache[sglang]' "
+        "stagecache.runtime.integrations.sglang needs sglang: pip install '.[sglang]' in a "
+        "stagecache checkout "
         f"(import failed: {exc})"
     ) from exc
 
