@@ -178,3 +178,42 @@ def test_the_example_exits_as_its_page_says(page, line, examples, tmp_path):
             f"{example.exit_code}; output:\n{output[-3000:]}")
         assert "Traceback" not in output, output[-3000:]
         assert time.monotonic() - t0 < 120, example
+
+
+#: A repository path a page names (globs allowed: ``tests/cache/test_hicache_*.py``).
+REPO_PATH = re.compile(r"(?<![\w./-])((?:runtime|exporters|dashboard|tests|docker|scripts|docs|entry)"
+                       r"/[\w./*-]*[\w*])")
+#: A dotted module a page names (``stagecache.runtime.live.liveness``, maybe ``...:attr``).
+MODULE = re.compile(r"(?<![\w.])(stagecache\.(?:runtime|exporters|dashboard)(?:\.\w+)*)")
+
+
+def _module_exists(dotted: str) -> bool:
+    """``dotted`` is a module, or a module's attribute (``...metrics.METRIC_NAMES``); below a
+    package that cannot be imported here (the sglang integration without sglang) its file counts."""
+    import importlib.util
+
+    parts = dotted.split(".")
+    for k in (len(parts), len(parts) - 1):
+        name = ".".join(parts[:k])
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return k == len(parts) or hasattr(importlib.import_module(name), parts[-1])
+        except ModuleNotFoundError:  # a module's attribute, not a submodule
+            continue
+        except ImportError:
+            where = ROOT / parts[1] / "/".join(parts[2:k])
+            return where.with_suffix(".py").exists() or where.is_dir()
+    return False
+
+
+def test_every_path_and_module_a_page_names_exists():
+    missing = []
+    for page in [*PAGES, ROOT / "CHANGELOG.md"]:
+        text = page.read_text()
+        for path in set(REPO_PATH.findall(text)):
+            if not (list(ROOT.glob(path)) if "*" in path else (ROOT / path).exists()):
+                missing.append(f"{page.name}: {path}")
+        for module in set(MODULE.findall(text)):
+            if not _module_exists(module):
+                missing.append(f"{page.name}: {module}")
+    assert missing == []
