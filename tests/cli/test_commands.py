@@ -30,6 +30,21 @@ def test_global_swa_fault_exits_1_naming_stages_and_counts():
     assert "4 mapping error(s)" in r.stdout
 
 
+def test_output_into_a_pipe_is_never_hard_wrapped():
+    """stdout is a pipe here (not a terminal): every table row stays one line, however wide, even
+    with COLUMNS=40 in the environment, so it can be grepped, copied and read in a CI log."""
+    import os
+
+    r = subprocess.run([sys.executable, "-m", "stagecache", "check", "--model", "deepseek-v4-flash",
+                        "--fault", "global-swa", "--fault", "global-c4"], capture_output=True,
+                       text=True, timeout=60,
+                       env={**os.environ, "COLUMNS": "40"})
+    assert r.returncode == 1
+    rows = [ln for ln in r.stdout.splitlines() if "SWA KV pool must be PP-stage-local" in ln]
+    assert len(rows) == 4 and all(ln.rstrip().endswith("│") for ln in rows), rows
+    assert all(len(ln) > 400 for ln in rows)  # every error of the stage on its row (was cut at 200)
+
+
 def test_json_shape():
     r = check("--model", "deepseek-v4-flash", "--pp-size", "4", "--json", "--fault", "global-swa@2")
     assert r.returncode == 1
