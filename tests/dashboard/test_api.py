@@ -249,7 +249,8 @@ def test_summary_returns_every_stage_numbers_unchanged(servers):
     assert body["has_live_numbers"] is True and body["status"] == "ok"
     assert body["stages"] == [live_numbers(s) for s in range(PP)]
     assert body["run"] == {"phase": "running", "live": True, "detail": "3/10 requests",
-                           "requests_done": 3, "requests_planned": 10, "progress": 0.3}
+                           "requests_done": 3, "requests_planned": 10, "progress": 0.3,
+                           "finished_at": None}
 
 
 def test_summary_rates_are_windowed_and_validated(servers):
@@ -350,7 +351,7 @@ def test_metrics_speaks_openmetrics_when_asked(servers):
     assert r.headers["content-type"].startswith("application/openmetrics-text")
     types = {f.name: f.type for f in text_string_to_metric_families(r.text)}  # one # EOF, at the end
     assert types["stagecache_build"] == "info" and types["stagecache_stage_phase"] == "stateset"
-    assert types["process_cpu_seconds"] == "counter" and types["python_info"] == "info"
+    assert types["process_cpu_seconds"] == "counter" and types["python_info"] == "gauge"
     assert r.text.count("# EOF") == 1 and r.text.endswith("# EOF\n")
 
 
