@@ -55,11 +55,18 @@ return out;
 """
 
 
-def problems(driver, width: int) -> list[str]:
+def problems(driver, width: int, settle_s: float = 10.0) -> list[str]:
+    """The layout problems at ``width``, once the page has settled: plotly relayouts after the
+    resize event and the titles are fitted after that, so the page is measured until it has no
+    problem or ``settle_s`` passed (then the last measurement's problems are the answer)."""
     driver.set_window_size(width, 1000)
     _wait(lambda: js(driver, "document.documentElement.clientWidth") <= width, what=f"width {width}")
-    time.sleep(1.0)  # plotly's responsive relayout follows the window's resize event
-    return driver.execute_script(PROBLEMS_JS)
+    deadline = time.monotonic() + settle_s
+    while True:
+        found = driver.execute_script(PROBLEMS_JS)
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.25)
 
 
 @pytest.mark.parametrize("page", ["live", "fault"])
@@ -78,8 +85,7 @@ def test_nothing_is_clipped_or_cropped_at_360_1280_and_1920_px(driver, free_port
         found = {w: problems(driver, w) for w in WIDTHS}
         assert found == {w: [] for w in WIDTHS}, "\n".join(
             f"{w} px: {p}" for w, ps in found.items() for p in ps)
-        driver.set_window_size(360, 1000)
-        time.sleep(1.0)
+        problems(driver, 360)
         scrolling = js(driver, "[...document.querySelectorAll('table')]"
                                ".filter(e => e.scrollWidth > e.clientWidth + 1).length")
         assert scrolling >= 1  # at 360 px the stage table scrolls inside its own box
