@@ -16,6 +16,7 @@ Three checks of increasing reach:
 from __future__ import annotations
 
 from collections import OrderedDict
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -90,7 +91,31 @@ def token_views():
     return page_views(reqs, 64)
 
 
-TRACES = ["mooncake_views", "block_views", "token_views"]
+DATA = Path(__file__).resolve().parents[1] / "data"
+
+
+def _public_views(name: str):
+    """A public Mooncake FAST'25 trace (kvcache-ai/Mooncake, FAST25-release/traces), when it has
+    been put in tests/data: the repository does not ship it, and the suite has no network."""
+    path = DATA / f"{name}_trace.jsonl"
+    if not path.is_file():
+        pytest.skip(f"{path.relative_to(DATA.parents[1])} not present (copy it from "
+                    f"kvcache-ai/Mooncake FAST25-release/traces to run this case)")
+    return page_views(load_requests(path).requests, 512)
+
+
+@pytest.fixture(scope="module")
+def conversation_views():
+    return _public_views("conversation")
+
+
+@pytest.fixture(scope="module")
+def toolagent_views():
+    return _public_views("toolagent")
+
+
+PUBLIC = ("conversation_views", "toolagent_views")
+TRACES = ["mooncake_views", "block_views", "token_views", *PUBLIC]
 
 
 @st.composite
@@ -180,10 +205,13 @@ def test_device_tier_alone_equals_the_replay_at_five_capacities(trace, request):
     views = request.getfixturevalue(trace)
     page = views[0].page_size
     curves = trace_curves(views)
-    assert curves.repeated_requests == 0
+    generated = trace not in PUBLIC
+    assert curves.repeated_requests == 0 or not generated  # the generated traces repeat nothing
     for c in five_capacities(views, curves):
         device, total = replayed(views, page, c, 0)
-        assert device == total == curves.device.at(c), c
+        assert device == total
+        if curves.repeated_requests == 0:
+            assert device == curves.device.at(c), c
         assert abs(device - curves.device.at(c)) / curves.input_tokens < 0.001  # the issue's 0.1 pp
 
 
