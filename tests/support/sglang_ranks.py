@@ -19,10 +19,12 @@ Every wait is bounded; a rank that hangs is killed when the launch times out.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -101,6 +103,7 @@ def _build(rank: int, pp: int, budget: int) -> tuple[Any, Any]:
 def _rank_main(rank: int, pp: int, dist_port: int, folder: str, env: dict[str, str], server: dict[str, Any],
                budget: int, after: Callable[[int, dict[str, Any]], Any] | None, out: Any, done: Any) -> None:
     os.environ.update(env)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung rank can be asked where it is
     result: dict[str, Any] = {"rank": rank}
     try:
         from sglang.srt.distributed.parallel_state import (
@@ -124,7 +127,7 @@ def _rank_main(rank: int, pp: int, dist_port: int, folder: str, env: dict[str, s
         hpa.HybridCacheController = RecordingController
         from stagecache.runtime.integrations.sglang import deployment
 
-        ctx: dict[str, Any] = {"deployment": deployment._PLUGIN, "done": done, "out": out}
+        ctx: dict[str, Any] = {"deployment": deployment._PLUGIN}
         try:
             ctx["pools"], ctx["stack"] = _build(rank, pp, budget)
             result["built"] = True
@@ -137,10 +140,12 @@ def _rank_main(rank: int, pp: int, dist_port: int, folder: str, env: dict[str, s
     out.put(json.dumps(result, default=str))
     out.close()
     out.join_thread()  # the queue's feeder thread must flush before os._exit
-    if rank != 0:
-        done.wait(60)  # keep serving/pushing until rank 0 is done looking
+    if rank != 0:  # keep serving/pushing until rank 0 is done looking
+        end = time.monotonic() + 60
+        while not done.value and time.monotonic() < end:
+            time.sleep(0.05)
     else:
-        done.set()
+        done.value = 1
     os._exit(0)
 
 
@@ -156,7 +161,8 @@ def launch(tmp: Path, pp: int, *, env: dict[int, dict[str, str]] | None = None,
 
     folder = model_dir(tmp)
     ctx = mp.get_context("fork")
-    out, done = ctx.Queue(), ctx.Event()
+    # a flag, not an Event: Event.set() blocks forever once a waiter was SIGKILLed (case d)
+    out, done = ctx.Queue(), ctx.RawValue("b", 0)
     port = free_port()
     base = {"SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2", "STAGECACHE_SGLANG": "1",
             **(common_env or {})}
@@ -178,7 +184,7 @@ def launch(tmp: Path, pp: int, *, env: dict[int, dict[str, str]] | None = None,
                 continue
             run.results[item["rank"]] = item
     finally:
-        done.set()
+        done.value = 1
         for p in procs.values():
             p.join(max(0.1, min(20.0, deadline - time.monotonic())))
             if p.exitcode is None:

@@ -157,7 +157,8 @@ def stage_live(rec: StageRecord, model_name: str) -> StageLive:
     used = sum(rec.pool_bytes.values())
     spaces = {}
     if rec.host_pages.get("full"):
-        spaces["host"] = PageSpace(tier="host", used=0, total=rec.host_pages["full"], pools=["full"])
+        spaces["host"] = PageSpace(tier="host", used=0, total=rec.host_pages["full"] * rec.fingerprint.page_size,
+                                   pools=["full"])
     return StageLive(
         stage=rec.stage, model_name=model_name, start_layer=rec.start, end_layer=rec.end,
         local_layers=rec.end - rec.start,
@@ -180,6 +181,7 @@ class Deployment:
         self.report: StartupReport | None = None
         self.url: str | None = None
         self.pusher: Pusher | None = None
+        self.host_pool: Any = None  # sglang's HostPoolGroup, once the stack is built
         self._matched: OrderedDict[str, None] = OrderedDict()
         self._match_lock = threading.Lock()
         self._stack = contextlib.ExitStack()
@@ -225,7 +227,28 @@ class Deployment:
         host_pool_group, controller = original(*args, **kwargs)
         stage = self.rank.pp_rank if self.rank else 0
         self._restorers.append(wrap_controller(controller, self.source, stage, self.options.sync_transfers))
+        self.host_pool = host_pool_group
+        self.source.on_read = self._refresh_host_used
         return host_pool_group, controller
+
+    def _refresh_host_used(self) -> None:
+        used = self.host_used()
+        if used is not None and self.rank is not None:
+            self.source.set_host_used(self.rank.pp_rank, *used)
+
+    def host_used(self) -> tuple[int, int] | None:
+        """(used, total) host tokens, as sglang's ``hicache_host_used_tokens`` counts them:
+        the host pool's ``logical_size - available_size()``."""
+        pool = self.host_pool
+        if pool is None:
+            return None
+        total = int(pool.logical_size)
+        return total - int(pool.available_size()), total
+
+    def snapshot(self) -> StageLive:
+        """This stage's numbers now (what it pushes): host tokens in use read at push time."""
+        self._refresh_host_used()
+        return self.source.snapshot(self.rank.pp_rank if self.rank else 0)
 
     def after_match_prefix(self, result: Any, cache: Any, params: Any, *args: Any, **kwargs: Any) -> None:
         """A request's first prefix match: its device-hit, host-hit and missed tokens."""
@@ -299,7 +322,7 @@ class Deployment:
                 extra_hosts=extra))
         elif records[0].push_url and records[0].push_secret:
             self.pusher = Pusher(records[0].push_url, bytes.fromhex(records[0].push_secret), rank.pp_rank,
-                                 lambda: self.source.snapshot(rank.pp_rank), opts.push_interval_s).start()
+                                 self.snapshot, opts.push_interval_s).start()
             self._stack.callback(self.pusher.stop)
         log.info("stagecache: PP rank %d %s", rank.pp_rank,
                  f"serves the deployment on {self.url}" if self.url else f"pushes to {records[0].push_url}")

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler
-from stagecache.runtime.live.numbers import PoolBytes, RunInfo, StageLive
+from stagecache.runtime.live.numbers import PageSpace, PoolBytes, RunInfo, StageLive
 
 from ...errors import ConfigError, MappingError, StageMappingInvalid
 from ...validation.report import StageReport, StartupReport
@@ -53,6 +53,7 @@ class SglangSource:
         self._push_timeout_s = push_timeout_s
         self._own: int | None = None  # the stage of this process, once the deployment is known
         self._pp_size = 0
+        self.on_read: Callable[[], None] | None = None
 
     # -- feeding ---------------------------------------------------------------------------
     def publish(self, report: StartupReport, pool_bytes: dict[int, dict[str, int]] | None = None) -> None:
@@ -121,11 +122,13 @@ class SglangSource:
             live.host_hit_ratio = tokens.host / looked if looked > 0 else 0.0
 
     def set_host_used(self, stage: int, used: int, total: int) -> None:
-        """Host pages in use (sglang's ``logical_size - available_size()``, in tokens)."""
+        """Host tokens in use of the full-KV host pool (sglang's ``logical_size - available_size()``;
+        ``page_spaces["host"]`` counts tokens here, as sglang's ``hicache_host_used_tokens``)."""
         with self._lock:
-            space = self._stage(stage).page_spaces.get("host")
-            if space is not None:
-                space.used, space.total = used, total
+            spaces = self._stage(stage).page_spaces
+            if "host" not in spaces:
+                spaces["host"] = PageSpace(tier="host", pools=["full"])
+            spaces["host"].used, spaces["host"].total = used, total
 
     def snapshot(self, stage: int) -> StageLive:
         """A copy of one stage's numbers, stamped now (what a rank pushes)."""
@@ -160,6 +163,8 @@ class SglangSource:
         return report.to_dict()
 
     def stages(self) -> dict[int, StageLive]:
+        if self.on_read is not None:  # the deployment refreshes what it reads on demand (host use)
+            self.on_read()
         now = time.time()
         with self._lock:
             out = {k: v.model_copy(deep=True) for k, v in self._live.items()}
