@@ -411,8 +411,14 @@ def test_sync_transfers_still_records_without_cuda_events():
 
 def test_push_endpoint_refuses_forged_replayed_and_oversized_pushes():
     """Rank 0's push route, over real HTTP: only MAC-verified, newer, bounded pushes are stored."""
+    import httpx
     from stagecache.dashboard.server import dashboard_in_thread
-    from stagecache.runtime.integrations.sglang.push import MAX_PUSH_BYTES, PUSH_PATH, Pusher, PushReceiver
+    from stagecache.runtime.integrations.sglang.push import (
+        MAX_PUSH_BYTES,
+        PUSH_PATH,
+        Pusher,
+        PushReceiver,
+    )
     from stagecache.runtime.live.numbers import StageLive
     from stagecache.runtime.serve.exchange import seal
 
@@ -429,7 +435,8 @@ def test_push_endpoint_refuses_forged_replayed_and_oversized_pushes():
 
         live = StageLive(stage=1).model_dump(mode="json")
         assert post(seal(b"x" * 32, {"stage": 1, "seq": 1, "live": live})) == 403  # wrong key
-        assert post(seal(secret, {"stage": 1, "seq": 1, "live": live})[:-1] + b"}") == 403  # altered
+        sealed = seal(secret, {"stage": 1, "seq": 1, "live": live})
+        assert post(sealed.replace(b'"seq":1', b'"seq":7')) == 403  # altered after sealing
         assert post(seal(secret, {"stage": 2, "seq": 1, "live": live})) == 409  # replayed seq
         assert post(seal(secret, {"stage": 0, "seq": 9, "live": live})) == 400  # rank 0 never pushes
         assert post(seal(secret, {"stage": 7, "seq": 9, "live": live})) == 400  # no such stage

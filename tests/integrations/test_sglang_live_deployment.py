@@ -220,6 +220,7 @@ def test_d_a_killed_rank_turns_readyz_503_naming_it_within_10_s(tmp_path):
     run = launch(tmp_path, 4, common_env={"STAGECACHE_SGLANG_DASHBOARD_PORT": str(port)},
                  after=_kill_rank_2(port))
     kill = run.results[0]["kill"]
+    print(f"readyz 503 after {kill.get('seconds')} s")
     assert kill.get("seconds") is not None and kill["seconds"] < 10, kill
     assert any(r.startswith("stage 2: no heartbeat for") for r in kill["reasons"]), kill
     assert not any(r.startswith(("stage 0", "stage 1", "stage 3")) for r in kill["reasons"]), kill

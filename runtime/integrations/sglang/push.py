@@ -133,7 +133,8 @@ class Pusher:
             resp.read()
 
     def _run(self) -> None:
-        while not self._stop.is_set():
+        # rank 0 starts its endpoint once the exchange is over, as the others start pushing
+        while not self._stop.wait(self._interval):
             try:
                 self.push_once()
             except (OSError, urllib.error.URLError) as exc:
@@ -142,7 +143,6 @@ class Pusher:
                 if self.failures in (1, 10) or self.failures % 100 == 0:
                     log.warning("stage %d: push to %s failed (%d so far): %s", self._stage, self.url,
                                 self.failures, exc)
-            self._stop.wait(self._interval)
 
     def stop(self) -> None:
         self._stop.set()
