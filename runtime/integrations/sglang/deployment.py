@@ -176,6 +176,7 @@ class Deployment:
         self.options = options or DeploymentOptions()
         self.source = SglangSource(self.options.model_name,
                                    push_timeout_s=None if self.options.per_rank else self.options.push_timeout_s)
+        self.source.count_loads_as_hits = False  # host hits come from sglang's match results
         self.capacity: tuple[int, int] | None = None
         self.rank: Rank | None = None
         self.report: StartupReport | None = None

@@ -30,6 +30,10 @@ from ...errors import ConfigError, MappingError, StageMappingInvalid
 from ...validation.report import StageReport, StartupReport
 from .reader import inspect_pool, model_num_layers, pp_rank_of, read_pool
 
+#: Hot counters per stage: d2h bytes, seconds, count; h2d bytes, seconds, count; device-hit,
+#: host-hit and missed tokens; time of the last update.
+_HOT = 10
+
 
 class SglangSource:
     """A ``SnapshotSource`` fed by the sglang hooks of ``attach()`` (thread-safe).
@@ -49,11 +53,15 @@ class SglangSource:
         self._meta: dict[str, Any] = {}
         self._cross: list[MappingError] = []
         self._live: dict[int, StageLive] = {}
+        #: per stage, counters the hooks bump (see ``_HOT``); folded into ``_live`` on read
+        self._hot: dict[int, list[float]] = {}
         #: the deployment's endpoint (rank 0): every stage must push within this many seconds
         self._push_timeout_s = push_timeout_s
         self._own: int | None = None  # the stage of this process, once the deployment is known
         self._pp_size = 0
         self.on_read: Callable[[], None] | None = None
+        #: without match results (``install()``), tokens loaded host->device stand for host hits
+        self.count_loads_as_hits = True
 
     # -- feeding ---------------------------------------------------------------------------
     def publish(self, report: StartupReport, pool_bytes: dict[int, dict[str, int]] | None = None) -> None:
@@ -71,20 +79,21 @@ class SglangSource:
             self._cross = [e for e in self._cross if e not in report.cross_errors] + list(report.cross_errors)
 
     def record_transfer(self, stage: int, direction: str, num_bytes: int, seconds: float, tokens: int) -> None:
-        """One HiCache transfer: ``direction`` is ``d2h`` (write/backup) or ``h2d`` (load)."""
+        """One HiCache transfer: ``direction`` is ``d2h`` (write/backup) or ``h2d`` (load).
+
+        On sglang's scheduler thread: plain counters under the lock, folded into the stage's
+        ``StageLive`` only when someone reads it (``_fold``), so a transfer costs microseconds."""
         if direction not in ("d2h", "h2d"):
             raise ConfigError(f"transfer direction must be 'd2h' or 'h2d', got {direction!r}")
+        base = 0 if direction == "d2h" else 3
         with self._lock:
-            live = self._stage(stage)
-            live.time = time.time()
-            nbytes = getattr(live.transfer_bytes, direction) + int(num_bytes)
-            secs = getattr(live.transfer_seconds, direction) + float(seconds)
-            setattr(live.transfer_bytes, direction, nbytes)
-            setattr(live.transfer_seconds, direction, secs)
-            setattr(live.transfer_count, direction, getattr(live.transfer_count, direction) + 1)
-            setattr(live.bandwidth_bytes_per_second, direction, nbytes / secs if secs > 0 else 0.0)
-            if direction == "h2d" and self._own is None:  # a deployment counts sglang's matches
-                live.cache_tokens.host += int(tokens)
+            c = self._hot.get(stage) or self._hot.setdefault(stage, [0.0] * _HOT)
+            c[base] += num_bytes
+            c[base + 1] += seconds
+            c[base + 2] += 1
+            if direction == "h2d" and self.count_loads_as_hits:  # a deployment counts sglang's matches
+                c[7] += tokens
+            c[9] = time.time()
 
     def publish_deployment(self, report: StartupReport, lives: dict[int, StageLive], own: int) -> None:
         """The whole deployment's report (every stage) and the stages' start-up numbers."""
@@ -110,16 +119,31 @@ class SglangSource:
             self._live[stage] = live
 
     def record_lookup(self, stage: int, device: int, host: int, miss: int) -> None:
-        """Token deltas of sglang's prefix matches (``match_prefix``; see ``deployment``)."""
+        """Tokens of one sglang prefix match (``match_prefix``; see ``deployment``)."""
         with self._lock:
-            live = self._stage(stage)
-            live.time = time.time()
-            tokens = live.cache_tokens
-            tokens.device += device
-            tokens.host += host
-            tokens.miss += miss
-            looked = tokens.device + tokens.host + tokens.miss
-            live.host_hit_ratio = tokens.host / looked if looked > 0 else 0.0
+            c = self._hot.get(stage) or self._hot.setdefault(stage, [0.0] * _HOT)
+            c[6] += device
+            c[7] += host
+            c[8] += miss
+            c[9] = time.time()
+
+    def _fold(self, stage: int, live: StageLive) -> StageLive:
+        """``live`` (a copy) with the stage's hot counters in it (caller holds the lock)."""
+        c = self._hot.get(stage)
+        if c is None:
+            return live
+        for base, d in ((0, "d2h"), (3, "h2d")):
+            nbytes, secs, count = int(c[base]), c[base + 1], int(c[base + 2])
+            setattr(live.transfer_bytes, d, nbytes)
+            setattr(live.transfer_seconds, d, secs)
+            setattr(live.transfer_count, d, count)
+            setattr(live.bandwidth_bytes_per_second, d, nbytes / secs if secs > 0 else 0.0)
+        tokens = live.cache_tokens
+        tokens.device, tokens.host, tokens.miss = int(c[6]), int(c[7]), int(c[8])
+        looked = tokens.device + tokens.host + tokens.miss
+        live.host_hit_ratio = tokens.host / looked if looked > 0 else 0.0
+        live.time = max(live.time, c[9])
+        return live
 
     def set_host_used(self, stage: int, used: int, total: int) -> None:
         """Host tokens in use of the full-KV host pool (sglang's ``logical_size - available_size()``;
@@ -133,7 +157,7 @@ class SglangSource:
     def snapshot(self, stage: int) -> StageLive:
         """A copy of one stage's numbers, stamped now (what a rank pushes)."""
         with self._lock:
-            live = self._stage(stage).model_copy(deep=True)
+            live = self._fold(stage, self._stage(stage).model_copy(deep=True))
         live.time = live.heartbeat_at = time.time()
         live.pid = os.getpid()
         return live
@@ -167,7 +191,9 @@ class SglangSource:
             self.on_read()
         now = time.time()
         with self._lock:
-            out = {k: v.model_copy(deep=True) for k, v in self._live.items()}
+            for k in self._hot:
+                self._stage(k)
+            out = {k: self._fold(k, v.model_copy(deep=True)) for k, v in self._live.items()}
         if self._own is not None and self._own in out:  # this process answers: its stage is alive
             out[self._own].heartbeat_at = now
             out[self._own].pid = os.getpid()
@@ -206,7 +232,7 @@ def wrap_controller(controller: Any, source: SglangSource, stage: int, sync: boo
             before = len(queue)
             t0 = time.perf_counter()
             result = _orig(*a, **k)
-            acks = list(queue)[before:]
+            acks = queue[before:]  # only the acks this call queued
             measured = [_ack_seconds(ack) for ack in acks] if sync else [None] * len(acks)
             elapsed = time.perf_counter() - t0  # after the waits when sync
             for ack, secs in zip(acks, measured, strict=True):
