@@ -96,6 +96,8 @@ def _build(rank: int, pp: int, budget: int) -> tuple[Any, Any]:
 
     if not sa.enable_hierarchical_cache:
         return pools, None
+    if os.environ.get("STAGECACHE_TEST_SKIP_BUILD") == "1":  # a rank that never reaches the stack build
+        raise TimeoutError("this rank skipped the stack build")
     return pools, hpa.build_deepseek_v4_hicache_stack(
         params=cache_params(_Stage), kvcache=_Stage.kvcache, load_cache_event=None, storage_backend=None)
 
