@@ -230,14 +230,14 @@ def test_d_a_killed_rank_turns_readyz_503_naming_it_within_10_s(tmp_path):
 def test_pp2_without_hicache_exchanges_at_the_kv_pool_build(tmp_path):
     port = free_port()
     run = launch(tmp_path, 2, common_env={"STAGECACHE_SGLANG_DASHBOARD_PORT": str(port)},
-                 server={"enable_hierarchical_cache": False}, after=_look(port, 2))
+                 server={"enable_hierarchical_cache": False}, budget=128 << 20, after=_look(port, 2))
     _assert_healthy(run, [(0, 21), (21, 43)])
 
 
 def test_a_rank_that_never_reaches_the_exchange_is_named_within_the_timeout(tmp_path):
     """sglang's gloo timeout is 120 min; the exchange's own names the missing rank in seconds."""
     run = launch(tmp_path, 2, env={1: {"STAGECACHE_TEST_SKIP_BUILD": "1"}},
-                 common_env={"STAGECACHE_SGLANG_EXCHANGE_TIMEOUT_S": "3"})
+                 common_env={"STAGECACHE_SGLANG_EXCHANGE_TIMEOUT_S": "3"}, budget=128 << 20)
     error = run.results[0]["error"]
     assert error.startswith("ExchangeTimeout: stagecache plan exchange (PP rank 0): PP rank(s) 1 did not "
                             "reach the HiCache stack build within 3 s"), error
