@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..errors import ConfigError
 from .common import int_range
 
 
@@ -20,6 +21,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    try:
+        import sglang.srt.mem_cache.unified_radix_cache  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(f"stagecache bench sglang-hooks needs sglang: pip install 'stagecache[sglang]' "
+                          f"(import failed: {exc})") from None
     from ..bench.sglang_hooks import run_bench
 
     report = run_bench(args.sessions, args.turns, args.rounds)
