@@ -24,8 +24,8 @@ def _run(args: argparse.Namespace) -> int:
     try:
         import sglang.srt.mem_cache.unified_radix_cache  # noqa: F401
     except ImportError as exc:
-        raise ConfigError(f"stagecache bench sglang-hooks needs sglang: pip install 'stagecache[sglang]' "
-                          f"(import failed: {exc})") from None
+        raise ConfigError(f"stagecache bench sglang-hooks needs sglang: pip install '.[sglang]' in a "
+                          f"stagecache checkout (import failed: {exc})") from None
     from ..bench.sglang_hooks import run_bench
 
     report = run_bench(args.sessions, args.turns, args.rounds)
