@@ -28,6 +28,7 @@ from prometheus_client.exposition import choose_encoder
 from stagecache.exporters.metrics import make_registry, process_registry
 from stagecache.exporters.snapshot import SnapshotSource
 from stagecache.runtime.live.liveness import liveness_of
+from stagecache.runtime.live.numbers import StageLive
 from stagecache.runtime.model.pool_kinds import KINDS
 
 from . import figures, insight_figures, l3_view, live_figures, occupancy_figures
@@ -87,6 +88,22 @@ def build_layer_map(rep: StartupReportModel, stage: int) -> LayerMapResponse | N
     )
 
 
+def capacity_rows(live: list[StageLive]) -> list[dict[str, Any]]:
+    """The capacity ledger (sglang deployments): each stage alone, the deployment's minimum and
+    the HBM it strands; empty when no stage knows its capacity."""
+    if not any(s.capacity.tokens for s in live):
+        return []
+    limit = min((s.capacity.tokens_alone for s in live if s.capacity.tokens_alone), default=0)
+    return [{"stage": s.stage, "alone": s.capacity.tokens_alone, "tokens": s.capacity.tokens,
+             "used": _gib(s.capacity.used_bytes), "stranded": _gib(s.capacity.stranded_bytes),
+             "limits": bool(s.capacity.tokens_alone) and s.capacity.tokens_alone == limit}
+            for s in sorted(live, key=lambda s: s.stage)]
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 28 else f"{n / (1 << 20):.1f} MiB"
+
+
 def page_context(reader: Reader, title: str, window_s: float) -> dict[str, Any]:
     """Everything index.html renders; the live charts start with the rate history so far."""
     rep = reader.optional_report()
@@ -112,6 +129,7 @@ def page_context(reader: Reader, title: str, window_s: float) -> dict[str, Any]:
         "occupancy_figure": figures.to_json_dict(occupancy_figures.occupancy_figure(stage_ids, live)),
         "host_tiers": occupancy_figures.host_tier_rows(stage_ids, live),
         "l3_rows": l3_view.l3_rows(stage_ids, live),
+        "capacity_rows": capacity_rows(live),
         # stage agreement (static/insight.js updates it); the miss-reasons chart is in live_figures
         "agreement": insight_figures.agreement_view(live, liveness.max_disagreements),
         "poll_ms": POLL_MS,

@@ -15,7 +15,7 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -83,16 +83,24 @@ def make_server(
     title: str = "stagecache", log_level: str = "warning", keep_alive_s: float = KEEP_ALIVE_S,
     header_timeout_s: float = HEADER_TIMEOUT_S,
     advise: AdviseReport | None = None,
+    configure: Callable[[Any], None] | None = None,
+    extra_hosts: Iterable[str] = (),
 ) -> Any:
     """A ``uvicorn.Server`` for the dashboard; ``.run()`` it (any thread), set ``.should_exit`` to stop.
 
     Hardened (``guard``): a Host allowlist, HEAD on every GET route, a request-head deadline,
     a cap on open connections and on requests in flight, a raised file-descriptor limit.
-    ``advise``: the report ``/advise`` shows.
+    ``advise``: the report ``/advise`` shows.  ``configure(app)`` adds routes of the caller's
+    (the sglang deployment's push route); ``extra_hosts``: more ``Host`` names answered (the
+    address other hosts reach this one by).
     """
     import uvicorn
 
-    app = RequestGuard(create_app(source, title=title, advise=advise), allowed_hosts(host))
+    inner = create_app(source, title=title, advise=advise)
+    if configure is not None:
+        configure(inner)
+    hosts = allowed_hosts(host) | {h.strip("[]").lower() for h in extra_hosts}
+    app = RequestGuard(inner, hosts)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                             timeout_keep_alive=keep_alive_s, backlog=BACKLOG,
                             http=protocol_class(header_timeout_s))
@@ -112,6 +120,8 @@ def dashboard_in_thread(
     source: SnapshotSource, host: str = "127.0.0.1", port: int = 8000, *,
     title: str = "stagecache", startup_timeout_s: float = 15.0,
     advise: AdviseReport | None = None,
+    configure: Callable[[Any], None] | None = None,
+    extra_hosts: Iterable[str] = (),
 ) -> Iterator[str]:
     """Serve the dashboard in a daemon thread while the block runs; yields its base URL.
 
@@ -119,7 +129,8 @@ def dashboard_in_thread(
     rank 0, tests).  Startup waits are bounded; a port that cannot be bound is a
     RuntimeError naming it instead of a silently dead thread.
     """
-    server = make_server(source, host, port, title=title, advise=advise)
+    server = make_server(source, host, port, title=title, advise=advise, configure=configure,
+                         extra_hosts=extra_hosts)
     failure: list[BaseException] = []
 
     def run() -> None:

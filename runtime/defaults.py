@@ -84,6 +84,14 @@ DIST_HOST = "127.0.0.1"
 DASHBOARD_PORT = 8000
 #: The one dashboard port of a live sglang deployment (``STAGECACHE_SGLANG_DASHBOARD_PORT``).
 SGLANG_DASHBOARD_PORT = 9100
+#: Seconds every PP rank of a live sglang deployment waits for the others at the plan exchange
+#: (``STAGECACHE_SGLANG_EXCHANGE_TIMEOUT_S``); the error names the ranks that did not come.
+SGLANG_EXCHANGE_TIMEOUT_S = 60.0
+#: A PP rank other than 0 pushes its live numbers to rank 0's endpoint this often (seconds) ...
+SGLANG_PUSH_INTERVAL_S = 1.0
+#: ... and rank 0 marks a rank whose last push is older than this down (/readyz 503 naming it;
+#: ``STAGECACHE_SGLANG_PUSH_TIMEOUT_S``).
+SGLANG_PUSH_TIMEOUT_S = 5.0
 
 
 def render() -> str:

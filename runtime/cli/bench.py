@@ -17,7 +17,7 @@ from ..bench import hicache as bench_hicache
 from ..bench import insight_overhead
 from ..bench import transfer as bench_transfer
 from ..model.pool_kinds import HOST_CACHED
-from . import bench_advise, bench_http
+from . import bench_advise, bench_http, bench_sglang
 from .common import (
     add_layout_command,
     add_trace_args,
@@ -45,6 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     _register_l3(bench_sub)
     bench_http.register(bench_sub)
     bench_advise.register(bench_sub)
+    bench_sglang.register(bench_sub)
 
 
 def _register_check(sub: argparse._SubParsersAction) -> None:

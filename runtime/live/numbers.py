@@ -283,6 +283,18 @@ class L3Live(_Model):
         default_factory=SampledHistogram, description="GB/s of each backup batch")
 
 
+class CapacityLive(_Model):
+    """The stage's token capacity against the deployment's (sglang takes the minimum over PP ranks).
+
+    0 everywhere when the source does not know it (no memory-budget sizing seen).
+    """
+
+    tokens_alone: int = Field(0, description="full tokens the stage's own budget fits")
+    tokens: int = Field(0, description="the deployment's token capacity: the minimum over stages")
+    used_bytes: int = Field(0, description="device bytes of the stage's pools at that capacity")
+    stranded_bytes: int = Field(0, description="device bytes the minimum leaves unused on the stage")
+
+
 class StageLive(_Model):
     """Everything one PP stage reports while it runs (``stage-<k>.json``)."""
 
@@ -338,6 +350,8 @@ class StageLive(_Model):
     agreement: StageAgreement = Field(default_factory=StageAgreement)
     # the storage tier behind the host tier
     l3: L3Live = Field(default_factory=L3Live)
+    # what the deployment's minimum token capacity leaves stranded on this stage
+    capacity: CapacityLive = Field(default_factory=CapacityLive)
 
     @property
     def bubble_fraction(self) -> float:

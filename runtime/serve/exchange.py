@@ -63,18 +63,22 @@ def _checked_size(n: int, sender: str) -> int:
     return n
 
 
-def all_gather_json(obj: Any, secret: bytes, world_size: int, device: str = "cpu") -> list[Any]:
-    """Every stage's ``obj``, in rank order, on every stage (the inventories are small)."""
+def all_gather_json(obj: Any, secret: bytes, world_size: int, device: str = "cpu",
+                    group: Any = None) -> list[Any]:
+    """Every stage's ``obj``, in rank order, on every stage (the inventories are small).
+
+    ``group``: a ``torch.distributed`` process group (default: the world), e.g. sglang's
+    PP CPU group."""
     import torch
     import torch.distributed as dist
 
     data = seal(secret, obj)
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world_size)]
-    dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64, device=device))
+    dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64, device=device), group=group)
     lengths = [_checked_size(int(s.item()), f"stage {r}") for r, s in enumerate(sizes)]
     width = max(lengths)
     out = [torch.zeros(width, dtype=torch.uint8, device=device) for _ in range(world_size)]
-    dist.all_gather(out, _tensor(data, width, device))
+    dist.all_gather(out, _tensor(data, width, device), group=group)
     return [unseal(secret, bytes(o[:n].cpu().numpy()), f"stage {r}")
             for r, (o, n) in enumerate(zip(out, lengths, strict=True))]
 

@@ -352,31 +352,44 @@ def test_install_serves_the_stage_dashboard(free_port):
 
 
 def test_sglang_plugin_entry_point(monkeypatch):
-    """sglang's own plugin loader finds the entry point; it is off unless STAGECACHE_SGLANG=1."""
+    """sglang's own plugin loader finds the entry point; it is off unless STAGECACHE_SGLANG=1, and
+    on it registers its hooks with sglang's HookRegistry (which load_plugins then applies)."""
     from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins_by_group
-    from sglang.srt.runtime_context import get_parallel
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     plugin, dist = load_plugins_by_group(GENERAL_PLUGINS_GROUP)["stagecache"]
     assert dist == "stagecache" and plugin is integ.sglang_plugin
-    original = hpa.build_deepseek_v4_hicache_stack
     monkeypatch.delenv("STAGECACHE_SGLANG", raising=False)
-    assert plugin() is None and hpa.build_deepseek_v4_hicache_stack is original
+    monkeypatch.setattr(integ.deployment, "_PLUGIN", None)
+    assert plugin() is None and not any(t in HookRegistry._hooks for t in integ.deployment.TARGETS.values())
 
-    assert get_parallel().pp_size == 1  # the published default ServerArgs: pp_size 1
     monkeypatch.setenv("STAGECACHE_SGLANG", "1")
-    monkeypatch.setattr(integ.hooks, "_PLUGIN", None)
-    att = plugin()
+    monkeypatch.setenv("STAGECACHE_SGLANG_DASHBOARD_PORT", "9300")
     try:
-        assert plugin() is att  # once per process
-        pool = make_pool(RATIOS[TINY.name], 0, TINY.num_layers)
-        pool.compress_state_pools[max(i for i, r in enumerate(TINY.compress_ratios) if r == 4)] = None
-        with pytest.raises(StageMappingInvalid, match=r"\[stage 0\] c4_state: deepseek_v4_c4_state"):
-            hpa.build_deepseek_v4_hicache_stack(
-                params=_Params(), kvcache=pool, load_cache_event=None, storage_backend=None)
-        assert att.source.startup()["pp_size"] == 1
+        dep = plugin()
+        assert plugin() is dep and dep.options.port == 9300 and dep.options.strict  # once per process
+        kinds = {t: [h[0] for h in HookRegistry._hooks[t]] for t in integ.deployment.TARGETS.values()}
+        assert kinds[integ.deployment.TARGETS["stack"]] == [HookType.AROUND]
+        assert kinds[integ.deployment.TARGETS["capacity"]] == [HookType.AROUND]
+        assert kinds[integ.deployment.TARGETS["match"]] == [HookType.AFTER]
+        for target in integ.deployment.TARGETS.values():  # every target resolves in sglang 0.5.23
+            import pkgutil
+
+            mod, attr = target.rsplit(".", 1)
+            assert callable(getattr(pkgutil.resolve_name(mod), attr)), target
     finally:
-        att.detach()
-    assert hpa.build_deepseek_v4_hicache_stack is original
+        HookRegistry.reset()  # registered only, never applied: nothing of sglang's was patched
+
+
+def test_plugin_options_are_checked(monkeypatch):
+    from stagecache.runtime.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"STAGECACHE_SGLANG_DASHBOARD_PORT must be a port \(0..65535\), got 'x'"):
+        integ.DeploymentOptions.from_env({"STAGECACHE_SGLANG_DASHBOARD_PORT": "x"})
+    with pytest.raises(ConfigError, match=r"STAGECACHE_SGLANG_PUSH_TIMEOUT_S must be in"):
+        integ.DeploymentOptions.from_env({"STAGECACHE_SGLANG_PUSH_TIMEOUT_S": "-1"})
+    opts = integ.DeploymentOptions.from_env({"STAGECACHE_SGLANG_PER_RANK": "1", "STAGECACHE_SGLANG_STRICT": "0"})
+    assert opts.per_rank and not opts.strict and opts.port is None
 
 
 def test_pool_of_another_partition_is_a_clear_config_error():
@@ -394,3 +407,46 @@ def test_sync_transfers_still_records_without_cuda_events():
     ctl.start_loading()
     live = source.stages()[0].model_dump()
     assert live["transfer_bytes"]["h2d"] == 8192 and live["transfer_seconds"]["h2d"] > 0
+
+
+def test_push_endpoint_refuses_forged_replayed_and_oversized_pushes():
+    """Rank 0's push route, over real HTTP: only MAC-verified, newer, bounded pushes are stored."""
+    import httpx
+    from stagecache.dashboard.server import dashboard_in_thread
+    from stagecache.runtime.integrations.sglang.push import (
+        MAX_PUSH_BYTES,
+        PUSH_PATH,
+        Pusher,
+        PushReceiver,
+    )
+    from stagecache.runtime.live.numbers import StageLive
+    from stagecache.runtime.serve.exchange import seal
+
+    source = integ.SglangSource(push_timeout_s=5.0)
+    secret = b"k" * 32
+    receiver = PushReceiver(secret, 4, source.put_remote)
+    with dashboard_in_thread(source, "127.0.0.1", _free_port(), configure=receiver.add_route) as url:
+        pusher = Pusher(url, secret, 2, lambda: StageLive(stage=2, phase="serving"), 1.0)
+        pusher.push_once()
+        assert source.stages()[2].heartbeat_at is not None
+
+        def post(body: bytes) -> int:
+            return httpx.post(url + PUSH_PATH, content=body, timeout=5).status_code
+
+        live = StageLive(stage=1).model_dump(mode="json")
+        assert post(seal(b"x" * 32, {"stage": 1, "seq": 1, "live": live})) == 403  # wrong key
+        sealed = seal(secret, {"stage": 1, "seq": 1, "live": live})
+        assert post(sealed.replace(b'"seq":1', b'"seq":7')) == 403  # altered after sealing
+        assert post(seal(secret, {"stage": 2, "seq": 1, "live": live})) == 409  # replayed seq
+        assert post(seal(secret, {"stage": 0, "seq": 9, "live": live})) == 400  # rank 0 never pushes
+        assert post(seal(secret, {"stage": 7, "seq": 9, "live": live})) == 400  # no such stage
+        assert post(b"x" * (MAX_PUSH_BYTES + 1)) == 413
+        assert 1 not in source.stages()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -56,15 +56,14 @@ def test_healthy_server_pools_have_no_error_and_no_gap(flash_dir, pp, partition)
             assert alone.ok and alone.num_layers == 43 and alone.stages[0].stage_map.stage == rank
 
 
-def test_strict_plugin_accepts_a_healthy_server_with_an_explicit_partition(flash_dir, monkeypatch):
-    """STAGECACHE_SGLANG=1, SGLANG_PP_LAYER_PARTITION=11,11,11,10: every rank's real stack builds."""
-    monkeypatch.setenv("STAGECACHE_SGLANG", "1")
-    monkeypatch.setattr(integ.hooks, "_PLUGIN", None)
+def test_strict_hook_accepts_a_healthy_server_with_an_explicit_partition(flash_dir, monkeypatch):
+    """``install()`` (one process), SGLANG_PP_LAYER_PARTITION=11,11,11,10: every rank's real stack
+    builds (the served deployment's plugin: test_sglang_live_deployment.py)."""
     original = hpa.build_deepseek_v4_hicache_stack
     with partition_env((11, 11, 11, 10)), \
             published(flash_dir, pp_size=4, max_total_tokens=16_384, max_running_requests=4) as (sa, mc), \
             cpu_hicache(monkeypatch):
-        att = integ.sglang_plugin()
+        att = integ.install()
         try:
             for rank in range(4):
                 stage = build_stage(sa, mc, rank, 4, device="cpu")

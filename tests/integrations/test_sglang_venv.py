@@ -70,22 +70,41 @@ def test_integration_without_sglang_says_how_to_install():
            "pip install '.[sglang]' in a stagecache checkout" in proc.stdout
 
 
-LIVE_SUITES = ("tests/integrations/test_sglang_live.py", "tests/integrations/test_sglang_live_server.py", "tests/integrations/test_sglang_live_pools.py")
+LIVE_SUITES = ("tests/integrations/test_sglang_live.py", "tests/integrations/test_sglang_live_server.py",
+               "tests/integrations/test_sglang_live_pools.py")
+#: Its ranks are forked from the pytest process, so it runs in a pytest process of its own: sglang
+#: state the other suites publish in-process must not leak into the ranks.
+DEPLOYMENT_SUITE = "tests/integrations/test_sglang_live_deployment.py"
 
 
-def test_real_sglang_suite_in_its_venv():
+def _symlinked_package(tmp_path: Path) -> Path:
+    """This checkout as the ``stagecache`` package, ahead of .venv-sglang's own install (which
+    may be another checkout's editable install): the suites always test this code."""
+    pkg = tmp_path / "path" / "stagecache"
+    pkg.mkdir(parents=True)
+    for part in ("runtime", "exporters", "dashboard"):
+        (pkg / part).symlink_to(ROOT / part)
+    return pkg.parent
+
+
+def test_real_sglang_suite_in_its_venv(tmp_path):
     """Run the tests/integrations/test_sglang_live*.py suites against the real sglang in .venv-sglang."""
     if not VENV_PY.exists():
         if os.environ.get("CI"):
             pytest.fail(".venv-sglang is missing: tests/setup.d/50-sglang.sh did not run")
         pytest.skip(".venv-sglang not built: run bash tests/setup.d/50-sglang.sh")
-    proc = subprocess.run(
-        [str(VENV_PY), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore",
-         *LIVE_SUITES],
-        capture_output=True, text=True, timeout=400, cwd=ROOT,
-    )
-    tail = proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert proc.returncode == 0, tail
-    passed = re.search(r"(\d+) passed", proc.stdout)
-    assert passed and int(passed.group(1)) >= 50, tail
-    assert "failed" not in proc.stdout.splitlines()[-1], tail
+    env = {**os.environ, "PYTHONPATH": str(_symlinked_package(tmp_path))}
+    for suites, least in ((LIVE_SUITES, 50), ((DEPLOYMENT_SUITE,), 8)):
+        proc = subprocess.run(
+            [str(VENV_PY), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore", *suites],
+            capture_output=True, text=True, timeout=420, cwd=ROOT, env=env,
+        )
+        tail = proc.stdout[-4000:] + proc.stderr[-2000:]
+        assert proc.returncode == 0, tail
+        passed = re.search(r"(\d+) passed", proc.stdout)
+        assert passed and int(passed.group(1)) >= least, tail
+        assert "failed" not in proc.stdout.splitlines()[-1], tail
+    # the suites imported this checkout, not the venv's own install
+    where = subprocess.run([str(VENV_PY), "-c", "import stagecache.runtime as r; print(r.__file__)"],
+                           capture_output=True, text=True, timeout=60, env=env)
+    assert where.stdout.strip().startswith(str(tmp_path)), where.stdout + where.stderr

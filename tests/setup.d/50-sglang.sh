@@ -27,6 +27,9 @@ SGLANG_DEPS=(
     psutil pybase64 pillow msgspec pyzmq tqdm aiohttp dill gguf
     # what sglang imports at module level (starlette comes with fastapi), and the live tests' tools
     orjson ipython starlette pytest pytest-timeout hypothesis
+    # sglang's distributed-state and metrics-reporter import paths (the deployment tests): openai pinned
+    # as sglang 0.5.23 pins it
+    "openai==2.8.0" partial_json_parser einops
 )
 STAMP="$VENV/.stagecache-pins"
 WANT="sglang==$SGLANG_VERSION torch==$TORCH_VERSION ${SGLANG_DEPS[*]}"

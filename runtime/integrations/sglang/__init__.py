@@ -8,9 +8,14 @@ stack disagreed about how many layers a stage owns.
 * ``reader`` reads a real pool into stagecache's ``StageLayerMap`` +
   ``PoolInventory`` and validates it like ``stagecache check``
   (``inspect_pool``/``inspect_pools``, ``read_pool``, ``partition_findings``);
-* ``hooks`` patches sglang's start-up so every stage is validated before its host
+* ``hooks`` patches one process's start-up so its stage is validated before its host
   stack is built and its transfers are counted (``install``/``attach``,
-  ``SglangSource``, ``wrap_controller``, the ``sglang_plugin`` entry point).
+  ``SglangSource``, ``wrap_controller``);
+* ``deployment`` makes a served PP deployment one instrument: the ``sglang_plugin``
+  entry point registers hooks with sglang's ``HookRegistry``; the ranks exchange their
+  stage records (``record``, ``exchange``) and validate the whole deployment, rank 0
+  serves the one endpoint the others push to (``push``), and sglang's own prefix
+  matches and transfer acks give the per-stage numbers.
 
 Tested against sglang 0.5.23 (``pip install '.[sglang]'`` in a checkout); see docs/sglang.md.
 """
@@ -27,16 +32,9 @@ except ImportError as exc:  # pragma: no cover - exercised in the no-sglang envi
         f"(import failed: {exc})"
     ) from exc
 
-from . import hooks
-from .hooks import (
-    PLUGIN_ENV,
-    Attachment,
-    SglangSource,
-    attach,
-    install,
-    sglang_plugin,
-    wrap_controller,
-)
+from . import deployment, hooks
+from .deployment import PLUGIN_ENV, Deployment, DeploymentOptions, sglang_plugin
+from .hooks import Attachment, SglangSource, attach, install, wrap_controller
 from .reader import (
     PARTITION_ENV,
     PoolView,
@@ -56,8 +54,8 @@ from .reader import (
 SGLANG_TESTED_VERSION = "0.5.23"
 
 __all__ = [
-    "PARTITION_ENV", "PLUGIN_ENV", "SGLANG_TESTED_VERSION", "Attachment", "PoolView", "SglangSource",
-    "attach", "hooks", "inspect_pool", "inspect_pools", "install", "model_num_layers",
+    "PARTITION_ENV", "PLUGIN_ENV", "SGLANG_TESTED_VERSION", "Attachment", "Deployment",
+    "DeploymentOptions", "PoolView", "SglangSource", "attach", "deployment", "hooks", "inspect_pool", "inspect_pools", "install", "model_num_layers",
     "partition_findings", "pool_buffers", "pp_rank_of", "read_pool", "sglang_partition",
     "sglang_plugin", "spec_from_pool", "stage_map_from_pool", "wrap_controller",
 ]

@@ -4,8 +4,9 @@
 appear at server start-up: the HiCache stack build (validate + publish the
 report) and the cache controller's transfer submissions (bytes, seconds,
 host-hit tokens), feeding a ``SglangSource`` that stagecache's exporters and
-dashboard read.  ``sglang_plugin`` is the ``sglang.srt.plugins`` entry point that
-installs it in every scheduler process when ``STAGECACHE_SGLANG=1``.
+dashboard read -- one process's view, for an embedded engine or a test.  A served
+deployment uses ``deployment.Deployment`` (the ``sglang_plugin`` entry point), which
+reuses ``SglangSource`` and ``wrap_controller`` from here.
 
 Names used from sglang 0.5.23, verified in its source:
 ``sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler.build_deepseek_v4_hicache_stack``
@@ -23,29 +24,44 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler
-from stagecache.runtime.live.numbers import PoolBytes, StageLive
+from stagecache.runtime.live.numbers import PageSpace, PoolBytes, RunInfo, StageLive
 
 from ...errors import ConfigError, MappingError, StageMappingInvalid
 from ...validation.report import StageReport, StartupReport
 from .reader import inspect_pool, model_num_layers, pp_rank_of, read_pool
+
+#: Hot counters per stage: d2h bytes, seconds, count; h2d bytes, seconds, count; device-hit,
+#: host-hit and missed tokens; time of the last update.
+_HOT = 10
 
 
 class SglangSource:
     """A ``SnapshotSource`` fed by the sglang hooks of ``attach()`` (thread-safe).
 
     One per process: with PP each rank's scheduler process reports its own stage.
-    ``cache_tokens.host`` counts tokens loaded host->device (a HiCache host hit is
-    served by such a load); sglang does not expose looked-up totals at this point,
-    so ``host_hit_ratio`` stays 0.0 and ``cache_tokens.device``/``miss`` stay 0.
+    With ``install()`` (one process, no exchange) ``cache_tokens.host`` counts tokens
+    loaded host->device.  In a deployment (``deployment.Deployment``) the cache tokens
+    come from sglang's own prefix matches instead (``record_lookup``), rank 0's source
+    holds every stage (``publish_deployment``, ``put_remote``) and ``run()`` makes a stage
+    that stopped pushing for ``push_timeout_s`` not ready.
     """
 
-    def __init__(self, model_name: str = "sglang"):
+    def __init__(self, model_name: str = "sglang", push_timeout_s: float | None = None):
         self.model_name = model_name
         self._lock = threading.Lock()
         self._reports: dict[int, StageReport] = {}
         self._meta: dict[str, Any] = {}
         self._cross: list[MappingError] = []
         self._live: dict[int, StageLive] = {}
+        #: per stage, counters the hooks bump (see ``_HOT``); folded into ``_live`` on read
+        self._hot: dict[int, list[float]] = {}
+        #: the deployment's endpoint (rank 0): every stage must push within this many seconds
+        self._push_timeout_s = push_timeout_s
+        self._own: int | None = None  # the stage of this process, once the deployment is known
+        self._pp_size = 0
+        self.on_read: Callable[[], None] | None = None
+        #: without match results (``install()``), tokens loaded host->device stand for host hits
+        self.count_loads_as_hits = True
 
     # -- feeding ---------------------------------------------------------------------------
     def publish(self, report: StartupReport, pool_bytes: dict[int, dict[str, int]] | None = None) -> None:
@@ -63,20 +79,97 @@ class SglangSource:
             self._cross = [e for e in self._cross if e not in report.cross_errors] + list(report.cross_errors)
 
     def record_transfer(self, stage: int, direction: str, num_bytes: int, seconds: float, tokens: int) -> None:
-        """One HiCache transfer: ``direction`` is ``d2h`` (write/backup) or ``h2d`` (load)."""
+        """One HiCache transfer: ``direction`` is ``d2h`` (write/backup) or ``h2d`` (load).
+
+        On sglang's scheduler thread: plain counters under the lock, folded into the stage's
+        ``StageLive`` only when someone reads it (``_fold``), so a transfer costs microseconds."""
         if direction not in ("d2h", "h2d"):
             raise ConfigError(f"transfer direction must be 'd2h' or 'h2d', got {direction!r}")
+        base = 0 if direction == "d2h" else 3
         with self._lock:
-            live = self._stage(stage)
-            live.time = time.time()
-            nbytes = getattr(live.transfer_bytes, direction) + int(num_bytes)
-            secs = getattr(live.transfer_seconds, direction) + float(seconds)
-            setattr(live.transfer_bytes, direction, nbytes)
-            setattr(live.transfer_seconds, direction, secs)
-            setattr(live.transfer_count, direction, getattr(live.transfer_count, direction) + 1)
-            setattr(live.bandwidth_bytes_per_second, direction, nbytes / secs if secs > 0 else 0.0)
-            if direction == "h2d":
-                live.cache_tokens.host += int(tokens)
+            c = self._hot.get(stage) or self._hot.setdefault(stage, [0.0] * _HOT)
+            c[base] += num_bytes
+            c[base + 1] += seconds
+            c[base + 2] += 1
+            if direction == "h2d" and self.count_loads_as_hits:  # a deployment counts sglang's matches
+                c[7] += tokens
+            c[9] = time.time()
+
+    def publish_deployment(self, report: StartupReport, lives: dict[int, StageLive], own: int) -> None:
+        """The whole deployment's report (every stage) and the stages' start-up numbers."""
+        with self._lock:
+            self._meta = {
+                "model": report.model, "num_layers": report.num_layers, "pp_size": report.pp_size,
+                "tp_size": report.tp_size, "page_size": report.page_size,
+            }
+            self._reports = {s.stage_map.stage: s for s in report.stages}
+            self._cross = list(report.cross_errors)
+            self._own, self._pp_size = own, report.pp_size
+            for stage, live in lives.items():
+                mine = self._stage(stage)
+                for name in ("start_layer", "end_layer", "local_layers", "pool_bytes", "capacity",
+                             "page_spaces"):
+                    setattr(mine, name, getattr(live, name))
+                mine.phase = "serving" if report.ok else "refused"
+
+    def put_remote(self, stage: int, live: StageLive) -> None:
+        """Another rank's numbers, pushed to this (rank 0's) endpoint."""
+        with self._lock:
+            live.model_name = live.model_name or self.model_name
+            self._live[stage] = live
+
+    def record_lookup(self, stage: int, device: int, host: int, miss: int) -> None:
+        """Tokens of one sglang prefix match (``match_prefix``; see ``deployment``)."""
+        with self._lock:
+            c = self._hot.get(stage) or self._hot.setdefault(stage, [0.0] * _HOT)
+            c[6] += device
+            c[7] += host
+            c[8] += miss
+            c[9] = time.time()
+
+    def _fold(self, stage: int, live: StageLive) -> StageLive:
+        """``live`` (a copy) with the stage's hot counters in it (caller holds the lock)."""
+        c = self._hot.get(stage)
+        if c is None:
+            return live
+        for base, d in ((0, "d2h"), (3, "h2d")):
+            nbytes, secs, count = int(c[base]), c[base + 1], int(c[base + 2])
+            setattr(live.transfer_bytes, d, nbytes)
+            setattr(live.transfer_seconds, d, secs)
+            setattr(live.transfer_count, d, count)
+            setattr(live.bandwidth_bytes_per_second, d, nbytes / secs if secs > 0 else 0.0)
+        tokens = live.cache_tokens
+        tokens.device, tokens.host, tokens.miss = int(c[6]), int(c[7]), int(c[8])
+        looked = tokens.device + tokens.host + tokens.miss
+        live.host_hit_ratio = tokens.host / looked if looked > 0 else 0.0
+        live.time = max(live.time, c[9])
+        return live
+
+    def set_host_used(self, stage: int, used: int, total: int) -> None:
+        """Host tokens in use of the full-KV host pool (sglang's ``logical_size - available_size()``;
+        ``page_spaces["host"]`` counts tokens here, as sglang's ``hicache_host_used_tokens``)."""
+        with self._lock:
+            spaces = self._stage(stage).page_spaces
+            if "host" not in spaces:
+                spaces["host"] = PageSpace(tier="host", pools=["full"])
+            spaces["host"].used, spaces["host"].total = used, total
+
+    def snapshot(self, stage: int) -> StageLive:
+        """A copy of one stage's numbers, stamped now (what a rank pushes)."""
+        with self._lock:
+            live = self._fold(stage, self._stage(stage).model_copy(deep=True))
+        live.time = live.heartbeat_at = time.time()
+        live.pid = os.getpid()
+        return live
+
+    def run(self) -> RunInfo | None:
+        """The deployment as ``liveness.assess`` reads it: every stage must report (rank 0 only)."""
+        with self._lock:
+            if self._push_timeout_s is None or self._own is None:
+                return None
+            phase = "serving" if all(r.ok for r in self._reports.values()) and not self._cross else "refused"
+            return RunInfo(phase=phase, pp_size=self._pp_size, model=self.model_name,
+                           heartbeat_timeout_s=self._push_timeout_s, started_at=0.0, time=time.time())
 
     def _stage(self, stage: int) -> StageLive:
         """The stage's live numbers, created on first use (caller holds the lock)."""
@@ -94,8 +187,17 @@ class SglangSource:
         return report.to_dict()
 
     def stages(self) -> dict[int, StageLive]:
+        if self.on_read is not None:  # the deployment refreshes what it reads on demand (host use)
+            self.on_read()
+        now = time.time()
         with self._lock:
-            return {k: v.model_copy(deep=True) for k, v in self._live.items()}
+            for k in self._hot:
+                self._stage(k)
+            out = {k: self._fold(k, v.model_copy(deep=True)) for k, v in self._live.items()}
+        if self._own is not None and self._own in out:  # this process answers: its stage is alive
+            out[self._own].heartbeat_at = now
+            out[self._own].pid = os.getpid()
+        return out
 
 
 def _ack_seconds(ack: Any) -> float | None:
@@ -130,7 +232,7 @@ def wrap_controller(controller: Any, source: SglangSource, stage: int, sync: boo
             before = len(queue)
             t0 = time.perf_counter()
             result = _orig(*a, **k)
-            acks = list(queue)[before:]
+            acks = queue[before:]  # only the acks this call queued
             measured = [_ack_seconds(ack) for ack in acks] if sync else [None] * len(acks)
             elapsed = time.perf_counter() - t0  # after the waits when sync
             for ack, secs in zip(acks, measured, strict=True):
@@ -290,36 +392,3 @@ def attach(**kwargs: Any) -> Iterator[SglangSource]:
         yield att.source
     finally:
         att.detach()
-
-
-#: Environment of the sglang plugin (sglang gives plugins no arguments).
-PLUGIN_ENV = {
-    "STAGECACHE_SGLANG": "1 to install the hook in every sglang process (default: off)",
-    "STAGECACHE_SGLANG_STRICT": "0 to let sglang build an invalid stage anyway (default 1)",
-    "STAGECACHE_SGLANG_DASHBOARD_PORT": "serve each stage's dashboard on PORT + pp_rank",
-    "STAGECACHE_SGLANG_SYNC_TRANSFERS": "1 to time transfers by their CUDA events (slow)",
-}
-
-_PLUGIN: Attachment | None = None
-
-
-def sglang_plugin() -> Attachment | None:
-    """Entry point ``sglang.srt.plugins: stagecache``; sglang runs it in every process
-    (``run_scheduler_process`` calls ``load_plugins()`` first).  Off unless
-    ``STAGECACHE_SGLANG=1``, so installing stagecache never changes sglang silently."""
-    global _PLUGIN
-    if os.environ.get("STAGECACHE_SGLANG", "0") != "1" or _PLUGIN is not None:
-        return _PLUGIN
-    port_text = os.environ.get("STAGECACHE_SGLANG_DASHBOARD_PORT")
-    try:
-        port = int(port_text) if port_text else None
-    except ValueError:
-        raise ConfigError(
-            f"STAGECACHE_SGLANG_DASHBOARD_PORT must be an integer port, got {port_text!r}"
-        ) from None
-    _PLUGIN = install(
-        strict=os.environ.get("STAGECACHE_SGLANG_STRICT", "1") != "0",
-        sync_transfers=os.environ.get("STAGECACHE_SGLANG_SYNC_TRANSFERS", "0") == "1",
-        dashboard_port=port,
-    )
-    return _PLUGIN

@@ -1,0 +1,196 @@
+"""Real sglang PP ranks on CPU: N processes with sglang's own distributed state over gloo.
+
+Each rank is a process forked from the test process (sglang is imported once, there), which
+
+1. publishes a resolved ``ServerArgs(pp_size=N, device="cpu")`` with its ``SpawnRanks``;
+2. runs sglang's ``init_distributed_environment(backend="gloo")`` and
+   ``initialize_model_parallel(backend="gloo")`` (``SGLANG_NCCL_SO_PATH`` points at a missing
+   file so pynccl stays off);
+3. runs sglang's own ``load_plugins()`` -- the stagecache entry point registers its hooks,
+   sglang applies them;
+4. sizes its pool from a byte budget with sglang's ``KVCacheConfigurator.config_from_budget``
+   (whose ``_apply_token_constraints`` MIN-reduces the capacity over the ranks), builds it with
+   ``_init_pools`` and calls the real ``build_deepseek_v4_hicache_stack`` (the plan exchange
+   runs inside, as in ``Scheduler.__init__``), with the two CPU stand-ins of ``cpu_hicache``;
+5. runs the case's ``after(rank, ctx)`` and puts its JSON result on a queue.
+
+Every wait is bounded; a rank that hangs is killed when the launch times out.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import multiprocessing as mp
+import os
+import queue
+import signal
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from sglang_real import RecordingController, cache_params
+
+FLASH_BUDGET = 48 << 20  # bytes of KV per rank: a few thousand tokens of flash, cheap on CPU
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Launch:
+    """One deployment of ``pp`` ranks and what each rank's process returned."""
+
+    pp: int
+    results: dict[int, Any] = field(default_factory=dict)
+    exit_codes: dict[int, int | None] = field(default_factory=dict)
+
+
+def _build(rank: int, pp: int, budget: int) -> tuple[Any, Any]:
+    """sglang's sizing from a budget (with the PP MIN) and pool construction, then the stack."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.distributed.parallel_state import get_pp_group
+    from sglang.srt.distributed.utils import get_pp_indices
+    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as hpa
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+    from sglang.srt.model_executor.model_runner_components.layer_setup import ModelLayerInfo
+    from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
+    from sglang.srt.runtime_context import get_schedule, get_server_args
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    sa = get_server_args()
+    mc = ModelConfig.from_server_args(sa)
+    start, end = get_pp_indices(mc.num_hidden_layers, rank, pp)
+    kvc = KVCacheConfigurator(
+        device="cpu", gpu_id=0, attn_dp_size=1, pp_size=pp, pp_group=get_pp_group(), model=None,
+        model_config=mc, server_args=sa, kv_cache_dtype=torch.float8_e4m3fn, kv_cache_dtype_str="fp8_e4m3",
+        model_dtype=torch.bfloat16, page_size=get_schedule().page_size, sliding_window_size=mc.window_size,
+        spec_algorithm=SpeculativeAlgorithm.from_string(None), is_draft_worker=False,
+        post_capture_kv_active=False, spec_aux_config=None, is_hybrid_swa=mc.is_hybrid_swa,
+        is_hybrid_swa_compress=True, use_mla_backend=False,
+        layer_info=ModelLayerInfo(start_layer=start, end_layer=end, num_effective_layers=end - start),
+        forward_stream=None, req_to_token_pool=None, token_to_kv_pool_allocator=None, memory_pool_config=None,
+    )
+    config = kvc.config_from_budget(budget)  # -> _apply_token_constraints: MIN over the ranks
+    config.max_running_requests = kvc.resolve_max_num_reqs(config.max_total_num_tokens)
+    config = create_memory_pool_configurator(kvc).finalize_with_max_running_requests(config)
+    pools = kvc._init_pools(sizes=kvc._derive_pool_sizes(config=config), req_to_token_pool=None,
+                            token_to_kv_pool_allocator=None)
+
+    if os.environ.get("STAGECACHE_TEST_FAULT") == "missing-c4-state":  # the seed's fault
+        kv = pools.token_to_kv_pool
+        kv.compress_state_pools[max(g for g in range(start, end) if kv.compression_ratios[g] == 4)] = None
+
+    class _Stage:
+        kvcache = pools.token_to_kv_pool
+        allocator = pools.token_to_kv_pool_allocator
+        req_to_token_pool = pools.req_to_token_pool
+
+    if not sa.enable_hierarchical_cache:
+        return pools, None
+    if os.environ.get("STAGECACHE_TEST_SKIP_BUILD") == "1":  # a rank that never reaches the stack build
+        raise TimeoutError("this rank skipped the stack build")
+    return pools, hpa.build_deepseek_v4_hicache_stack(
+        params=cache_params(_Stage), kvcache=_Stage.kvcache, load_cache_event=None, storage_backend=None)
+
+
+def _rank_main(rank: int, pp: int, dist_port: int, folder: str, env: dict[str, str], server: dict[str, Any],
+               budget: int, after: Callable[[int, dict[str, Any]], Any] | None, out: Any, done: Any) -> None:
+    os.environ.update(env)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung rank can be asked where it is
+    result: dict[str, Any] = {"rank": rank}
+    try:
+        from sglang.srt.distributed.parallel_state import (
+            init_distributed_environment,
+            initialize_model_parallel,
+        )
+        from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as hpa
+        from sglang.srt.mem_cache.pool_host import common as host_common
+        from sglang.srt.plugins import load_plugins
+        from sglang.srt.runtime_context import SpawnRanks, publish
+        from sglang.srt.server_args import ServerArgs
+
+        torch.set_num_threads(1)
+        sa = ServerArgs(model_path=folder, tp_size=1, pp_size=pp, device="cpu", **server)
+        publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=rank))
+        init_distributed_environment(world_size=pp, rank=rank, distributed_init_method=f"tcp://127.0.0.1:{dist_port}",
+                                     local_rank=rank, backend="gloo", timeout=60)
+        initialize_model_parallel(backend="gloo")
+        load_plugins()  # sglang's own: the stagecache entry point registers, sglang applies
+        host_common._cuda_host_register = lambda *a, **k: None
+        hpa.HybridCacheController = RecordingController
+        from stagecache.runtime.integrations.sglang import deployment
+
+        ctx: dict[str, Any] = {"deployment": deployment._PLUGIN}
+        try:
+            ctx["pools"], ctx["stack"] = _build(rank, pp, budget)
+            result["built"] = True
+        except Exception as exc:  # the case decides whether this is expected
+            result["error"] = f"{type(exc).__name__}: {exc}"
+        if after is not None:
+            result.update(after(rank, ctx) or {})
+    except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
+        result["crash"] = traceback.format_exc()[-3000:]
+    out.put(json.dumps(result, default=str))
+    out.close()
+    out.join_thread()  # the queue's feeder thread must flush before os._exit
+    if rank != 0:  # keep serving/pushing until rank 0 is done looking
+        end = time.monotonic() + 60
+        while not done.value and time.monotonic() < end:
+            time.sleep(0.05)
+    else:
+        done.value = 1
+    os._exit(0)
+
+
+def launch(tmp: Path, pp: int, *, env: dict[int, dict[str, str]] | None = None,
+           common_env: dict[str, str] | None = None, server: dict[str, Any] | None = None,
+           budget: int = FLASH_BUDGET, after: Callable[[int, dict[str, Any]], Any] | None = None,
+           timeout: float = 150.0) -> Launch:
+    """Run ``pp`` real sglang ranks (see the module docstring); each rank's result by rank.
+
+    A rank that dies without reporting (killed by the case) has no result; its exit code says how.
+    """
+    from sglang_real import model_dir
+
+    folder = model_dir(tmp)
+    ctx = mp.get_context("fork")
+    # a flag, not an Event: Event.set() blocks forever once a waiter was SIGKILLed (case d)
+    out, done = ctx.Queue(), ctx.RawValue("b", 0)
+    port = free_port()
+    base = {"SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2", "STAGECACHE_SGLANG": "1",
+            **(common_env or {})}
+    srv = {"enable_hierarchical_cache": True, "max_running_requests": 4, **(server or {})}
+    procs = {r: ctx.Process(target=_rank_main, daemon=True, args=(
+        r, pp, port, str(folder), {**base, **(env or {}).get(r, {})}, srv, budget, after, out, done))
+        for r in range(pp)}
+    for p in procs.values():
+        p.start()
+    run = Launch(pp)
+    deadline = time.monotonic() + timeout
+    try:
+        while len(run.results) < pp and time.monotonic() < deadline:
+            try:
+                item = json.loads(out.get(timeout=0.5))
+            except queue.Empty:
+                if all(p.exitcode is not None for p in procs.values()):
+                    break
+                continue
+            run.results[item["rank"]] = item
+    finally:
+        done.value = 1
+        for p in procs.values():
+            p.join(max(0.1, min(20.0, deadline - time.monotonic())))
+            if p.exitcode is None:
+                p.kill()
+                p.join(5)
+        run.exit_codes = {r: p.exitcode for r, p in procs.items()}
+    return run
