@@ -17,7 +17,10 @@ from typing import Any
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from sglang_ranks import free_port, launch
+
+pytest.importorskip("sglang", reason="sglang not installed (runs in .venv-sglang)")
+
+from sglang_ranks import free_port, launch  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 
