@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -17,9 +16,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from sglang_env import TIMEOUT_S, sglang_python
 
 ROOT = Path(__file__).resolve().parents[2]
-VENV_PY = ROOT / ".venv-sglang" / "bin" / "python"
 
 # A meta-path hook that makes `import sglang` fail even where sglang is installed.
 BLOCK_SGLANG = textwrap.dedent("""
@@ -73,14 +72,13 @@ def test_integration_without_sglang_says_how_to_install():
 LIVE_SUITES = ("tests/integrations/test_sglang_live.py", "tests/integrations/test_sglang_live_server.py", "tests/integrations/test_sglang_live_pools.py")
 
 
+@pytest.mark.sglang_venv
+@pytest.mark.timeout(TIMEOUT_S)
 def test_real_sglang_suite_in_its_venv():
     """Run the tests/integrations/test_sglang_live*.py suites against the real sglang in .venv-sglang."""
-    if not VENV_PY.exists():
-        if os.environ.get("CI"):
-            pytest.fail(".venv-sglang is missing: tests/setup.d/50-sglang.sh did not run")
-        pytest.skip(".venv-sglang not built: run bash tests/setup.d/50-sglang.sh")
+    venv_py = sglang_python()
     proc = subprocess.run(
-        [str(VENV_PY), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore",
+        [str(venv_py), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore",
          *LIVE_SUITES],
         capture_output=True, text=True, timeout=400, cwd=ROOT,
     )
