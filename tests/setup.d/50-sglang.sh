@@ -56,19 +56,19 @@ WANT="sglang==$SGLANG_VERSION torch==$TORCH_VERSION ${SGLANG_DEPS[*]} ${OWN_DEPS
 KEY=$(printf '%s' "$WANT" | sha256sum | cut -c1-16)
 
 CACHE=${STAGECACHE_TEST_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/stagecache-test}
-private_dir() {  # $1: create 0700 if missing; refuse a symlink, another owner, group/other access
+private_dir() {  # $1: a dir, created 0700 if missing; $2: the modes allowed (700, or 700 and 755)
     [ -L "$1" ] && { echo "$1 is a symlink: refusing it (set STAGECACHE_TEST_CACHE)" >&2; exit 2; }
     mkdir -p -m 0700 "$1"
     local owner mode
     owner=$(stat -c %u "$1") mode=$(stat -c %a "$1")
-    if [ "$owner" != "$(id -u)" ] || [ "$mode" != 700 ]; then
-        echo "$1 is owned by uid $owner with mode $mode, expected uid $(id -u) and 700:" \
+    if [ "$owner" != "$(id -u)" ] || ! [[ " $2 " == *" $mode "* ]]; then
+        echo "$1 is owned by uid $owner with mode $mode, expected uid $(id -u) and mode ${2// / or }:" \
              "remove it or set STAGECACHE_TEST_CACHE to a directory of yours" >&2
         exit 2
     fi
 }
-private_dir "$(dirname "$CACHE")"  # ~/.cache itself may be 0755; only check it is ours
-private_dir "$CACHE"
+private_dir "$(dirname "$CACHE")" "700 711 750 755"  # ~/.cache: ours, nobody else writes it
+private_dir "$CACHE" 700
 BASE="$CACHE/sglang-$KEY"
 
 build_base() {
