@@ -85,14 +85,15 @@ build_base() {
     with_progress "sglang $SGLANG_VERSION" pip_base --no-deps "sglang==$SGLANG_VERSION"
     with_progress "sglang's imports and stagecache's dependencies" \
         pip_base "torch==$TORCH_VERSION" "${SGLANG_DEPS[@]}" "${OWN_DEPS[@]}"
+    du -sh "$BASE" | cut -f1 > "$BASE/.size"
     echo "$WANT" > "$BASE/.complete"
-    echo "built the sglang environment in $(( SECONDS - start )) s: $(du -sh "$BASE" | cut -f1)"
+    echo "built the sglang environment in $(( SECONDS - start )) s: $(cat "$BASE/.size")"
 }
 
 exec 9>"$CACHE/.lock"
 with_progress "waiting for another build of the sglang environment" flock 9
 if [ -f "$BASE/.complete" ] && [ "$(cat "$BASE/.complete")" = "$WANT" ]; then
-    echo "sglang environment: reusing $BASE ($(du -sh "$BASE" 2>/dev/null | cut -f1))"
+    echo "sglang environment: reusing $BASE ($(cat "$BASE/.size" 2>/dev/null))"
 else
     build_base
 fi
