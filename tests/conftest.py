@@ -28,7 +28,30 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def pytest_configure(config):
+    """Each pytest process (each xdist worker too) gets its own ``$XDG_RUNTIME_DIR``: the per-user
+    run root, crash logs and sockets of the runs it starts cannot meet another process's."""
+    private = tempfile.mkdtemp(prefix="stagecache-test-xdg-")  # 0700, ours
+    config._stagecache_xdg = (private, os.environ.get("XDG_RUNTIME_DIR"))
+    os.environ["XDG_RUNTIME_DIR"] = private
+
+
+def pytest_unconfigure(config):
+    private, old = getattr(config, "_stagecache_xdg", (None, None))
+    if private is None:
+        return
+    if old is None:
+        os.environ.pop("XDG_RUNTIME_DIR", None)
+    else:
+        os.environ["XDG_RUNTIME_DIR"] = old
+    shutil.rmtree(private, ignore_errors=True)
+
+
 def pytest_collection_modifyitems(config, items):
+    # Files with a test that needs .venv-sglang run last, whole (pytest-xdist's --dist loadfile
+    # keeps a file on one worker): tests/run.sh builds that environment while the rest runs.
+    late = {item.path for item in items if "sglang_venv" in item.keywords}
+    items.sort(key=lambda item: item.path in late)  # stable: the order is otherwise unchanged
     if _cuda_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (none on this machine)")

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -17,9 +16,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from sglang_env import TIMEOUT_S, sglang_python
 
 ROOT = Path(__file__).resolve().parents[2]
-VENV_PY = ROOT / ".venv-sglang" / "bin" / "python"
 
 # A meta-path hook that makes `import sglang` fail even where sglang is installed.
 BLOCK_SGLANG = textwrap.dedent("""
@@ -87,16 +86,15 @@ def _symlinked_package(tmp_path: Path) -> Path:
     return pkg.parent
 
 
+@pytest.mark.sglang_venv
+@pytest.mark.timeout(TIMEOUT_S)
 def test_real_sglang_suite_in_its_venv(tmp_path):
     """Run the tests/integrations/test_sglang_live*.py suites against the real sglang in .venv-sglang."""
-    if not VENV_PY.exists():
-        if os.environ.get("CI"):
-            pytest.fail(".venv-sglang is missing: tests/setup.d/50-sglang.sh did not run")
-        pytest.skip(".venv-sglang not built: run bash tests/setup.d/50-sglang.sh")
+    venv_py = sglang_python()
     env = {**os.environ, "PYTHONPATH": str(_symlinked_package(tmp_path))}
     for suites, least in ((LIVE_SUITES, 50), ((DEPLOYMENT_SUITE,), 8)):
         proc = subprocess.run(
-            [str(VENV_PY), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore", *suites],
+            [str(venv_py), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore", *suites],
             capture_output=True, text=True, timeout=420, cwd=ROOT, env=env,
         )
         tail = proc.stdout[-4000:] + proc.stderr[-2000:]
@@ -105,6 +103,6 @@ def test_real_sglang_suite_in_its_venv(tmp_path):
         assert passed and int(passed.group(1)) >= least, tail
         assert "failed" not in proc.stdout.splitlines()[-1], tail
     # the suites imported this checkout, not the venv's own install
-    where = subprocess.run([str(VENV_PY), "-c", "import stagecache.runtime as r; print(r.__file__)"],
+    where = subprocess.run([str(venv_py), "-c", "import stagecache.runtime as r; print(r.__file__)"],
                            capture_output=True, text=True, timeout=60, env=env)
     assert where.stdout.strip().startswith(str(tmp_path)), where.stdout + where.stderr

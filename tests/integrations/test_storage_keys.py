@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from sglang_env import TIMEOUT_S, sglang_python
 from stagecache.runtime.integrations.storage_keys import TABLE, facts, verdict
 
 ROOT = Path(__file__).resolve().parents[2]
-VENV_PY = ROOT / ".venv-sglang" / "bin" / "python"
 
 
 def _check(*args: str, python: str = sys.executable, env: dict | None = None):
@@ -57,12 +57,13 @@ def _symlinked_package(tmp_path: Path) -> Path:
     return pkg.parent
 
 
+@pytest.mark.sglang_venv
+@pytest.mark.timeout(TIMEOUT_S)
 def test_sglangs_own_key_functions_agree_with_the_table(tmp_path):
-    if not VENV_PY.exists():
-        pytest.skip(".venv-sglang not built: run bash tests/setup.d/50-sglang.sh")
+    venv_py = sglang_python()
     env = {"PYTHONPATH": str(_symlinked_package(tmp_path)), "PATH": "/usr/bin:/bin"}
     proc = _check("--pp-size", "4", "--sglang-storage", "file", "--sglang-storage", "mooncake",
-                  "--json", python=str(VENV_PY), env=env)
+                  "--json", python=str(venv_py), env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     found = {f["backend"]: f for f in json.loads(proc.stdout)["sglang_storage"]}
     assert found["file"]["how"] == "sglang", found["file"]

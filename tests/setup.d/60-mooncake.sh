@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # The Mooncake Store L3 backend for its tests (tests/storage, tests/serve/test_serve_l3.py,
 # bench l3): the Debian package libibverbs1 that the wheel's libraries link against, then the
-# wheel itself (stagecache[l3]) in the test environment and, when tests/setup.d/50-sglang.sh has
-# built it, in .venv-sglang (check --sglang-storage mooncake calls sglang's own Mooncake key
-# builder there).  Runs after 50-sglang.sh, which may rebuild .venv-sglang.  Idempotent: each
-# step is skipped when its import already works.  Tests that need Mooncake skip with a one-line
+# wheel itself (stagecache[l3]) in the test environment (.venv-sglang gets it from
+# tests/setup.d/50-sglang.sh, with its other pins).  Idempotent: each step is skipped when its
+# import already works.  Tests that need Mooncake skip with a one-line
 # reason where it cannot load.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -33,6 +32,3 @@ install_into() {  # $1: a python; installs the wheel unless mooncake.store alrea
 }
 
 install_into "$PY"
-if [ -x .venv-sglang/bin/python ]; then
-    install_into .venv-sglang/bin/python
-fi

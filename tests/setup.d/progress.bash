@@ -1,0 +1,22 @@
+# Sourced by tests/run.sh and the set-up steps (a library, not a step: run.sh runs *.sh only).
+#
+# with_progress LABEL CMD...: run CMD (a command or a shell function) and, while it runs, print
+# "  ... LABEL: N s" every $PROGRESS_EVERY seconds (default 10), so a long install never looks
+# hung.  Returns CMD's exit status.
+with_progress() {
+    local label=$1 start=$SECONDS pid ticker rc
+    shift
+    "$@" &
+    pid=$!
+    (
+        while sleep "${PROGRESS_EVERY:-10}"; do
+            echo "  ... $label: $(( SECONDS - start )) s"
+        done
+    ) &
+    ticker=$!
+    rc=0
+    wait "$pid" || rc=$?
+    kill "$ticker" 2>/dev/null || true
+    wait "$ticker" 2>/dev/null || true
+    return "$rc"
+}
