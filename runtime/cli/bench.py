@@ -15,7 +15,6 @@ from .. import defaults
 from ..bench import check as bench_check
 from ..bench import hicache as bench_hicache
 from ..bench import insight_overhead
-from ..bench import transfer as bench_transfer
 from ..model.pool_kinds import HOST_CACHED
 from . import bench_advise, bench_http, bench_sglang
 from .common import (
@@ -121,8 +120,9 @@ def _run_transfer(args: argparse.Namespace) -> int:
 
     if args.render:
         return _render_transfer(args)
-    import torch
+    import torch  # here, not at import: every command's --help and flag errors stay torch-free
 
+    from ..bench import transfer as bench_transfer
     from ..errors import ConfigError
     from ..model.spec import load_spec
 
