@@ -17,7 +17,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from sglang_env import TIMEOUT_S, sglang_python
+from sglang_env import TIMEOUT_S, checkout_on_path, sglang_python
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -77,22 +77,12 @@ LIVE_SUITES = ("tests/integrations/test_sglang_live.py", "tests/integrations/tes
 DEPLOYMENT_SUITE = "tests/integrations/test_sglang_live_deployment.py"
 
 
-def _symlinked_package(tmp_path: Path) -> Path:
-    """This checkout as the ``stagecache`` package, ahead of .venv-sglang's own install (which
-    may be another checkout's editable install): the suites always test this code."""
-    pkg = tmp_path / "path" / "stagecache"
-    pkg.mkdir(parents=True)
-    for part in ("runtime", "exporters", "dashboard"):
-        (pkg / part).symlink_to(ROOT / part)
-    return pkg.parent
-
-
 @pytest.mark.sglang_venv
 @pytest.mark.timeout(TIMEOUT_S)
 def test_real_sglang_suite_in_its_venv(tmp_path):
     """Run the tests/integrations/test_sglang_live*.py suites against the real sglang in .venv-sglang."""
     venv_py = sglang_python()
-    env = {**os.environ, "PYTHONPATH": str(_symlinked_package(tmp_path))}
+    env = {**os.environ, "PYTHONPATH": str(checkout_on_path(tmp_path))}
     for suites, least in ((LIVE_SUITES, 50), ((DEPLOYMENT_SUITE,), 8)):
         proc = subprocess.run(
             [str(venv_py), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore", *suites],

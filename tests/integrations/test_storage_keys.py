@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from sglang_env import TIMEOUT_S, sglang_python
+from sglang_env import TIMEOUT_S, checkout_on_path, sglang_python
 from stagecache.runtime.integrations.storage_keys import TABLE, facts, verdict
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,20 +48,11 @@ def test_the_table_names_the_backends_the_issue_lists():
     assert facts("nixl")[0] is TABLE["nixl"]
 
 
-def _symlinked_package(tmp_path: Path) -> Path:
-    """This checkout as the ``stagecache`` package, ahead of .venv-sglang's own install."""
-    pkg = tmp_path / "path" / "stagecache"
-    pkg.mkdir(parents=True)
-    for part in ("runtime", "exporters", "dashboard"):
-        (pkg / part).symlink_to(ROOT / part)
-    return pkg.parent
-
-
 @pytest.mark.sglang_venv
 @pytest.mark.timeout(TIMEOUT_S)
 def test_sglangs_own_key_functions_agree_with_the_table(tmp_path):
     venv_py = sglang_python()
-    env = {"PYTHONPATH": str(_symlinked_package(tmp_path)), "PATH": "/usr/bin:/bin"}
+    env = {"PYTHONPATH": str(checkout_on_path(tmp_path)), "PATH": "/usr/bin:/bin"}
     proc = _check("--pp-size", "4", "--sglang-storage", "file", "--sglang-storage", "mooncake",
                   "--json", python=str(venv_py), env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]

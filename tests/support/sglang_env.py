@@ -51,3 +51,14 @@ def sglang_python() -> Path:
             pytest.fail(".venv-sglang is missing: tests/setup.d/50-sglang.sh did not run")
         pytest.skip(".venv-sglang not built: run bash tests/setup.d/50-sglang.sh")
     return VENV_PY
+
+
+def checkout_on_path(tmp_path: Path) -> Path:
+    """A PYTHONPATH entry that holds this checkout as the ``stagecache`` package, ahead of
+    .venv-sglang's own install (which may be another checkout's): the sglang runs test this code."""
+    root = Path(__file__).resolve().parents[2]
+    pkg = tmp_path / "path" / "stagecache"
+    pkg.mkdir(parents=True)
+    for part in ("runtime", "exporters", "dashboard"):
+        (pkg / part).symlink_to(root / part)
+    return pkg.parent

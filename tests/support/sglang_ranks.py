@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from sglang_real import RecordingController, cache_params
+from sglang_real import RecordingController, cache_params, kv_cache_configurator
 
 FLASH_BUDGET = 48 << 20  # bytes of KV per rank: a few thousand tokens of flash, cheap on CPU
 
@@ -60,25 +60,13 @@ def _build(rank: int, pp: int, budget: int) -> tuple[Any, Any]:
     from sglang.srt.distributed.parallel_state import get_pp_group
     from sglang.srt.distributed.utils import get_pp_indices
     from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as hpa
-    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
-    from sglang.srt.model_executor.model_runner_components.layer_setup import ModelLayerInfo
     from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
-    from sglang.srt.runtime_context import get_schedule, get_server_args
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang.srt.runtime_context import get_server_args
 
     sa = get_server_args()
     mc = ModelConfig.from_server_args(sa)
     start, end = get_pp_indices(mc.num_hidden_layers, rank, pp)
-    kvc = KVCacheConfigurator(
-        device="cpu", gpu_id=0, attn_dp_size=1, pp_size=pp, pp_group=get_pp_group(), model=None,
-        model_config=mc, server_args=sa, kv_cache_dtype=torch.float8_e4m3fn, kv_cache_dtype_str="fp8_e4m3",
-        model_dtype=torch.bfloat16, page_size=get_schedule().page_size, sliding_window_size=mc.window_size,
-        spec_algorithm=SpeculativeAlgorithm.from_string(None), is_draft_worker=False,
-        post_capture_kv_active=False, spec_aux_config=None, is_hybrid_swa=mc.is_hybrid_swa,
-        is_hybrid_swa_compress=True, use_mla_backend=False,
-        layer_info=ModelLayerInfo(start_layer=start, end_layer=end, num_effective_layers=end - start),
-        forward_stream=None, req_to_token_pool=None, token_to_kv_pool_allocator=None, memory_pool_config=None,
-    )
+    kvc = kv_cache_configurator(sa, mc, rank, pp, get_pp_group(), device="cpu")
     config = kvc.config_from_budget(budget)  # -> _apply_token_constraints: MIN over the ranks
     config.max_running_requests = kvc.resolve_max_num_reqs(config.max_total_num_tokens)
     config = create_memory_pool_configurator(kvc).finalize_with_max_running_requests(config)

@@ -110,12 +110,12 @@ class Stage:
     configurator: Any  # DSV4PoolConfigurator
 
 
-def build_stage(sa: ServerArgs, mc: ModelConfig, rank: int, pp_size: int, device: str = "meta",
-                budget_bytes: int | None = None) -> Stage:
-    """sglang's sizing and pool construction for one rank (``ModelRunner``'s steps, in order)."""
+def kv_cache_configurator(sa: ServerArgs, mc: ModelConfig, rank: int, pp_size: int, pp_group: Any,
+                          device: str = "meta") -> Any:
+    """sglang's ``KVCacheConfigurator`` for one PP rank, as ``ModelRunner`` builds it."""
     start, end = get_pp_indices(mc.num_hidden_layers, rank, pp_size)
-    kvc = KVCacheConfigurator(
-        device=device, gpu_id=0, attn_dp_size=1, pp_size=pp_size, pp_group=_PPGroup(), model=None,
+    return KVCacheConfigurator(
+        device=device, gpu_id=0, attn_dp_size=1, pp_size=pp_size, pp_group=pp_group, model=None,
         model_config=mc, server_args=sa, kv_cache_dtype=torch.float8_e4m3fn, kv_cache_dtype_str="fp8_e4m3",
         model_dtype=torch.bfloat16, page_size=get_schedule().page_size, sliding_window_size=mc.window_size,
         spec_algorithm=SpeculativeAlgorithm.from_string(None), is_draft_worker=False,
@@ -124,6 +124,12 @@ def build_stage(sa: ServerArgs, mc: ModelConfig, rank: int, pp_size: int, device
         layer_info=ModelLayerInfo(start_layer=start, end_layer=end, num_effective_layers=end - start),
         forward_stream=None, req_to_token_pool=None, token_to_kv_pool_allocator=None, memory_pool_config=None,
     )
+
+
+def build_stage(sa: ServerArgs, mc: ModelConfig, rank: int, pp_size: int, device: str = "meta",
+                budget_bytes: int | None = None) -> Stage:
+    """sglang's sizing and pool construction for one rank (``ModelRunner``'s steps, in order)."""
+    kvc = kv_cache_configurator(sa, mc, rank, pp_size, _PPGroup(), device)
     configurator = create_memory_pool_configurator(kvc)
     page = get_schedule().page_size
     if budget_bytes is None:
