@@ -69,6 +69,38 @@ def _sglang_traffic_on_rank_1(ctx: dict[str, Any]) -> dict[str, Any]:
             "sglang_host_total_tokens": reporter.stats.hicache_host_total_tokens}
 
 
+def _backup_and_load(ctx: dict[str, Any], rank: int, pages: int) -> dict[str, Any]:
+    """sglang's real ``HybridCacheController`` backs up ``pages`` pages of the rank's C4, indexer
+    and C128 pools to its host pools and loads them back (``write`` / ``start_writing``, ``load`` /
+    ``start_loading``, real copies); sglang's own ``writing_check`` / ``loading_check`` consume the
+    acks and count them into sglang's ``RadixCacheMetricsCollector``."""
+    import torch
+    from prometheus_client import REGISTRY
+    from sglang.srt.mem_cache.hicache_storage import PoolTransfer
+    from sglang.srt.observability.metrics_collector import RadixCacheMetricsCollector
+    from sglang_real import AckLedger
+
+    group, ctl = ctx["stack"]
+    names = [e.name for e in group.entries if e.name.value in ("deepseek_v4_c4", "deepseek_v4_c4_indexer",
+                                                               "deepseek_v4_c128")]
+    tokens = pages * group.page_size
+    src, dst = torch.arange(256, 256 + tokens), torch.arange(256 + tokens, 256 + 2 * tokens)
+    ledger = AckLedger(ctl, RadixCacheMetricsCollector(labels={"pp_rank": str(rank)}))
+    host = ctl.write(src, node_id=1, extra_pools=[PoolTransfer(name=n, device_indices=src.clone()) for n in names],
+                     flush=False)
+    assert host is not None
+    hosts = {t.name: t.host_indices for t in ctl.write_queue[-1].pool_transfers}
+    ctl.start_writing()
+    assert ctl.load(host, node_id=2, device_indices=dst, extra_pools=[
+        PoolTransfer(name=n, host_indices=h, device_indices=dst.clone()) for n, h in hosts.items()]) is not None
+    ctl.start_loading()
+    ledger.drain()
+    sglang = {s.name: s.value for f in REGISTRY.collect() for s in f.samples if s.labels.get("pp_rank") == str(rank)}
+    return {"sglang_backup_bytes": sglang["sglang:hicache_backup_bytes_total"],
+            "sglang_load_bytes": sglang["sglang:load_back_bytes_total"],
+            "queues_drained": not ctl.ack_write_queue and not ctl.ack_load_queue}
+
+
 def _wait_for(url: str, stage: int, check: Any, deadline_s: float = 10.0) -> dict[str, Any]:
     end = time.monotonic() + deadline_s
     while True:
@@ -82,8 +114,9 @@ def _look(port: int, stages: int, traffic: bool = False) -> Any:
     """Rank 0's check of the one endpoint, as an operator would: ready, every stage, metrics."""
     def after(rank: int, ctx: dict[str, Any]) -> dict[str, Any]:
         dep = ctx["deployment"]
-        if rank == 1 and traffic:
-            return {"traffic": _sglang_traffic_on_rank_1(ctx)}
+        if traffic and rank in (1, 2):  # stage 1 backs up and loads 2 pages, stage 2 one
+            moved = {"transfers": _backup_and_load(ctx, rank, pages=3 - rank)}
+            return {**moved, "traffic": _sglang_traffic_on_rank_1(ctx)} if rank == 1 else moved
         if rank != 0 and dep is not None and dep.pusher is not None:
             time.sleep(2 * dep.options.push_interval_s)
             return {"pusher": {"url": dep.pusher.url, "failures": dep.pusher.failures,
@@ -95,7 +128,9 @@ def _look(port: int, stages: int, traffic: bool = False) -> Any:
         url = dep.url
         ready = _wait_ready(url, stages)
         if traffic:
-            _wait_for(url, 1, lambda s: s and s["cache_tokens"]["device"] and s["page_spaces"]["host"]["used"])
+            _wait_for(url, 1, lambda s: s and s["cache_tokens"]["device"] and s["page_spaces"]["host"]["used"]
+                      and s["transfer_bytes"]["h2d"])
+            _wait_for(url, 2, lambda s: s and s["transfer_bytes"]["h2d"])
         return {"look": {
             "url": url, "ready_status": ready.status_code, "ready": ready.json(),
             "startup": httpx.get(f"{url}/api/startup", timeout=5).json(),
@@ -147,7 +182,7 @@ def test_a_healthy_pp4_is_one_endpoint_with_every_stage_and_the_capacity_ledger(
     assert stages[1]["pool_bytes"]["swa"]["device"] > 0  # pushed by rank 1, measured on its tensors
     # sglang's own numbers of rank 1, on rank 0's endpoint: its match results, its host pool use
     traffic = run.results[1]["traffic"]
-    assert traffic["hooked"] and traffic["sglang_host_used_tokens"] == 3 * 256, traffic
+    assert traffic["hooked"] and traffic["sglang_host_used_tokens"] == (2 + 3) * 256, traffic  # backup + alloc
     one = stages[1]
     assert one["cache_tokens"]["device"] == 512 and one["cache_tokens"]["host"] == 256
     assert one["cache_tokens"]["miss"] == 256 and one["host_hit_ratio"] == 0.25
@@ -158,6 +193,20 @@ def test_a_healthy_pp4_is_one_endpoint_with_every_stage_and_the_capacity_ledger(
             for f in text_string_to_metric_families(look["metrics"]) for s in f.samples
             if s.name == "stagecache_prefix_hit_tokens_total"}
     assert hits[("1", "device")] == 512 and hits[("1", "host")] == 256 and hits[("2", "host")] == 0
+    # backup and load bytes of sglang's real controller: stagecache's per-stage numbers on rank 0's
+    # endpoint equal sglang's own hicache_backup_bytes_total / load_back_bytes_total on each rank
+    moved = {k: run.results[k]["transfers"] for k in (1, 2)}
+    assert all(m["queues_drained"] for m in moved.values()), moved
+    assert moved[1]["sglang_backup_bytes"] == 2 * moved[2]["sglang_backup_bytes"] > 0, moved
+    for k, m in moved.items():
+        assert stages[k]["transfer_bytes"] == {"d2h": m["sglang_backup_bytes"], "h2d": m["sglang_load_bytes"]}, k
+        assert stages[k]["transfer_count"] == {"d2h": 1, "h2d": 1}, k
+    exported = {(s.labels["pp_rank"], s.labels["direction"]): s.value
+                for f in text_string_to_metric_families(look["metrics"]) for s in f.samples
+                if s.name == "stagecache_transfer_bytes_total"}
+    assert exported[("1", "d2h")] == moved[1]["sglang_backup_bytes"]
+    assert exported[("2", "h2d")] == moved[2]["sglang_load_bytes"]
+    assert stages[3]["transfer_bytes"] == {"d2h": 0, "h2d": 0}
     page = look["page"]  # the one page: every stage's layer map and the ledger
     assert 'id="capacity-ledger"' in page and page.count('class="capacity-row') == 4
     for k in range(4):
@@ -195,6 +244,26 @@ def test_c_a_rank_with_another_partition_is_a_fingerprint_and_tiling_error(tmp_p
     assert "[stage 1] fingerprint: stage 1 runs another deployment than the other stages" in text, text
     assert "partition: (11, 11, 11, 10) != (10, 11, 11, 11)" in text
     assert "gap: layers [10, 11) belong to no stage" in text and "overlap: layers [21, 22)" in text
+
+
+def test_c_a_rank_started_with_another_page_size_still_pages_by_256(tmp_path):
+    """sglang 0.5.23 pins DeepSeek-V4's scheduler page to 256 tokens whatever ``--page-size`` says,
+    so a rank started with ``--page-size 512`` builds the same pool: no false alarm.  (A record that
+    does carry another page size is named: test_sglang_live_server.py.)"""
+    def after(rank: int, ctx: dict[str, Any]) -> dict[str, Any]:
+        from sglang.srt.runtime_context import get_schedule, get_server_args
+
+        report = ctx["deployment"].report
+        return {"asked": get_server_args().page_size, "scheduled": get_schedule().page_size,
+                "ok": report.ok, "page_size": report.page_size}
+
+    run = launch(tmp_path, 4, env={3: {"STAGECACHE_TEST_PAGE_SIZE": "512"}},
+                 common_env={"STAGECACHE_SGLANG_STRICT": "1"}, after=after)
+    assert sorted(run.results) == [0, 1, 2, 3]
+    assert run.results[3]["asked"] == 512 and run.results[0]["asked"] is None
+    for rank, res in run.results.items():
+        assert "error" not in res and "crash" not in res, (rank, res)
+        assert (res["scheduled"], res["ok"], res["page_size"]) == (256, True, 256), (rank, res)
 
 
 def _kill_rank_2(port: int) -> Any:

@@ -22,11 +22,11 @@ from sglang_real import (  # noqa: E402
     SGLANG_POOL_NAMES,
     build_stage,
     cache_params,
-    cpu_hicache,
     host_pages,
     kind_page_bytes,
     kind_tensors,
     model_dir,
+    on_cpu,
     partition_env,
     published,
 )
@@ -113,11 +113,11 @@ def test_mem_budget_gives_sglangs_full_tokens(capsys, flash_dir):
     assert any(s.config.full_max_total_num_tokens > full for s in stages)  # the ranks do differ
 
 
-def test_host_pools_are_sglangs_hicache_stack(capsys, flash_dir, monkeypatch):
+def test_host_pools_are_sglangs_hicache_stack(capsys, flash_dir):
     """Run the real assembler on small real CPU pools: which kinds it mirrors, and their bytes."""
     report = pools_json(capsys, 4, None, 256, "--max-total-tokens", "16384", "--max-running-requests", "4")
     with published(flash_dir, pp_size=4, max_total_tokens=16384, max_running_requests=4) as (sa, mc), \
-            cpu_hicache(monkeypatch):
+            on_cpu():
         for ours in report["stages"]:
             stage = build_stage(sa, mc, ours["stage"], 4, device="cpu")
             assert_stage_matches(ours, stage)

@@ -21,11 +21,10 @@ pytest.importorskip("sglang", reason="sglang not installed (runs in .venv-sglang
 from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as hpa  # noqa: E402
 from sglang.srt.runtime_context import get_parallel  # noqa: E402
 from sglang_real import (  # noqa: E402
-    RecordingController,
     build_stage,
     cache_params,
-    cpu_hicache,
     model_dir,
+    on_cpu,
     partition_env,
     published,
 )
@@ -56,13 +55,13 @@ def test_healthy_server_pools_have_no_error_and_no_gap(flash_dir, pp, partition)
             assert alone.ok and alone.num_layers == 43 and alone.stages[0].stage_map.stage == rank
 
 
-def test_strict_hook_accepts_a_healthy_server_with_an_explicit_partition(flash_dir, monkeypatch):
+def test_strict_hook_accepts_a_healthy_server_with_an_explicit_partition(flash_dir):
     """``install()`` (one process), SGLANG_PP_LAYER_PARTITION=11,11,11,10: every rank's real stack
     builds (the served deployment's plugin: test_sglang_live_deployment.py)."""
     original = hpa.build_deepseek_v4_hicache_stack
     with partition_env((11, 11, 11, 10)), \
             published(flash_dir, pp_size=4, max_total_tokens=16_384, max_running_requests=4) as (sa, mc), \
-            cpu_hicache(monkeypatch):
+            on_cpu():
         att = integ.install()
         try:
             for rank in range(4):
@@ -71,7 +70,7 @@ def test_strict_hook_accepts_a_healthy_server_with_an_explicit_partition(flash_d
                     group, controller = hpa.build_deepseek_v4_hicache_stack(
                         params=cache_params(stage), kvcache=stage.kvcache, load_cache_event=None,
                         storage_backend=None)
-                assert isinstance(controller, RecordingController) and len(group.entries) == 7
+                assert isinstance(controller, hpa.HybridCacheController) and len(group.entries) == 7
             startup = att.source.startup()
             assert startup["ok"] is True and startup["num_layers"] == 43 and startup["pp_size"] == 4
             assert [(s["start_layer"], s["end_layer"]) for s in startup["stages"]] == [
@@ -111,11 +110,11 @@ def _example_pool(sa, mc):
     return kv
 
 
-def test_docs_examples_run(flash_dir, monkeypatch):
+def test_docs_examples_run(flash_dir):
     python, text = doc_blocks("python"), doc_blocks("text")
     assert len(python) == 2 and len(text) == 2
     with published(flash_dir, pp_size=4, max_total_tokens=16_384, max_running_requests=4) as (sa, mc), \
-            cpu_hicache(monkeypatch):
+            on_cpu():
         kvcache = _example_pool(sa, mc)
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
@@ -131,3 +130,22 @@ def test_docs_examples_run(flash_dir, monkeypatch):
         with pytest.raises(StageMappingInvalid) as exc:
             exec(python[1], {"engine_builds_its_hicache_stack": engine_builds_its_hicache_stack})  # noqa: S102
         assert str(exc.value) == textwrap.dedent(text[1]).strip().split("StageMappingInvalid: ", 1)[1]
+
+
+@pytest.mark.parametrize("odd", [1, 3])
+def test_a_stage_record_with_another_page_size_is_a_fingerprint_error_naming_it(flash_dir, odd):
+    """The exchange's whole-deployment check on the records of four real pools, one of them
+    recorded with 512-token pages: that stage, and only it, is named with both values."""
+    from stagecache.runtime.integrations.sglang.record import deployment_report, stage_record
+
+    with published(flash_dir, pp_size=4, max_total_tokens=262_144) as (sa, mc):
+        records = [stage_record(build_stage(sa, mc, rank, 4).kvcache, stage=rank, pp_size=4, tp_size=1,
+                                num_layers=43, model_name="deepseek-v4-flash",
+                                page_size=512 if rank == odd else 256) for rank in range(4)]
+    report = deployment_report(records)
+    assert not report.ok and report.page_size == 256
+    named = {e.stage for e in report.all_errors}
+    assert named == {odd}, [str(e) for e in report.all_errors]
+    text = " ".join(str(e) for e in report.all_errors)
+    assert f"stage {odd} runs another deployment than the other stages" in text, text
+    assert "page_size: 512 != 256" in text, text

@@ -11,7 +11,8 @@ Each rank is a process forked from the test process (sglang is imported once, th
 4. sizes its pool from a byte budget with sglang's ``KVCacheConfigurator.config_from_budget``
    (whose ``_apply_token_constraints`` MIN-reduces the capacity over the ranks), builds it with
    ``_init_pools`` and calls the real ``build_deepseek_v4_hicache_stack`` (the plan exchange
-   runs inside, as in ``Scheduler.__init__``), with the two CPU stand-ins of ``cpu_hicache``;
+   runs inside, as in ``Scheduler.__init__``), with sglang's real ``HybridCacheController``
+   (``on_cpu``: no page pinning, copies in torch, ``hicache_io_backend="direct"``);
 5. runs the case's ``after(rank, ctx)`` and puts its JSON result on a queue.
 
 Every wait is bounded; a rank that hangs is killed when the launch times out.
@@ -34,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from sglang_real import RecordingController, cache_params, kv_cache_configurator
+from sglang_real import cache_params, kv_cache_configurator, on_cpu
 
 FLASH_BUDGET = 48 << 20  # bytes of KV per rank: a few thousand tokens of flash, cheap on CPU
 
@@ -100,21 +101,21 @@ def _rank_main(rank: int, pp: int, dist_port: int, folder: str, env: dict[str, s
             init_distributed_environment,
             initialize_model_parallel,
         )
-        from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as hpa
-        from sglang.srt.mem_cache.pool_host import common as host_common
         from sglang.srt.plugins import load_plugins
         from sglang.srt.runtime_context import SpawnRanks, publish
         from sglang.srt.server_args import ServerArgs
 
         torch.set_num_threads(1)
+        if os.environ.get("STAGECACHE_TEST_PAGE_SIZE"):  # a rank started with another --page-size
+            server = {**server, "page_size": int(os.environ["STAGECACHE_TEST_PAGE_SIZE"])}
         sa = ServerArgs(model_path=folder, tp_size=1, pp_size=pp, device="cpu", **server)
         publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=rank))
         init_distributed_environment(world_size=pp, rank=rank, distributed_init_method=f"tcp://127.0.0.1:{dist_port}",
                                      local_rank=rank, backend="gloo", timeout=60)
         initialize_model_parallel(backend="gloo")
         load_plugins()  # sglang's own: the stagecache entry point registers, sglang applies
-        host_common._cuda_host_register = lambda *a, **k: None
-        hpa.HybridCacheController = RecordingController
+        cpu = on_cpu()
+        cpu.__enter__()  # for the rank's whole life, which ends in os._exit (keep the reference)
         from stagecache.runtime.integrations.sglang import deployment
 
         ctx: dict[str, Any] = {"deployment": deployment._PLUGIN}
@@ -123,6 +124,7 @@ def _rank_main(rank: int, pp: int, dist_port: int, folder: str, env: dict[str, s
             result["built"] = True
         except Exception as exc:  # the case decides whether this is expected
             result["error"] = f"{type(exc).__name__}: {exc}"
+            result["error_at"] = traceback.format_exc()[-3000:]
         if after is not None:
             result.update(after(rank, ctx) or {})
     except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
@@ -156,7 +158,8 @@ def launch(tmp: Path, pp: int, *, env: dict[int, dict[str, str]] | None = None,
     port = free_port()
     base = {"SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2", "STAGECACHE_SGLANG": "1",
             **(common_env or {})}
-    srv = {"enable_hierarchical_cache": True, "max_running_requests": 4, **(server or {})}
+    srv = {"enable_hierarchical_cache": True, "max_running_requests": 4, "hicache_io_backend": "direct",
+           "hicache_mem_layout": "layer_first", **(server or {})}
     procs = {r: ctx.Process(target=_rank_main, daemon=True, args=(
         r, pp, port, str(folder), {**base, **(env or {}).get(r, {})}, srv, budget, after, out, done))
         for r in range(pp)}

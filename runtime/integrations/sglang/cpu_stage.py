@@ -1,0 +1,193 @@
+"""One PP rank of sglang 0.5.23's own DeepSeek-V4 KV cache on a CPU machine.
+
+sglang sizes and builds a rank's pools in ``ModelRunner`` and its HiCache stack in
+``Scheduler.__init__``.  This module runs those same steps on CPU, with sglang's own
+objects, so the benchmark (``bench sglang-hooks``) and the tests can drive sglang's real
+match / insert / backup / load paths without a GPU:
+
+* ``published`` resolves and publishes a ``ServerArgs`` for a folder holding a real
+  ``config.json`` (sglang reads it through its ``RuntimeContext``);
+* ``build_stage`` sizes one rank with ``KVCacheConfigurator`` / ``DSV4PoolConfigurator``
+  and builds its pools with ``_init_pools``;
+* ``on_cpu`` swaps in CPU versions of the two CUDA-only pieces HiCache calls: pinning host
+  pages (``cudaHostRegister``) and ``sgl_kernel``'s ``transfer_kv_direct`` copy op.  With
+  ``hicache_io_backend="direct"`` sglang's ``HybridCacheController``, host pools and
+  ``L2TransferEngine`` then move real bytes between real tensors;
+* ``AckLedger`` consumes the controller's acks with sglang's own
+  ``UnifiedRadixCache.writing_check`` / ``loading_check``, which feed sglang's
+  ``hicache_backup_bytes_total`` / ``load_back_bytes_total`` counters.
+
+``device="meta"`` gives real shapes and ``nbytes`` without allocating (full-size pools in
+milliseconds); ``device="cpu"`` allocates, for transfers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+from sglang.srt import runtime_context
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.distributed.utils import get_pp_indices
+from sglang.srt.mem_cache import memory_pool_host
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+from sglang.srt.mem_cache.pool_host import common as host_common
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+from sglang.srt.model_executor.model_runner_components.layer_setup import ModelLayerInfo
+from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
+from sglang.srt.runtime_context import get_schedule
+from sglang.srt.server_args import ServerArgs
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+from ...errors import ConfigError
+
+FLASH = "deepseek-v4-flash"
+
+
+def model_dir(parent: Path, preset: str = FLASH) -> Path:
+    """A model folder sglang resolves offline: the preset's real ``config.json`` alone."""
+    folder = parent / preset
+    folder.mkdir(parents=True, exist_ok=True)
+    text = resources.files("stagecache.runtime.model").joinpath("presets", f"{preset}.json").read_text()
+    (folder / "config.json").write_text(text)
+    return folder
+
+
+@contextlib.contextmanager
+def published(folder: Path, **server_args: Any) -> Iterator[tuple[ServerArgs, ModelConfig]]:
+    """A resolved ``ServerArgs`` for ``folder`` published for the block (HiCache on, CPU)."""
+    previous = runtime_context._CONTEXT._server_args
+    sa = ServerArgs(model_path=str(folder), device="cpu", enable_hierarchical_cache=True, **server_args)
+    sa.resolve_once()
+    runtime_context._CONTEXT.set_server_args(sa)
+    try:
+        yield sa, ModelConfig.from_server_args(sa)
+    finally:
+        if previous is not None:
+            runtime_context._CONTEXT.set_server_args(previous)
+
+
+class _PPGroup:
+    """Read by ``DSV4PoolConfigurator`` for one log line under PP."""
+
+    rank_in_group = 0
+
+
+@dataclass
+class Stage:
+    """One PP rank's pools as sglang builds them."""
+
+    rank: int
+    config: Any  # MemoryPoolConfig after finalize_with_max_running_requests
+    kvcache: Any  # DeepSeekV4TokenToKVPool
+    allocator: Any
+    req_to_token_pool: Any
+    configurator: Any  # DSV4PoolConfigurator
+
+
+def kv_cache_configurator(sa: ServerArgs, mc: ModelConfig, rank: int, pp_size: int, pp_group: Any,
+                          device: str = "meta") -> Any:
+    """sglang's ``KVCacheConfigurator`` for one PP rank, as ``ModelRunner`` builds it."""
+    start, end = get_pp_indices(mc.num_hidden_layers, rank, pp_size)
+    return KVCacheConfigurator(
+        device=device, gpu_id=0, attn_dp_size=1, pp_size=pp_size, pp_group=pp_group, model=None,
+        model_config=mc, server_args=sa, kv_cache_dtype=torch.float8_e4m3fn, kv_cache_dtype_str="fp8_e4m3",
+        model_dtype=torch.bfloat16, page_size=get_schedule().page_size, sliding_window_size=mc.window_size,
+        spec_algorithm=SpeculativeAlgorithm.from_string(None), is_draft_worker=False,
+        post_capture_kv_active=False, spec_aux_config=None, is_hybrid_swa=mc.is_hybrid_swa,
+        is_hybrid_swa_compress=True, use_mla_backend=False,
+        layer_info=ModelLayerInfo(start_layer=start, end_layer=end, num_effective_layers=end - start),
+        forward_stream=None, req_to_token_pool=None, token_to_kv_pool_allocator=None, memory_pool_config=None,
+    )
+
+
+def build_stage(sa: ServerArgs, mc: ModelConfig, rank: int, pp_size: int, device: str = "meta",
+                budget_bytes: int | None = None) -> Stage:
+    """sglang's sizing and pool construction for one rank (``ModelRunner``'s steps, in order)."""
+    kvc = kv_cache_configurator(sa, mc, rank, pp_size, _PPGroup(), device)
+    configurator = create_memory_pool_configurator(kvc)
+    page = get_schedule().page_size
+    if budget_bytes is None:
+        config = configurator.calculate_pool_sizes_from_max_tokens(get_schedule().max_total_tokens, page)
+    else:
+        config = configurator.calculate_pool_sizes(budget_bytes, page)
+    config.max_running_requests = kvc.resolve_max_num_reqs(config.max_total_num_tokens)
+    config = configurator.finalize_with_max_running_requests(config)
+    pools = kvc._init_pools(sizes=kvc._derive_pool_sizes(config=config), req_to_token_pool=None,
+                            token_to_kv_pool_allocator=None)
+    return Stage(rank, config, pools.token_to_kv_pool, pools.token_to_kv_pool_allocator,
+                 pools.req_to_token_pool, configurator)
+
+
+def cache_params(stage: Stage) -> CacheInitParams:
+    """What ``build_deepseek_v4_hicache_stack`` reads of the scheduler's cache parameters."""
+    return CacheInitParams(disable=False, req_to_token_pool=stage.req_to_token_pool,
+                           token_to_kv_pool_allocator=stage.allocator, page_size=get_schedule().page_size)
+
+
+def transfer_kv_direct(src_layers: list[torch.Tensor], dst_layers: list[torch.Tensor],
+                       src_indices: torch.Tensor, dst_indices: torch.Tensor, page_size: int) -> None:
+    """``sgl_kernel.kvcacheio.transfer_kv_direct`` (a CUDA build's op): per layer, copy rows
+    ``src[src_indices]`` to ``dst[dst_indices]``."""
+    if page_size != 1:
+        raise ConfigError(f"transfer_kv_direct on CPU copies rows (page_size 1), got page_size {page_size}")
+    for src, dst in zip(src_layers, dst_layers, strict=True):
+        dst.index_copy_(0, dst_indices.to(dst.device), src.index_select(0, src_indices.to(src.device)))
+
+
+@contextlib.contextmanager
+def on_cpu() -> Iterator[None]:
+    """HiCache's two CUDA-only calls replaced for the block (see the module docstring)."""
+    saved = host_common._cuda_host_register, getattr(memory_pool_host, "transfer_kv_direct", None)
+    host_common._cuda_host_register = lambda *a, **k: None
+    memory_pool_host.transfer_kv_direct = transfer_kv_direct
+    try:
+        yield
+    finally:
+        host_common._cuda_host_register = saved[0]
+        if saved[1] is None:
+            del memory_pool_host.transfer_kv_direct
+        else:
+            memory_pool_host.transfer_kv_direct = saved[1]
+
+
+class AckLedger:
+    """The part of a ``UnifiedRadixCache`` that sglang's ``writing_check`` / ``loading_check``
+    read when they consume the controller's acks: the controller, sglang's metrics collector
+    (``RadixCacheMetricsCollector``, or ``None``) and the radix tree's lock bookkeeping, which
+    has nothing to unlock here because no tree node owns these transfers."""
+
+    buffer_pipeline = None
+    enable_storage = False
+    _log_write_ack_metrics = UnifiedRadixCache._log_write_ack_metrics
+
+    def __init__(self, controller: Any, metrics_collector: Any = None):
+        self.cache_controller = controller
+        self.metrics_collector = metrics_collector
+        self.ongoing_load_back: dict[int, tuple[None, None, None]] = {}
+        self.tree_core = self
+
+    def _finish_write_through_ack(self, ack_id: int) -> None:
+        return None
+
+    def finish_load_back(self, node: Any) -> None:
+        return None
+
+    def dec_lock_ref(self, node: Any, params: Any = None) -> None:
+        return None
+
+    dec_host_lock_ref = dec_lock_ref
+
+    def drain(self) -> None:
+        """Every queued ack through sglang's own completion checks (counters included)."""
+        ctl = self.cache_controller
+        UnifiedRadixCache.writing_check(self, finish_count=len(ctl.ack_write_queue))
+        for ack in ctl.ack_load_queue:
+            self.ongoing_load_back.update(dict.fromkeys(ack.node_ids, (None, None, None)))
+        UnifiedRadixCache.loading_check(self, finish_count=len(ctl.ack_load_queue))
