@@ -1,53 +1,104 @@
 """``stagecache bench sglang-hooks``: what the deployment's hooks cost sglang's own cache work.
 
-One run, two arms, alternated round by round on fresh caches with the same requests:
+One run builds one PP stage of DeepSeek-V4-Flash with sglang 0.5.23's own objects on CPU
+(``integrations.sglang.cpu_stage``: the pools, the HiCache host pools and the real
+``HybridCacheController``) and replays a multi-turn trace through two arms, alternated round by
+round on fresh radix caches with the same requests:
 
-* plain: sglang 0.5.23's ``UnifiedRadixCache.match_prefix`` + ``insert`` for every request of a
-  multi-turn trace, and a backup (``start_writing``) and a load (``start_loading``) per request on
-  a controller whose acks are real ``HiCacheAck``s carrying a real page copy;
-* hooked: the same, with ``match_prefix`` wrapped by sglang's own ``HookRegistry`` wrapper
-  (``_wrap_fn``, AFTER) around ``Deployment.after_match_prefix`` and the controller wrapped by
-  ``wrap_controller`` -- exactly what a served rank runs.
+* plain: per request, sglang's ``UnifiedRadixCache.match_prefix`` + ``insert``, a backup of the
+  request's new page of the C4, indexer and C128 pools (``write`` / ``start_writing``), its load
+  back (``load`` / ``start_loading``) and sglang's own ack consumption (``writing_check`` /
+  ``loading_check``);
+* hooked: the same, with ``match_prefix`` wrapped by sglang's ``HookRegistry`` wrapper (``_wrap_fn``,
+  AFTER) around ``Deployment.after_match_prefix`` and the controller wrapped by
+  ``wrap_controller``: what a served rank runs.
 
-The controller is a CPU stand-in (sglang's ``HybridCacheController`` needs CUDA streams): each
-ack copies one page between two CPU tensors, which is far cheaper than a real PCIe copy, so the
-ratio over-states the hooks' share.  Needs sglang (``.venv-sglang``).
+Each arm runs twice: with the page copies (torch row copies standing in for ``sgl_kernel``'s
+``transfer_kv_direct``) and without them.  On a GPU host the copies run on the copy engine while
+the scheduler thread goes on, so the copy-free arm is the scheduler-thread work the hooks add to;
+the target is judged there.  Needs sglang (``.venv-sglang``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import statistics
+import tempfile
 import time
 from array import array
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 PAGE = 256
+#: the compressed pools a page backup moves (SWA and the state pools follow other indices)
+MOVED_POOLS = ("deepseek_v4_c4", "deepseek_v4_c4_indexer", "deepseek_v4_c128")
+#: the stage's device rows the backups read and the loads write (inside a 16,384-token pool)
+SRC_ROW, DST_ROW = 256, 512
 
 
-class _CpuController:
-    """``start_writing``/``start_loading`` that copy one page and queue a real ``HiCacheAck``."""
+class _Stage:
+    """sglang's host pool group and controller of one stage, and one page's backup + load."""
 
-    def __init__(self, page_bytes: int):
+    def __init__(self, group: Any, controller: Any):
         import torch
+        from sglang.srt.mem_cache.hicache_storage import PoolTransfer
 
-        self.device = torch.zeros(page_bytes, dtype=torch.uint8)
-        self.host = torch.ones(page_bytes, dtype=torch.uint8)
-        self.ack_write_queue: list[Any] = []
-        self.ack_load_queue: list[Any] = []
+        from ..integrations.sglang.cpu_stage import AckLedger
 
-    def _ack(self, queue: list[Any], dst: Any, src: Any) -> None:
-        from sglang.srt.managers.cache_controller import HiCacheAck
+        self.group, self.ctl = group, controller
+        self.names = [e.name for e in group.entries if e.name.value in MOVED_POOLS]
+        self.src = torch.arange(SRC_ROW, SRC_ROW + PAGE)
+        self.dst = torch.arange(DST_ROW, DST_ROW + PAGE)
+        self.ledger = AckLedger(controller)
+        self._transfer = PoolTransfer
+        self.page_bytes = 0
 
-        dst.copy_(src)
-        queue.append(HiCacheAck(start_event=None, finish_event=None, node_ids=[len(queue)],
-                                num_tokens=PAGE, num_bytes=int(src.nbytes)))
+    def backup_and_load(self, node: int) -> None:
+        """One page to host and back, then sglang's ack checks; the host slots are freed again."""
+        ctl, pt = self.ctl, self._transfer
+        host = ctl.write(self.src, node_id=node, flush=False,
+                         extra_pools=[pt(name=n, device_indices=self.src.clone()) for n in self.names])
+        hosts = {t.name: t.host_indices for t in ctl.write_queue[-1].pool_transfers}
+        ctl.start_writing()
+        ctl.load(host, node_id=node + 1, device_indices=self.dst,
+                 extra_pools=[pt(name=n, host_indices=h, device_indices=self.dst.clone()) for n, h in hosts.items()])
+        ctl.start_loading()
+        self.page_bytes = ctl.ack_write_queue[-1].num_bytes
+        self.ledger.drain()
+        self.group.free(host)
+        for name, idx in hosts.items():
+            self.group.free(idx, pool=name)
 
-    def start_writing(self) -> None:
-        self._ack(self.ack_write_queue, self.host, self.device)
 
-    def start_loading(self) -> int:
-        self._ack(self.ack_load_queue, self.device, self.host)
-        return 0
+@contextlib.contextmanager
+def _sglang_stage() -> Iterator[_Stage]:
+    """One stage of DeepSeek-V4-Flash (PP 1, 16,384 tokens) built by sglang on CPU."""
+    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as hpa
+
+    from ..integrations.sglang.cpu_stage import build_stage, cache_params, model_dir, on_cpu, published
+
+    with tempfile.TemporaryDirectory(prefix="stagecache-bench-") as tmp, on_cpu(), \
+            published(model_dir(Path(tmp)), max_total_tokens=16_384, max_running_requests=4,
+                      hicache_io_backend="direct", hicache_mem_layout="layer_first") as (sa, mc):
+        stage = build_stage(sa, mc, 0, 1, device="cpu")
+        group, ctl = hpa.build_deepseek_v4_hicache_stack(params=cache_params(stage), kvcache=stage.kvcache,
+                                                         load_cache_event=None, storage_backend=None)
+        yield _Stage(group, ctl)
+
+
+@contextlib.contextmanager
+def _no_copies() -> Iterator[None]:
+    """The page copies skipped: what is left is the scheduler thread's part of a transfer."""
+    from sglang.srt.mem_cache import memory_pool_host
+
+    saved = memory_pool_host.transfer_kv_direct
+    memory_pool_host.transfer_kv_direct = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        memory_pool_host.transfer_kv_direct = saved
 
 
 def _trace(sessions: int, turns: int) -> list[tuple[str, array]]:
@@ -59,7 +110,8 @@ def _trace(sessions: int, turns: int) -> list[tuple[str, array]]:
     return out
 
 
-def _round(trace: list[tuple[str, array]], match: Any, ctl: Any) -> float:
+def _round(trace: list[tuple[str, array]], match: Callable[..., Any], stage: _Stage) -> float:
+    """Seconds of one arm over the trace, on a fresh radix cache."""
     import torch
     from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -71,15 +123,17 @@ def _round(trace: list[tuple[str, array]], match: Any, ctl: Any) -> float:
                                               token_to_kv_pool_allocator=_Allocator(), page_size=PAGE,
                                               tree_components=(ComponentType.FULL,)))
     values = {len(k): torch.arange(len(k), dtype=torch.int64) for _, k in trace}
-    t0 = time.perf_counter()
-    for rid, key in trace:
-        match(cache, MatchPrefixParams(key=RadixKey(key), req=_Req(rid)))
-        cache.insert(InsertParams(key=RadixKey(key), value=values[len(key)]))
-        ctl.start_writing()
-        ctl.start_loading()
-    ctl.ack_write_queue.clear()
-    ctl.ack_load_queue.clear()
-    return time.perf_counter() - t0
+    gc.collect()
+    gc.disable()  # a collection in one arm's round and not the other's is noise, not the hooks
+    try:
+        t0 = time.perf_counter()
+        for node, (rid, key) in enumerate(trace):
+            match(cache, MatchPrefixParams(key=RadixKey(key), req=_Req(rid)))
+            cache.insert(InsertParams(key=RadixKey(key), value=values[len(key)]))
+            stage.backup_and_load(2 * node)
+        return time.perf_counter() - t0
+    finally:
+        gc.enable()
 
 
 class _Allocator:
@@ -107,32 +161,35 @@ class _Req:
         self.session = None
 
 
-class _NoCopyController(_CpuController):
-    """Queues a prebuilt ack and copies nothing: what remains of a wrapped call is the wrapper."""
+class _AckOnlyController:
+    """Queues a prebuilt ack and does nothing else: what remains of a wrapped call is the wrapper."""
 
     def __init__(self) -> None:
-        super().__init__(1)
         from sglang.srt.managers.cache_controller import HiCacheAck
 
-        self._w = HiCacheAck(start_event=None, finish_event=None, node_ids=[0], num_tokens=PAGE, num_bytes=1 << 20)
+        self.ack_write_queue: list[Any] = []
+        self.ack_load_queue: list[Any] = []
+        self._ack = HiCacheAck(start_event=None, finish_event=None, node_ids=[0], num_tokens=PAGE,
+                               num_bytes=1 << 20)
 
     def start_writing(self) -> None:
-        self.ack_write_queue.append(self._w)
+        self.ack_write_queue.append(self._ack)
 
     def start_loading(self) -> int:
-        self.ack_load_queue.append(self._w)
+        self.ack_load_queue.append(self._ack)
         return 0
 
 
 def _hooks_alone(trace: list[tuple[str, array]], dep: Any) -> float:
     """Seconds of the hooks' own work for the trace: the match hook on real match results, and a
-    wrapped minus a bare backup + load per request (the A/B difference drowns in copy noise)."""
+    wrapped minus a bare backup + load submission per request (an A/B difference of whole
+    requests drowns in the noise of the transfers)."""
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
     from ..integrations.sglang.hooks import wrap_controller
 
-    dep._matched.clear()
+    dep.forget_requests()
     calls = [(MatchResult(device_prefix_len=len(k) - PAGE, last_device_node=None, last_host_node=None,
                           best_match_node=None), MatchPrefixParams(key=RadixKey(k), req=_Req(rid)))
              for rid, k in trace]
@@ -140,7 +197,7 @@ def _hooks_alone(trace: list[tuple[str, array]], dep: Any) -> float:
     for result, params in calls:
         dep.after_match_prefix(result, None, params)
     match_s = time.perf_counter() - t0
-    ctl = _NoCopyController()
+    ctl = _AckOnlyController()
 
     def acks() -> float:
         t = time.perf_counter()
@@ -151,63 +208,85 @@ def _hooks_alone(trace: list[tuple[str, array]], dep: Any) -> float:
         ctl.ack_load_queue.clear()
         return time.perf_counter() - t
 
-    bare = acks()
+    bare = min(acks() for _ in range(3))
     restore = wrap_controller(ctl, dep.source, 0)
-    wrapped = acks()
+    wrapped = min(acks() for _ in range(3))
     restore()
     return match_s + max(0.0, wrapped - bare)
 
 
-def run_bench(sessions: int = 32, turns: int = 8, rounds: int = 7, page_bytes: int = 1 << 20) -> dict[str, Any]:
-    """Seconds of each arm per round, and the hooks' share of sglang's work (JSON-able)."""
-    import logging
-
+def _arms(trace: list[tuple[str, array]], stage: _Stage, dep: Any, rounds: int) -> dict[str, list[float]]:
+    """Seconds per round of the plain and the hooked arm, alternated."""
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
     from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
 
-    from ..integrations.sglang.deployment import Deployment, Rank
     from ..integrations.sglang.hooks import wrap_controller
 
-    logging.getLogger("sglang").setLevel(logging.WARNING)
-    trace = _trace(sessions, turns)
     plain_match = UnifiedRadixCache.match_prefix
-    dep = Deployment()
-    dep.rank = Rank(pp_rank=0, pp_size=1, tp_rank=0, tp_size=1)
     hooked_match = _wrap_fn(plain_match, dep.after_match_prefix, HookType.AFTER)
-    ctl = _CpuController(page_bytes)  # one controller, the same tensors: wrapped for the hooked arm
 
     def hooked_round() -> float:
-        dep._matched.clear()  # every round's requests are new to the hook
-        restore = wrap_controller(ctl, dep.source, 0)
+        dep.forget_requests()  # every round's requests are new to the hook
+        restore = wrap_controller(stage.ctl, dep.source, 0)
         try:
-            return _round(trace, hooked_match, ctl)
+            return _round(trace, hooked_match, stage)
         finally:
             restore()
 
-    _round(trace, plain_match, ctl)  # warm-up, both arms
+    _round(trace, plain_match, stage)  # warm-up, both arms
     hooked_round()
     plain, hooked = [], []
     for _ in range(rounds):
-        plain.append(_round(trace, plain_match, ctl))
+        plain.append(_round(trace, plain_match, stage))
         hooked.append(hooked_round())
-    hooks_s = min(_hooks_alone(trace, dep) for _ in range(rounds))
-    live = dep.source.stages()[0]
-    base, with_hooks = min(plain), min(hooked)
+    return {"plain_seconds": plain, "hooked_seconds": hooked}
+
+
+def _ratios(arms: dict[str, list[float]], hooks_s: float) -> dict[str, Any]:
+    plain, hooked = arms["plain_seconds"], arms["hooked_seconds"]
+    base = min(plain)
     return {
-        "requests_per_round": len(trace), "rounds": rounds, "page_bytes": page_bytes,
-        "plain_seconds": plain, "hooked_seconds": hooked,
-        "plain_min_s": base, "hooked_min_s": with_hooks,
-        "overhead_ratio_min": (with_hooks - base) / base,
-        "hooks_alone_s": hooks_s,
+        **arms, "plain_min_s": base, "hooked_min_s": min(hooked),
         "hooks_alone_ratio": hooks_s / base,
+        "overhead_ratio_min": (min(hooked) - base) / base,
         "overhead_ratio_median": (statistics.median(hooked) - statistics.median(plain)) / statistics.median(plain),
+    }
+
+
+def run_bench(sessions: int = 32, turns: int = 8, rounds: int = 7) -> dict[str, Any]:
+    """Seconds of each arm per round, and the hooks' share of sglang's work (JSON-able)."""
+    import logging
+
+    from ..integrations.sglang.deployment import Deployment, Rank
+
+    import torch
+
+    logging.getLogger("sglang").setLevel(logging.WARNING)
+    torch.set_num_threads(1)  # sglang's scheduler is one thread; a second copy thread is noise here
+    trace = _trace(sessions, turns)
+    dep = Deployment()
+    dep.rank = Rank(pp_rank=0, pp_size=1, tp_rank=0, tp_size=1)
+    with _sglang_stage() as stage:
+        with_copies = _arms(trace, stage, dep, rounds)
+        with _no_copies():
+            without = _arms(trace, stage, dep, rounds)
+        page_bytes = stage.page_bytes
+    live = dep.source.stages()[0]  # what the hooked arms counted (the next step counts more)
+    hooks_s = min(_hooks_alone(trace, dep) for _ in range(rounds))
+    judged = _ratios(without, hooks_s)
+    return {
+        "requests_per_round": len(trace), "rounds": rounds, "page_bytes_moved": page_bytes,
+        "hooks_alone_s": hooks_s, "hooks_alone_us_per_request": 1e6 * hooks_s / len(trace),
+        "without_copies": judged, "with_copies": _ratios(with_copies, hooks_s),
         "counted_tokens": live.cache_tokens.model_dump(),
         "counted_transfer_bytes": live.transfer_bytes.model_dump(),
-        "target": "hooks_alone_ratio < 0.01",
-        "meets_target": hooks_s / base < 0.01,
-        "note": "hooks_alone_ratio: the hooks' own seconds (match hook on real match results, wrapped "
-                "minus bare ack submission) over the plain arm's fastest round; overhead_ratio_*: the "
-                "A/B difference, which the CPU page copies make noisy on a shared machine. The "
-                "controller is a CPU stand-in (one CPU page copy per ack), so both over-state the "
-                "hooks' share of a real server's work",
+        "target": "without_copies.hooks_alone_ratio < 0.01",
+        "meets_target": judged["hooks_alone_ratio"] < 0.01,
+        "note": "sglang 0.5.23's own objects on CPU: one DeepSeek-V4-Flash stage, its UnifiedRadixCache "
+                "match/insert, its HybridCacheController backing up and loading each request's page of the "
+                "C4, indexer and C128 pools, its writing_check/loading_check. hooks_alone_ratio: the "
+                "hooks' own seconds (match hook on real match results, wrapped minus bare ack "
+                "submission) over the plain arm's fastest round; overhead_ratio_*: the A/B difference "
+                "(noisy on a shared machine). without_copies skips the page copies, which on a GPU run "
+                "on the copy engine beside the scheduler thread: the target is judged there",
     }

@@ -149,3 +149,23 @@ def test_a_stage_record_with_another_page_size_is_a_fingerprint_error_naming_it(
     text = " ".join(str(e) for e in report.all_errors)
     assert f"stage {odd} runs another deployment than the other stages" in text, text
     assert "page_size: 512 != 256" in text, text
+
+
+def test_bench_sglang_hooks_drives_sglangs_own_controller_and_counts_every_transfer():
+    """``bench sglang-hooks`` at a tiny size: sglang's controller really backs up and loads a page
+    per request, and the hooked arms count every one (the speed figures are the bench's)."""
+    from stagecache.runtime.bench.sglang_hooks import run_bench
+
+    report = run_bench(sessions=2, turns=2, rounds=1)
+    requests = report["requests_per_round"]
+    assert requests == 4
+    hooked_rounds = 2 * (1 + 1)  # with and without copies: a warm-up round and one timed round each
+    page = report["page_bytes_moved"]
+    assert page > 0 and page % 256 == 0
+    assert report["counted_transfer_bytes"] == {"d2h": hooked_rounds * requests * page,
+                                                "h2d": hooked_rounds * requests * page}
+    tokens = report["counted_tokens"]  # turn 1 misses its page, turn 2 hits turn 1's on device
+    assert tokens["device"] == hooked_rounds * 2 * 256 and tokens["miss"] == hooked_rounds * (2 * 256 + 2 * 256)
+    for arm in ("with_copies", "without_copies"):
+        assert len(report[arm]["plain_seconds"]) == len(report[arm]["hooked_seconds"]) == 1
+    assert report["meets_target"] == (report["without_copies"]["hooks_alone_ratio"] < 0.01)

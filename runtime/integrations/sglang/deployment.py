@@ -26,7 +26,6 @@ import contextlib
 import logging
 import os
 import secrets
-import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -184,7 +183,6 @@ class Deployment:
         self.pusher: Pusher | None = None
         self.host_pool: Any = None  # sglang's HostPoolGroup, once the stack is built
         self._matched: OrderedDict[str, None] = OrderedDict()
-        self._match_lock = threading.Lock()
         self._stack = contextlib.ExitStack()
         self._restorers: list[Callable[[], None]] = []
         self._joined = False
@@ -252,21 +250,28 @@ class Deployment:
         return self.source.snapshot(self.rank.pp_rank if self.rank else 0)
 
     def after_match_prefix(self, result: Any, cache: Any, params: Any, *args: Any, **kwargs: Any) -> None:
-        """A request's first prefix match: its device-hit, host-hit and missed tokens."""
-        req = getattr(params, "req", None)
+        """A request's first prefix match: its device-hit, host-hit and missed tokens.
+
+        On sglang's scheduler thread for every match, so it is lean: sglang matches a waiting
+        request again at each scheduling step and only the first match is the request's."""
+        req = params.req
         if req is None or self.rank is None:
             return None  # a lookup for eviction, a session, a warm-up: not a request
-        rid = str(getattr(req, "rid", id(req)))
-        with self._match_lock:
-            if rid in self._matched:
-                return None
-            self._matched[rid] = None
-            if len(self._matched) > MATCHED_REQUESTS:
-                self._matched.popitem(last=False)
-        device = int(result.device_prefix_len)
-        host = int(getattr(result, "host_hit_length", 0) or 0)
+        rid = req.rid
+        matched = self._matched
+        if rid in matched:
+            return None
+        matched[rid] = None
+        if len(matched) > MATCHED_REQUESTS:
+            matched.popitem(last=False)
+        device = result.device_prefix_len
+        host = result.host_hit_length
         self.source.record_lookup(self.rank.pp_rank, device, host, max(0, len(params.key) - device - host))
         return None
+
+    def forget_requests(self) -> None:
+        """Count the next match of every request id again (a benchmark replays the same ids)."""
+        self._matched.clear()
 
     # -- the exchange ------------------------------------------------------------------------
     def join(self, kvcache: Any, *, page_size: int, host_pages: dict[str, int]) -> StartupReport:

@@ -85,13 +85,17 @@ class SglangSource:
         ``StageLive`` only when someone reads it (``_fold``), so a transfer costs microseconds."""
         if direction not in ("d2h", "h2d"):
             raise ConfigError(f"transfer direction must be 'd2h' or 'h2d', got {direction!r}")
-        base = 0 if direction == "d2h" else 3
+        self.add_transfer(stage, 0 if direction == "d2h" else 3, num_bytes, seconds, tokens)
+
+    def add_transfer(self, stage: int, base: int, num_bytes: int, seconds: float, tokens: int) -> None:
+        """``record_transfer`` with the direction as its counter offset (0 d2h, 3 h2d), unchecked:
+        the controller hook's path."""
         with self._lock:
             c = self._hot.get(stage) or self._hot.setdefault(stage, [0.0] * _HOT)
             c[base] += num_bytes
             c[base + 1] += seconds
             c[base + 2] += 1
-            if direction == "h2d" and self.count_loads_as_hits:  # a deployment counts sglang's matches
+            if base == 3 and self.count_loads_as_hits:  # a deployment counts sglang's matches
                 c[7] += tokens
             c[9] = time.time()
 
@@ -227,20 +231,20 @@ def wrap_controller(controller: Any, source: SglangSource, stage: int, sync: boo
     ):
         original = getattr(controller, method)
 
-        def wrapped(*a, _orig=original, _q=queue_name, _d=direction, **k):
+        def wrapped(*a, _orig=original, _q=queue_name, _base=0 if direction == "d2h" else 3, **k):
+            # on sglang's scheduler thread at every call, most of which queue nothing: kept lean
             queue = getattr(controller, _q)
             before = len(queue)
             t0 = time.perf_counter()
             result = _orig(*a, **k)
-            acks = queue[before:]  # only the acks this call queued
-            measured = [_ack_seconds(ack) for ack in acks] if sync else [None] * len(acks)
-            elapsed = time.perf_counter() - t0  # after the waits when sync
-            for ack, secs in zip(acks, measured, strict=True):
-                source.record_transfer(
-                    stage, _d, int(getattr(ack, "num_bytes", 0)),
-                    secs if secs is not None else elapsed / len(acks),
-                    int(getattr(ack, "num_tokens", 0)),
-                )
+            queued = len(queue) - before
+            if queued > 0:
+                acks = queue[before:]  # only the acks this call queued
+                measured = [_ack_seconds(ack) for ack in acks] if sync else None
+                share = (time.perf_counter() - t0) / queued  # after the waits when sync
+                for i, ack in enumerate(acks):
+                    secs = measured[i] if measured is not None and measured[i] is not None else share
+                    source.add_transfer(stage, _base, ack.num_bytes, secs, ack.num_tokens)
             return result
 
         functools.update_wrapper(wrapped, original)
