@@ -77,7 +77,13 @@ def _sglang_stage() -> Iterator[_Stage]:
     """One stage of DeepSeek-V4-Flash (PP 1, 16,384 tokens) built by sglang on CPU."""
     from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as hpa
 
-    from ..integrations.sglang.cpu_stage import build_stage, cache_params, model_dir, on_cpu, published
+    from ..integrations.sglang.cpu_stage import (
+        build_stage,
+        cache_params,
+        model_dir,
+        on_cpu,
+        published,
+    )
 
     with tempfile.TemporaryDirectory(prefix="stagecache-bench-") as tmp, on_cpu(), \
             published(model_dir(Path(tmp)), max_total_tokens=16_384, max_running_requests=4,
@@ -257,9 +263,9 @@ def run_bench(sessions: int = 32, turns: int = 8, rounds: int = 7) -> dict[str, 
     """Seconds of each arm per round, and the hooks' share of sglang's work (JSON-able)."""
     import logging
 
-    from ..integrations.sglang.deployment import Deployment, Rank
-
     import torch
+
+    from ..integrations.sglang.deployment import Deployment, Rank
 
     logging.getLogger("sglang").setLevel(logging.WARNING)
     torch.set_num_threads(1)  # sglang's scheduler is one thread; a second copy thread is noise here
