@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -30,7 +31,14 @@ def _cuda_available() -> bool:
 
 def pytest_configure(config):
     """Each pytest process (each xdist worker too) gets its own ``$XDG_RUNTIME_DIR``: the per-user
-    run root, crash logs and sockets of the runs it starts cannot meet another process's."""
+    run root, crash logs and sockets of the runs it starts cannot meet another process's.
+
+    A suite started as a background job of a non-interactive shell (``bash tests/run.sh &``)
+    inherits SIGINT ignored, and an ignored signal stays ignored across exec: the commands the
+    tests start and then send Ctrl-C would never see it.  A handler here is reset to the default
+    at exec, so they see Ctrl-C as a terminal's foreground job does."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     private = tempfile.mkdtemp(prefix="stagecache-test-xdg-")  # 0700, ours
     config._stagecache_xdg = (private, os.environ.get("XDG_RUNTIME_DIR"))
     os.environ["XDG_RUNTIME_DIR"] = private
