@@ -25,6 +25,7 @@ import json
 import multiprocessing as mp
 import os
 import queue
+import random
 import signal
 import socket
 import time
@@ -40,10 +41,28 @@ from sglang_real import cache_params, kv_cache_configurator, on_cpu
 FLASH_BUDGET = 48 << 20  # bytes of KV per rank: a few thousand tokens of flash, cheap on CPU
 
 
+def _ephemeral_floor() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range.  A port the kernel hands out for port 0
+    can be handed out again before the test binds it, and N ranks of gloo open many ephemeral
+    connections: the deployment's port would then be taken (uvicorn exits 3, seen once in pp 8)."""
+    high = _ephemeral_floor() - 1
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randint(max(1024, high - 12_000), high)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below {high + 1} after 200 tries")
 
 
 @dataclass
