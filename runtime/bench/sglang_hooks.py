@@ -32,8 +32,6 @@ from pathlib import Path
 from typing import Any
 
 PAGE = 256
-#: the compressed pools a page backup moves (SWA and the state pools follow other indices)
-MOVED_POOLS = ("deepseek_v4_c4", "deepseek_v4_c4_indexer", "deepseek_v4_c128")
 #: the stage's device rows the backups read and the loads write (inside a 16,384-token pool)
 SRC_ROW, DST_ROW = 256, 512
 
@@ -43,29 +41,21 @@ class _Stage:
 
     def __init__(self, group: Any, controller: Any):
         import torch
-        from sglang.srt.mem_cache.hicache_storage import PoolTransfer
 
         from ..integrations.sglang.cpu_stage import AckLedger
 
         self.group, self.ctl = group, controller
-        self.names = [e.name for e in group.entries if e.name.value in MOVED_POOLS]
         self.src = torch.arange(SRC_ROW, SRC_ROW + PAGE)
         self.dst = torch.arange(DST_ROW, DST_ROW + PAGE)
         self.ledger = AckLedger(controller)
-        self._transfer = PoolTransfer
         self.page_bytes = 0
 
     def backup_and_load(self, node: int) -> None:
         """One page to host and back, then sglang's ack checks; the host slots are freed again."""
-        ctl, pt = self.ctl, self._transfer
-        host = ctl.write(self.src, node_id=node, flush=False,
-                         extra_pools=[pt(name=n, device_indices=self.src.clone()) for n in self.names])
-        hosts = {t.name: t.host_indices for t in ctl.write_queue[-1].pool_transfers}
-        ctl.start_writing()
-        ctl.load(host, node_id=node + 1, device_indices=self.dst,
-                 extra_pools=[pt(name=n, host_indices=h, device_indices=self.dst.clone()) for n, h in hosts.items()])
-        ctl.start_loading()
-        self.page_bytes = ctl.ack_write_queue[-1].num_bytes
+        from ..integrations.sglang.cpu_stage import round_trip
+
+        host, hosts = round_trip(self.group, self.ctl, self.src, self.dst, node)
+        self.page_bytes = self.ctl.ack_write_queue[-1].num_bytes
         self.ledger.drain()
         self.group.free(host)
         for name, idx in hosts.items():

@@ -76,25 +76,14 @@ def _backup_and_load(ctx: dict[str, Any], rank: int, pages: int) -> dict[str, An
     acks and count them into sglang's ``RadixCacheMetricsCollector``."""
     import torch
     from prometheus_client import REGISTRY
-    from sglang.srt.mem_cache.hicache_storage import PoolTransfer
     from sglang.srt.observability.metrics_collector import RadixCacheMetricsCollector
-    from sglang_real import AckLedger
+    from sglang_real import AckLedger, round_trip
 
     group, ctl = ctx["stack"]
-    names = [e.name for e in group.entries if e.name.value in ("deepseek_v4_c4", "deepseek_v4_c4_indexer",
-                                                               "deepseek_v4_c128")]
     tokens = pages * group.page_size
     src, dst = torch.arange(256, 256 + tokens), torch.arange(256 + tokens, 256 + 2 * tokens)
-    ledger = AckLedger(ctl, RadixCacheMetricsCollector(labels={"pp_rank": str(rank)}))
-    host = ctl.write(src, node_id=1, extra_pools=[PoolTransfer(name=n, device_indices=src.clone()) for n in names],
-                     flush=False)
-    assert host is not None
-    hosts = {t.name: t.host_indices for t in ctl.write_queue[-1].pool_transfers}
-    ctl.start_writing()
-    assert ctl.load(host, node_id=2, device_indices=dst, extra_pools=[
-        PoolTransfer(name=n, host_indices=h, device_indices=dst.clone()) for n, h in hosts.items()]) is not None
-    ctl.start_loading()
-    ledger.drain()
+    round_trip(group, ctl, src, dst, node=1)
+    AckLedger(ctl, RadixCacheMetricsCollector(labels={"pp_rank": str(rank)})).drain()
     sglang = {s.name: s.value for f in REGISTRY.collect() for s in f.samples if s.labels.get("pp_rank") == str(rank)}
     return {"sglang_backup_bytes": sglang["sglang:hicache_backup_bytes_total"],
             "sglang_load_bytes": sglang["sglang:load_back_bytes_total"],

@@ -28,6 +28,7 @@ from stagecache.runtime.integrations.sglang.cpu_stage import (  # noqa: F401 - t
     model_dir,
     on_cpu,
     published,
+    round_trip,
 )
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -48,6 +48,9 @@ from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from ...errors import ConfigError
 
 FLASH = "deepseek-v4-flash"
+#: The compressed pools a page backup moves by the full-KV token indices (SWA and the state pools
+#: follow indices of their own).
+COMPRESSED_POOLS = ("deepseek_v4_c4", "deepseek_v4_c4_indexer", "deepseek_v4_c128")
 
 
 def model_dir(parent: Path, preset: str = FLASH) -> Path:
@@ -191,3 +194,26 @@ class AckLedger:
         for ack in ctl.ack_load_queue:
             self.ongoing_load_back.update(dict.fromkeys(ack.node_ids, (None, None, None)))
         UnifiedRadixCache.loading_check(self, finish_count=len(ctl.ack_load_queue))
+
+
+def round_trip(group: Any, controller: Any, src: torch.Tensor, dst: torch.Tensor, node: int = 0
+               ) -> tuple[torch.Tensor, dict[Any, torch.Tensor]]:
+    """sglang's controller backs up device rows ``src`` of the compressed pools to host
+    (``write`` / ``start_writing``) and loads them back into rows ``dst`` (``load`` /
+    ``start_loading``); the acks stay queued.  Returns the host slots it took: the full-KV ones and
+    one per pool, for the caller to keep or free."""
+    from sglang.srt.mem_cache.hicache_storage import PoolTransfer
+
+    names = [e.name for e in group.entries if e.name.value in COMPRESSED_POOLS]
+    host = controller.write(src, node_id=node, flush=False,
+                            extra_pools=[PoolTransfer(name=n, device_indices=src.clone()) for n in names])
+    if host is None:
+        raise ConfigError(f"sglang's host pools have no room for {len(src)} tokens")
+    hosts = {t.name: t.host_indices for t in controller.write_queue[-1].pool_transfers}
+    controller.start_writing()
+    loaded = controller.load(host, node_id=node + 1, device_indices=dst, extra_pools=[
+        PoolTransfer(name=n, host_indices=h, device_indices=dst.clone()) for n, h in hosts.items()])
+    if loaded is None:
+        raise ConfigError(f"sglang's controller could not load {len(dst)} tokens back")
+    controller.start_loading()
+    return host, hosts
