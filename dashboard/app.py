@@ -26,10 +26,11 @@ from fastapi.templating import Jinja2Templates
 from fastapi_offline import FastAPIOffline
 from prometheus_client.exposition import choose_encoder
 from stagecache.exporters.metrics import make_registry, process_registry
-from stagecache.exporters.snapshot import SnapshotSource
 from stagecache.runtime.live.liveness import liveness_of
 from stagecache.runtime.live.numbers import StageLive
-from stagecache.runtime.model.pool_kinds import KINDS
+from stagecache.runtime.live.source import SnapshotSource
+from stagecache.runtime.model.families import family_named
+from stagecache.runtime.validation.report import StartupReport
 
 from . import figures, insight_figures, l3_view, live_figures, occupancy_figures
 from .advise_models import AdviseReport
@@ -41,19 +42,24 @@ from .models import (
     MetricsSummary,
     StagesResponse,
     Starting,
-    StartupReportModel,
 )
 from .probes import add_probes
 from .rates import DEFAULT_WINDOW_S, MAX_WINDOW_S
-from .reader import STARTING_DETAIL, NotReady, Reader, SourceShapeError, status_of
-from .view import find_stage, layer_map_cells, pool_statuses, stage_pools, stages_response
+from .reader import STARTING_DETAIL, NotReady, Reader, status_of
+from .view import (
+    find_stage,
+    layer_map_cells,
+    pool_label,
+    pool_statuses,
+    stage_pools,
+    stages_response,
+)
 
 HERE = Path(__file__).resolve().parent
 POLL_MS = 1000  # the page polls /api/metrics/summary this often
 DOCS_ASSETS = "/vendor/docs"  # Swagger UI / ReDoc files of the fastapi-offline package
 DOCS_URL, REDOC_URL = "/docs", "/redoc"
 NOT_READY = {503: {"model": Starting, "description": "no startup report yet"}}
-BAD_SOURCE = {502: {"model": ErrorMessage, "description": "the snapshot source returned a malformed report"}}
 Window = Annotated[float, Query(ge=1, le=MAX_WINDOW_S, description="rate window, seconds")]
 
 
@@ -71,19 +77,19 @@ def _error_body(status: str, detail: str) -> dict[str, str]:
     return {"status": status, "detail": detail}
 
 
-def layer_map(reader: Reader, rep: StartupReportModel, stage: int) -> LayerMapResponse | None:
+def layer_map(reader: Reader, rep: StartupReport, stage: int) -> LayerMapResponse | None:
     """Drawn once per report and stage (a Plotly figure costs ~10 ms; a report never changes)."""
     return reader.derived.get(rep, ("layer-map", stage), lambda: build_layer_map(rep, stage))
 
 
-def build_layer_map(rep: StartupReportModel, stage: int) -> LayerMapResponse | None:
+def build_layer_map(rep: StartupReport, stage: int) -> LayerMapResponse | None:
     s = find_stage(rep, stage)
     if s is None:
         return None
     pools, cells = pool_statuses(s), layer_map_cells(s)
-    fig = figures.layer_map_figure(s, pools, cells)
+    fig = figures.layer_map_figure(s, pools, cells, family_named(rep.family))
     return LayerMapResponse(
-        stage=s.stage, start_layer=s.start_layer, end_layer=s.end_layer, ok=s.ok,
+        stage=s.stage, start_layer=s.start, end_layer=s.end, ok=s.ok,
         pools=pools, cells=cells, figure=figures.to_json_dict(fig),
     )
 
@@ -113,7 +119,8 @@ def page_context(reader: Reader, title: str, window_s: float) -> dict[str, Any]:
     series = history.series(window_s)
     figs = live_figures.live_figures(stage_ids, live, history.rates(window_s), series, window_s)
     figs["miss-reasons"] = insight_figures.miss_reasons_figure(stage_ids, series, window_s, bool(live))
-    pools = stage_pools(rep.stages[0]) if rep and rep.stages else []
+    first = rep.stages[0] if rep and rep.stages else None
+    pools = stage_pools(first) if first is not None else []
     liveness = liveness_of(reader.source, time.time())
     return {
         "title": title,
@@ -121,12 +128,13 @@ def page_context(reader: Reader, title: str, window_s: float) -> dict[str, Any]:
         "run": reader.run_state(rep, live),
         "report": rep,
         "stages": stages_response(rep) if rep else None,
-        "pools": [(p, KINDS[p].label if p in KINDS else p) for p in pools],
+        "pools": [(p, pool_label(first, p)) for p in pools],
         "layer_maps": [layer_map(reader, rep, s.stage) for s in rep.stages] if rep else [],
         "has_live_numbers": bool(live),
         "live_figures": {key: figures.to_json_dict(fig) for key, fig in figs.items()},
         # host-tier status and pool occupancy (their own section; static/occupancy.js updates them)
-        "occupancy_figure": figures.to_json_dict(occupancy_figures.occupancy_figure(stage_ids, live)),
+        "occupancy_figure": figures.to_json_dict(occupancy_figures.occupancy_figure(
+            stage_ids, live, first.kinds if first is not None else ())),
         "host_tiers": occupancy_figures.host_tier_rows(stage_ids, live),
         "l3_rows": l3_view.l3_rows(stage_ids, live),
         "capacity_rows": capacity_rows(live),
@@ -135,7 +143,7 @@ def page_context(reader: Reader, title: str, window_s: float) -> dict[str, Any]:
         "poll_ms": POLL_MS,
         "window_s": window_s,
         "n_bad_stages": sum(1 for s in rep.stages if not s.ok) if rep else 0,
-        "n_errors": (sum(len(s.errors) for s in rep.stages) + len(rep.errors)) if rep else 0,
+        "n_errors": len(rep.all_errors) if rep else 0,
         "liveness": liveness,
         "failed_at_text": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(liveness.failed_at))
         if liveness.failed_at else "?",
@@ -156,19 +164,19 @@ def add_page_routes(app: FastAPI, reader: Reader, title: str) -> None:
 
 
 def add_api_routes(app: FastAPI, reader: Reader) -> None:
-    @app.get("/api/startup", response_model=StartupReportModel, responses={**NOT_READY, **BAD_SOURCE},
-             summary="the startup report (StartupReport.to_dict())")
-    async def api_startup() -> StartupReportModel:
+    @app.get("/api/startup", response_model=StartupReport, response_model_by_alias=True,
+             responses=NOT_READY, summary="the startup report (`stagecache check --json`)")
+    async def api_startup() -> StartupReport:
         return reader.report()
 
-    @app.get("/api/stages", response_model=StagesResponse, responses={**NOT_READY, **BAD_SOURCE},
+    @app.get("/api/stages", response_model=StagesResponse, responses=NOT_READY,
              summary="one row per PP stage: layer range, buffers per pool vs expected, errors")
     async def api_stages() -> StagesResponse:
         return stages_response(reader.report())
 
     @app.get("/api/stages/{stage}/layer-map", response_model=LayerMapResponse,
              responses={404: {"model": ErrorMessage, "description": "no such stage"},
-                        **NOT_READY, **BAD_SOURCE},
+                        **NOT_READY},
              summary="a stage's layer map: cells per (pool, global layer) and the Plotly figure")
     async def api_layer_map(stage: int):
         rep = reader.report()
@@ -180,7 +188,7 @@ def add_api_routes(app: FastAPI, reader: Reader) -> None:
             )
         return out
 
-    @app.get("/api/metrics/summary", response_model=MetricsSummary, responses=BAD_SOURCE,
+    @app.get("/api/metrics/summary", response_model=MetricsSummary,
              summary="the run's phase and progress, each stage's counters now and their rates "
                      "over the last `window` seconds (no stages in a preflight view)")
     async def api_summary(window: Window = DEFAULT_WINDOW_S) -> MetricsSummary:
@@ -285,14 +293,10 @@ def create_app(source: SnapshotSource, *, title: str = "stagecache",
     async def _not_ready(request: Request, exc: NotReady) -> JSONResponse:
         return JSONResponse(_error_body("starting", STARTING_DETAIL), status_code=503)
 
-    @app.exception_handler(SourceShapeError)
-    async def _bad_source(request: Request, exc: SourceShapeError) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=502)
-
     add_page_routes(app, reader, title)
     add_api_routes(app, reader)
     add_advise_routes(app, advise, title)
 
-    add_probes(app, source, reader.report, BAD_SOURCE)
+    add_probes(app, source, reader.report)
     add_metrics_route(app, source)
     return app

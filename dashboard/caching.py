@@ -13,8 +13,8 @@ import threading
 import time
 from typing import Any
 
-from stagecache.exporters.snapshot import SnapshotSource
-from stagecache.runtime.live.liveness import assess, run_of
+from stagecache.runtime.live.liveness import assess
+from stagecache.runtime.live.source import SnapshotSource
 
 
 class PerReport:
@@ -39,13 +39,13 @@ def source_state(source: SnapshotSource) -> tuple[Any, ...] | None:
     """What a scrape depends on: the source's objects (compared by identity) and the liveness
     verdict (which moves with the clock); None when the source cannot be compared."""
     try:
-        startup, stages, run = source.startup(), source.stages(), run_of(source)
+        startup, stages, run = source.startup(), source.stages(), source.run()
         verdict = assess(run, startup, stages, time.time())
     except Exception:  # noqa: BLE001 - a broken source is reported by the collector itself
         return None
     ups = tuple((h.stage, h.up) for h in verdict.stages)
     # the parent's in-memory counters (RunDirSource.write_failures) go with the verdicts
-    parent = (verdict.failed_stage, getattr(source, "write_failures", None))
+    parent = (verdict.failed_stage, source.write_failures)
     return (startup, run, tuple(stages.items()), ups, parent)
 
 

@@ -2,8 +2,9 @@
 
 Layer map: one heatmap per PP stage -- global layer ids across, pool kinds
 down, a cell wherever a local layer needs a buffer in that pool; cell text is
-the buffer index the stage uses (local id for SWA, compress id otherwise),
-colour is the layer's compress ratio.  A pool that failed validation gets a red
+the buffer index the stage uses (the layer's id in the pool kind's numbering),
+colour is the layer's cache kind, with its family's legend (DeepSeek V4: the
+compress ratio).  A pool that failed validation gets a red
 band across its row (its label shows buffers/expected), a cell whose index is
 out of range or shared gets a red frame and a cross.
 
@@ -17,12 +18,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import plotly.graph_objects as go
-from stagecache.runtime.model.pool_kinds import KINDS
+from stagecache.runtime.model.family import Family
+from stagecache.runtime.validation.report import StageReport
 
-from .models import LayerMapCell, PoolStatus, StageReportModel
+from .models import LayerMapCell, PoolStatus
 
-RATIO_CLASS = {0: 0, 4: 1, 128: 2}
-RATIO_COLOURS = ("#a9bfdc", "#f4b26b", "#7cc79a")
+#: Colours of a family's layer kinds, in its legend order.
+KIND_COLOURS = ("#a9bfdc", "#f4b26b", "#7cc79a", "#c9a0dc", "#e6d36b")
 ERROR_RED = "#d62728"
 
 
@@ -39,11 +41,15 @@ def _discrete_scale(colours: Sequence[str]) -> list[list[Any]]:
     return scale
 
 
-def _cell_grid(xs: list[int], names: list[str], cells: Sequence[LayerMapCell]
+def _cell_grid(xs: list[int], pools: Sequence[PoolStatus], cells: Sequence[LayerMapCell], family: Family
                ) -> tuple[list[list[int | None]], list[list[str]], list[list[str]], list[dict[str, Any]]]:
-    """Heatmap z (ratio class), cell text, hover text, and a red frame per wrong cell."""
+    """Heatmap z (the layer kind's place in the legend), cell text, hover text, and a red frame per
+    wrong cell."""
+    names = [p.pool for p in pools]
+    labels = {p.pool: p.label for p in pools}
     col = {g: i for i, g in enumerate(xs)}
     row = {p: i for i, p in enumerate(names)}
+    legend = {k.name: (i, k.text) for i, k in enumerate(family.layer_kinds)}
     z: list[list[int | None]] = [[None] * len(xs) for _ in names]
     text: list[list[str]] = [[""] * len(xs) for _ in names]
     hover: list[list[str]] = [["no buffer in this pool"] * len(xs) for _ in names]
@@ -52,12 +58,13 @@ def _cell_grid(xs: list[int], names: list[str], cells: Sequence[LayerMapCell]
         if c.global_id not in col or c.pool not in row:  # outside [start, end): in the stage table
             continue
         r, x = row[c.pool], col[c.global_id]
-        z[r][x] = RATIO_CLASS.get(c.compress_ratio, 0)
+        klass, kind_text = legend.get(c.kind, (0, c.kind))
+        z[r][x] = klass
         idx = "?" if c.index is None else str(c.index)
         text[r][x] = idx + (" ✗" if c.error else "")
         hover[r][x] = (
-            f"{KINDS[c.pool].label}<br>global layer {c.global_id} / local {c.local}"
-            f"<br>compress ratio {c.compress_ratio}<br>buffer index {idx}"
+            f"{labels[c.pool]}<br>global layer {c.global_id} / local {c.local}"
+            f"<br>{family.legend_title} {kind_text}<br>buffer index {idx}"
             + (f"<br><b>{c.error}</b>" if c.error else "")
         )
         if c.error:
@@ -86,23 +93,23 @@ def _pool_labels(xs: list[int], pools: Sequence[PoolStatus]) -> tuple[list[str],
     return ticktext, bands
 
 
-def layer_map_figure(
-    stage: StageReportModel, pools: Sequence[PoolStatus], cells: Sequence[LayerMapCell]
-) -> go.Figure:
-    xs = list(range(stage.start_layer, stage.end_layer))
+def layer_map_figure(stage: StageReport, pools: Sequence[PoolStatus], cells: Sequence[LayerMapCell],
+                     family: Family) -> go.Figure:
+    xs = list(range(stage.start, stage.end))
     names = [p.pool for p in pools]
-    z, text, hover, frames = _cell_grid(xs, names, cells)
+    z, text, hover, frames = _cell_grid(xs, pools, cells, family)
     ticktext, bands = _pool_labels(xs, pools)
+    colours = KIND_COLOURS[:len(family.layer_kinds)]
     fig = go.Figure(go.Heatmap(
         x=xs, y=list(range(len(names))), z=z, text=text, texttemplate="%{text}",
         hovertext=hover, hovertemplate="%{hovertext}<extra></extra>",
-        zmin=-0.5, zmax=len(RATIO_COLOURS) - 0.5, colorscale=_discrete_scale(RATIO_COLOURS),
+        zmin=-0.5, zmax=len(colours) - 0.5, colorscale=_discrete_scale(colours),
         xgap=2, ygap=2, showscale=True,
-        colorbar=dict(tickvals=[0, 1, 2], ticktext=["ratio 0", "ratio 4", "ratio 128"],
-                      thickness=12, len=0.9, title=dict(text="compress")),
+        colorbar=dict(tickvals=list(range(len(colours))), ticktext=[k.text for k in family.layer_kinds],
+                      thickness=12, len=0.9, title=dict(text=family.legend_title)),
     ))
     n_err = len(stage.errors)
-    title = f"stage {stage.stage}: global layers [{stage.start_layer}, {stage.end_layer}) · {stage.local_layers} local"
+    title = f"stage {stage.stage}: global layers [{stage.start}, {stage.end}) · {stage.local_layers} local"
     if n_err:
         title += f" · <span style='color:{ERROR_RED}'>{n_err} error(s)</span>"
     annotations = []

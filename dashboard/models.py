@@ -1,10 +1,7 @@
-"""Pydantic models of the dashboard's JSON API.
+"""Pydantic models of the dashboard's own views: stage rows, layer-map cells, run state, probes.
 
-The startup report mirrors ``StartupReport.to_dict()`` (runtime/validation/report.py),
-so a source that drifts from it is caught at the API boundary with a message
-naming the field, instead of surfacing as a broken chart in the browser.  Live
-numbers are the runtime's own ``StageLive`` model, used here unchanged.
-The rest are the dashboard's own views (stage rows, layer-map cells, probes).
+The startup report (``validation.report.StartupReport``) and the live numbers
+(``live.numbers.StageLive``) are the runtime's own models, served here unchanged.
 """
 
 from __future__ import annotations
@@ -12,57 +9,11 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from stagecache.runtime.errors import MappingError
 from stagecache.runtime.live.liveness import Liveness
 from stagecache.runtime.live.numbers import StageLive
 
 from .rates import StageRates
-
-# -- the startup report (runtime/report.py) ---------------------------------------------
-
-
-class MappingErrorModel(BaseModel):
-    """One validation finding: which stage (None = cross-stage), which pool, expected vs got."""
-
-    stage: int | None
-    pool: str
-    expected: Any = Field(description="what validation wanted (any JSON value)")
-    got: Any = Field(description="what the stage really had (any JSON value)")
-    message: str
-
-
-class LayerEntryModel(BaseModel):
-    model_config = ConfigDict(populate_by_name=True)
-
-    local: int
-    global_id: int = Field(alias="global")
-    compress_ratio: int
-    compress_layer_id: int | None
-    c4_state_id: int | None
-
-
-class StageReportModel(BaseModel):
-    stage: int
-    start_layer: int
-    end_layer: int
-    local_layers: int
-    layers: list[LayerEntryModel]
-    buffers: dict[str, int]
-    expected_buffers: dict[str, int]
-    ok: bool
-    errors: list[MappingErrorModel]
-
-
-class StartupReportModel(BaseModel):
-    ok: bool
-    model: str
-    num_layers: int
-    pp_size: int
-    tp_size: int
-    page_size: int
-    faults: list[str] = []
-    stages: list[StageReportModel]
-    errors: list[MappingErrorModel] = Field(description="cross-stage errors (partition tiling)")
-
 
 # -- dashboard views ----------------------------------------------------------------------
 
@@ -88,7 +39,7 @@ class StageRow(BaseModel):
     pools: list[PoolStatus]
     ok: bool
     status: str = Field(description="'OK', or every error message of the stage joined by '; '")
-    errors: list[MappingErrorModel]
+    errors: list[MappingError]
 
 
 class StagesResponse(BaseModel):
@@ -100,7 +51,7 @@ class StagesResponse(BaseModel):
     faults: list[str]
     ok: bool
     stages: list[StageRow]
-    cross_stage_errors: list[MappingErrorModel]
+    cross_stage_errors: list[MappingError]
 
 
 class LayerMapCell(BaseModel):
@@ -111,8 +62,11 @@ class LayerMapCell(BaseModel):
     pool: str
     global_id: int = Field(alias="global")
     local: int
-    index: int | None = Field(description="buffer index in the pool (local id for SWA, compress id otherwise)")
-    compress_ratio: int
+    index: int | None = Field(description="buffer index in the pool (the layer's id in the pool kind's "
+                              "numbering: local id for DeepSeek V4's SWA, compress id otherwise)")
+    kind: str = Field(description="the layer's cache kind (its family's legend)")
+    compress_ratio: int | None = Field(description="DeepSeek V4: the layer's compress ratio (null for "
+                                       "other families)")
     error: str | None = Field(description="why this cell is wrong (id out of range, duplicate, missing)")
 
 
@@ -178,7 +132,7 @@ class StartupzOk(BaseModel):
 class StartupzFailed(BaseModel):
     status: Literal["failed"]
     stages: list[StageOk]
-    errors: list[MappingErrorModel]
+    errors: list[MappingError]
 
 
 class Starting(BaseModel):

@@ -15,7 +15,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 from stagecache.runtime.memory.host_tier import fmt_bytes
-from stagecache.runtime.model.pool_kinds import KINDS, POOLS
+from stagecache.runtime.model.pool_kinds import PoolKind
 
 from .models import StageLive
 
@@ -26,15 +26,15 @@ OCCUPANCY_SCALE = [[0.0, "#e8f5e9"], [0.5, "#66bb6a"], [0.8, "#ffa726"], [1.0, "
 STATUS_CLASS = {"exceeds_ram": "bad", "smaller_than_device": "warn", "pin_refused": "warn", "ok": "ok"}
 
 
-def occupancy_rows(stages: Sequence[StageLive]) -> list[tuple[str, str]]:
+def occupancy_rows(stages: Sequence[StageLive], kinds: Sequence[PoolKind] = ()) -> list[tuple[str, str]]:
     """(pool, tier) rows any stage reports, kinds in display order, device before host."""
     have = {(o.pool, o.tier) for s in stages for o in s.pool_occupancy}
-    known = [(p, t) for p in POOLS for t in TIERS if (p, t) in have]
+    known = [(k.name, t) for k in kinds for t in TIERS if (k.name, t) in have]
     return known + sorted(have - set(known))
 
 
-def row_label(pool: str, tier: str) -> str:
-    label = KINDS[pool].label if pool in KINDS else pool
+def row_label(pool: str, tier: str, kinds: Sequence[PoolKind] = ()) -> str:
+    label = next((k.label for k in kinds if k.name == pool), pool)
     return f"{label} · {tier}"
 
 
@@ -59,24 +59,27 @@ def occupancy_cells(stage_ids: Sequence[int], stages: Sequence[StageLive],
     return z, text
 
 
-def occupancy_figure(stage_ids: Sequence[int], stages: Sequence[StageLive]) -> go.Figure:
-    rows = occupancy_rows(stages)
+def occupancy_figure(stage_ids: Sequence[int], stages: Sequence[StageLive],
+                     kinds: Sequence[PoolKind] = ()) -> go.Figure:
+    """``kinds``: the family's pool kinds (their order and labels; a pool not among them is shown
+    by its name)."""
+    rows = occupancy_rows(stages, kinds)
     z, text = occupancy_cells(stage_ids, stages, rows)
     fig = go.Figure(go.Heatmap(
-        x=[f"stage {k}" for k in stage_ids], y=[row_label(*r) for r in rows], z=z, text=text,
+        x=[f"stage {k}" for k in stage_ids], y=[row_label(*r, kinds) for r in rows], z=z, text=text,
         texttemplate="%{text}", zmin=0, zmax=1, colorscale=OCCUPANCY_SCALE, xgap=2, ygap=2,
         hovertemplate="%{y}, %{x}<br>%{text} (%{z:.0%})<extra></extra>",
         colorbar=dict(title=dict(text="used"), tickformat=".0%", thickness=12)))
     fig.update_layout(
         title=dict(text="pool occupancy: used / capacity of each kind's own space "
-                        "(pages; c128_state: request slots)", font=dict(size=14)),
+                        "(pages; per-request kinds: request slots)", font=dict(size=14)),
         height=140 + 26 * max(1, len(rows)), margin=dict(l=10, r=10, t=40, b=30),
         yaxis=dict(autorange="reversed", automargin=True), xaxis=dict(type="category"),
         plot_bgcolor="#f7f7f7",
         meta={"rows": [list(r) for r in rows], "stages": list(stage_ids),
               # for a page drawn before any stage reported: the script builds the rows itself
-              "order": [[p, t] for p in POOLS for t in TIERS],
-              "labels": {p: KINDS[p].label for p in POOLS}})
+              "order": [[k.name, t] for k in kinds for t in TIERS],
+              "labels": {k.name: k.label for k in kinds}})
     if not rows:
         fig.add_annotation(text="no live data", showarrow=False, xref="paper", yref="paper",
                            x=0.5, y=0.5, font=dict(size=16, color="#777"))

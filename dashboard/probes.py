@@ -12,18 +12,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
-from stagecache.exporters.snapshot import SnapshotSource
 from stagecache.runtime.live.liveness import Liveness, liveness_of
+from stagecache.runtime.live.source import SnapshotSource
+from stagecache.runtime.validation.report import StartupReport
 
-from .models import Health, StageOk, Starting, StartupReportModel, StartupzFailed, StartupzOk
+from .models import Health, StageOk, Starting, StartupzFailed, StartupzOk
 
 
-def add_probes(app: FastAPI, source: SnapshotSource, report: Callable[[], StartupReportModel],
-               bad_source: dict[int, Any]) -> None:
+def add_probes(app: FastAPI, source: SnapshotSource, report: Callable[[], StartupReport]) -> None:
     """Register the three probes; ``report()`` raises the app's not-ready error while starting."""
 
     @app.get("/healthz", response_model=Health, summary="liveness: this server process answers")
@@ -41,14 +40,13 @@ def add_probes(app: FastAPI, source: SnapshotSource, report: Callable[[], Startu
 
     @app.get("/startupz", response_model=StartupzOk,
              responses={503: {"model": StartupzFailed | Starting,
-                              "description": "validation failed (errors listed) or still starting"},
-                        **bad_source},
+                              "description": "validation failed (errors listed) or still starting"}},
              summary="startup probe: 200 when every stage validated, else 503")
     async def startupz():
         rep = report()
         stages = [StageOk(stage=s.stage, ok=s.ok) for s in rep.stages]
         if rep.ok:
             return StartupzOk(status="ok", stages=stages)
-        errors = [e for s in rep.stages for e in s.errors] + rep.errors
+        errors = rep.all_errors
         body = StartupzFailed(status="failed", stages=stages, errors=errors)
         return JSONResponse(body.model_dump(mode="json"), status_code=503)

@@ -19,8 +19,8 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from stagecache.exporters.snapshot import SnapshotSource
 from stagecache.runtime.errors import ConfigError
+from stagecache.runtime.live.source import SnapshotSource
 from stagecache.runtime.net import bind_listener
 
 from .advise_models import AdviseReport

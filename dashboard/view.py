@@ -2,8 +2,9 @@
 
 The report says *which* pools failed validation; the layer map also needs to
 know *which cells* are wrong.  Cell verdicts are derived from the report's own
-data (the stage's buffer counts and the ids in its layer entries), never by
-parsing error messages, so they stay right when messages are reworded.
+data (the stage's buffer counts and the ids in its layer entries, read through
+its pool kinds), never by parsing error messages, so they stay right when
+messages are reworded.
 """
 
 from __future__ import annotations
@@ -11,103 +12,77 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
 from stagecache.runtime.live.liveness import utc_text
-from stagecache.runtime.model.pool_kinds import KINDS, POOLS
+from stagecache.runtime.model.families.deepseek_v4 import DeepSeekV4Layer
+from stagecache.runtime.model.layer_map import LayerEntry
+from stagecache.runtime.validation.report import StageReport, StartupReport
 
-from .models import (
-    LayerEntryModel,
-    LayerMapCell,
-    PoolStatus,
-    RunState,
-    StageLive,
-    StageReportModel,
-    StageRow,
-    StagesResponse,
-    StartupReportModel,
-)
+from .models import LayerMapCell, PoolStatus, RunState, StageLive, StageRow, StagesResponse
 
 
-class ReportShapeError(ValueError):
-    """The source's report does not have the ``StartupReport.to_dict()`` shape."""
+def stage_pools(stage: StageReport) -> list[str]:
+    """The stage's pool kinds as its report names them: its family's kinds in display order,
+    then any other kind its buffers name."""
+    names = set(stage.buffers) | set(stage.expected)
+    return [p for p in stage.pools if p in names] + sorted(names - set(stage.pools))
 
 
-def parse_report(report: Mapping[str, Any]) -> StartupReportModel:
-    """Validate a report dict; one readable line per wrong field instead of a traceback."""
-    try:
-        return StartupReportModel.model_validate(report)
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}"
-            for err in exc.errors()[:5]
-        )
-        more = f" (+{exc.error_count() - 5} more)" if exc.error_count() > 5 else ""
-        raise ReportShapeError(f"not a startup report: {problems}{more}") from None
+def pool_label(stage: StageReport, pool: str) -> str:
+    return next((k.label for k in stage.kinds if k.name == pool), pool)
 
 
-def stage_pools(stage: StageReportModel) -> list[str]:
-    """The stage's pool kinds as its report names them: known kinds in display order, then others."""
-    names = set(stage.buffers) | set(stage.expected_buffers)
-    return [p for p in POOLS if p in names] + sorted(names - set(POOLS))
-
-
-def pool_statuses(stage: StageReportModel) -> list[PoolStatus]:
+def pool_statuses(stage: StageReport) -> list[PoolStatus]:
     """Every pool of the stage, flagged when any validation error names it."""
     out = []
     for pool in stage_pools(stage):
         msgs = [e.message for e in stage.errors if e.pool == pool]
         out.append(PoolStatus(
             pool=pool,
-            label=KINDS[pool].label,
+            label=pool_label(stage, pool),
             buffers=stage.buffers.get(pool, 0),
-            expected=stage.expected_buffers.get(pool, 0),
+            expected=stage.expected.get(pool, 0),
             ok=not msgs,
             errors=msgs,
         ))
     return out
 
 
-def _shared(source: BaseModel, target: type[BaseModel]) -> dict:
-    """The fields ``target`` takes over from ``source`` unchanged (same name, same meaning)."""
-    return {k: getattr(source, k) for k in target.model_fields if k in type(source).model_fields}
-
-
-def stage_row(stage: StageReportModel) -> StageRow:
+def stage_row(stage: StageReport) -> StageRow:
     """A report stage as a table row; its pools flagged and its errors joined for the status."""
-    return StageRow(**_shared(stage, StageRow) | {
-        "pools": pool_statuses(stage),
-        "status": "OK" if stage.ok else "; ".join(e.message for e in stage.errors),
-    })
+    return StageRow(stage=stage.stage, start_layer=stage.start, end_layer=stage.end,
+                    local_layers=stage.local_layers, pools=pool_statuses(stage), ok=stage.ok,
+                    status="OK" if stage.ok else "; ".join(e.message for e in stage.errors),
+                    errors=list(stage.errors))
 
 
-def stages_response(report: StartupReportModel) -> StagesResponse:
-    return StagesResponse(**_shared(report, StagesResponse) | {
-        "stages": [stage_row(s) for s in report.stages],
-        "cross_stage_errors": report.errors,
-    })
+def stages_response(report: StartupReport) -> StagesResponse:
+    return StagesResponse(
+        model=report.model, num_layers=report.num_layers, pp_size=report.pp_size,
+        tp_size=report.tp_size, page_size=report.page_size, faults=list(report.faults), ok=report.ok,
+        stages=[stage_row(s) for s in report.stages], cross_stage_errors=list(report.cross_errors))
 
 
-def cell_index(pool: str, entry: LayerEntryModel) -> tuple[bool, int | None]:
+def cell_index(stage: StageReport, pool: str, entry: LayerEntry) -> tuple[bool, int | None]:
     """(does this layer need a buffer in ``pool``, which index it uses there)."""
-    k = KINDS[pool]
-    if not k.owns(entry.compress_ratio):
+    k = next((k for k in stage.kinds if k.name == pool), None)
+    if k is None or not k.owns(entry.kind):
         return False, None
     return True, k.index_of(entry)
 
 
-def layer_map_cells(stage: StageReportModel) -> list[LayerMapCell]:
+def layer_map_cells(stage: StageReport) -> list[LayerMapCell]:
     """One cell per (pool, layer that needs that pool), with a reason when the cell is wrong."""
     cells: list[LayerMapCell] = []
     for pool in stage_pools(stage):
         size = stage.buffers.get(pool, 0)
         owner: dict[int, int] = {}  # index -> first global layer using it
         for entry in stage.layers:
-            needed, index = cell_index(pool, entry)
+            needed, index = cell_index(stage, pool, entry)
             if not needed:
                 continue
             error = None
             if index is None:
-                error = f"no {KINDS[pool].label} index"
+                error = f"no {pool_label(stage, pool)} index"
             elif not 0 <= index < size:
                 error = f"index {index} out of range for {size} buffers"
             elif index in owner:
@@ -115,18 +90,15 @@ def layer_map_cells(stage: StageReportModel) -> list[LayerMapCell]:
             if index is not None:
                 owner.setdefault(index, entry.global_id)
             cells.append(LayerMapCell(
-                pool=pool,
-                global_id=entry.global_id,
-                local=entry.local,
-                index=index,
-                compress_ratio=entry.compress_ratio,
+                pool=pool, global_id=entry.global_id, local=entry.local, index=index, kind=entry.kind,
+                compress_ratio=entry.compress_ratio if isinstance(entry, DeepSeekV4Layer) else None,
                 error=error,
             ))
     return cells
 
 
-def find_stage(report: StartupReportModel, stage: int) -> StageReportModel | None:
-    return next((s for s in report.stages if s.stage == stage), None)
+def find_stage(report: StartupReport, stage: int) -> StageReport | None:
+    return report.stage(stage)
 
 
 def _progress(stages: Sequence[StageLive]) -> tuple[int, int, float | None]:
@@ -146,7 +118,7 @@ def _failure(stages: Sequence[StageLive], run: Mapping[str, Any]) -> str | None:
     return None
 
 
-def run_state(report: StartupReportModel | None, stages: Sequence[StageLive],
+def run_state(report: StartupReport | None, stages: Sequence[StageLive],
               run: Mapping[str, Any] | None) -> RunState:
     """The run's phase for the badge and progress bar, from what the source knows.
 

@@ -9,7 +9,7 @@ nothing else needs to know.
 Three inputs, three tables:
 
 * ``RUN_FAMILIES``: the startup report as a whole (one series per run);
-* ``STARTUP_FAMILIES``: one stage entry of the startup report;
+* ``STARTUP_FAMILIES``: one stage of the startup report (its ``StageReport``);
 * ``LIVE_FAMILIES``: one stage's ``StageLive`` (counters and states).
 
 Per-stage families carry ``STAGE_LABELS`` first (sglang's own label names), so
@@ -20,12 +20,14 @@ Counters count since the stage started; any ratio or bandwidth is left to
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from operator import attrgetter
 from typing import Any
 
-from stagecache.runtime.live.numbers import StageLive, TransferKind
+from stagecache.runtime.live.numbers import STAGE_PHASES, StageLive, TransferKind
 from stagecache.runtime.memory.host_tier import HOST_TIER_STATUSES
+from stagecache.runtime.transfer.stats import DIRECTIONS
+from stagecache.runtime.validation.report import StageReport, StartupReport
 
 from .family import Family, Samples, cumulative_buckets, one, per
 from .insight_families import CACHE_INSIGHT_FAMILIES, INSIGHT_LABEL_VALUES, INSIGHT_LABELS
@@ -37,12 +39,11 @@ STAGE_LABELS: tuple[str, ...] = ("model_name", "pp_rank", "tp_rank")
 TIERS = ("device", "host")
 #: Where a prefix hit was found: the two memory tiers and L3.
 HIT_TIERS = (*TIERS, "storage")
-DIRECTIONS = ("d2h", "h2d")
 #: ``StageLive.cache_pages`` field -> ``operation`` label value.
 HICACHE_OPERATIONS = {"backup": "backup", "load": "load", "dropped": "drop",
                       "backup_skipped": "backup_skip"}
-#: Phases a stage reports (``StageLive.phase``); a phase not listed here is still exported.
-PHASES = ("starting", "serving", "refused", "done", "failed")
+#: Phases a stage reports (``StageLive.phase``).
+PHASES = tuple(p.value for p in STAGE_PHASES)
 
 #: Label name -> its one meaning (and its values where they are a closed set).
 LABELS: dict[str, str] = {
@@ -74,21 +75,11 @@ LABEL_VALUES: dict[str, tuple[str, ...]] = {
     **INSIGHT_LABEL_VALUES, **L3_LABEL_VALUES,
 }
 
-def _n(value: Any) -> float:
-    return float(value) if isinstance(value, (int, float)) else 0.0
-
-
-def _sub(d: Mapping[str, Any], key: str) -> Mapping[str, Any]:
-    value = d.get(key)
-    return value if isinstance(value, Mapping) else {}
-
-
 # -- the startup report ------------------------------------------------------------------------
 
 
-def _model_info(r: Mapping[str, Any]) -> Samples:
-    keys = ("model", "pp_size", "tp_size", "page_size", "num_layers")
-    return [(tuple(str(r.get(k, "")) for k in keys), 1)]
+def _model_info(r: StartupReport) -> Samples:
+    return [((r.model, str(r.pp_size), str(r.tp_size), str(r.page_size), str(r.num_layers)), 1)]
 
 
 RUN_FAMILIES: tuple[Family, ...] = (
@@ -96,31 +87,31 @@ RUN_FAMILIES: tuple[Family, ...] = (
            ("model_name", "pp_size", "tp_size", "page_size", "num_layers"), _model_info),
     Family("stagecache_startup_ok", "gauge",
            "1 if every stage's pools and layer map validated at startup, 0 if not (absent while "
-           "starting)", ("model_name",), lambda r: [((r.get("model", ""),), 1 if r.get("ok") else 0)]),
+           "starting)", ("model_name",), lambda r: [((r.model,), 1 if r.ok else 0)]),
     Family("stagecache_cross_stage_errors", "gauge",
            "Cross-stage validation errors at startup (partition gaps/overlaps)", ("model_name",),
-           lambda r: [((r.get("model", ""),), len(r.get("errors") or []))]),
+           lambda r: [((r.model,), len(r.cross_errors))]),
 )
 
 
-def _pools(s: Mapping[str, Any]) -> list[str]:
+def _pools(s: StageReport) -> list[str]:
     """Pool names as the stage's report has them (data, never a hard-coded list)."""
-    return sorted(set(_sub(s, "buffers")) | set(_sub(s, "expected_buffers")))
+    return sorted(set(s.buffers) | set(s.expected))
 
 
 STARTUP_FAMILIES: tuple[Family, ...] = (
     Family("stagecache_stage_local_layers", "gauge", "Layers this PP stage owns",
-           samples=one(lambda s: _n(s.get("local_layers")))),
+           samples=one(lambda s: s.local_layers)),
     Family("stagecache_stage_buffers", "gauge",
            "Buffers the stage's pool really holds (None slots included)", ("pool",),
-           lambda s: [((p,), _n(_sub(s, "buffers").get(p))) for p in _pools(s)]),
+           lambda s: [((p,), s.buffers.get(p, 0)) for p in _pools(s)]),
     Family("stagecache_stage_expected_buffers", "gauge",
            "Buffers the stage's pool must hold: its local layers of that pool's kind", ("pool",),
-           lambda s: [((p,), _n(_sub(s, "expected_buffers").get(p))) for p in _pools(s)]),
+           lambda s: [((p,), s.expected.get(p, 0)) for p in _pools(s)]),
     Family("stagecache_stage_mapping_ok", "gauge", "1 if the stage validated at startup, else 0",
-           samples=one(lambda s: 1 if s.get("ok") and not s.get("errors") else 0)),
+           samples=one(lambda s: 1 if s.ok else 0)),
     Family("stagecache_stage_mapping_errors", "gauge", "Validation errors of the stage at startup",
-           samples=one(lambda s: len(s.get("errors") or []))),
+           samples=one(lambda s: len(s.errors))),
 )
 
 
@@ -128,9 +119,7 @@ STARTUP_FAMILIES: tuple[Family, ...] = (
 
 
 def _phase(s: StageLive) -> Samples:
-    states = {p: s.phase == p for p in PHASES}
-    states.setdefault(s.phase, True)
-    return [((), states)]
+    return [((), {p: s.phase.value == p for p in PHASES})]
 
 
 # -- transfers: queue wait vs DMA time, per direction and pool kind ----------------------------

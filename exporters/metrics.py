@@ -27,9 +27,11 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 from stagecache.runtime.live.liveness import Liveness, liveness_of
+from stagecache.runtime.live.numbers import StageLive
+from stagecache.runtime.live.source import SnapshotSource
+from stagecache.runtime.validation.report import StartupReport
 
 from .families import STAGE_LABELS, Family, all_families, label_names
-from .snapshot import SnapshotSource, StageLive
 
 _KINDS = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily,
           "histogram": HistogramMetricFamily, "info": InfoMetricFamily,
@@ -86,7 +88,7 @@ class StageCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         report = self.source.startup()
         live = self.source.stages()
-        model = str(report.get("model", "")) if report is not None else ""
+        model = report.model if report is not None else ""
         # the same verdict as /readyz, computed once per scrape
         verdict = liveness_of(self.source, time.time()) if live else None
         metrics = {fam.name: new_family(scope, fam) for scope, fam in all_families()}
@@ -101,18 +103,17 @@ class StageCollector(Collector):
 
     def _parent(self) -> list[tuple[tuple[str, ...], Any]]:
         """The serving parent's counters, when the source has a parent (``RunDirSource``)."""
-        failures = getattr(self.source, "write_failures", None)
-        return [((), failures)] if isinstance(failures, int) else []
+        failures = self.source.write_failures
+        return [((), failures)] if failures is not None else []
 
     @staticmethod
-    def _inputs(scope: str, report: Mapping[str, Any] | None, live: Mapping[int, StageLive],
+    def _inputs(scope: str, report: StartupReport | None, live: Mapping[int, StageLive],
                 model: str, verdict: Liveness | None) -> list[tuple[tuple[str, ...], Any]]:
         """``(stage label values, input)`` for each series group of a scope."""
         if scope == "run":
             return [((), report)] if report is not None else []
         if scope == "startup":
-            stages = (report or {}).get("stages") or []
-            return [((model, str(s.get("stage")), "0"), s) for s in stages]
+            return [((model, str(s.stage), "0"), s) for s in (report.stages if report else ())]
         if scope == "live":
             return [((s.model_name or model, str(k), str(s.tp_rank)), s)
                     for k, s in sorted(live.items())]

@@ -12,8 +12,9 @@ Two kinds of failure are kept apart on purpose:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
 from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class StageCacheError(Exception):
@@ -36,18 +37,29 @@ class LayerNotOwnedError(StageCacheError, KeyError, ValueError):
         return str(self.args[0])
 
 
-@dataclass(frozen=True)
-class MappingError:
-    """One validation finding: which stage, which pool, expected vs got."""
+class MappingError(BaseModel):
+    """One validation finding: which stage (None: cross-stage), which pool, expected vs got.
 
-    stage: int | None
-    pool: str
-    expected: Any
-    got: Any
-    message: str
+    Positional like the record it is (``MappingError(stage, pool, expected, got, message)``),
+    bounded like anything that may arrive from another rank."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    stage: int | None = Field(description="the stage it concerns; None: cross-stage (partition tiling)")
+    pool: str = Field(max_length=64, description="the pool kind, or layer_map, partition, fingerprint, ...")
+    expected: Any = Field(description="what validation wanted (any JSON value)")
+    got: Any = Field(description="what the stage really had (any JSON value)")
+    message: str = Field(max_length=4096)
+
+    def __init__(self, stage: int | None = None, pool: str = "", expected: Any = None, got: Any = None,
+                 message: str = "", **kw: Any):
+        if kw:  # keyword form (model_validate, JSON)
+            super().__init__(**kw)
+        else:
+            super().__init__(stage=stage, pool=pool, expected=expected, got=got, message=message)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return self.model_dump(mode="json")
 
     def __str__(self) -> str:
         where = "cross-stage" if self.stage is None else f"stage {self.stage}"

@@ -11,11 +11,11 @@ from __future__ import annotations
 import statistics
 import time
 
+from ..model.families import load_spec, spec_from_config
 from ..model.layer_map import build_layout
-from ..model.spec import load_spec, spec_from_config
 from ..plan.faults import parse_faults
 from ..plan.plan import build_plan
-from ..validation.report import preflight
+from ..validation.deployment import preflight
 
 
 def synthetic_spec(num_layers: int):
@@ -41,7 +41,7 @@ def run_bench(model: str, layers: int | None, max_pp: int, repeat: int, fault: l
     spec = synthetic_spec(layers) if layers else load_spec(model)
     rows = []
     for pp in range(1, max_pp + 1):
-        faults = parse_faults(fault, pp)
+        faults = parse_faults(fault, pp, spec.family)
         layout_only = _time(lambda pp=pp: build_layout(spec, pp), repeat)
         full = _time(lambda pp=pp, faults=faults: preflight(build_plan(spec, pp, faults=faults)), repeat)
         rows.append({

@@ -216,13 +216,14 @@ def measure_bandwidth(plan: RunPlan, stage: int, device: str) -> dict[str, float
     ctrl.backup(ids, host_ids)  # warm-up: first-touch page faults, kernel compilation
     ctrl.load(host_ids, ids)
     sync()
-    before = stats.snapshot()
+    before = stats.live()
     for _ in range(2):
         ctrl.backup(ids, host_ids)
         ctrl.load(host_ids, ids)
     sync()
-    after = stats.snapshot()
-    return {d: gbps(after[d]["bytes"] - before[d]["bytes"], after[d]["seconds"] - before[d]["seconds"])
+    after = stats.live()
+    return {d: gbps(getattr(after.transfer_bytes, d) - getattr(before.transfer_bytes, d),
+                    getattr(after.transfer_seconds, d) - getattr(before.transfer_seconds, d))
             for d in ("d2h", "h2d")}
 
 

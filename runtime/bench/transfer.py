@@ -35,8 +35,9 @@ from ..errors import ConfigError
 from ..memory.host_pools import HostPools
 from ..memory.host_tier import fmt_bytes, largest_fitting, ram_budget, read_meminfo
 from ..memory.pools import StagePools
-from ..model.pool_kinds import KINDS
-from ..model.spec import ModelSpec, spec_from_config
+from ..model.families import spec_from_config
+from ..model.families.deepseek_v4 import KINDS
+from ..model.spec import ModelSpec
 from ..plan.plan import RunPlan, Sizing, StagePlan, build_plan, select_kinds
 from ..transfer import native
 from ..transfer.controller import TransferController

@@ -29,7 +29,7 @@ from ..memory.pools import StagePools
 from ..model.spec import ModelSpec
 from ..plan.plan import Sizing, build_plan
 from ..transfer.controller import TransferController, TransferResult
-from ..transfer.stats import TransferStats
+from ..transfer.stats import DIRECTIONS, TransferStats
 
 ROUNDS = 15  # alternating blocks per timed pair
 
@@ -106,8 +106,9 @@ def split(spec: ModelSpec, s: SplitSettings) -> dict[str, Any]:
     alone = [c.load(small, small, blocking=True) for _ in range(5)]
     pairs = [_behind(c, cuda, big, small) for _ in range(5)]
     c.synchronize()
-    snap = stats.snapshot()
-    kinds_sum = {d: sum(k["bytes"] for k in snap[d]["kinds"].values()) for d in ("d2h", "h2d")}
+    live = stats.live()
+    split = live.transfer_split
+    kinds_sum = {d: sum(k.bytes for k in getattr(split, d).values()) for d in DIRECTIONS}
     med = statistics.median
     return {
         "path": c.path, "pool_kinds": [k for k, _ in c.selection().kinds],
@@ -118,10 +119,10 @@ def split(spec: ModelSpec, s: SplitSettings) -> dict[str, Any]:
                         "dma_us": med(_us(a)["dma_us"] for a, _ in pairs)},
         "behind": {"queue_us": med(_us(b)["queue_us"] for _, b in pairs),
                    "dma_us": med(_us(b)["dma_us"] for _, b in pairs)},
-        "bytes": {d: snap[d]["bytes"] for d in ("d2h", "h2d")},
+        "bytes": live.transfer_bytes.model_dump(),
         "kind_bytes_sum": kinds_sum,
-        "kinds": {d: {k: {f: round(v[f], 6) for f in ("bytes", "moves", "queue_seconds", "dma_seconds")}
-                      for k, v in snap[d]["kinds"].items()} for d in ("d2h", "h2d")},
+        "kinds": {d: {k: {f: round(getattr(v, f), 6) for f in ("bytes", "moves", "queue_seconds", "dma_seconds")}
+                      for k, v in getattr(split, d).items()} for d in DIRECTIONS},
     }
 
 

@@ -22,7 +22,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..plan.plan import RunPlan
-from ..plan.sizing import HICACHE_SIZE_REFUSED
 from .curves import HitCurve, TraceCurves, sample_capacities
 
 #: Shares of the infinite-cache hit rate every report sizes for.
@@ -102,8 +101,9 @@ def _curve_json(curves: TraceCurves, marked: Sequence[int]) -> dict[str, list[An
 
 def sglang_notes(plan: RunPlan) -> list[str]:
     """What the suggested flags mean in sglang 0.5.23 for this model."""
+    refused = plan.spec.family.host_size_refused
     return [
-        f"host tier: {HICACHE_SIZE_REFUSED}",
+        *([f"host tier: {refused}"] if refused else []),
         "sglang warns when the host tier is not larger than the device tier: it then holds what "
         "the device holds and adds no hit",
         f"--max-total-tokens is the device tier's token budget per stage (pages of {plan.page_size} "

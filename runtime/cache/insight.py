@@ -49,8 +49,48 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from .keytable import GHOST
 from .lifetimes import CLOCKS, INSIGHT_TIERS, InsightClock, Lifetimes
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SampledHistogram(_Model):
+    """A sampled histogram: ``le`` upper bounds, cumulative ``counts`` (the last is +Inf), ``sum``."""
+
+    le: list[float] = Field(default_factory=list)
+    counts: list[int] = Field(default_factory=list)
+    sum: float = 0.0
+
+
+class TierLifetimes(_Model):
+    """One tier's sampled histograms (``CacheInsightLive.clock`` units)."""
+
+    lifetime: SampledHistogram = Field(default_factory=SampledHistogram,
+                                       description="insert to eviction")
+    idle: SampledHistogram = Field(default_factory=SampledHistogram,
+                                   description="last use to eviction")
+    reuse_gap: SampledHistogram = Field(default_factory=SampledHistogram,
+                                        description="previous use to a hit in this tier")
+
+
+class CacheInsightLive(_Model):
+    """Why the stage's lookups missed, and how long its entries live (``cache/insight.py``)."""
+
+    clock: str = Field("seconds", description="unit of the histograms: seconds or requests")
+    sample_every: int = Field(1, description="lifetimes: every n-th lookup's entries are watched")
+    miss_tokens: dict[str, dict[str, int]] = Field(
+        default_factory=dict, description="tier -> miss reason -> tokens; per tier the reasons "
+        "sum to the tier's misses (device: not on device; host: found nowhere)")
+    device: TierLifetimes = Field(default_factory=TierLifetimes)
+    host: TierLifetimes = Field(default_factory=TierLifetimes)
+    seen_keys: int = Field(0, description="keys of evicted pages remembered (miss reasons)")
+    seen_bytes: int = Field(0, description="bytes those remembered keys take")
+    skewed_pages: int = Field(0, description="pages lost on purpose (--fault radix-skew)")
 
 MISS_REASONS = ("never_seen", "evicted_from_device", "evicted_from_host", "dropped",
                 "writeback_pending", "partial_page_tail", "stage_disagreement")
@@ -222,8 +262,17 @@ class CacheInsight:
                 "seen_bytes": round(t.nbytes() * t.ghosts / used) if used else 0,
                 "forgotten_keys": t.forgotten}
 
+    def live(self, skewed_pages: int = 0) -> CacheInsightLive:
+        """The insight as the stage's live numbers show it (``StageLive.insight``)."""
+        seen = self.seen()
+        tiers = {tier: TierLifetimes(**{name: SampledHistogram(**h) for name, h in hists.items()})
+                 for tier, hists in self.histograms().items()}
+        return CacheInsightLive(clock=self.cfg.clock, sample_every=self.every,
+                                miss_tokens=self.miss_tokens(), seen_keys=seen["seen_keys"],
+                                seen_bytes=seen["seen_bytes"], skewed_pages=skewed_pages, **tiers)
+
     def to_dict(self) -> dict[str, Any]:
-        """Everything, for the bench JSON and the stage's live numbers."""
+        """Everything, for the bench JSON."""
         return {"clock": self.cfg.clock, "sample_every": self.every, "lookups": self.lookups,
                 "miss_tokens": self.miss_tokens(), "histograms": self.histograms(),
                 **self.seen(),

@@ -28,8 +28,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..model.pool_kinds import HOST_CACHED, POOLS
-
 _M64 = (1 << 64) - 1
 
 
@@ -107,11 +105,11 @@ class KvWriter:
         self.seed = seed
         self.device = torch.device(getattr(pools, "device", "cpu"))
         self.plans: list[_PoolPlan] = []
-        for idx, pool in enumerate(POOLS):
-            gids = [e.global_id for e in self.stage_map.pool_layers(pool)]
-            if not gids or pool not in HOST_CACHED:  # per-request state: not addressed by page
+        for idx, kind in enumerate(self.stage_map.kinds):
+            gids = [e.global_id for e in self.stage_map.pool_layers(kind.name)]
+            if not gids or not kind.host_cached:  # per-request state: not addressed by page
                 continue
-            self.plans.append(_PoolPlan(pool, idx, gids, pools.page_bytes(pool), seed, self.device))
+            self.plans.append(_PoolPlan(kind.name, idx, gids, pools.page_bytes(kind.name), seed, self.device))
 
     def hashes(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
         return page_hashes(tokens, self.page_size, self.seed)

@@ -7,8 +7,9 @@ holds and the host hit rate is ``host / looked-up`` (the figure the dashboard
 and the Prometheus exporter show as ``host_hit_ratio``).  Evictions are counted
 in *pages* (the unit that moves): ``device`` = pages that left the device tier
 (backed up to host or dropped), ``host`` = pages that left the host tier.
-Transfer bytes and seconds are not duplicated here: they are read from the
-controller's ``TransferStats`` when a snapshot is taken.  Pages moved per
+Transfer bytes and seconds are not duplicated here: they are the controller's
+``TransferStats``.  ``live()`` gives the counters as the typed part of a stage's
+``StageLive`` (``CacheLive``).  Pages moved per
 direction (``backup_pages`` d2h, ``load_pages`` h2d) are counted here in both
 modes, so a metadata-only replay prices them with the memory layer's bytes per page.
 """
@@ -17,6 +18,53 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..transfer.stats import TransferLive
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TierTokens(_Model):
+    """Prompt tokens by where the prefix cache found them."""
+
+    device: int = 0
+    host: int = 0
+    storage: int = 0  # found in L3 (read back whole, through the host tier)
+    miss: int = 0
+
+    @property
+    def looked_up(self) -> int:
+        return self.device + self.host + self.storage + self.miss
+
+
+class TierPages(_Model):
+    """A per-tier page count (evictions: device = left the device tier, host = left the host)."""
+
+    device: int = 0
+    host: int = 0
+
+
+class CachePages(_Model):
+    """Pages the stage's HiCache moved or lost, by reason."""
+
+    backup: int = 0
+    load: int = 0
+    dropped: int = 0
+    backup_skipped: int = 0
+
+
+class CacheLive(_Model):
+    """A stage's prefix-cache numbers, as its ``StageLive`` holds them."""
+
+    cache_tokens: TierTokens = Field(default_factory=TierTokens)
+    host_hit_ratio: float = Field(0.0, description="derived, since start: host-hit / looked-up "
+                                  "tokens (exporters and charts use rates of the counters)")
+    evictions: TierPages = Field(default_factory=TierPages)
+    cache_pages: CachePages = Field(default_factory=CachePages)
 
 
 @dataclass
@@ -74,35 +122,16 @@ class CacheStats:
     def storage_hit_ratio(self) -> float:
         return self._ratio(self.storage_hit_tokens)
 
-    def _transfer_fields(self) -> dict[str, Any]:
-        zero = {"d2h": 0, "h2d": 0}
-        out: dict[str, Any] = {
-            "transfer_bytes": dict(zero), "transfer_seconds": {"d2h": 0.0, "h2d": 0.0},
-            "transfer_count": dict(zero), "bandwidth_bytes_per_second": {"d2h": 0.0, "h2d": 0.0},
-        }
-        if self.transfer is None:
-            return out
-        snap = self.transfer.snapshot()
-        for d in ("d2h", "h2d"):
-            s = snap[d]
-            out["transfer_bytes"][d] = int(s["bytes"])
-            out["transfer_seconds"][d] = float(s["seconds"])
-            out["transfer_count"][d] = int(s["count"])
-            out["bandwidth_bytes_per_second"][d] = s["gbps"] * 1e9  # TransferStats uses stats.gbps
-        return out
-
-    def snapshot(self) -> dict[str, Any]:
-        """The cache part of the live stage dict of ``exporters/snapshot.py`` (same keys)."""
-        out: dict[str, Any] = {
-            "stage": self.stage,
-            "requests": self.requests,
-            "cache_tokens": {"device": self.device_hit_tokens, "host": self.host_hit_tokens,
-                             "storage": self.storage_hit_tokens, "miss": self.miss_tokens},
-            "host_hit_ratio": self.host_hit_ratio,
-            "evictions": {"device": self.device_evicted_pages, "host": self.host_evicted_pages},
-        }
-        out.update(self._transfer_fields())
-        return out
+    def live(self) -> CacheLive:
+        """The counters as the cache part of the stage's ``StageLive``."""
+        return CacheLive(
+            cache_tokens=TierTokens(device=self.device_hit_tokens, host=self.host_hit_tokens,
+                                    storage=self.storage_hit_tokens, miss=self.miss_tokens),
+            host_hit_ratio=self.host_hit_ratio,
+            evictions=TierPages(device=self.device_evicted_pages, host=self.host_evicted_pages),
+            cache_pages=CachePages(backup=self.backup_pages, load=self.load_pages,
+                                   dropped=self.dropped_pages, backup_skipped=self.backup_skipped_pages),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """Everything, for the benchmark's JSON (counters, ratios, transfers)."""
@@ -111,5 +140,7 @@ class CacheStats:
                  device_hit_ratio=self.device_hit_ratio, host_hit_ratio=self.host_hit_ratio,
                  storage_hit_ratio=self.storage_hit_ratio,
                  moved_pages={"d2h": self.backup_pages, "h2d": self.load_pages})
-        d.update(self._transfer_fields())
+        transfer = self.transfer.live() if self.transfer is not None else TransferLive()
+        d.update(transfer.model_dump(include={"transfer_bytes", "transfer_seconds", "transfer_count",
+                                              "bandwidth_bytes_per_second"}))
         return d

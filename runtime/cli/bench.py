@@ -15,7 +15,7 @@ from .. import defaults
 from ..bench import check as bench_check
 from ..bench import hicache as bench_hicache
 from ..bench import insight_overhead
-from ..model.pool_kinds import HOST_CACHED
+from ..model.families.deepseek_v4 import HOST_CACHED
 from . import bench_advise, bench_http, bench_sglang
 from .common import (
     add_layout_command,
@@ -124,7 +124,7 @@ def _run_transfer(args: argparse.Namespace) -> int:
 
     from ..bench import transfer as bench_transfer
     from ..errors import ConfigError
-    from ..model.spec import load_spec
+    from ..model.families import load_spec
 
     device = bench_device(args.device)
     cuda = device.startswith("cuda")
@@ -202,7 +202,7 @@ def _run_transfer_split(args: argparse.Namespace) -> int:
 
     from ..bench import transfer_split
     from ..errors import ConfigError
-    from ..model.spec import load_spec
+    from ..model.families import load_spec
 
     device = bench_device(args.device)
     if not 0 <= args.stage < args.pp:

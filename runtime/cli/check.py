@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..model.pool_kinds import POOLS
-from ..validation.report import StartupReport, preflight
+from ..validation.deployment import preflight
+from ..validation.report import StartupReport
 from .check_storage import add_storage_args, print_findings, storage_findings
 from .common import add_layout_command, output_console, plan_from_args
 
@@ -43,16 +43,16 @@ def print_report(report: StartupReport) -> None:
         f"page={report.page_size}" + (f", faults={','.join(report.faults)}" if report.faults else "")
     )
     table = Table(title=title)
-    for col in ("stage", "layers", "local", *POOLS, "status"):
+    pools = report.stages[0].pools if report.stages else ()
+    for col in ("stage", "layers", "local", *pools, "status"):
         table.add_column(col, justify="right" if col not in ("status", "layers") else "left")
     for s in report.stages:
         cells = []
-        for pool in POOLS:
+        for pool in pools:
             got, want = s.buffers[pool], s.expected[pool]
             cells.append(str(got) if got == want else f"[red]{got}/{want}[/red]")
         status = "[green]OK[/green]" if s.ok else "[red]" + "; ".join(e.message for e in s.errors) + "[/red]"
-        m = s.stage_map
-        table.add_row(str(m.stage), f"[{m.start}, {m.end})", str(m.local_layers), *cells, status)
+        table.add_row(str(s.stage), f"[{s.start}, {s.end})", str(s.local_layers), *cells, status)
     console.print(table)
     for e in report.cross_errors:
         console.print(f"[red]cross-stage[/red] {e.pool}: {e.message}")

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, TextIO
 from .. import defaults
 from ..bounded_io import check_output_path
 from ..errors import ConfigError
-from ..model.spec import PRESETS
+from ..model.config_file import PRESETS
 from ..plan.faults import FAULTS
 from ..plan.inputs import resolve_plan
 from ..plan.plan import RunPlan, Sizing

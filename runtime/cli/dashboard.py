@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .. import defaults
 from ..bounded_io import read_bounded_json
@@ -20,6 +20,8 @@ from .common import add_layout_args, plan_from_args, port_number
 
 if TYPE_CHECKING:
     from stagecache.dashboard.advise_models import AdviseReport
+
+    from ..validation.report import StartupReport
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -54,47 +56,43 @@ def register(sub: argparse._SubParsersAction) -> None:
 MAX_REPORT_BYTES = 16 << 20
 
 
-def load_json_report(path: Path) -> dict[str, Any]:
+def load_json_report(path: Path) -> StartupReport:
     """A saved check report, validated: a clear one-line ConfigError for anything else."""
-    from stagecache.dashboard.view import ReportShapeError, parse_report
+    from ..validation.report import StartupReport
 
     raw = read_bounded_json(path, MAX_REPORT_BYTES, f"--from-json {path}",
                             "a `stagecache check --json` report")
     if not isinstance(raw, dict):
         raise ConfigError(f"--from-json {path}: expected a JSON object, got {type(raw).__name__}")
-    try:
-        parse_report(raw)
-    except ReportShapeError as exc:
-        raise ConfigError(f"--from-json {path}: {exc} (expected `stagecache check --json` output)") from None
-    return raw
+    return StartupReport.parse(raw, f"--from-json {path}")
 
 
-def _advise(path: Path, report: dict[str, Any]) -> AdviseReport:
+def _advise(path: Path, report: StartupReport) -> AdviseReport:
     """The saved advise report, checked, for the same pipeline as the preflight view."""
     from stagecache.dashboard.advise_page import load_advise_report
 
     advise = load_advise_report(path)
-    if advise.plan.pp_size != report["pp_size"]:
+    if advise.plan.pp_size != report.pp_size:
         raise ConfigError(f"--advise {path}: a report of pp={advise.plan.pp_size}, but the "
-                          f"dashboard shows pp={report['pp_size']}; expected the same --pp-size")
+                          f"dashboard shows pp={report.pp_size}; expected the same --pp-size")
     return advise
 
 
 def run(args: argparse.Namespace) -> int:
-    from stagecache.exporters.snapshot import StaticSource
+    from stagecache.runtime.live.source import StaticSource
 
-    from ..validation.report import preflight
+    from ..validation.deployment import preflight
 
     if args.from_json is not None:
         if args.model != defaults.MODEL or args.fault:
             raise ConfigError("--from-json takes model, stages and faults from the file; "
                               "drop --model/--fault (or use --from-check)")
         report = load_json_report(args.from_json)
-        what = f"{report['model']} pp={report['pp_size']} from {args.from_json}"
+        what = f"{report.model} pp={report.pp_size} from {args.from_json}"
     else:
-        report = preflight(plan_from_args(args)).to_dict()
-        what = f"{report['model']} pp={report['pp_size']}" + (
-            f" faults={','.join(report['faults'])}" if report["faults"] else "")
+        report = preflight(plan_from_args(args))
+        what = f"{report.model} pp={report.pp_size}" + (
+            f" faults={','.join(report.faults)}" if report.faults else "")
     advise = _advise(args.advise, report) if args.advise is not None else None
     from stagecache.dashboard.server import BACKLOG, make_server
 
@@ -110,11 +108,11 @@ def run(args: argparse.Namespace) -> int:
         print(warning, file=sys.stderr, flush=True)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    status = "all stages valid" if report["ok"] else "MAPPING ERRORS"
+    status = "all stages valid" if report.ok else "MAPPING ERRORS"
     also = f"; advise: http://{shown}:{port}/advise" if advise is not None else ""
     print(f"stagecache dashboard: http://{shown}:{port}/  (preflight view of {what}: {status}{also}; "
           "Ctrl-C to stop)", flush=True)
-    server = make_server(StaticSource(report), host, port, title=f"stagecache · {report['model']}",
+    server = make_server(StaticSource(report), host, port, title=f"stagecache · {report.model}",
                          advise=advise)
     try:
         server.run(sockets=[sock])

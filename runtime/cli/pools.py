@@ -170,8 +170,7 @@ def _title(report: dict[str, Any]) -> str:
 def print_accounting(report: dict[str, Any]) -> None:
     from rich.table import Table
 
-    from ..model.pool_kinds import KINDS
-
+    labels = {k["pool"]: k["label"] for k in report["kinds"]}
     console = output_console()
     table = Table(title=_title(report))
     for col, just in (("stage", "right"), ("layers", "left"), ("pool", "left"), ("buffers", "right"),
@@ -186,7 +185,7 @@ def print_accounting(report: dict[str, Any]) -> None:
             unit = " /slot" if r["budget"] == "request" else ""
             table.add_row(
                 str(s["stage"]) if first else "", f"[{s['start_layer']}, {s['end_layer']})" if first else "",
-                KINDS[r["pool"]].label, str(r["buffers"]), r["budget"], f"{r['page_bytes']:,}{unit}",
+                labels[r["pool"]], str(r["buffers"]), r["budget"], f"{r['page_bytes']:,}{unit}",
                 f"{r['device_pages']:,}", human(r["device_bytes"]),
                 f"{r['host_pages']:,}" if r["host_cached"] else "-", human(r["host_bytes"]),
             )

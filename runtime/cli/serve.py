@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 from .. import defaults
 from ..bounded_io import path_kind
 from ..errors import ConfigError
+from ..live.numbers import Phase
+from ..live.run_dir import RunDirSource
 from ..net import exposure_warning
 from ..serve.options import (
     CPU_HIDDEN_CAP,
@@ -248,13 +250,13 @@ def exposure_warnings(opts: ServeOptions) -> list[str]:
     return [w for w in out if w]
 
 
-def _hold(console: Console, opts: ServeOptions, dash: DashboardThread | None, phase: str) -> None:
+def _hold(console: Console, opts: ServeOptions, dash: DashboardThread | None, phase: Phase) -> None:
     """Keep the dashboard up after the run: ``--hold-seconds`` or until Ctrl-C/SIGTERM."""
     if dash is None or opts.exit_after_run or opts.hold_seconds == 0:
         return
-    if phase in ("refused", "failed") and opts.exit_on_error:
+    if phase in (Phase.REFUSED, Phase.FAILED) and opts.exit_on_error:
         return
-    what = {"refused": "the errors", "failed": "the failure"}.get(phase, "the final numbers")
+    what = {Phase.REFUSED: "the errors", Phase.FAILED: "the failure"}.get(phase, "the final numbers")
     if opts.hold_seconds is None:
         console.print(f"dashboard still serving {what} at {dash.url} -- Ctrl-C to exit")
         while True:
@@ -277,7 +279,8 @@ class _Run:
     run_dir: str
     own_run_dir: bool
     lock: RunDirLock
-    sup: Supervisor
+    source: RunDirSource
+    sup: Supervisor | None = None
     t0: float = field(default_factory=time.perf_counter)
     dash: DashboardThread | None = None
     master: MooncakeMaster | None = None  # the local mooncake_master serve started
@@ -301,8 +304,7 @@ def _start_dashboard(r: _Run) -> None:
 
     opts = r.opts
     sock = bind_dashboard_socket(opts.host, opts.port)
-    r.dash = DashboardThread(r.sup.source, sock, title=f"stagecache {opts.plan.spec.name} pp={opts.pp_size}")
-    r.sup.url = r.dash.url
+    r.dash = DashboardThread(r.source, sock, title=f"stagecache {opts.plan.spec.name} pp={opts.pp_size}")
     r.dash.start()
     if not r.dash.server.started:
         raise ConfigError(f"the dashboard did not start on {r.dash.url}: "
@@ -316,17 +318,13 @@ def _interrupted(r: _Run, stop: _Stop) -> int:
 
     from ..serve.supervisor import summarize
 
-    refused = r.sup.phase == "refused"  # validation already failed: that stays the outcome
-    r.sup.phase = "refused" if refused else "interrupted"
-    r.sup.failure = f"interrupted by {stop}"
-    r.sup.stop()
-    r.sup.write_run_file()
+    refused = r.sup.interrupt(str(stop))  # a refused run stays refused: that is its outcome
     r.console.print(f"[yellow]{escape(r.sup.failure)}: stopped all stage processes[/yellow]")
     r.summary = summarize(r.opts, r.sup, time.perf_counter() - r.t0)
     return 1 if refused else 130 if stop.signum == signal.SIGINT else 143
 
 
-def _finished(r: _Run, phase: str) -> int:
+def _finished(r: _Run, phase: Phase) -> int:
     """Print the outcome, then hold the dashboard up if asked to; the exit code of the run."""
     from rich.markup import escape
 
@@ -335,10 +333,10 @@ def _finished(r: _Run, phase: str) -> int:
 
     r.summary = summarize(r.opts, r.sup, time.perf_counter() - r.t0)
     code = r.summary["exit_code"]
-    if phase == "failed":
+    if phase == Phase.FAILED:
         r.console.print(f"[red]run stopped: {escape(r.sup.failure or '')}[/red]")
     print_summary(r.console, r.summary)
-    if phase in ("refused", "failed") and r.opts.exit_on_error:
+    if phase in (Phase.REFUSED, Phase.FAILED) and r.opts.exit_on_error:
         r.console.print("[red]exiting: --exit-on-error[/red]")
         return code
     try:
@@ -364,12 +362,12 @@ def _start_master(r: _Run) -> None:
     except StoreUnavailable as exc:
         raise ConfigError(f"--l3 mooncake: {exc}") from None
     r.opts = dataclasses.replace(r.opts, l3=dataclasses.replace(r.opts.l3, mooncake_master=address))
-    r.sup.opts = r.opts
     r.console.print(f"L3: mooncake_master pid {r.master.pid} on {address}", markup=False)
 
 
 def _close(r: _Run, old_handlers: dict[int, Any]) -> None:
-    r.sup.stop()
+    if r.sup is not None:
+        r.sup.stop()
     if r.master is not None:
         r.master.stop()
     if r.dash is not None:
@@ -392,9 +390,7 @@ def serve(opts: ServeOptions) -> int:
 
     console = Console(opts.json)
     run_dir, own, lock = _prepare_run_dir(opts, console)
-    sup = Supervisor(opts, run_dir, log=lambda text: console.print(text, markup=False))
-    sup.guard = lock.replaced
-    r = _Run(opts, console, run_dir, own, lock, sup)
+    r = _Run(opts, console, run_dir, own, lock, RunDirSource(run_dir))
     fired: list[int] = []
     old_handlers = _install_signal_handlers(fired)
     try:
@@ -405,6 +401,8 @@ def serve(opts: ServeOptions) -> int:
         console.print(f"run dir: {run_dir}", markup=False)
         if opts.l3.backend == "mooncake" and not opts.l3.mooncake_master:
             _start_master(r)
+        sup = r.sup = Supervisor(r.opts, run_dir, source=r.source, url=r.dash.url if r.dash else None,
+                                 guard=lock.replaced, log=lambda text: console.print(text, markup=False))
         try:
             sup.start()
             with Progress(opts, console) as progress:

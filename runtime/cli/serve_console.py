@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ..live.numbers import StageLive
     from ..serve.options import ServeOptions
+    from ..validation.report import StartupReport
 
 
 class Console:
@@ -52,9 +53,9 @@ class Progress:
     def __exit__(self, *exc: Any) -> None:
         self.bar.stop()
 
-    def startup(self, report: dict[str, Any]) -> None:
+    def startup(self, report: StartupReport) -> None:
         print_startup(self.console, report)
-        if report.get("ok") and self.task is None:
+        if report.ok and self.task is None:
             self.task = self.bar.add_task("trace", total=None, info="")
 
     def update(self, stages: dict[int, StageLive]) -> None:
@@ -73,19 +74,19 @@ class Progress:
         self.bar.refresh()
 
 
-def print_startup(console: Console, report: dict[str, Any]) -> None:
+def print_startup(console: Console, report: StartupReport) -> None:
     """One line when every stage validated; otherwise every error with stage/pool/expected/got."""
-    stages = report.get("stages", [])
-    if report.get("ok"):
-        layers = ", ".join(f"{s['stage']}:[{s['start_layer']},{s['end_layer']})" for s in stages)
+    stages = report.stages
+    if report.ok:
+        layers = ", ".join(f"{s.stage}:[{s.start},{s.end})" for s in stages)
         console.print(f"[green]startup ok[/green]: {len(stages)} stages validated ({layers})")
         return
-    errors = [e for s in stages for e in s.get("errors", [])] + list(report.get("errors", []))
+    errors = report.all_errors
     console.print(f"[red]startup validation FAILED: {len(errors)} mapping error(s); not serving traffic[/red]")
     for e in errors:
-        where = "cross-stage" if e.get("stage") is None else f"stage {e['stage']}"
-        console.print(f"  [{where}] pool={e.get('pool')} expected={e.get('expected')!r} "
-                      f"got={e.get('got')!r}: {e.get('message')}", markup=False)
+        where = "cross-stage" if e.stage is None else f"stage {e.stage}"
+        console.print(f"  [{where}] pool={e.pool} expected={e.expected!r} "
+                      f"got={e.got!r}: {e.message}", markup=False)
 
 
 def _si(n: float) -> str:

@@ -24,18 +24,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping
-from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..defaults import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S
 from ..memory.host_tier import NOT_READY_STATUSES
-from .numbers import RunInfo, StageLive
-
-M = TypeVar("M", bound=BaseModel)
+from ..validation.report import StartupReport
+from .numbers import Phase, RunInfo, StageLive
+from .source import SnapshotSource
 
 __all__ = ["HEARTBEAT_INTERVAL_S", "HEARTBEAT_TIMEOUT_S", "Liveness", "StageHealth",
-           "assess", "disagreeing", "finished_reason", "liveness_of", "run_of", "utc_text"]
+           "assess", "disagreeing", "finished_reason", "liveness_of", "utc_text"]
 
 
 def disagreeing(per_stage: Iterable[tuple[int, Mapping[str, int]]]) -> dict[int, dict[str, int]]:
@@ -89,22 +88,6 @@ class Liveness(BaseModel):
         None, description="more than this many is not ready (serve --max-disagreements)")
 
 
-def validated(model: type[M], value: Any) -> M | None:
-    """``value`` as ``model`` (third-party sources may hand out plain mappings); a value that
-    does not validate counts as no report."""
-    if value is None or isinstance(value, model):
-        return value
-    try:
-        return model.model_validate(value)
-    except ValueError:
-        return None
-
-
-def as_live(value: Any) -> StageLive | None:
-    """A source's stage entry as a ``StageLive`` (None when missing or invalid)."""
-    return validated(StageLive, value)
-
-
 def last_beat(live: StageLive) -> float | None:
     """The newest sign of life: the heartbeat, or a report (sources without a heartbeat thread)."""
     times = [t for t in (live.heartbeat_at, live.time) if t]
@@ -122,7 +105,7 @@ def stage_health(stage: int, live: StageLive | None, exit_code: int | None, now:
     beat = last_beat(live) if live is not None else None
     age = max(0.0, now - beat) if beat is not None else None
     base = {"stage": stage, "pid": live.pid if live else None,
-            "phase": live.phase if live else "unknown", "exit_code": exit_code,
+            "phase": live.phase.value if live else "unknown", "exit_code": exit_code,
             "heartbeat_at": beat, "heartbeat_age_s": age, "error": live.error if live else None,
             "host_tier": list(live.host_tier.status) if live else [],
             "l3": _l3_state(live), "l3_reason": live.l3.down_reason if live else None}
@@ -130,10 +113,10 @@ def stage_health(stage: int, live: StageLive | None, exit_code: int | None, now:
         return StageHealth(**base, up=False, reason=f"process exited with code {exit_code}")
     if live is None:
         return StageHealth(**base, up=False, reason="has not reported yet")
-    if live.phase in ("failed", "done", "refused"):
-        why = f"failed: {live.error}" if live.phase == "failed" else f"phase {live.phase}"
+    if live.phase in (Phase.FAILED, Phase.DONE, Phase.REFUSED):
+        why = f"failed: {live.error}" if live.phase == Phase.FAILED else f"phase {live.phase.value}"
         return StageHealth(**base, up=False, reason=why)
-    if starting_is_down and live.phase == "starting":
+    if starting_is_down and live.phase == Phase.STARTING:
         return StageHealth(**base, up=False, reason="still starting")
     if age is None:
         return StageHealth(**base, up=False, reason="no heartbeat yet")
@@ -149,12 +132,8 @@ def _l3_state(live: StageLive | None) -> str:
     return "up" if live.l3.up else "down"
 
 
-def _startup_ok(startup: Mapping[str, Any] | None) -> bool | None:
-    return None if startup is None else bool(startup.get("ok"))
-
-
-def assess(run: RunInfo | None, startup: Mapping[str, Any] | None,
-           stages: Mapping[int, Any], now: float,
+def assess(run: RunInfo | None, startup: StartupReport | None,
+           stages: Mapping[int, StageLive], now: float,
            heartbeat_timeout: float | None = None) -> Liveness:
     """The verdict for ``/readyz`` and ``stagecache_stage_up`` (pure: same inputs, same answer).
 
@@ -166,14 +145,14 @@ def assess(run: RunInfo | None, startup: Mapping[str, Any] | None,
     health = []
     for k in ids:
         code = run.exit_codes.get(k) if run else None
-        health.append(stage_health(k, as_live(stages.get(k)), code, now, timeout,
+        health.append(stage_health(k, stages.get(k), code, now, timeout,
                                    starting_is_down=run is not None))
-    ok = _startup_ok(startup)
+    ok = None if startup is None else startup.ok
     reasons = []
-    if run is not None and run.phase == "done":
+    if run is not None and run.phase == Phase.DONE:
         reasons.append(finished_reason(run))
-    elif run is not None and run.phase != "serving":
-        reasons.append(f"run is {run.phase}" + (f": {run.failure}" if run.failure else ""))
+    elif run is not None and run.phase != Phase.SERVING:
+        reasons.append(f"run is {run.phase.value}" + (f": {run.failure}" if run.failure else ""))
     if ok is None:
         reasons.append("startup validation has not been reported yet")
     elif not ok:
@@ -186,11 +165,11 @@ def assess(run: RunInfo | None, startup: Mapping[str, Any] | None,
     warnings += [f"stage {h.stage}: L3 down ({h.l3_reason}); serving from device and host"
                  for h in health if h.l3 == "down"]
     limit = run.max_disagreements if run is not None else None
-    total, why = agreement_verdict([as_live(stages.get(k)) for k in ids], limit)
+    total, why = agreement_verdict([stages.get(k) for k in ids], limit)
     if why:
         reasons.append(why)
     return Liveness(
-        ready=not reasons, warnings=warnings, phase=run.phase if run else "unknown", startup_ok=ok,
+        ready=not reasons, warnings=warnings, phase=run.phase.value if run else "unknown", startup_ok=ok,
         heartbeat_timeout_s=timeout, failure=run.failure if run else None,
         failed_stage=run.failed_stage if run else None, failed_at=run.failed_at if run else None,
         finished_at=run.finished_at if run else None, stages=health, reasons=reasons, time=now, disagreements=total, max_disagreements=limit,
@@ -228,7 +207,7 @@ def agreement_verdict(stages: list[StageLive | None], limit: int | None) -> tupl
                    f"(by stage and kind: {per}){latest}")
 
 
-def host_tier_findings(stages: Mapping[int, Any], up: list[int]) -> tuple[list[str], list[str]]:
+def host_tier_findings(stages: Mapping[int, StageLive], up: list[int]) -> tuple[list[str], list[str]]:
     """(not-ready reasons, warnings) from the host-tier verdicts of the stages that are up.
 
     A stage that is down already makes the run not ready; its last host-tier verdict
@@ -237,7 +216,7 @@ def host_tier_findings(stages: Mapping[int, Any], up: list[int]) -> tuple[list[s
     errors: list[str] = []
     warnings: list[str] = []
     for k in up:
-        live = as_live(stages.get(k))
+        live = stages.get(k)
         if live is None:
             continue
         tier = live.host_tier
@@ -248,16 +227,6 @@ def host_tier_findings(stages: Mapping[int, Any], up: list[int]) -> tuple[list[s
     return errors, warnings
 
 
-def run_of(source: Any) -> RunInfo | None:
-    """The serving parent's ``RunInfo`` when the source has one (``RunDirSource``), else None.
-
-    A third-party source may hand out the record as a plain mapping; it is validated
-    here, and one that does not validate counts as no record.
-    """
-    run = getattr(source, "run", None)
-    return validated(RunInfo, run() if callable(run) else None)
-
-
-def liveness_of(source: Any, now: float) -> Liveness:
-    """``assess`` over a snapshot source (any object with ``startup()`` and ``stages()``)."""
-    return assess(run_of(source), source.startup(), source.stages(), now)
+def liveness_of(source: SnapshotSource, now: float) -> Liveness:
+    """``assess`` over a snapshot source."""
+    return assess(source.run(), source.startup(), source.stages(), now)

@@ -13,7 +13,29 @@ stage file written by an older process) still parses.
 
 from __future__ import annotations
 
+from enum import Enum
+
 from pydantic import BaseModel, ConfigDict, Field
+
+from ..cache.insight import CacheInsightLive, SampledHistogram, TierLifetimes
+from ..cache.stats import CacheLive, CachePages, TierPages, TierTokens
+from ..transfer.stats import (
+    DirectionCounts,
+    Directions,
+    DurationBuckets,
+    TransferKind,
+    TransferLive,
+    TransferSplit,
+)
+
+#: The typed parts a stage's numbers are made of, re-exported where every reader finds them.
+__all__ = [
+    "DECISIONS", "DECISION_NAMES", "STAGE_PHASES", "TIMELINE_EVENTS", "CacheInsightLive", "CacheLive",
+    "CachePages", "CapacityLive", "DirectionCounts", "Directions", "Disagreement", "DurationBuckets",
+    "HostTierLive", "L3Directions", "L3Live", "PageSpace", "Phase", "PoolBytes", "PoolOccupancy",
+    "RunInfo", "SampledHistogram", "StageAgreement", "StageLive", "TierLifetimes", "TierPages",
+    "TierTokens", "TimelineEvent", "TransferKind", "TransferLive", "TransferSplit",
+]
 
 #: The decisions every stage must take alike for each request, each with its one meaning: a stage
 #: whose value differs from the agreed one disagrees (``serve.agreement``).
@@ -26,40 +48,26 @@ DECISIONS: dict[str, str] = {
 DECISION_NAMES = tuple(DECISIONS)
 
 
+class Phase(str, Enum):
+    """Where a stage, or the whole run (``RunInfo``), is: one vocabulary for every reader."""
+
+    STARTING = "starting"
+    SERVING = "serving"
+    REFUSED = "refused"  # startup validation refused the stages' pools
+    DONE = "done"
+    FAILED = "failed"
+    INTERRUPTED = "interrupted"  # the run only: Ctrl-C or SIGTERM
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: The phases a stage reports (``StageLive.phase``); ``interrupted`` is the run's only.
+STAGE_PHASES: tuple[Phase, ...] = tuple(p for p in Phase if p is not Phase.INTERRUPTED)
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-class TierTokens(_Model):
-    """Prompt tokens by where the prefix cache found them."""
-
-    device: int = 0
-    host: int = 0
-    storage: int = 0  # found in L3 (read back whole, through the host tier)
-    miss: int = 0
-
-    @property
-    def looked_up(self) -> int:
-        return self.device + self.host + self.storage + self.miss
-
-
-class TierPages(_Model):
-    """A per-tier page count (evictions: device = left the device tier, host = left the host)."""
-
-    device: int = 0
-    host: int = 0
-
-
-class Directions(_Model):
-    """One figure per transfer direction: d2h = backup to host, h2d = load from host."""
-
-    d2h: float = 0.0
-    h2d: float = 0.0
-
-
-class DirectionCounts(_Model):
-    d2h: int = 0
-    h2d: int = 0
 
 
 class PageSpace(_Model):
@@ -94,57 +102,6 @@ class PoolBytes(_Model):
 
     device: int = 0
     host: int = 0
-
-
-class DurationBuckets(_Model):
-    """Cumulative transfer-duration histogram: ``le`` upper bounds (s), counts per direction.
-
-    Each count list has ``len(le) + 1`` entries, the last being +Inf (= the total count).
-    """
-
-    le: list[float] = Field(default_factory=list)
-    d2h: list[int] = Field(default_factory=list)
-    h2d: list[int] = Field(default_factory=list)
-
-
-# -- transfers: queue wait vs DMA time per direction and pool kind -------------------------------
-
-
-class TransferKind(_Model):
-    """One (direction, pool kind) of a stage's transfers (the rule: ``runtime/transfer/stats.py``).
-
-    ``queue_seconds``: each transfer that moved the kind adds its whole wait (call to copy
-    start); ``dma_seconds``: the kind's byte share of each transfer's measured copy time, so
-    ``bytes / dma_seconds`` is the bandwidth.  Histograms are cumulative over
-    ``TransferSplit.le``, ``len(le) + 1`` entries, the last being +Inf (= ``moves``).
-    """
-
-    bytes: int = 0
-    moves: int = Field(0, description="transfers that moved this kind")
-    queue_seconds: float = 0.0
-    dma_seconds: float = 0.0
-    queue_buckets: list[int] = Field(default_factory=list)
-    dma_buckets: list[int] = Field(default_factory=list)
-
-
-class TransferSplit(_Model):
-    """Queue wait vs DMA time: per-transfer queue seconds by direction, and per pool kind."""
-
-    le: list[float] = Field(default_factory=list, description="histogram upper bounds (s)")
-    queue_seconds: Directions = Field(
-        default_factory=Directions, description="seconds transfers waited from the call to the "
-        "copy's start, each transfer once (DMA seconds: StageLive.transfer_seconds)")
-    d2h: dict[str, TransferKind] = Field(default_factory=dict)
-    h2d: dict[str, TransferKind] = Field(default_factory=dict)
-
-
-class CachePages(_Model):
-    """Pages the stage's HiCache moved or lost, by reason."""
-
-    backup: int = 0
-    load: int = 0
-    dropped: int = 0
-    backup_skipped: int = 0
 
 
 # -- host-tier sanity and pool occupancy (issue 19: points 5 and 6) ---------------------------------
@@ -191,40 +148,6 @@ class PoolOccupancy(_Model):
 
 
 # -- cache insight and stage agreement: why lookups missed, entry lifetimes, do stages agree ----
-
-
-class SampledHistogram(_Model):
-    """A sampled histogram: ``le`` upper bounds, cumulative ``counts`` (the last is +Inf), ``sum``."""
-
-    le: list[float] = Field(default_factory=list)
-    counts: list[int] = Field(default_factory=list)
-    sum: float = 0.0
-
-
-class TierLifetimes(_Model):
-    """One tier's sampled histograms (``CacheInsightLive.clock`` units)."""
-
-    lifetime: SampledHistogram = Field(default_factory=SampledHistogram,
-                                       description="insert to eviction")
-    idle: SampledHistogram = Field(default_factory=SampledHistogram,
-                                   description="last use to eviction")
-    reuse_gap: SampledHistogram = Field(default_factory=SampledHistogram,
-                                        description="previous use to a hit in this tier")
-
-
-class CacheInsightLive(_Model):
-    """Why the stage's lookups missed, and how long its entries live (``cache/insight.py``)."""
-
-    clock: str = Field("seconds", description="unit of the histograms: seconds or requests")
-    sample_every: int = Field(1, description="lifetimes: every n-th lookup's entries are watched")
-    miss_tokens: dict[str, dict[str, int]] = Field(
-        default_factory=dict, description="tier -> miss reason -> tokens; per tier the reasons "
-        "sum to the tier's misses (device: not on device; host: found nowhere)")
-    device: TierLifetimes = Field(default_factory=TierLifetimes)
-    host: TierLifetimes = Field(default_factory=TierLifetimes)
-    seen_keys: int = Field(0, description="keys of evicted pages remembered (miss reasons)")
-    seen_bytes: int = Field(0, description="bytes those remembered keys take")
-    skewed_pages: int = Field(0, description="pages lost on purpose (--fault radix-skew)")
 
 
 class Disagreement(_Model):
@@ -295,8 +218,12 @@ class CapacityLive(_Model):
     stranded_bytes: int = Field(0, description="device bytes the minimum leaves unused on the stage")
 
 
-class StageLive(_Model):
-    """Everything one PP stage reports while it runs (``stage-<k>.json``)."""
+class StageLive(CacheLive, TransferLive):
+    """Everything one PP stage reports while it runs (``stage-<k>.json``): its prefix-cache
+    numbers (``CacheLive``, made by ``CacheStats.live()``) and transfer numbers
+    (``TransferLive``, made by ``TransferStats.live()``) as those produce them, and the rest."""
+
+    model_config = ConfigDict(extra="forbid")
 
     stage: int
     model_name: str = ""
@@ -305,7 +232,7 @@ class StageLive(_Model):
     heartbeat_at: float | None = Field(
         None, description="unix time of the stage process's last heartbeat (None: never beat)")
     pid: int | None = None
-    phase: str = Field("starting", description="starting, serving, refused, done or failed")
+    phase: Phase = Field(Phase.STARTING, description="starting, serving, refused, done or failed")
     error: str | None = Field(None, description="the stage's own last error, if it failed")
     started_at: float = 0.0
     start_layer: int | None = None
@@ -315,23 +242,8 @@ class StageLive(_Model):
     requests: int = Field(0, description="requests finished")
     total_steps: int = 0
     total_requests: int = 0
-    cache_tokens: TierTokens = Field(default_factory=TierTokens)
-    host_hit_ratio: float = Field(0.0, description="derived, since start: host-hit / looked-up "
-                                  "tokens (exporters and charts use rates of the counters)")
-    evictions: TierPages = Field(default_factory=TierPages)
-    transfer_bytes: DirectionCounts = Field(default_factory=DirectionCounts)
-    transfer_seconds: Directions = Field(default_factory=Directions)
-    transfer_count: DirectionCounts = Field(default_factory=DirectionCounts)
-    bandwidth_bytes_per_second: Directions = Field(
-        default_factory=Directions, description="derived, since start: transfer bytes / seconds "
-        "(exporters and charts use rates of the counters)")
-    transfer_seconds_buckets: DurationBuckets = Field(default_factory=DurationBuckets)
-    transfer_split: TransferSplit = Field(
-        default_factory=TransferSplit, description="queue wait vs DMA time, per direction and pool kind "
-        "(empty where the source reports no split)")
     page_spaces: dict[str, PageSpace] = Field(default_factory=dict)
     pool_bytes: dict[str, PoolBytes] = Field(default_factory=dict)
-    cache_pages: CachePages = Field(default_factory=CachePages)
     kv_verified_pages: int = 0
     computed_rows: int = 0
     stage_seconds: float = Field(0.0, description="seconds of the stage's own work")
@@ -367,8 +279,8 @@ class RunInfo(_Model):
     typed record that survives the failed stage and stays until the parent exits.
     """
 
-    phase: str = Field("starting",
-                       description="starting, serving, done, refused, failed or interrupted")
+    phase: Phase = Field(Phase.STARTING,
+                         description="starting, serving, done, refused, failed or interrupted")
     failure: str | None = Field(None, description="why the run stopped, naming the stage")
     failed_stage: int | None = Field(None, description="the stage the failure names, if one")
     failed_at: float | None = Field(None, description="unix time the failure was detected")

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..validation.report import StartupReport
 from .liveness import Liveness, assess
 from .numbers import RunInfo, StageLive
 
@@ -131,11 +132,6 @@ def _parse_stage(data: bytes, stage: int) -> StageLive:
     return live if live.stage == stage else live.model_copy(update={"stage": stage})
 
 
-def _parse_dict(data: bytes) -> dict[str, Any] | None:
-    value = json.loads(data)
-    return value if isinstance(value, dict) else None
-
-
 class RunDirSource:
     """What the stage processes last reported, read from the run directory on every call.
 
@@ -150,9 +146,9 @@ class RunDirSource:
         #: Failed writes of run.json / snapshot.json by the serving parent (each retried).
         self.write_failures = 0
 
-    def startup(self) -> dict[str, Any] | None:
+    def startup(self) -> StartupReport | None:
         """The startup report rank 0 wrote, or None while stages are still starting."""
-        return self._files.get(str(self.run_dir / STARTUP_FILE), _parse_dict)
+        return self._files.get(str(self.run_dir / STARTUP_FILE), StartupReport.model_validate_json)
 
     def stages(self) -> dict[int, StageLive]:
         return self._files.stages(self.run_dir)
@@ -167,9 +163,9 @@ class RunDirSource:
 
     def snapshot(self) -> dict[str, Any]:
         """One JSON document with everything: ``{"run", "startup", "stages"}`` (``snapshot.json``)."""
-        run = self.run()
+        run, startup = self.run(), self.startup()
         return {
             "run": run.model_dump(mode="json") if run is not None else None,
-            "startup": self.startup(),
+            "startup": startup.to_dict() if startup is not None else None,
             "stages": {str(k): v.model_dump(mode="json") for k, v in self.stages().items()},
         }

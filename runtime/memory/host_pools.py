@@ -37,7 +37,6 @@ from __future__ import annotations
 import torch
 
 from ..errors import ConfigError
-from ..model.pool_kinds import HOST_CACHED
 from ..plan.sizing import host_pages_for
 from .allocator import PageAllocator
 from .host_tier import fit_advice, fmt_bytes, ram_budget, read_meminfo
@@ -65,9 +64,10 @@ class HostPools(StageBuffers):
         self.layout = layout
         #: Per mirrored kind, the present flag of each buffer (the device side's: a None device
         #: buffer has no host mirror); kinds the host tier does not hold map to ().
-        self.mirrored = {p: tuple(b is not None for b in dp.buffers[p]) if p in HOST_CACHED else ()
+        cached = {p.pool for p in self.plan.pools if p.kind.host_cached}
+        self.mirrored = {p: tuple(b is not None for b in dp.buffers[p]) if p in cached else ()
                          for p in dp.buffers}
-        self.kind_pages = {p.pool: p.host_pages for p in self.plan.pools if p.pool in HOST_CACHED}
+        self.kind_pages = {p.pool: p.host_pages for p in self.plan.pools if p.pool in cached}
         #: The host page-id space: pages of the full-token budget.
         self.num_pages = self.plan.host_pages
         self._check_fits()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..model.pool_kinds import KINDS, POOLS
+from ..model.pool_kinds import PoolKind
 from .allocator import PageAllocator
 from .host_pools import HostPools
 from .pools import StagePools
@@ -48,8 +48,8 @@ class Occupancy:
         return self.used / self.capacity if self.capacity else 0.0
 
 
-def _row(pool: str, tier: str, capacity: int, allocator: PageAllocator, unit_bytes: int) -> Occupancy:
-    return Occupancy(pool, tier, "page" if KINDS[pool].paged else "slot",
+def _row(kind: PoolKind, tier: str, capacity: int, allocator: PageAllocator, unit_bytes: int) -> Occupancy:
+    return Occupancy(kind.name, tier, "page" if kind.paged else "slot",
                      allocator.used_below(capacity), capacity, min(allocator.peak_used, capacity),
                      unit_bytes)
 
@@ -57,15 +57,16 @@ def _row(pool: str, tier: str, capacity: int, allocator: PageAllocator, unit_byt
 def stage_occupancy(pools: StagePools, host: HostPools | None = None) -> list[Occupancy]:
     """Every pool kind the stage holds buffers of, device rows then host rows (display order)."""
     rows = []
-    for p in POOLS:
-        n = pools.plan.pool(p).present
+    for plan in pools.plan.pools:
+        p, n = plan.pool, plan.present
         if not n:
             continue
-        alloc = pools.allocator if KINDS[p].paged else pools.slot_allocator
-        rows.append(_row(p, "device", pools.units[p], alloc, n * pools.page_bytes(p)))
+        alloc = pools.allocator if plan.kind.paged else pools.slot_allocator
+        rows.append(_row(plan.kind, "device", pools.units[p], alloc, n * pools.page_bytes(p)))
     if host is not None:
-        for p in POOLS:
-            n = sum(host.mirrored.get(p, ()))
+        for plan in pools.plan.pools:
+            n = sum(host.mirrored.get(plan.pool, ()))
             if n:
-                rows.append(_row(p, "host", host.kind_pages[p], host.allocator, n * host.page_bytes(p)))
+                rows.append(_row(plan.kind, "host", host.kind_pages[plan.pool], host.allocator,
+                                 n * host.page_bytes(plan.pool)))
     return rows

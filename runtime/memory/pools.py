@@ -3,8 +3,8 @@
 Each buffer is a ``torch.uint8`` tensor ``(units, page_bytes)``: raw bytes keep
 copies bit-exact whatever the element types inside (FP8, BF16, FP32 scales),
 and a page is one contiguous row, which is what the transfer kernels gather.
-Units are pages of the kind's token budget, or request slots for the per-request
-``c128_state``; both, and every buffer count, come from the ``StagePlan``.
+Units are pages of the kind's token budget, or request slots for a per-request kind
+(DeepSeek V4's ``c128_state``); both, and every buffer count, come from the ``StagePlan``.
 
 The runtime keeps one page-id space per stage: page ``p`` of every paged pool
 is token page ``p``, so a single ``PageAllocator`` serves all pools and one page
@@ -15,10 +15,9 @@ buffer): ``serve --fault`` builds genuinely wrong pools, and validation
 (``inventory()`` against the layer map) runs on those real tensors.  The pools
 never validate themselves: memory allocates plans, validation checks them.
 
-Every lookup goes through the one global -> stage-local translation
-(``get_raw_buffer`` and the per-kind ``get_swa_raw_buffer`` & co., as sglang's
-``DeepSeekV4TokenToKVPool``): serve, the transfer selection and the KV writer
-address buffers by global layer id only.
+Every lookup goes through the one global -> stage-local translation (``get_raw_buffer``,
+as sglang's ``get_swa_raw_buffer`` is for its DeepSeek V4 pool): serve, the transfer selection
+and the KV writer address buffers by global layer id only.
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ import torch
 
 from ..errors import ConfigError, LayerNotOwnedError
 from ..model.layer_map import StageLayerMap
-from ..model.pool_kinds import KINDS
 from ..plan.inventory import PoolInventory
 from ..plan.plan import StagePlan, select_kinds
 from ..plan.sizing import TokenBudget
@@ -47,14 +45,6 @@ def available_memory_bytes(device: torch.device) -> int | None:
         mem = read_meminfo()
         return None if mem is None else ram_budget(mem)
     return None  # meta and other devices: no limit we can know
-
-
-def _lookup(pool: str):  # noqa: ANN202 - a method
-    def get(self: StageBuffers, global_layer_id: int) -> torch.Tensor:
-        return self.get_raw_buffer(pool, global_layer_id)
-
-    get.__doc__ = f"The {KINDS[pool].label} buffer of a global layer (``get_raw_buffer('{pool}', ...)``)."
-    return get
 
 
 class StageBuffers:
@@ -79,7 +69,7 @@ class StageBuffers:
         return tuple(p.pool for p in self.plan.pools if p.buffers)
 
     def page_bytes(self, pool: str) -> int:
-        """Bytes of one page (one request slot for ``c128_state``) of one buffer of ``pool``."""
+        """Bytes of one page (one request slot for a per-request kind) of one buffer of ``pool``."""
         return self.plan.pool(pool).page_bytes
 
     def inventory(self) -> PoolInventory:
@@ -99,19 +89,9 @@ class StageBuffers:
             held = "is None" if index < len(bufs) else f"is missing (the pool holds {len(bufs)})"
             raise LayerNotOwnedError(
                 f"{self.where} (global layers [{m.start}, {m.end})): global layer {global_layer_id} "
-                f"maps to {KINDS[pool].label} buffer {index}, which {held}"
+                f"maps to {m.kind(pool).label} buffer {index}, which {held}"
             )
         return buf
-
-    # The per-kind lookups, as sglang's pool names them (``get_swa_raw_buffer`` is the call the
-    # PP + HiCache bug got wrong): each is ``get_raw_buffer`` of its kind.
-    get_swa_raw_buffer = _lookup("swa")
-    get_c4_raw_buffer = _lookup("c4")
-    get_c128_raw_buffer = _lookup("c128")
-    get_indexer_raw_buffer = _lookup("indexer")
-    get_c4_state_buffer = _lookup("c4_state")
-    get_c128_state_buffer = _lookup("c128_state")
-    get_c4_indexer_state_buffer = _lookup("c4_indexer_state")
 
     def pool_page_bytes(self) -> dict[str, int]:
         """Per pool kind, one page (slot) over its real tensors: what ``serve`` reports, measured."""
@@ -141,7 +121,7 @@ class StagePools(StageBuffers):
             for p in self.plan.pools
         }
         self.allocator = PageAllocator(self.num_pages, f"stage {plan.stage} device")
-        #: Request slots of the per-request kinds (``c128_state``): one per request in flight.
+        #: Request slots of the per-request kinds: one per request in flight.
         self.slot_allocator = PageAllocator(self.plan.budget.request_slots, f"stage {plan.stage} request slots")
 
     @property

@@ -1,9 +1,16 @@
 """Per-stage layer maps: the one place global layer ids become stage-local indices.
 
-Every consumer -- pools, host pools, transfer controller, exporters, dashboard --
-reads the ``StageLayerMap`` built here instead of recomputing ids.  The classic
-PP + HiCache bug was exactly two places disagreeing about this mapping (a pool
-sized by the global layer count, indexed with local ids by the host stack).
+Every consumer -- pools, host pools, transfer controller, exporters, dashboard, the sglang
+integration -- reads the ``StageLayerMap`` built here instead of recomputing ids.  The classic
+PP + HiCache bug was exactly two places disagreeing about this mapping (a pool sized by the
+global layer count, indexed with local ids by the host stack).
+
+A layer's entry (``LayerEntry``) is typed by its model family: DeepSeek V4's carries its
+compress ratio and compress ids, another family's its own kind and ids.  What every consumer
+needs of an entry is its kind (``entry.kind``) and its id in a numbering (``entry.id_in``);
+which numbering indexes which pool is the pool kind's ``id_space``.  The entries and maps are
+pydantic models: the same objects are the plan's, the startup report's and the JSON that
+crosses processes and ranks.
 """
 
 from __future__ import annotations
@@ -13,44 +20,76 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, model_validator
+
 from ..errors import ConfigError, LayerNotOwnedError
 from .partition import StageSlice, partition_layers
-from .pool_kinds import KINDS, POOLS, kind
+from .pool_kinds import LOCAL, PoolKind
 from .spec import ModelSpec
 
 
 @dataclass(frozen=True)
-class LayerEntry:
-    """One layer of a stage: its ids in every numbering that matters."""
+class IdSpace:
+    """A numbering of a stage's layers that indexes pool buffers: the stage's layers of the
+    ``owners`` kinds count up from 0 in local order (``per_kind``: each owner kind on its own,
+    as DeepSeek V4 numbers its C4 and C128 layers)."""
 
-    local: int
-    global_id: int
-    compress_ratio: int
-    compress_layer_id: int | None  # index in this stage's pool of that ratio; None for ratio 0
-    c4_state_id: int | None  # index among this stage's ratio-4 layers; None otherwise
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "local": self.local,
-            "global": self.global_id,
-            "compress_ratio": self.compress_ratio,
-            "compress_layer_id": self.compress_layer_id,
-            "c4_state_id": self.c4_state_id,
-        }
+    name: str  # the entry field that holds the id
+    owners: frozenset[str]
+    per_kind: bool = False
+    text: str = ""  # the id in a message ("compress id")
 
 
-@dataclass(frozen=True)
-class StageLayerMap:
-    """The layers a PP stage owns, built once per stage and shared by every consumer."""
+class LayerEntry(BaseModel):
+    """One layer of a stage: its ids in every numbering that matters (a family adds its fields)."""
 
-    stage: int
-    start: int
-    end: int
-    layers: tuple[LayerEntry, ...]
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    local: int = Field(ge=0, description="the layer's index in its stage")
+    global_id: int = Field(ge=0, alias="global", description="the layer's index in the model")
 
     @property
-    def local_layers(self) -> int:
-        return len(self.layers)
+    def kind(self) -> str:
+        """The layer's cache kind (one of its family's ``layer_kinds``)."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """What the layer is, in a message ("compress ratio 4")."""
+        return f"layer kind {self.kind}"
+
+    def id_in(self, space: str) -> int | None:
+        """The layer's id in numbering ``space`` (``LOCAL``: its local id)."""
+        return self.local if space == LOCAL else getattr(self, space)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", by_alias=True)
+
+    @classmethod
+    def make(cls, local: int, global_id: int, kind: str, ids: dict[str, int | None]) -> LayerEntry:
+        """The entry of a layer of ``kind`` with its ``ids`` (one per id space of the family)."""
+        raise NotImplementedError
+
+
+class StageLayerMap(BaseModel):
+    """The layers a PP stage owns, built once per stage and shared by every consumer."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    stage: int = Field(ge=0)
+    start: int = Field(alias="start_layer", description="first global layer of the stage")
+    end: int = Field(alias="end_layer", description="one past the stage's last global layer")
+    local_layers: int = Field(ge=0, description="layers the stage owns")
+    layers: tuple[SerializeAsAny[LayerEntry], ...] = Field(
+        description="every layer of the stage, in local order, with its family's fields")
+    #: the family's pool kinds: which layers own a buffer in each, and by which id
+    kinds: tuple[PoolKind, ...] = Field(exclude=True, repr=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _count_layers(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "local_layers" not in data:
+            data = {**data, "local_layers": len(data.get("layers", ()))}
+        return data
 
     @property
     def slice(self) -> StageSlice:
@@ -59,25 +98,35 @@ class StageLayerMap:
     def owns(self, global_layer_id: int) -> bool:
         return self.start <= global_layer_id < self.end
 
+    def kind(self, pool: str) -> PoolKind:
+        """The pool kind named ``pool`` (a ConfigError listing the stage's kinds otherwise)."""
+        for k in self.kinds:
+            if k.name == pool:
+                return k
+        raise ConfigError(f"unknown pool {pool!r}; pools are {', '.join(self.pools)}")
+
+    @property
+    def pools(self) -> tuple[str, ...]:
+        return tuple(k.name for k in self.kinds)
+
     # -- maps (local -> index in a pool) ---------------------------------------------------
     @cached_property
-    def _pool_maps(self) -> dict[str, dict[int, int]]:
-        return {k.name: {e.local: k.index_of(e) for e in self.layers if k.owns(e.compress_ratio)}
-                for k in KINDS.values()}
+    def _pool_maps(self) -> dict[str, dict[int, int | None]]:
+        return {k.name: {e.local: k.index_of(e) for e in self.layers if k.owns(e.kind)}
+                for k in self.kinds}
 
-    def pool_map(self, pool: str) -> dict[int, int]:
-        """local layer id -> buffer index in ``pool``, for the layers that have one (``swa``:
-        every layer, local id -> local id; ``c4``/``c128``: the stage's layers of that ratio)."""
-        return self._pool_maps[kind(pool).name]
+    def pool_map(self, pool: str) -> dict[int, int | None]:
+        """local layer id -> buffer index in ``pool``, for the layers that have one."""
+        return self._pool_maps[self.kind(pool).name]
 
     def pool_layers(self, pool: str) -> tuple[LayerEntry, ...]:
         """The layers of this stage that hold a buffer in ``pool``, in local order."""
-        k = kind(pool)
-        return tuple(e for e in self.layers if k.owns(e.compress_ratio))
+        k = self.kind(pool)
+        return tuple(e for e in self.layers if k.owns(e.kind))
 
     def expected_buffers(self) -> dict[str, int]:
         """How many buffers each pool of this stage must hold: its local layers of that kind."""
-        return {pool: len(self.pool_layers(pool)) for pool in POOLS}
+        return {k.name: len(self._pool_maps[k.name]) for k in self.kinds}
 
     # -- translation global -> local ------------------------------------------------------
     def local_id(self, global_layer_id: int) -> int:
@@ -94,42 +143,45 @@ class StageLayerMap:
         local = self.local_id(global_layer_id)
         index = self.pool_map(pool).get(local)
         if index is None:
-            ratio = self.layers[local].compress_ratio
             raise LayerNotOwnedError(
-                f"stage {self.stage}: global layer {global_layer_id} has compress ratio {ratio} "
-                f"and no {KINDS[pool].label} buffer"
+                f"stage {self.stage}: global layer {global_layer_id} has "
+                f"{self.layers[local].describe()} and no {self.kind(pool).label} buffer"
             )
         return index
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "stage": self.stage,
-            "start_layer": self.start,
-            "end_layer": self.end,
-            "local_layers": self.local_layers,
-            "layers": [e.to_dict() for e in self.layers],
-        }
+        return self.model_dump(mode="json", by_alias=True, include=set(StageLayerMap.model_fields))
+
+    def with_layers(self, start: int, end: int, layers: Sequence[LayerEntry]) -> StageLayerMap:
+        """This stage with another range and entries (what a fault computes)."""
+        return StageLayerMap(stage=self.stage, start=start, end=end, layers=tuple(layers),
+                             kinds=self.kinds)
 
 
-def build_stage_map(spec: ModelSpec, stage: int, start: int, end: int) -> StageLayerMap:
-    """Build a stage's map: compress ids count only *this stage's* layers of each ratio."""
+def number_layers(spec: ModelSpec, stage: int, start: int, end: int) -> StageLayerMap:
+    """A stage's map: each id space counts only *this stage's* layers of its owner kinds."""
     if not 0 <= start <= end <= spec.num_layers:
         raise ConfigError(
             f"stage {stage}: layer range [{start}, {end}) is outside the model's "
             f"{spec.num_layers} layers"
         )
-    counters = {4: 0, 128: 0}
+    family = spec.family
+    kinds = spec.layer_kinds
+    counters: dict[tuple[str, str | None], int] = {}
     entries = []
     for local, global_id in enumerate(range(start, end)):
-        ratio = spec.compress_ratios[global_id]
-        compress_id = c4_state_id = None
-        if ratio in counters:
-            compress_id = counters[ratio]
-            counters[ratio] += 1
-            if ratio == 4:
-                c4_state_id = compress_id
-        entries.append(LayerEntry(local, global_id, ratio, compress_id, c4_state_id))
-    return StageLayerMap(stage, start, end, tuple(entries))
+        kind = kinds[global_id]
+        ids: dict[str, int | None] = {}
+        for space in family.id_spaces:
+            if kind not in space.owners:
+                ids[space.name] = None
+                continue
+            key = (space.name, kind if space.per_kind else None)
+            ids[space.name] = counters.get(key, 0)
+            counters[key] = ids[space.name] + 1
+        entries.append(family.entry.make(local, global_id, kind, ids))
+    return StageLayerMap(stage=stage, start=start, end=end, layers=tuple(entries),
+                         kinds=family.pool_kinds)
 
 
 @dataclass(frozen=True)
@@ -157,5 +209,5 @@ def build_layout(
     if tp_size < 1:
         raise ConfigError(f"--tp-size must be >= 1, got {tp_size}")
     slices = partition_layers(spec.num_layers, pp_size, partition)
-    stages = tuple(build_stage_map(spec, s.stage, s.start, s.end) for s in slices)
+    stages = tuple(number_layers(spec, s.stage, s.start, s.end) for s in slices)
     return ModelLayout(spec, tp_size, stages)

@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..model.spec import ModelSpec
+from pydantic import BaseModel, ConfigDict, Field
 
-#: The KV dtype of every pool stagecache models: sglang 0.5.23's V4 FP8 layout (FP8 nope,
-#: BF16 rope, UE8M0 scales) and FP8 indexer keys.
-KV_DTYPE = "fp8_v4"
+from ..model.spec import ModelSpec
 
 
 def config_hash(spec: ModelSpec) -> str:
@@ -27,29 +24,40 @@ def config_hash(spec: ModelSpec) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
-@dataclass(frozen=True)
-class Fingerprint:
-    """The fields a deployment's stages must share (see the module docstring)."""
+class Fingerprint(BaseModel):
+    """The fields a deployment's stages must share (see the module docstring); positional like the
+    record it is, bounded like anything that may arrive from another rank."""
 
-    model: str
-    config_hash: str
-    kv_dtype: str
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str = Field(max_length=256)
+    config_hash: str = Field(max_length=64)
+    kv_dtype: str = Field(max_length=64)
     page_size: int
     pp_size: int
     tp_size: int
-    partition: tuple[int, ...]  # layers per stage, in stage order (explicit or sglang's even split)
+    #: layers per stage, in stage order (explicit or sglang's even split)
+    partition: tuple[int, ...] = Field(max_length=4096)
+
+    def __init__(self, model: str, config_hash: str, kv_dtype: str, page_size: int, pp_size: int,
+                 tp_size: int, partition: tuple[int, ...]):
+        super().__init__(model=model, config_hash=config_hash, kv_dtype=kv_dtype, page_size=page_size,
+                         pp_size=pp_size, tp_size=tp_size, partition=partition)
+
+    def _fields(self) -> dict[str, Any]:
+        return {**self.model_dump(), "partition": list(self.partition)}
 
     @property
     def digest(self) -> str:
         """16 hex digits over every field but the display name: equal digests, one deployment."""
-        fields = asdict(self)
+        fields = self._fields()
         fields.pop("model")
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
     def differences(self, other: Fingerprint) -> list[str]:
         """``field: mine != theirs`` for every field (but the name) that differs."""
-        mine, theirs = asdict(self), asdict(other)
+        mine, theirs = self._fields(), other._fields()
         return [f"{k}: {mine[k]!r} != {theirs[k]!r}" for k in mine if k != "model" and mine[k] != theirs[k]]
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "partition": list(self.partition), "digest": self.digest}
+        return {**self._fields(), "digest": self.digest}

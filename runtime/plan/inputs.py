@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from .. import defaults
+from ..model.families import load_spec
 from ..model.partition import parse_partition
-from ..model.spec import load_spec
 from .faults import parse_faults
 from .plan import RunPlan, Sizing, build_plan
 
@@ -29,4 +29,4 @@ def resolve_plan(
     """Load the spec, partition with sglang's rules, size the pools, apply the faults."""
     spec = load_spec(model)
     return build_plan(spec, pp_size, tp_size=tp_size, partition=parse_partition(pp_partition),
-                      page_size=page_size, sizing=sizing, faults=parse_faults(faults, pp_size))
+                      page_size=page_size, sizing=sizing, faults=parse_faults(faults, pp_size, spec.family))

@@ -10,8 +10,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ..model.pool_kinds import POOLS
-
 
 @dataclass(frozen=True)
 class PoolInventory:
@@ -28,6 +26,6 @@ class PoolInventory:
                    if bufs is not None}
         return cls(stage, present)
 
-    def counts(self) -> dict[str, int]:
-        """Buffers per pool kind, None ones included (every kind, 0 where never built)."""
-        return {pool: len(self.buffers.get(pool, ())) for pool in POOLS}
+    def counts(self, pools: Sequence[str]) -> dict[str, int]:
+        """Buffers per pool kind of ``pools``, None ones included (0 where never built)."""
+        return {pool: len(self.buffers.get(pool, ())) for pool in pools}

@@ -14,10 +14,10 @@ Two sizings (``Sizing``):
 * ``runtime`` -- stagecache's own pools: ``device_pages`` pages of every paged kind (one
   page-id space: SWA pages == full pages), ``request_slots`` slots of the per-request kind,
   host pages by ``--hicache-ratio`` (or a page count); tensors hold exactly their budget;
-* ``sglang`` -- what sglang 0.5.23 allocates for DeepSeek-V4: ``--max-total-tokens`` or the
-  full tokens a per-stage memory budget fits (the minimum over stages: sglang all-reduces
-  the capacity with MIN), a tenth of them for the SWA kinds, 257 request slots, and the few
-  reserved rows sglang's tensors carry.  With a memory budget each stage also gets its
+* ``sglang`` -- what sglang 0.5.23 allocates: ``--max-total-tokens`` or the full tokens a
+  per-stage memory budget fits (the minimum over stages: sglang all-reduces the capacity with
+  MIN), a fraction of them for the SWA kinds (a tenth for DeepSeek V4), 257 request slots, and
+  the few reserved rows sglang's tensors carry.  With a memory budget each stage also gets its
   ``Capacity``: what it could hold alone and the bytes the minimum strands on it.
 
 Faults are plan -> plan functions (``apply_faults``): a faulted plan has the faulty layer
@@ -36,13 +36,12 @@ from .. import defaults
 from ..errors import ConfigError
 from ..model.layer_map import ModelLayout, StageLayerMap, build_layout
 from ..model.partition import StageSlice
-from ..model.pool_kinds import KINDS, POOLS, KindTable, kind, kind_table
+from ..model.pool_kinds import KindTable, PoolKind
 from ..model.spec import ModelSpec
 from .faults import Fault, apply_layout_faults, fault_names, faulty_buffers
-from .fingerprint import KV_DTYPE, Fingerprint, config_hash
+from .fingerprint import Fingerprint, config_hash
 from .inventory import PoolInventory
 from .sizing import (
-    HICACHE_SIZE_REFUSED,
     TokenBudget,
     host_pages_for,
     runtime_budget,
@@ -63,6 +62,7 @@ class Sizing:
     device_pages: int | None = None
     request_slots: int = defaults.MICRO_BATCH
     host_pages: int | None = None  # a host page count instead of the ratio (benchmarks)
+    hicache_size_bytes: int | None = None  # a host size instead of the ratio (where allowed)
     # sglang
     max_total_tokens: int | None = None
     mem_budget_bytes: tuple[int, ...] | None = None  # per stage, or one entry for every stage
@@ -87,9 +87,8 @@ class Sizing:
                mem_budget_bytes: int | Sequence[int] | None = None, swa_ratio: float | None = None,
                max_running_requests: int = defaults.MAX_RUNNING_REQUESTS,
                hicache_ratio: float | None = None, hicache_size_bytes: int | None = None) -> Sizing:
-        """sglang's flags; a host size in bytes is refused for DeepSeek-V4, as sglang refuses it."""
-        if hicache_size_bytes is not None:
-            raise ConfigError(HICACHE_SIZE_REFUSED)
+        """sglang's flags (a family whose sglang refuses a host size in bytes refuses it at
+        ``build_plan``)."""
         if max_total_tokens is not None and mem_budget_bytes is not None:
             raise ConfigError("give --max-total-tokens or a memory budget, not both")
         budgets = None
@@ -97,7 +96,7 @@ class Sizing:
             budgets = ((mem_budget_bytes,) if isinstance(mem_budget_bytes, int)
                        else tuple(int(b) for b in mem_budget_bytes))
         return cls("sglang", defaults.HICACHE_RATIO if hicache_ratio is None else hicache_ratio,
-                   max_total_tokens=max_total_tokens, mem_budget_bytes=budgets,
+                   hicache_size_bytes=hicache_size_bytes, max_total_tokens=max_total_tokens, mem_budget_bytes=budgets,
                    swa_ratio=defaults.SWA_FULL_TOKENS_RATIO if swa_ratio is None else swa_ratio,
                    max_running_requests=max_running_requests)
 
@@ -127,7 +126,7 @@ class Sizing:
 class PoolPlan:
     """One pool kind of one stage: its buffers and what each one costs, device and host."""
 
-    pool: str
+    kind: PoolKind
     buffers: tuple[bool, ...]  # one per buffer a constructor makes; False = left None (a fault)
     row_bytes: int
     rows_per_page: int
@@ -136,6 +135,10 @@ class PoolPlan:
     tensor_rows: int  # first dimension of each device tensor (sglang's reserved rows included)
     tensor_row_bytes: int
     host_pages: int  # per buffer; 0 for a kind the host tier does not mirror
+
+    @property
+    def pool(self) -> str:
+        return self.kind.name
 
     @property
     def present(self) -> int:
@@ -154,10 +157,10 @@ class PoolPlan:
     @property
     def token_page_bytes(self) -> int:
         """One token page over every buffer (0 for a per-request kind)."""
-        return self.present * self.page_bytes if KINDS[self.pool].paged else 0
+        return self.present * self.page_bytes if self.kind.paged else 0
 
     def to_dict(self, stage: int) -> dict[str, Any]:
-        k = KINDS[self.pool]
+        k = self.kind
         return {"stage": stage, "pool": self.pool, "buffers": len(self.buffers), "present": self.present,
                 "budget": k.budget, "host_cached": k.host_cached, "rows_per_page": self.rows_per_page,
                 "row_bytes": self.row_bytes, "page_bytes": self.page_bytes, "device_pages": self.units,
@@ -191,11 +194,12 @@ class StagePlan:
     """One PP stage of a plan: what its process allocates and validates."""
 
     layer_map: StageLayerMap
-    pools: tuple[PoolPlan, ...]  # every kind, in ``POOLS`` order
+    pools: tuple[PoolPlan, ...]  # every kind of the family, in its display order
     budget: TokenBudget
     host_pages: int  # the host tier's page-id space (full-budget pages)
     host_swa_pages: int
     sizing: Sizing
+    spec: ModelSpec = field(compare=False)
     capacity: Capacity | None = None
     fingerprint: Fingerprint | None = field(default=None, compare=False)
 
@@ -205,7 +209,7 @@ class StagePlan:
 
     def pool(self, name: str) -> PoolPlan:
         """The plan of pool kind ``name`` (a ConfigError listing the kinds otherwise)."""
-        return self.pools[POOLS.index(kind(name).name)]
+        return self.pools[self.layer_map.pools.index(self.layer_map.kind(name).name)]
 
     @property
     def buffers(self) -> dict[str, tuple[bool, ...]]:
@@ -278,7 +282,7 @@ class RunPlan:
 
     @cached_property
     def kinds(self) -> KindTable:
-        return kind_table(self.spec, self.page_size)
+        return self.spec.family.kind_table(self.spec, self.page_size)
 
     @property
     def layout(self) -> ModelLayout:
@@ -326,16 +330,18 @@ class RunPlan:
 
 def select_kinds(plan: StagePlan, kinds: Collection[str]) -> StagePlan:
     """``plan`` with only ``kinds`` kept (the other kinds get no buffer): single-kind pools."""
-    unknown = sorted(set(kinds) - set(POOLS))
+    pools = plan.layer_map.pools
+    unknown = sorted(set(kinds) - set(pools))
     if unknown or not kinds:
         raise ConfigError(f"stage {plan.stage}: unknown pool kind(s) {unknown or list(kinds)}; "
-                          f"pools are {', '.join(POOLS)}")
+                          f"pools are {', '.join(pools)}")
     pools = tuple(p if p.pool in kinds else dataclasses.replace(p, buffers=()) for p in plan.pools)
     return dataclasses.replace(plan, pools=pools)
 
 
 def fingerprint_of(spec: ModelSpec, page_size: int, tp_size: int, partition: tuple[int, ...]) -> Fingerprint:
-    return Fingerprint(spec.name, config_hash(spec), KV_DTYPE, page_size, len(partition), tp_size, partition)
+    return Fingerprint(spec.name, config_hash(spec), spec.family.kv_dtype, page_size, len(partition), tp_size,
+                       partition)
 
 
 # -- building ----------------------------------------------------------------------------------------
@@ -346,13 +352,16 @@ def build_plan(spec: ModelSpec, pp_size: int = defaults.PP_SIZE, *, tp_size: int
 
     Every bad input is a ``ConfigError`` naming the flag: the page size, the partition, sizes.
     """
-    table = kind_table(spec, page_size)  # checks the page size
+    table = spec.family.kind_table(spec, page_size)  # checks the page size
     explicit = tuple(partition) if partition is not None else None
     layout = build_layout(spec, pp_size, tp_size, explicit)
     sizing = sizing if sizing is not None else Sizing.runtime()
-    ratios = spec.compress_ratios
+    if sizing.hicache_size_bytes is not None:
+        raise ConfigError(spec.family.host_size_refused or
+                          f"--hicache-size: not modelled for {spec.family.label} models; size the "
+                          "host pools with --hicache-ratio")
     healthy = _assemble(spec, tp_size, table.page_size, explicit, sizing, (), list(layout.stages),
-                        [faulty_buffers(m, ratios) for m in layout.stages])
+                        [faulty_buffers(m, spec) for m in layout.stages])
     return apply_faults(healthy, faults)
 
 
@@ -362,9 +371,9 @@ def plan_stage(spec: ModelSpec, layer_map: StageLayerMap, *, page_size: int = de
     """The plan of one stage alone, from its layer map (and its real buffers, when read from a
     live pool): what a rank knows before it has heard from the others.  Its fingerprint is left
     empty: the partition is the deployment's, not one stage's."""
-    plan = _assemble(spec, defaults.TP_SIZE, kind_table(spec, page_size).page_size, None,
+    plan = _assemble(spec, defaults.TP_SIZE, spec.family.kind_table(spec, page_size).page_size, None,
                      sizing if sizing is not None else Sizing.runtime(), (), [layer_map],
-                     [buffers if buffers is not None else faulty_buffers(layer_map, spec.compress_ratios)])
+                     [buffers if buffers is not None else faulty_buffers(layer_map, spec)])
     return dataclasses.replace(plan.stage(0), fingerprint=None)
 
 
@@ -374,7 +383,7 @@ def apply_faults(plan: RunPlan, faults: Sequence[Fault]) -> RunPlan:
         return plan
     faults = tuple(faults)
     layout = apply_layout_faults(plan.layout, faults)
-    buffers = [faulty_buffers(m, plan.spec.compress_ratios, faults, plan.pp_size) for m in layout.stages]
+    buffers = [faulty_buffers(m, plan.spec, faults, plan.pp_size) for m in layout.stages]
     return _assemble(plan.spec, plan.tp_size, plan.page_size, plan.partition, plan.sizing,
                      plan.faults + faults, list(layout.stages), buffers)
 
@@ -382,19 +391,19 @@ def apply_faults(plan: RunPlan, faults: Sequence[Fault]) -> RunPlan:
 def _assemble(spec: ModelSpec, tp_size: int, page_size: int, partition: tuple[int, ...] | None,
               sizing: Sizing, faults: tuple[Fault, ...], maps: list[StageLayerMap],
               buffers: list[dict[str, tuple[bool, ...]]]) -> RunPlan:
-    table = kind_table(spec, page_size)
+    table = spec.family.kind_table(spec, page_size)
     counts = [{p: sum(b) for p, b in bufs.items()} for bufs in buffers]
     budget, alone = _budget(spec, table, sizing, counts)
     fp = fingerprint_of(spec, page_size, tp_size, tuple(m.local_layers for m in maps))
     host_full, host_swa = _host_space(sizing, budget)
     stages = []
     for i, (m, bufs) in enumerate(zip(maps, buffers, strict=True)):
-        pools = tuple(_pool_plan(table, sizing, budget, p, bufs[p]) for p in POOLS)
+        pools = tuple(_pool_plan(table, sizing, budget, p, bufs.get(p, ())) for p in table.pools)
         cap = None
         if alone is not None:
             cap = Capacity(sizing.stage_budget_bytes(i, len(maps)) or 0, alone[i], budget.full_tokens,
                            sum(p.device_bytes for p in pools))
-        stages.append(StagePlan(m, pools, budget, host_full, host_swa, sizing, cap, fp))
+        stages.append(StagePlan(m, pools, budget, host_full, host_swa, sizing, spec, cap, fp))
     return RunPlan(spec, tp_size, page_size, partition, sizing, faults, tuple(stages))
 
 
@@ -413,7 +422,8 @@ def _budget(spec: ModelSpec, table: KindTable, sizing: Sizing,
         full = min(alone)  # sglang all-reduces the token capacity with MIN over the PP ranks
     else:
         full = sizing.max_total_tokens or defaults.MAX_TOTAL_TOKENS
-    budget = sglang_budget(page, full, spec.sliding_window, sizing.swa_ratio, sizing.max_running_requests)
+    budget = sglang_budget(page, full, spec.family.swa_floor_tokens(spec), sizing.swa_ratio,
+                           sizing.max_running_requests)
     return budget, alone
 
 
@@ -436,5 +446,5 @@ def _pool_plan(table: KindTable, sizing: Sizing, budget: TokenBudget, pool: str,
         rows, row_bytes = spec.tensor_rows(units), spec.tensor_row_bytes
     else:
         rows, row_bytes = units, spec.page_bytes
-    return PoolPlan(pool, buffers, spec.row_bytes, spec.rows_per_page, spec.page_bytes, units, rows,
+    return PoolPlan(spec.kind, buffers, spec.row_bytes, spec.rows_per_page, spec.page_bytes, units, rows,
                     row_bytes, host)

@@ -1,15 +1,15 @@
 """Pure sizing of a stage's pools: how many pages (or request slots) each pool kind gets.
 
-Bytes per page come from the pool-kind table (``model.pool_kinds``); this module
-only decides *how many* pages each kind gets, following sglang 0.5.23's
-DeepSeek-V4 configurator (``DSV4PoolConfigurator``):
+Bytes per page come from the model's pool-kind table (its family's ``kind_table``); this
+module only decides *how many* pages each kind gets, following sglang 0.5.23's pool
+configurators (DeepSeek V4's ``DSV4PoolConfigurator`` first):
 
 * full-budget kinds (``c4``, ``c128``, ``indexer``) get ``full_tokens / page_size`` pages;
 * SWA-budget kinds (``swa``, ``c4_state``, ``c4_indexer_state``) get
   ``int(full_tokens x swa_full_tokens_ratio)`` tokens' worth (0.1 for DeepSeek-V4 by default);
 * per-request kinds (``c128_state``) get ``max_running_requests + 1`` request slots;
-* host (HiCache) pages are ``int(device pages x --hicache-ratio)`` of each kind's budget;
-  sglang refuses a host size in bytes for DeepSeek-V4.
+* host (HiCache) pages are ``int(device pages x --hicache-ratio)`` of each kind's budget
+  (a family whose sglang refuses a host size in bytes says so: ``Family.host_size_refused``).
 
 stagecache's own runtime (``StagePools``) allocates the budget pages only, with one page-id
 space (SWA pages == full pages: ``runtime_budget``).  The plan (``plan.py``) is the only
@@ -23,12 +23,7 @@ from dataclasses import dataclass
 
 from .. import defaults
 from ..errors import ConfigError
-from ..model.pool_kinds import POOLS, KindTable, PoolKind
-
-HICACHE_SIZE_REFUSED = (
-    "--hicache-size: DeepSeek V4 HiCache does not support a host size in bytes (sglang 0.5.23 "
-    "refuses it); size the host pools with --hicache-ratio"
-)
+from ..model.pool_kinds import KindTable, PoolKind
 
 
 @dataclass(frozen=True)
@@ -107,14 +102,8 @@ def sglang_budget(page_size: int, full_tokens: int, sliding_window: int,
     return TokenBudget(page_size, full, swa, min(max_running_requests, full // 2) + 1)
 
 
-def host_pages_for(device_pages: int, hicache_ratio: float | None = None,
-                   hicache_size_bytes: int | None = None) -> int:
-    """Host pages of one budget: ``int(device_pages x ratio)`` (sglang's rule, default 2.0).
-
-    A host size in bytes is refused, as sglang 0.5.23 refuses ``--hicache-size`` for DeepSeek-V4.
-    """
-    if hicache_size_bytes is not None:
-        raise ConfigError(HICACHE_SIZE_REFUSED)
+def host_pages_for(device_pages: int, hicache_ratio: float | None = None) -> int:
+    """Host pages of one budget: ``int(device_pages x ratio)`` (sglang's rule, default 2.0)."""
     ratio = defaults.HICACHE_RATIO if hicache_ratio is None else hicache_ratio
     if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not ratio > 0:
         raise ConfigError(f"--hicache-ratio must be > 0, got {ratio!r}")
@@ -146,12 +135,12 @@ def sglang_full_tokens_for_bytes(table: KindTable, counts: Mapping[str, int], bu
     page = table.page_size
 
     def per_token(budget: str) -> float:
-        return sum(counts.get(p, 0) * table[p].page_bytes / page for p in POOLS
+        return sum(counts.get(p, 0) * table[p].page_bytes / page for p in table.pools
                    if table[p].kind.budget == budget)
 
     per_full = ratio * per_token("swa") + per_token("full")
     fixed = sum(counts.get(p, 0) * table[p].tensor_rows(max_running_requests + 1) * table[p].tensor_row_bytes
-                for p in POOLS if table[p].kind.budget == "request")
+                for p in table.pools if table[p].kind.budget == "request")
     full = int(max(budget_bytes - fixed, 0) / per_full) // page * page if per_full else 0
     if full <= 0:
         raise ConfigError(

@@ -35,7 +35,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..live.numbers import DECISION_NAMES
+from ..live.numbers import DECISION_NAMES, Disagreement, StageAgreement
 
 FIELDS = ("device_pages", "host_pages", "backed_up_pages", "cached_pages", "completed",
           "storage_pages")
@@ -100,6 +100,12 @@ class Agreement:
         self._upstream: dict[int, list[int]] = {}  # micro-batch -> records of stages < rank
         self._outbox: list[int] = []  # verdict blocks to forward downstream
         self._applied: set[int] = set()
+
+    def live(self) -> StageAgreement:
+        """This stage's agreement as its live numbers show it (``StageLive.agreement``)."""
+        return StageAgreement(disagreements=dict(self.disagreements),
+                              compared_requests=self.compared_requests,
+                              recent=[Disagreement(**r) for r in self.recent])
 
     # -- this stage's records ------------------------------------------------------------------
     def local(self, index: int, records: Sequence[Sequence[int]]) -> None:

@@ -27,13 +27,13 @@ from ..live.numbers import StageLive
 class StageFile:
     """Writes one stage's ``stage-<k>.json``: numbers from the main thread, beats from the heartbeat."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, refresh: Callable[[], dict[str, Any]] | None = None):
         self.path = path
         self._lock = threading.Lock()
         self._last: StageLive | None = None
         #: Fields a beat recomputes (states that change while the main thread waits, such as
         #: the host-tier verdict); None: a beat only re-stamps ``heartbeat_at``.
-        self.refresh: Callable[[], dict[str, Any]] | None = None
+        self.refresh = refresh
 
     def publish(self, live: StageLive) -> None:
         """Write new numbers (stamped as a heartbeat too: the main thread is evidently alive)."""

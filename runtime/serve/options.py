@@ -103,7 +103,7 @@ class StageConfig:
 
 def model_hidden_size(model: str) -> int | None:
     """``hidden_size`` of a preset or config.json (the spec does not keep it: the KV cache needs none)."""
-    from ..model.spec import load_config
+    from ..model.config_file import load_config
 
     try:
         value = load_config(model)[0].get("hidden_size")

@@ -1,9 +1,10 @@
 """What one stage process serves with: its own pools, host stack, HiCache and layer compute.
 
 Kept apart from ``stage_worker`` (process, dist, publishing) so the per-stage
-work is one object with the calls the worker needs: ``pools`` (their inventory and
-measured bytes) for the startup gather, ``load_trace()``, ``work(micro_batch, activation)`` for the
-pipeline, and ``live_fields()`` for the stage's ``StageLive``.
+work is one object, built from the stage's config alone, with the calls the worker needs:
+``pools`` (their inventory and measured bytes) for the startup record, ``load_trace()``,
+``work(micro_batch, activation)`` for the pipeline, and ``live_fields()`` for the stage's
+``StageLive``.
 
 Per micro-batch, on every stage, in the same order::
 
@@ -31,6 +32,7 @@ import numpy as np
 
 from ..cache.insight import InsightConfig
 from ..errors import ConfigError, StageCacheError
+from .options import StageConfig
 from .stage_l3 import StageL3, l3_live
 
 #: ``serve`` keeps its cache insight on the wall clock, every event sampled (a forward pass dwarfs
@@ -126,7 +128,7 @@ class LayerCompute:
 class StageCache:
     """One stage's pools, host stack, HiCache and compute (see module docstring)."""
 
-    def __init__(self, worker: Any):
+    def __init__(self, cfg: StageConfig):
         import torch
 
         from ..cache.hicache import HiCache
@@ -140,11 +142,10 @@ class StageCache:
         from ..validation.checks import validate_stage
         from .host_tier_live import StageHostTier
 
-        cfg = worker.cfg
         self.cfg = cfg
-        self.stage = worker.rank
+        self.stage = cfg.rank
         self.page_size = cfg.opts.page_size
-        self.stage_map = worker.stage_map
+        self.stage_map = cfg.plan.layer_map
         self.device = torch.device(cfg.torch_device)
         # The stage plan, faults included: a faulty plan is allocated as it is and reports its
         # real inventory to rank 0, which refuses it there.
@@ -167,7 +168,7 @@ class StageCache:
             self.cache = HiCache(self.pools, self.host, self.controller, cfg.opts.hicache_write_policy,
                                  stats=self.stats, insight=SERVE_INSIGHT, storage=self.l3.open())
             self.writer = KvWriter(self.pools)
-        self._agreement_setup(worker)
+        self._agreement_setup()
         self.compute = LayerCompute([e.global_id for e in self.stage_map.layers], cfg.opts.hidden_size,
                                     self.device)
         self.verified_pages = 0
@@ -178,7 +179,7 @@ class StageCache:
         return build_trace(self.cfg.opts.trace, self.cfg.opts.requests, self.cfg.opts.seed,
                            self.cfg.opts.trace_format)
 
-    def _agreement_setup(self, worker: Any) -> None:
+    def _agreement_setup(self) -> None:
         """Stage agreement (``agreement.py``) and the ``radix-skew`` fault that tests it."""
         from .agreement import Agreement
 
@@ -284,7 +285,8 @@ class StageCache:
 
     # -- live numbers -----------------------------------------------------------------------------
     def live_fields(self) -> dict[str, Any]:
-        """The cache, pool and transfer fields of this stage's ``StageLive``."""
+        """The cache, pool and transfer fields of this stage's ``StageLive``: the typed numbers
+        each part produces, by field."""
         from ..live.numbers import PageSpace, PoolBytes
         from .host_tier_live import occupancy_live
 
@@ -304,81 +306,11 @@ class StageCache:
             "host": PageSpace(tier="host", used=host.num_used, total=host.num_pages,
                               pools=[p for p in kinds if host_bytes.get(p)]),
         }
-        fields.update(cache_live_fields(self.stats))
-        fields.update(insight_live_fields(self.cache.insight, self.agreement, self.skewed_pages))
-        fields.update(transfer_live_fields(self.transfer_stats))
+        fields.update(dict(self.stats.live()), **dict(self.transfer_stats.live()))
+        if self.cache.insight is not None:
+            fields["insight"] = self.cache.insight.live(self.skewed_pages)
+        fields["agreement"] = self.agreement.live()
         fields["kv_verified_pages"] = self.verified_pages
         fields["l3"] = l3_live(self.cache.storage, self.page_size)
         fields["computed_rows"] = self.computed_rows
         return fields
-
-
-def cache_live_fields(stats: Any) -> dict[str, Any]:
-    """``CacheStats`` counters as ``StageLive`` fields."""
-    from ..live.numbers import CachePages, TierPages, TierTokens
-
-    return {
-        "cache_tokens": TierTokens(device=stats.device_hit_tokens, host=stats.host_hit_tokens,
-                                   storage=stats.storage_hit_tokens, miss=stats.miss_tokens),
-        "host_hit_ratio": stats.host_hit_ratio,
-        "evictions": TierPages(device=stats.device_evicted_pages, host=stats.host_evicted_pages),
-        "cache_pages": CachePages(backup=stats.backup_pages, load=stats.load_pages,
-                                  dropped=stats.dropped_pages,
-                                  backup_skipped=stats.backup_skipped_pages),
-    }
-
-
-def insight_live_fields(insight: Any, agreement: Any, skewed_pages: int = 0) -> dict[str, Any]:
-    """Miss reasons, sampled lifetimes and stage agreement as ``StageLive`` fields."""
-    from ..live.numbers import CacheInsightLive, Disagreement, StageAgreement
-
-    out: dict[str, Any] = {}
-    if insight is not None:
-        d = insight.to_dict()
-        out["insight"] = CacheInsightLive(
-            clock=d["clock"], sample_every=d["sample_every"], miss_tokens=d["miss_tokens"],
-            seen_keys=d["seen_keys"], seen_bytes=d["seen_bytes"], skewed_pages=skewed_pages,
-            **d["histograms"])
-    if agreement is not None:
-        out["agreement"] = StageAgreement(
-            disagreements=dict(agreement.disagreements), compared_requests=agreement.compared_requests,
-            recent=[Disagreement(**r) for r in agreement.recent])
-    return out
-
-
-def transfer_live_fields(transfer_stats: Any) -> dict[str, Any]:
-    """``TransferStats`` totals and duration histogram as ``StageLive`` fields."""
-    from ..live.numbers import DirectionCounts, Directions, DurationBuckets
-    from ..transfer.stats import DIRECTIONS
-
-    snap = transfer_stats.snapshot()
-    per = {d: snap[d] for d in DIRECTIONS}
-    return {
-        "transfer_bytes": DirectionCounts(**{d: int(v["bytes"]) for d, v in per.items()}),
-        "transfer_seconds": Directions(**{d: float(v["seconds"]) for d, v in per.items()}),
-        "transfer_count": DirectionCounts(**{d: int(v["count"]) for d, v in per.items()}),
-        "bandwidth_bytes_per_second": Directions(**{d: float(v["gbps"]) * 1e9 for d, v in per.items()}),
-        "transfer_seconds_buckets": DurationBuckets(
-            le=list(snap["buckets_s"]), **{d: list(v["bucket_counts"]) for d, v in per.items()}),
-        "transfer_split": transfer_split_field(snap),
-    }
-
-
-def transfer_split_field(snap: dict[str, Any]) -> Any:
-    """The queue/DMA split of a ``TransferStats.snapshot()`` as ``StageLive.transfer_split``."""
-    from ..live.numbers import Directions, TransferKind, TransferSplit
-    from ..transfer.stats import DIRECTIONS
-
-    def kinds(d: str) -> dict[str, TransferKind]:
-        return {k: TransferKind(bytes=v["bytes"], moves=v["moves"], queue_seconds=v["queue_seconds"],
-                                dma_seconds=v["dma_seconds"], queue_buckets=v["queue_bucket_counts"],
-                                dma_buckets=v["dma_bucket_counts"])
-                for k, v in snap[d]["kinds"].items()}
-
-    return TransferSplit(le=list(snap["split_buckets_s"]),
-                         queue_seconds=Directions(**{d: float(snap[d]["queue_seconds"]) for d in DIRECTIONS}),
-                         **{d: kinds(d) for d in DIRECTIONS})
-
-
-def build_stage_cache(worker: Any) -> StageCache:
-    return StageCache(worker)

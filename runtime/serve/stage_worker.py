@@ -1,12 +1,12 @@
 """One PP stage as one OS process: dist init, own pools + host stack, startup gather, request loop.
 
-``serve`` starts ``stage_main(config)`` once per stage (spawn).  A stage builds
-*only its own* pools, from its own ``StageLayerMap`` -- nothing global is
-allocated anywhere, which is the point of stage-local pools -- and reports the
-real inventory of those tensors to rank 0 (sealed JSON, ``exchange``).  Rank 0 builds
-the ``StartupReport`` (per-stage validation plus the cross-stage tiling check),
-writes it to the run directory, and broadcasts the verdict: every stage then
-either serves the trace or stops before touching a request.
+``serve`` starts ``stage_main(config)`` once per stage (forked from a forkserver).  A stage
+builds *only its own* pools, from its own ``StagePlan`` -- nothing global is allocated
+anywhere, which is the point of stage-local pools -- and sends the ``StageRecord`` of those
+real tensors to rank 0 (sealed JSON, ``exchange``).  Rank 0 turns the records into the
+``StartupReport`` (``validation.deployment``: per-stage validation plus the cross-stage
+checks, as ``check`` does), writes it to the run directory, and broadcasts the verdict:
+every stage then either serves the trace or stops before touching a request.
 
 While serving, each stage runs its own prefix cache over its own pools on the
 same request stream (so every stage takes the same hit/miss decisions, which
@@ -32,6 +32,7 @@ from typing import Any
 
 from ..crash_log import write_crash_log
 from ..live import run_dir as rd
+from ..live.numbers import Phase
 from .heartbeat import Heartbeat, StageFile
 from .options import StageConfig
 
@@ -129,31 +130,15 @@ def _log_to_stderr() -> None:
 def _note_failure(cfg: StageConfig, worker: StageWorker | None, message: str, code: int) -> None:
     try:
         if worker is not None:
-            worker.publish(phase="failed", error=message, force=True)
+            worker.publish(phase=Phase.FAILED, error=message, force=True)
         else:
             from ..live.numbers import StageLive
 
-            live = StageLive(stage=cfg.rank, time=time.time(), pid=os.getpid(), phase="failed",
+            live = StageLive(stage=cfg.rank, time=time.time(), pid=os.getpid(), phase=Phase.FAILED,
                              error=message)
             rd.write_text_atomic(rd.stage_file(cfg.run_dir, cfg.rank), live.model_dump_json())
     except OSError:
         pass
-
-
-def _inventory_of(message: Any, rank: int) -> tuple[Any, dict[str, int], list[str]]:
-    """A stage's startup message as (``PoolInventory``, page bytes per pool, L3 startup errors),
-    shape-checked."""
-    from ..plan.inventory import PoolInventory
-    from .exchange import ExchangeRefused
-
-    try:
-        stage, buffers, nbytes = message["stage"], message["buffers"], message["pool_page_bytes"]
-        inventory = PoolInventory(int(stage), {str(p): tuple(bool(b) for b in flags)
-                                               for p, flags in buffers.items()})
-        errors = [str(e) for e in message.get("l3_errors", ())]
-        return inventory, {str(p): int(n) for p, n in nbytes.items()}, errors
-    except (KeyError, TypeError, ValueError, AttributeError):
-        raise ExchangeRefused(f"stage {rank}'s inventory is not an inventory") from None
 
 
 def _is_peer_error(exc: BaseException) -> bool:
@@ -168,6 +153,13 @@ def _is_peer_error(exc: BaseException) -> bool:
     )
 
 
+def _engine() -> str:
+    """What built the pools, for the record: this stagecache (all stages of a run run one)."""
+    from stagecache import runtime
+
+    return f"stagecache {getattr(runtime, '__version__', '0')}"
+
+
 class StageWorker:
     """The stage process's state; ``run()`` does startup, then the trace, then a clean shutdown."""
 
@@ -175,12 +167,12 @@ class StageWorker:
         self.cfg = cfg
         self.rank = cfg.rank
         self.pid = os.getpid()
-        self.phase = "starting"
+        self.phase = Phase.STARTING
         self.error: str | None = None
         self.t_start = time.time()
         self._last_publish = 0.0
         self.dist_ready = False
-        self.stage_file = StageFile(rd.stage_file(cfg.run_dir, cfg.rank))
+        self.stage_file = StageFile(rd.stage_file(cfg.run_dir, cfg.rank), refresh=self._beat_fields)
         self.heartbeat: Heartbeat | None = None
         self.plan = cfg.plan  # this stage's plan, built once by the parent
         self.stage_map = self.plan.layer_map
@@ -202,22 +194,18 @@ class StageWorker:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.cfg.opts.pp_size))
 
         self._init_dist()
-        from .stage_cache import build_stage_cache
+        from .stage_cache import StageCache
 
-        self.cache = build_stage_cache(self)
-        cache = self.cache  # the heartbeat re-checks the host tier while the stage waits
-        self.stage_file.refresh = lambda: {"host_tier": cache.host_tier.live()}
+        self.cache = StageCache(self.cfg)
         l3_errors = self.cache.l3.startup(lambda: self._call(lambda: dist.barrier()))
-        report_ok = self._startup(self.cache.pools.inventory(), self.cache.pools.pool_page_bytes(),
-                                  l3_errors)
-        if not report_ok:
-            self.phase = "refused"
+        if not self._startup(l3_errors):
+            self.phase = Phase.REFUSED
             self.publish(force=True)
             return
-        self.phase = "serving"
+        self.phase = Phase.SERVING
         requests = self.cache.load_trace()
         self._serve(requests)
-        self.phase = "done"
+        self.phase = Phase.DONE
         self.publish(force=True)
         self._call(lambda: dist.barrier())
 
@@ -230,7 +218,7 @@ class StageWorker:
             try:
                 import torch.distributed as dist
 
-                if self.phase == "done":
+                if self.phase == Phase.DONE:
                     dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - best effort at exit
                 pass
@@ -262,32 +250,40 @@ class StageWorker:
         ))
         self.dist_ready = True
 
-    def _startup(self, inventory: Any, pool_page_bytes: dict[str, int],
-                 l3_errors: list[str] | None = None) -> bool:
-        """Gather what every stage really allocated to rank 0, which validates it against the plan
-        (and adds every stage's L3 startup errors) and publishes the report; every stage then gets
-        the verdict."""
-        import dataclasses
-
+    def _record(self, l3_errors: list[str]) -> Any:
+        """This stage's record: what its real pools hold (and its L3 store's refusals)."""
         from ..errors import MappingError
-        from ..validation.report import build_report
-        from .exchange import all_gather_json, broadcast_json
+        from ..validation.record import stage_record
+
+        pools, host = self.cache.pools, self.cache.host
+        findings = [MappingError(self.rank, "l3", "a store of this deployment, own keys", "refused", str(e))
+                    for e in l3_errors]
+        return stage_record(self.cfg.plan, inventory=pools.inventory(),
+                            pool_page_bytes=pools.pool_page_bytes(), device_bytes=pools.pool_bytes(),
+                            host_buffers={p: sum(m) for p, m in host.mirrored.items()},
+                            findings=findings, engine=_engine())
+
+    def _startup(self, l3_errors: list[str]) -> bool:
+        """Gather every stage's record to rank 0, which turns them into the startup report
+        (``validation.deployment``: the checks ``check`` runs) and publishes it; every stage then
+        gets the verdict."""
+        from ..validation.deployment import deployment_report
+        from ..validation.record import StageRecord
+        from .exchange import ExchangeRefused, all_gather_json, broadcast_json
 
         cfg = self.cfg
-        mine = {"stage": self.rank, "buffers": {k: list(v) for k, v in inventory.buffers.items()},
-                "pool_page_bytes": pool_page_bytes, "l3_errors": [str(e) for e in l3_errors or ()]}
+        mine = self._record(l3_errors).to_json()
         gathered = self._call(lambda: all_gather_json(mine, cfg.secret, cfg.opts.pp_size,
                                                       cfg.torch_device))
         ok = None
         if self.rank == 0:
-            got = [_inventory_of(g, k) for k, g in enumerate(gathered)]
+            try:
+                records = [StageRecord.model_validate(g) for g in gathered]
+            except ValueError as exc:
+                raise ExchangeRefused(f"a stage's record is not a record: {exc}") from None
             plan = cfg.opts.plan
-            report = build_report(plan.layout, [inv for inv, _, _ in got], plan.page_size,
-                                  plan.fault_names, [nbytes for _, nbytes, _ in got])
-            l3 = tuple(MappingError(k, "l3", "a store of this deployment, own keys", "refused", e)
-                       for k, (_, _, errors) in enumerate(got) for e in errors)
-            if l3:
-                report = dataclasses.replace(report, cross_errors=report.cross_errors + l3)
+            report = deployment_report(records, tp_size=plan.tp_size, page_size=plan.page_size,
+                                       faults=plan.fault_names)
             rd.write_json_atomic(os.path.join(cfg.run_dir, rd.STARTUP_FILE), report.to_dict())
             ok = report.ok
         return broadcast_json(ok, cfg.secret, self.rank, 0, cfg.torch_device) is True
@@ -363,7 +359,11 @@ class StageWorker:
             total_requests=self.total_requests, **fields,
         )
 
-    def publish(self, phase: str | None = None, error: str | None = None, force: bool = False) -> None:
+    def _beat_fields(self) -> dict[str, Any]:
+        """What a heartbeat re-checks while the stage waits: its host tier's verdict."""
+        return {"host_tier": self.cache.host_tier.live()} if self.cache is not None else {}
+
+    def publish(self, phase: Phase | None = None, error: str | None = None, force: bool = False) -> None:
         """Rewrite ``stage-<k>.json`` (atomically), at most every ``PUBLISH_INTERVAL_S`` unless forced."""
         if phase is not None:
             self.phase = phase

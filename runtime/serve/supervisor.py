@@ -31,8 +31,9 @@ from typing import Any, Protocol
 from ..errors import ConfigError
 from ..live import run_dir as rd
 from ..live.liveness import assess
-from ..live.numbers import RunInfo, StageLive
+from ..live.numbers import Phase, RunInfo, StageLive
 from ..live.run_dir import RunDirSource
+from ..validation.report import StartupReport
 from .options import ServeOptions, StageConfig
 from .rendezvous import new_store_path
 
@@ -55,7 +56,7 @@ STAGE_PRELOAD = (
 class Observer(Protocol):
     """What the supervisor reports to while it runs (the CLI's progress bar)."""
 
-    def startup(self, report: dict[str, Any]) -> None: ...
+    def startup(self, report: StartupReport) -> None: ...
 
     def update(self, stages: dict[int, StageLive]) -> None: ...
 
@@ -75,25 +76,31 @@ class StageProc:
 
 
 class Supervisor:
-    """Starts the stages, watches them and the run directory, and stops them (always)."""
+    """Starts the stages, watches them and the run directory, and stops them (always).
 
-    def __init__(self, opts: ServeOptions, run_dir: str, log: Callable[[str], None] = log.info):
+    Its state (phase, failure) changes only through its own methods: ``supervise`` (starting ->
+    serving / refused -> done), ``fail`` and ``interrupt``.
+    """
+
+    def __init__(self, opts: ServeOptions, run_dir: str, *, source: RunDirSource | None = None,
+                 url: str | None = None, guard: Callable[[], str | None] | None = None,
+                 log: Callable[[str], None] = log.info):
         self.opts = opts
         self.run_dir = run_dir
         self.log = log
-        self.source = RunDirSource(run_dir)
+        self.source = source if source is not None else RunDirSource(run_dir)
         self.procs: list[StageProc] = []
-        self.phase = "starting"
+        self.phase = Phase.STARTING
         self.failure: str | None = None
         self.failed_stage: int | None = None
         self.failed_at: float | None = None
         self.finished_at: float | None = None  # when every stage finished the trace
         self.stale: set[int] = set()  # stages whose heartbeat the supervisor saw go stale
         self.started_at = time.time()
-        self.url: str | None = None
+        self.url = url  # the dashboard's, for run.json
         self.exit_codes: dict[int, int | None] = {}
         #: Why the run dir can no longer be trusted (``RunDirLock.replaced``); None: it can.
-        self.guard: Callable[[], str | None] = lambda: None
+        self.guard: Callable[[], str | None] = guard or (lambda: None)
         self._write_failing = False
 
     # -- run.json / snapshot.json ------------------------------------------------------------------
@@ -134,10 +141,20 @@ class Supervisor:
 
     def fail(self, why: str, stage: int | None) -> None:
         """Record the failure once: what, which stage, when (kept in run.json until exit)."""
-        self.phase = "failed"
+        self.phase = Phase.FAILED
         self.failure = why
         self.failed_stage = stage
         self.failed_at = time.time()
+
+    def interrupt(self, signal_name: str) -> bool:
+        """Ctrl-C or SIGTERM: stop every stage and record why.  A run startup validation already
+        refused stays refused (that is its outcome); True when it was."""
+        refused = self.phase == Phase.REFUSED
+        self.phase = Phase.REFUSED if refused else Phase.INTERRUPTED
+        self.failure = f"interrupted by {signal_name}"
+        self.stop()
+        self.write_run_file()
+        return refused
 
     # -- processes ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -238,7 +255,7 @@ class Supervisor:
         this puts the transition on the console while the run goes on (its peers
         time out after ``--dist-timeout`` and the run then fails naming it).
         """
-        if self.phase not in ("starting", "serving"):
+        if self.phase not in (Phase.STARTING, Phase.SERVING):
             return
         verdict = assess(self.run_info(), None, stages, time.time())
         for h in verdict.stages:
@@ -258,8 +275,8 @@ class Supervisor:
             self.fail(f"{replaced}; stopped, its files cannot be trusted", None)
             return True
         report = self.source.startup()
-        if self.phase == "starting" and report is not None:
-            self.phase = "serving" if report.get("ok") else "refused"
+        if self.phase == Phase.STARTING and report is not None:
+            self.phase = Phase.SERVING if report.ok else Phase.REFUSED
             self.write_run_file()
             progress.startup(report)
         stages = self.source.stages()
@@ -270,22 +287,22 @@ class Supervisor:
             self.fail(*dead)
             return True
         if all(p.exitcode is not None for p in self.procs):
-            if self.phase == "starting":
+            if self.phase == Phase.STARTING:
                 self.fail("every stage exited before startup validation was reported", None)
-            elif self.phase == "serving":
-                self.phase = "done"
+            elif self.phase == Phase.SERVING:
+                self.phase = Phase.DONE
                 self.finished_at = time.time()
             return True
-        if self.phase == "starting" and time.monotonic() > deadline:
+        if self.phase == Phase.STARTING and time.monotonic() > deadline:
             waiting = [str(k) for k in range(self.opts.pp_size)
-                       if k not in stages or stages[k].phase == "starting"]
+                       if k not in stages or stages[k].phase == Phase.STARTING]
             self.fail(f"startup did not complete within {self.opts.startup_timeout:g} s "
                       f"(stages still starting: {', '.join(waiting) or 'none'})", None)
             return True
         return False
 
     # -- the supervisor loop ----------------------------------------------------------------------
-    def supervise(self, progress: Observer) -> str:
+    def supervise(self, progress: Observer) -> Phase:
         """Run until the trace is served ('done'), startup refused ('refused') or a stage failed."""
         first_seen: dict[int, float] = {}
         deadline = time.monotonic() + self.opts.startup_timeout
@@ -295,7 +312,7 @@ class Supervisor:
                 self.write_run_file()
                 last_write = time.monotonic()
             time.sleep(SUPERVISE_INTERVAL_S)
-        if self.phase != "failed":
+        if self.phase != Phase.FAILED:
             for p in self.procs:
                 p.process.join(5.0)
         self.stop()
@@ -322,8 +339,8 @@ def summarize(opts: ServeOptions, sup: Supervisor, wall: float) -> dict[str, Any
         rows.append(row)
     steps = max((r["steps"] for r in rows), default=0)
     return {
-        "ok": sup.phase == "done",
-        "phase": sup.phase,
+        "ok": sup.phase == Phase.DONE,
+        "phase": sup.phase.value,
         "exit_code": exit_code_for(sup.phase, opts),
         "failure": sup.failure,
         "model": opts.plan.spec.name,
@@ -340,9 +357,8 @@ def summarize(opts: ServeOptions, sup: Supervisor, wall: float) -> dict[str, Any
         "wall_seconds": wall,
         "url": sup.url,
         "run_dir": sup.run_dir,
-        "startup_ok": bool(report and report.get("ok")),
-        "startup_errors": ([e for s in report.get("stages", []) for e in s.get("errors", [])]
-                           + list(report.get("errors", []))) if report else [],
+        "startup_ok": bool(report and report.ok),
+        "startup_errors": [e.to_dict() for e in report.all_errors] if report else [],
         "stages": rows,
     }
 
@@ -356,5 +372,5 @@ SUMMARY_FIELDS = {
 }
 
 
-def exit_code_for(phase: str, opts: ServeOptions) -> int:
-    return 0 if phase == "done" else 1
+def exit_code_for(phase: Phase, opts: ServeOptions) -> int:
+    return 0 if phase == Phase.DONE else 1

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import defaults
-from ..model.pool_kinds import KINDS
 from ..plan.plan import RunPlan, StagePlan
 from .base import L3Store, StoreUnavailable
 from .file import FileStore
@@ -37,7 +36,7 @@ class L3Options:
 def object_bytes(stage_plan: StagePlan) -> dict[str, int]:
     """Bytes of one L3 object per host-cached pool kind of a stage (one page, every buffer)."""
     return {p.pool: p.present * p.page_bytes for p in stage_plan.pools
-            if p.present and p.host_pages and KINDS[p.pool].host_cached}
+            if p.present and p.host_pages and p.kind.host_cached}
 
 
 def capacity_pages(plan: RunPlan, size_bytes: int) -> int:

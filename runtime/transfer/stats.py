@@ -1,8 +1,8 @@
 """Thread-safe counters of device<->host page transfers, read by the exporters; the one GB/s function.
 
-The controller records one ``TransferRecord`` per finished transfer; exporters
-(Prometheus, OTLP, the dashboard) call ``snapshot()`` and never touch the lock
-themselves.  Durations go into fixed buckets (cumulative, Prometheus-style) so a
+The controller records one ``TransferRecord`` per finished transfer; a stage's live numbers
+take ``live()`` -- the typed ``TransferLive`` every reader (the exporter, the dashboard, the JSON
+files) gets as it is -- and never touch the lock themselves.  Durations go into fixed buckets (cumulative, Prometheus-style) so a
 histogram can be exported without keeping every sample.  Recording is a lock, a
 few adds and a bisect, cheap next to any transfer.
 
@@ -33,7 +33,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
 
+#: Transfer directions: ``d2h`` backs pages up to host, ``h2d`` loads them back.
 DIRECTIONS = ("d2h", "h2d")
 
 #: Upper bounds (seconds) of the duration histogram buckets; +Inf is implicit.
@@ -45,6 +47,76 @@ DURATION_BUCKETS: tuple[float, ...] = (
 SPLIT_BUCKETS: tuple[float, ...] = (0.00001, 0.000025, 0.00005, *DURATION_BUCKETS)
 #: Pending transfers that trigger a fold into the per-kind split between snapshots.
 FOLD_EVERY = 4096
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Directions(_Model):
+    """One figure per transfer direction: d2h = backup to host, h2d = load from host."""
+
+    d2h: float = 0.0
+    h2d: float = 0.0
+
+
+class DirectionCounts(_Model):
+    d2h: int = 0
+    h2d: int = 0
+
+
+class DurationBuckets(_Model):
+    """Cumulative transfer-duration histogram: ``le`` upper bounds (s), counts per direction.
+
+    Each count list has ``len(le) + 1`` entries, the last being +Inf (= the total count).
+    """
+
+    le: list[float] = Field(default_factory=list)
+    d2h: list[int] = Field(default_factory=list)
+    h2d: list[int] = Field(default_factory=list)
+
+
+class TransferKind(_Model):
+    """One (direction, pool kind) of a stage's transfers (the split: see the module docstring).
+
+    ``queue_seconds``: each transfer that moved the kind adds its whole wait (call to copy
+    start); ``dma_seconds``: the kind's byte share of each transfer's measured copy time, so
+    ``bytes / dma_seconds`` is the bandwidth.  Histograms are cumulative over
+    ``TransferSplit.le``, ``len(le) + 1`` entries, the last being +Inf (= ``moves``).
+    """
+
+    bytes: int = 0
+    moves: int = Field(0, description="transfers that moved this kind")
+    queue_seconds: float = 0.0
+    dma_seconds: float = 0.0
+    queue_buckets: list[int] = Field(default_factory=list)
+    dma_buckets: list[int] = Field(default_factory=list)
+
+
+class TransferSplit(_Model):
+    """Queue wait vs DMA time: per-transfer queue seconds by direction, and per pool kind."""
+
+    le: list[float] = Field(default_factory=list, description="histogram upper bounds (s)")
+    queue_seconds: Directions = Field(
+        default_factory=Directions, description="seconds transfers waited from the call to the "
+        "copy's start, each transfer once (DMA seconds: StageLive.transfer_seconds)")
+    d2h: dict[str, TransferKind] = Field(default_factory=dict)
+    h2d: dict[str, TransferKind] = Field(default_factory=dict)
+
+
+class TransferLive(_Model):
+    """A stage's transfer numbers, as its ``StageLive`` holds them."""
+
+    transfer_bytes: DirectionCounts = Field(default_factory=DirectionCounts)
+    transfer_seconds: Directions = Field(default_factory=Directions)
+    transfer_count: DirectionCounts = Field(default_factory=DirectionCounts)
+    bandwidth_bytes_per_second: Directions = Field(
+        default_factory=Directions, description="derived, since start: transfer bytes / seconds "
+        "(exporters and charts use rates of the counters)")
+    transfer_seconds_buckets: DurationBuckets = Field(default_factory=DurationBuckets)
+    transfer_split: TransferSplit = Field(
+        default_factory=TransferSplit, description="queue wait vs DMA time, per direction and pool kind "
+        "(empty where the source reports no split)")
 
 
 def gbps(nbytes: float, seconds: float | None) -> float:
@@ -186,26 +258,33 @@ class TransferStats:
                     _fold(d)
         return rec
 
-    def snapshot(self) -> dict[str, Any]:
-        """Plain-dict view: per direction totals, mean GB/s, cumulative duration buckets."""
+    def live(self) -> TransferLive:
+        """The totals, mean bandwidth, duration histogram and queue/DMA split, as typed numbers."""
         with self._lock:
-            out: dict[str, Any] = {"buckets_s": list(DURATION_BUCKETS), "started_at": self.started_at}
-            out["split_buckets_s"] = list(SPLIT_BUCKETS)
-            for name, d in self._dirs.items():
+            for d in self._dirs.values():
                 _fold(d)
-                out[name] = {
-                    "bytes": d.bytes,
-                    "seconds": d.seconds,
-                    "count": d.count,
-                    "pages": d.pages,
-                    "gbps": gbps(d.bytes, d.seconds),
-                    "bucket_counts": _cumulative(d.buckets),  # cumulative, last entry = +Inf = count
-                    "queue_seconds": d.queue_seconds,
-                    "kinds": {kind: {"bytes": k.bytes, "moves": k.moves, "queue_seconds": k.queue_seconds,
-                                     "dma_seconds": k.dma_seconds,
-                                     "queue_bucket_counts": _cumulative(k.queue_buckets),
-                                     "dma_bucket_counts": _cumulative(k.dma_buckets)}
-                              for kind, k in sorted(d.kinds.items())},
-                }
-            return out
+            dirs = self._dirs
+
+            def per(fn: Any) -> dict[str, Any]:
+                return {name: fn(d) for name, d in dirs.items()}
+
+            return TransferLive(
+                transfer_bytes=DirectionCounts(**per(lambda d: d.bytes)),
+                transfer_seconds=Directions(**per(lambda d: d.seconds)),
+                transfer_count=DirectionCounts(**per(lambda d: d.count)),
+                bandwidth_bytes_per_second=Directions(**per(lambda d: gbps(d.bytes, d.seconds) * 1e9)),
+                transfer_seconds_buckets=DurationBuckets(
+                    le=list(DURATION_BUCKETS), **per(lambda d: _cumulative(d.buckets))),
+                transfer_split=TransferSplit(
+                    le=list(SPLIT_BUCKETS), queue_seconds=Directions(**per(lambda d: d.queue_seconds)),
+                    **per(lambda d: {kind: TransferKind(
+                        bytes=k.bytes, moves=k.moves, queue_seconds=k.queue_seconds,
+                        dma_seconds=k.dma_seconds, queue_buckets=_cumulative(k.queue_buckets),
+                        dma_buckets=_cumulative(k.dma_buckets)) for kind, k in sorted(d.kinds.items())})),
+            )
+
+    def pages(self, direction: str) -> int:
+        """Pages moved in ``direction`` so far."""
+        with self._lock:
+            return self._dirs[direction].pages
 

@@ -13,46 +13,15 @@ from collections.abc import Sequence
 from ..errors import MappingError
 from ..model.layer_map import StageLayerMap
 from ..model.partition import StageSlice
-from ..model.pool_kinds import KINDS, POOLS
+from ..model.pool_kinds import LOCAL, PoolKind
 from ..plan.inventory import PoolInventory
 
 
-def _count_message(pool: str, got: int, expected: int) -> str:
-    if pool == "swa":
-        return f"DeepSeek V4 SWA KV pool must be PP-stage-local: got {got} buffers for {expected} local layers"
-    ratio = KINDS[pool].owner_ratio
-    return (
-        f"{KINDS[pool].label} pool must hold one buffer per local ratio-{ratio} layer: "
-        f"got {got} buffers for {expected} local ratio-{ratio} layers"
-    )
-
-
 def validate_stage(stage_map: StageLayerMap, inventory: PoolInventory) -> list[MappingError]:
-    """All errors of one stage: buffer counts, None slots, layer ids and compress ids."""
+    """All errors of one stage: buffer counts, None slots, layer ids and pool ids."""
+    errors = _pool_errors(stage_map, inventory)
     s = stage_map.stage
-    errors: list[MappingError] = []
-    expected = stage_map.expected_buffers()
-
-    for pool in POOLS:
-        want = expected[pool]
-        slots = inventory.buffers.get(pool)
-        if slots is None:
-            if want:
-                errors.append(MappingError(
-                    s, pool, want, None,
-                    f"{KINDS[pool].label} pool is missing: {want} local layers need it",
-                ))
-            continue
-        if len(slots) != want:
-            errors.append(MappingError(s, pool, want, len(slots), _count_message(pool, len(slots), want)))
-        empty = [i for i, present in enumerate(slots) if not present]
-        if empty:
-            name = f"deepseek_v4_{pool} state_pools" if pool.endswith("_state") else f"{KINDS[pool].label} pool"
-            errors.append(MappingError(
-                s, pool, "no None buffers", f"None at {empty}",
-                f"{name} must not contain None: buffer(s) {empty} are None",
-            ))
-
+    numbered = {k.id_space for k in stage_map.kinds if k.id_space != LOCAL}
     for e in stage_map.layers:
         if e.global_id != stage_map.start + e.local:
             errors.append(MappingError(
@@ -60,46 +29,66 @@ def validate_stage(stage_map: StageLayerMap, inventory: PoolInventory) -> list[M
                 f"local layer {e.local} must map to global layer start+local="
                 f"{stage_map.start + e.local}, got {e.global_id}",
             ))
-        if e.compress_ratio == 0 and (e.compress_layer_id is not None or e.c4_state_id is not None):
+        stray = [sp for sp in sorted(numbered) if e.id_in(sp) is not None
+                 and not any(k.owns(e.kind) for k in stage_map.kinds if k.id_space == sp)]
+        if stray:
             errors.append(MappingError(
-                s, "layer_map", None, e.compress_layer_id,
-                f"global layer {e.global_id} has ratio 0 but a compress id",
+                s, "layer_map", None, e.id_in(stray[0]),
+                f"global layer {e.global_id} has {e.describe()} but an id in {', '.join(stray)}",
             ))
-
-    # Each id map once, checked against the first pool kind indexed by it (c4, c128, c4_state):
-    # the kinds sharing a map would only repeat the same error.
-    checked: set[tuple[int | None, str]] = set()
-    for k in KINDS.values():
-        if k.owner_ratio is not None and (k.owner_ratio, k.id_attr) not in checked:
-            checked.add((k.owner_ratio, k.id_attr))
-            errors += _check_ids(stage_map, k.name, inventory)
+    # Each numbering once per owner set, checked against the first pool kind indexed by it (DeepSeek
+    # V4: c4, c128, c4_state): the kinds sharing a numbering would only repeat the same error.
+    checked: set[tuple[frozenset[str] | None, str]] = set()
+    for k in stage_map.kinds:
+        if k.id_space != LOCAL and (k.owners, k.id_space) not in checked:
+            checked.add((k.owners, k.id_space))
+            errors += _check_ids(stage_map, k, inventory)
     return errors
 
 
-def _check_ids(stage_map: StageLayerMap, pool: str, inventory: PoolInventory) -> list[MappingError]:
+def _pool_errors(stage_map: StageLayerMap, inventory: PoolInventory) -> list[MappingError]:
+    """Per pool kind: missing, a wrong buffer count, None buffers."""
+    s = stage_map.stage
+    errors: list[MappingError] = []
+    for k, want in zip(stage_map.kinds, stage_map.expected_buffers().values(), strict=True):
+        slots = inventory.buffers.get(k.name)
+        if slots is None:
+            if want:
+                errors.append(MappingError(
+                    s, k.name, want, None, f"{k.label} pool is missing: {want} local layers need it",
+                ))
+            continue
+        if len(slots) != want:
+            errors.append(MappingError(s, k.name, want, len(slots), k.wrong_count(len(slots), want)))
+        empty = [i for i, present in enumerate(slots) if not present]
+        if empty:
+            errors.append(MappingError(s, k.name, "no None buffers", f"None at {empty}", k.holds_none(empty)))
+    return errors
+
+
+def _check_ids(stage_map: StageLayerMap, kind: PoolKind, inventory: PoolInventory) -> list[MappingError]:
     """Ids of one pool must be unique and inside the pool's buffer range."""
     s = stage_map.stage
-    ratio, attr = KINDS[pool].owner_ratio, KINDS[pool].id_attr
-    layers = stage_map.pool_layers(pool)
-    size = len(inventory.buffers.get(pool, ()))
+    attr = kind.id_space
+    size = len(inventory.buffers.get(kind.name, ()))
     errors: list[MappingError] = []
     seen: dict[int, int] = {}
-    for e in layers:
-        cid = getattr(e, attr)
+    for e in stage_map.pool_layers(kind.name):
+        cid = e.id_in(attr)
         if cid is None:
             errors.append(MappingError(
-                s, pool, "an id", None, f"global layer {e.global_id} (ratio {ratio}) has no {attr}",
+                s, kind.name, "an id", None, f"global layer {e.global_id} ({e.describe()}) has no {attr}",
             ))
             continue
         if not 0 <= cid < size:
             errors.append(MappingError(
-                s, pool, f"0..{size - 1}" if size else "no ids (empty pool)", cid,
+                s, kind.name, f"0..{size - 1}" if size else "no ids (empty pool)", cid,
                 f"global layer {e.global_id}: {attr} {cid} is out of range for the stage's "
-                f"{size} {KINDS[pool].label} buffers",
+                f"{size} {kind.label} buffers",
             ))
         if cid in seen:
             errors.append(MappingError(
-                s, pool, "unique ids", cid,
+                s, kind.name, "unique ids", cid,
                 f"global layers {seen[cid]} and {e.global_id} share {attr} {cid}",
             ))
         else:

@@ -1,109 +1,116 @@
-"""The startup report: every stage's map, buffers, bytes and errors, plus cross-stage errors.
+"""The startup report: every stage's map, buffers, bytes, host mirror and errors, plus cross-stage
+errors.  One typed model, built once (``deployment.deployment_report``) and read as it is by
+``check``, ``serve``, the sglang integration, the exporters and the dashboard (its API's
+``response_model``); its JSON is ``stagecache check --json``.
 
-Built by ``check`` from a plan (its planned inventories), by ``serve``'s rank 0 from the
-plan and the inventories and bytes the stage processes measured on their real pools, and
-by the sglang integration from the stage plans of live pools; the dashboard and exporters
-read the same object (or its ``to_dict``), so the JSON shape is defined here, once.
+A stage's report *is* its layer map (the same fields, flat in the JSON) plus what each of its
+pool kinds holds against what its layers need.  Parsing one back from JSON (a saved ``check
+--json``, a run directory's ``startup.json``) takes the model family from the report's
+``family`` field (DeepSeek V4 where a report written before families names none).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import MappingError
-from ..model.layer_map import ModelLayout, StageLayerMap
-from ..plan.inventory import PoolInventory
-from ..plan.plan import RunPlan
-from .checks import validate_stage, validate_tiling
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ..errors import ConfigError, MappingError
+from ..model.families import DEFAULT_FAMILY, AnyLayerEntry, family_named
+from ..model.layer_map import StageLayerMap
 
 
-@dataclass(frozen=True)
-class StageReport:
-    stage_map: StageLayerMap
-    buffers: Mapping[str, int]
-    expected: Mapping[str, int]
+def _stage_ok(stage: Any) -> bool:
+    if isinstance(stage, dict):
+        return bool(stage.get("ok", not stage.get("errors")))
+    return bool(stage.ok)
+
+
+def _with_ok(data: Any) -> Any:
+    """``ok`` follows from the errors where the data does not say it (built, not parsed)."""
+    if isinstance(data, dict) and "ok" not in data:
+        errors = data.get("errors", data.get("cross_errors"))
+        data = {**data, "ok": not errors and all(_stage_ok(s) for s in data.get("stages", ()))}
+    return data
+
+
+class StageReport(StageLayerMap):
+    """One stage at startup: its layer map, its pools against its layers, and every error."""
+
+    layers: tuple[AnyLayerEntry, ...] = Field(  # type: ignore[assignment]
+        description="every layer of the stage, in local order, with its family's fields")
+    buffers: dict[str, int] = Field(description="per pool kind, the buffers the pool holds (None ones "
+                                    "included)")
+    expected: dict[str, int] = Field(alias="expected_buffers",
+                                     description="per pool kind, the buffers its local layers need")
+    pool_page_bytes: dict[str, int] = Field(
+        default_factory=dict, description="per pool kind, one page (a request slot) over every present "
+        "buffer: planned by check, measured on the real tensors by serve and the sglang plugin")
+    device_bytes: dict[str, int] = Field(default_factory=dict,
+                                         description="per pool kind, the device bytes of its buffers")
+    host_buffers: dict[str, int] = Field(
+        default_factory=dict, description="per pool kind, the buffers the host (HiCache) mirror holds")
+    host_bytes: dict[str, int] = Field(default_factory=dict,
+                                       description="per pool kind, the host mirror's bytes")
+    ok: bool = Field(description="no error names this stage")
     errors: tuple[MappingError, ...]
-    #: per pool kind, one page (a request slot) over every present buffer, in bytes: planned by
-    #: ``check``, measured on the real tensors by ``serve`` -- the two must agree
-    pool_page_bytes: Mapping[str, int] = field(default_factory=dict)
 
-    @property
-    def ok(self) -> bool:
-        return not self.errors
-
-    def to_dict(self) -> dict[str, Any]:
-        d = self.stage_map.to_dict()
-        d["buffers"] = dict(self.buffers)
-        d["expected_buffers"] = dict(self.expected)
-        d["pool_page_bytes"] = dict(self.pool_page_bytes)
-        d["ok"] = self.ok
-        d["errors"] = [e.to_dict() for e in self.errors]
-        return d
+    @model_validator(mode="before")
+    @classmethod
+    def _ok(cls, data: Any) -> Any:
+        return _with_ok(data)
 
 
-@dataclass(frozen=True)
-class StartupReport:
+class StartupReport(BaseModel):
+    """The whole deployment at startup (see the module docstring)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    ok: bool = Field(description="every stage validated and no cross-stage error")
+    family: str = Field(DEFAULT_FAMILY, description="the model family (deepseek_v4, ...)")
     model: str
     num_layers: int
     pp_size: int
     tp_size: int
     page_size: int
+    faults: tuple[str, ...] = Field((), description="the faults planted (--fault)")
     stages: tuple[StageReport, ...]
-    cross_errors: tuple[MappingError, ...]
-    faults: tuple[str, ...] = ()
+    cross_errors: tuple[MappingError, ...] = Field(
+        alias="errors", description="cross-stage errors (partition tiling, deployment mismatches)")
 
-    @property
-    def ok(self) -> bool:
-        return not self.cross_errors and all(s.ok for s in self.stages)
+    @model_validator(mode="before")
+    @classmethod
+    def _parse(cls, data: Any) -> Any:
+        """Each stage's pool kinds come from the family (they are not in the JSON)."""
+        if isinstance(data, dict) and any(isinstance(s, dict) for s in data.get("stages", ())):
+            kinds = family_named(data.get("family", DEFAULT_FAMILY)).pool_kinds
+            data = {**data, "stages": [{**s, "kinds": kinds} if isinstance(s, dict) else s
+                                       for s in data["stages"]]}
+        return _with_ok(data)
 
     @property
     def all_errors(self) -> list[MappingError]:
         return [e for s in self.stages for e in s.errors] + list(self.cross_errors)
 
+    def stage(self, stage: int) -> StageReport | None:
+        return next((s for s in self.stages if s.stage == stage), None)
+
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "ok": self.ok,
-            "model": self.model,
-            "num_layers": self.num_layers,
-            "pp_size": self.pp_size,
-            "tp_size": self.tp_size,
-            "page_size": self.page_size,
-            "faults": list(self.faults),
-            "stages": [s.to_dict() for s in self.stages],
-            "errors": [e.to_dict() for e in self.cross_errors],
-        }
+        """``stagecache check --json``."""
+        return self.model_dump(mode="json", by_alias=True)
 
-
-def build_report(
-    layout: ModelLayout,
-    inventories: Sequence[PoolInventory],
-    page_size: int,
-    faults: Sequence[str] = (),
-    pool_page_bytes: Sequence[Mapping[str, int]] | None = None,
-) -> StartupReport:
-    """Validate every stage against its inventory, then the tiling across stages."""
-    by_stage = {inv.stage: inv for inv in inventories}
-    stages = []
-    for i, s in enumerate(layout.stages):
-        inv = by_stage.get(s.stage, PoolInventory(s.stage, {}))
-        nbytes = pool_page_bytes[i] if pool_page_bytes is not None else {}
-        stages.append(StageReport(s, inv.counts(), s.expected_buffers(), tuple(validate_stage(s, inv)), nbytes))
-    cross = validate_tiling(layout.slices, layout.spec.num_layers)
-    return StartupReport(
-        model=layout.spec.name,
-        num_layers=layout.spec.num_layers,
-        pp_size=layout.pp_size,
-        tp_size=layout.tp_size,
-        page_size=page_size,
-        stages=tuple(stages),
-        cross_errors=tuple(cross),
-        faults=tuple(faults),
-    )
-
-
-def preflight(plan: RunPlan) -> StartupReport:
-    """``check``: validate every stage of a plan against its planned pools (faults included)."""
-    return build_report(plan.layout, [s.inventory() for s in plan.stages], plan.page_size,
-                        plan.fault_names, [s.pool_page_bytes() for s in plan.stages])
+    @classmethod
+    def parse(cls, raw: Any, where: str) -> StartupReport:
+        """A saved report (``check --json``) read back; one ``ConfigError`` line naming the first
+        wrong fields otherwise."""
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}"
+                for err in exc.errors()[:5])
+            more = f" (+{exc.error_count() - 5} more)" if exc.error_count() > 5 else ""
+            raise ConfigError(f"{where}: not a startup report: {problems}{more} (expected "
+                              "`stagecache check --json` output)") from None
+        except ConfigError as exc:  # an unknown family
+            raise ConfigError(f"{where}: {exc}") from None

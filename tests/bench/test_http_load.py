@@ -12,10 +12,11 @@ import json
 from live_helpers import blank_live
 from plans import report as plan_report
 from stagecache.dashboard.server import dashboard_in_thread
-from stagecache.exporters.snapshot import StaticSource
 from stagecache.runtime.bench.http_load import HttpBenchOptions, percentiles, run_bench
 from stagecache.runtime.cli.main import main
-from stagecache.runtime.model.pool_kinds import POOLS
+from stagecache.runtime.live.numbers import StageLive
+from stagecache.runtime.live.source import StaticSource
+from stagecache.runtime.model.families.deepseek_v4 import POOLS
 
 
 def test_percentiles_are_nearest_rank():
@@ -26,7 +27,7 @@ def test_percentiles_are_nearest_rank():
 
 def test_bench_http_counts_every_request_over_every_route(free_port, tmp_path, capsys):
     report = plan_report("tiny-v4", 2)
-    source = StaticSource(report, {k: blank_live(k, POOLS) for k in range(2)})
+    source = StaticSource(report, {k: StageLive.model_validate(blank_live(k, POOLS)) for k in range(2)})
     with dashboard_in_thread(source, port=free_port) as url:
         res = run_bench(HttpBenchOptions(url=url, clients=3, requests=90, idle_requests=20,
                                          while_serving=False, baseline=False, keep_alive_check=False))

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from stagecache.runtime.bench import transfer_report
 from stagecache.runtime.cli.main import main
-from stagecache.runtime.model.spec import load_spec
+from stagecache.runtime.model.families import load_spec
 from stagecache.runtime.plan.plan import build_plan
 
 ROOT = Path(__file__).resolve().parents[2]

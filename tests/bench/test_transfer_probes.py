@@ -86,7 +86,7 @@ def test_summary_says_what_any_technique_reached_and_the_render_shows_the_best_p
 @pytest.mark.gpu
 def test_probes_copy_byte_exact_on_the_gpu():
     from stagecache.runtime.bench.transfer import Settings, grid, run_case
-    from stagecache.runtime.model.spec import load_spec
+    from stagecache.runtime.model.families import load_spec
 
     if transfer_probes.unavailable(torch.device("cuda")):
         pytest.skip(transfer_probes.unavailable(torch.device("cuda")))

@@ -18,8 +18,8 @@ from stagecache.runtime.cache.pages import page_view
 from stagecache.runtime.cache.traces import WorkloadConfig, generate, write_trace
 from stagecache.runtime.cli.main import main
 from stagecache.runtime.memory.host_pools import HostPools
+from stagecache.runtime.model.families import load_spec
 from stagecache.runtime.model.layer_map import build_layout
-from stagecache.runtime.model.spec import load_spec
 from stagecache.runtime.transfer.controller import TransferController
 from stagecache.runtime.transfer.stats import TransferStats
 

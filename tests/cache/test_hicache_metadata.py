@@ -18,8 +18,8 @@ from stagecache.runtime.cache.kv_writer import KvWriter
 from stagecache.runtime.cache.traces import WorkloadConfig, generate, load_requests
 from stagecache.runtime.cli.main import main
 from stagecache.runtime.memory.host_pools import HostPools
+from stagecache.runtime.model.families import load_spec
 from stagecache.runtime.model.layer_map import build_layout
-from stagecache.runtime.model.spec import load_spec
 from stagecache.runtime.serve.stage_cache import build_trace
 from stagecache.runtime.transfer.controller import TransferController
 from stagecache.runtime.transfer.stats import TransferStats
@@ -64,10 +64,10 @@ def test_metadata_and_payload_decide_the_same_on_a_mooncake_slice(sample, policy
     s = meta.stats
     assert s.host_hit_tokens > 0 and s.device_evicted_pages > 0 and s.load_pages > 0
     # bytes moved = pages moved x the memory layer's bytes per page, in both directions
-    snap = payload.controller.stats.snapshot()
+    moved = payload.controller.stats.live().transfer_bytes
     per_page = payload.pools.token_page_bytes()
-    assert snap["d2h"]["bytes"] == s.backup_pages * per_page
-    assert snap["h2d"]["bytes"] == s.load_pages * per_page
+    assert moved.d2h == s.backup_pages * per_page
+    assert moved.h2d == s.load_pages * per_page
 
 
 def test_metadata_and_payload_decide_the_same_on_a_token_trace():

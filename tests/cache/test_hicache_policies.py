@@ -10,9 +10,9 @@ from stagecache.runtime.cache.kv_writer import KvWriter, page_hashes
 from stagecache.runtime.cache.traces import Request
 from stagecache.runtime.errors import ConfigError
 from stagecache.runtime.memory.host_pools import HostPools
+from stagecache.runtime.model.families import load_spec
+from stagecache.runtime.model.families.deepseek_v4 import HOST_CACHED
 from stagecache.runtime.model.layer_map import build_layout
-from stagecache.runtime.model.pool_kinds import HOST_CACHED, POOLS
-from stagecache.runtime.model.spec import load_spec
 from stagecache.runtime.transfer.controller import TransferController
 from stagecache.runtime.transfer.stats import TransferStats
 
@@ -83,8 +83,8 @@ def nodes(cache, tokens):
 
 def transfers(cache):
     """(backup count, load count) recorded by the controller."""
-    snap = cache.controller.stats.snapshot()
-    return snap["d2h"]["count"], snap["h2d"]["count"]
+    count = cache.controller.stats.live().transfer_count
+    return count.d2h, count.h2d
 
 
 def test_partial_last_page_is_not_cached():
@@ -290,23 +290,18 @@ def test_handle_misuse_and_bad_policy():
         make(policy="write_bak")
 
 
-def test_stats_snapshot_has_the_live_dict_keys():
-    from live_helpers import blank_live
+def test_stats_give_the_stage_live_numbers():
+    from stagecache.runtime.live.numbers import StageLive
 
     cache, w = make(device_pages=2)
     for tag in range(1, 4):
         run(cache, w, req(page(tag), out=1))
     run(cache, w, req(page(1) + [1]))
-    snap = cache.stats.snapshot()  # what a serving stage's live numbers are made from
-    want = blank_live(2, POOLS)
-    for key in ("cache_tokens", "host_hit_ratio", "evictions", "requests", "transfer_bytes",
-                "transfer_seconds", "transfer_count", "bandwidth_bytes_per_second"):
-        assert type(snap[key]) is type(want[key]), key
-        if isinstance(want[key], dict):
-            assert set(snap[key]) <= set(want[key]) and snap[key], key
-    assert snap["cache_tokens"]["host"] == PS and snap["evictions"]["device"] == 3  # 1, 2, 3
-    assert snap["host_hit_ratio"] == pytest.approx(PS / cache.stats.looked_up_tokens)
-    assert snap["transfer_bytes"]["h2d"] == cache.pools.token_page_bytes()
+    # what a serving stage's live numbers are made from: the typed parts, as they are
+    live = StageLive(stage=2, **dict(cache.stats.live()), **dict(cache.controller.stats.live()))
+    assert live.cache_tokens.host == PS and live.evictions.device == 3  # 1, 2, 3
+    assert live.host_hit_ratio == pytest.approx(PS / cache.stats.looked_up_tokens)
+    assert live.transfer_bytes.h2d == cache.pools.token_page_bytes()
 
 
 def test_plain_tokens_request_is_all_prompt():

@@ -22,8 +22,8 @@ from stagecache.runtime.cache.insight import InsightConfig
 from stagecache.runtime.cache.keytable import EMPTY, GHOST, KeyTable, ghost_reason
 from stagecache.runtime.cache.traces import Request
 from stagecache.runtime.memory.host_pools import HostPools
+from stagecache.runtime.model.families import load_spec
 from stagecache.runtime.model.layer_map import build_layout
-from stagecache.runtime.model.spec import load_spec
 from stagecache.runtime.transfer.controller import TransferController
 from stagecache.runtime.transfer.stats import TransferStats
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 from plans import pools as make_pools
 from stagecache.runtime.cache.kv_writer import KvWriter, page_hashes
+from stagecache.runtime.model.families import load_spec, spec_from_config
+from stagecache.runtime.model.families.deepseek_v4 import HOST_CACHED
 from stagecache.runtime.model.layer_map import build_layout
-from stagecache.runtime.model.pool_kinds import HOST_CACHED
-from stagecache.runtime.model.spec import load_spec, spec_from_config
 
 
 def _pools(num_pages=8, stage=2):

@@ -25,8 +25,8 @@ from stagecache.runtime.cache.radix import DEVICE, HOST, RadixError, RadixTree
 from stagecache.runtime.cache.traces import Request
 from stagecache.runtime.errors import ConfigError
 from stagecache.runtime.memory.host_pools import HostPools
+from stagecache.runtime.model.families import load_spec
 from stagecache.runtime.model.layer_map import build_layout
-from stagecache.runtime.model.spec import load_spec
 from stagecache.runtime.transfer.controller import TransferController
 from stagecache.runtime.transfer.stats import TransferStats
 

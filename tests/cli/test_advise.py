@@ -11,9 +11,11 @@ from stagecache.runtime.cache.advice import TARGETS, hicache_ratio_for
 from stagecache.runtime.cache.curves import page_views, trace_curves
 from stagecache.runtime.cache.traces import WorkloadConfig, generate, load_requests, write_trace
 from stagecache.runtime.cli.main import main
+from stagecache.runtime.model.families.deepseek_v4 import FAMILY
 from stagecache.runtime.plan.inputs import resolve_plan
 from stagecache.runtime.plan.plan import Sizing
-from stagecache.runtime.plan.sizing import HICACHE_SIZE_REFUSED
+
+HICACHE_SIZE_REFUSED = FAMILY.host_size_refused
 
 
 @pytest.fixture(scope="module")

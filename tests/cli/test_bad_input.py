@@ -80,7 +80,8 @@ CASES = [
     ("model-config-is-dir", S("--model", "{cfgdir}"), "model config '{cfgdir}/config.json': cannot read: Is a directory"),
     ("model-not-json", S("--model", "{notjson}"), "model config '{notjson}' is not valid JSON"),
     ("model-list", S("--model", "{listjson}"), "expected a JSON object, got list"),
-    ("model-missing-field", S("--model", "{nofield}"), "missing required field 'num_hidden_layers'"),
+    ("model-missing-field", S("--model", "{nofield}"), "not a model of a family stagecache knows"),
+    ("model-missing-layers", S("--model", "{nolayers}"), "missing required field 'num_hidden_layers'"),
     # -- traces ------------------------------------------------------------------------------------------
     ("trace-missing", S("--trace", "{dir}/none.jsonl"), "--trace '{dir}/none.jsonl': no such file"),
     ("trace-dir", S("--trace", "{dir}"), "--trace '{dir}' is a directory"),
@@ -150,6 +151,7 @@ def _make_files(d: Path) -> dict[str, str]:
     put("notjson.json", "{not json")
     put("listjson.json", "[1, 2]")
     put("nofield.json", '{"head_dim": 512}')
+    put("nolayers.json", '{"architectures": ["DeepseekV4ForCausalLM"], "head_dim": 512}')
     put("badline.jsonl", '{"session": "a", "turn": 0, "input_len": 300, "output_len": 8}\nnot json\n')
     put("longline.jsonl", '{"session": "a", "turn": 0, "output_len": 1, "input_ids": ['
         + ",".join(["7"] * 2_000_000) + "]}\n")
@@ -250,7 +252,7 @@ def test_a_config_under_a_directory_without_permission_is_one_line(tmp_path):
     """As another user (uid 65534): the parent exists but cannot be searched."""
     from attacker import as_nobody
     from stagecache.runtime.errors import ConfigError
-    from stagecache.runtime.model.spec import load_config
+    from stagecache.runtime.model.config_file import load_config
 
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o700)

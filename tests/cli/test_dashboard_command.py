@@ -35,14 +35,14 @@ def test_cli_rejects_json_that_is_not_a_report(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "not a startup report: model: Field required" in err and len(err.strip().splitlines()) == 1
     good = tmp_path / "good.json"
-    good.write_text(json.dumps(report("tiny-v4", 4)))
+    good.write_text(json.dumps(report("tiny-v4", 4).to_dict()))
     assert main(["dashboard", "--from-json", str(good), "--model", "deepseek-v4-flash"]) == 2
     assert "--from-json takes model" in capsys.readouterr().err
 
 
 def test_cli_busy_port_is_exit_2(free_port, tmp_path, capsys):
     good = tmp_path / "good.json"
-    good.write_text(json.dumps(report("tiny-v4", 4)))
+    good.write_text(json.dumps(report("tiny-v4", 4).to_dict()))
     with socket.socket() as s:
         s.bind(("127.0.0.1", free_port))
         s.listen()

@@ -199,7 +199,7 @@ def test_every_flag_of_every_command_is_accepted_or_refused_in_one_line(data, fi
                      st.integers(1, 3000).map(lambda n: "[" * n + "]" * n),
                      st.integers(1, 5000).map(lambda n: '"\\' * n)))
 def test_the_config_loader_returns_a_spec_or_one_config_error(key, value, raw, tmp_path_factory):
-    from stagecache.runtime.model.spec import load_spec
+    from stagecache.runtime.model.families import load_spec
 
     path = tmp_path_factory.getbasetemp() / "fuzz-config.json"
     path.write_text(raw if raw is not None else _config((key, value)))

@@ -16,8 +16,8 @@ from mooncake_sample import write_sample
 from plans import report
 from stagecache.dashboard.advise_page import NO_REPORT, load_advise_report
 from stagecache.dashboard.server import dashboard_in_thread
-from stagecache.exporters.snapshot import StaticSource
 from stagecache.runtime.cli.main import main
+from stagecache.runtime.live.source import StaticSource
 
 HOSTILE = "<b>x&<script>.jsonl"
 

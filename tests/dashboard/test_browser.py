@@ -52,7 +52,7 @@ def test_preflight_page_draws_one_layer_map_per_stage(driver, free_port, tmp_pat
         assert all(m.find_elements(By.CSS_SELECTOR, ".heatmaplayer") for m in maps)
         rows = driver.find_elements(By.CSS_SELECTOR, "#stage-table tr.stage-row")
         assert [r.get_attribute("class") for r in rows] == ["stage-row ok"] * PP
-        rep = expected_report([])
+        rep = expected_report([]).to_dict()
         for row, s in zip(rows, rep["stages"], strict=True):
             cells = row.find_elements(By.TAG_NAME, "td")
             assert cells[1].text == f"[{s['start_layer']}, {s['end_layer']})"
@@ -74,7 +74,7 @@ def test_fault_page_shows_every_error_row_and_red_pool(driver, free_port, tmp_pa
         load(driver, f"http://127.0.0.1:{free_port}/")
         assert len(driver.find_elements(By.CSS_SELECTOR, ".layer-map.js-plotly-plot")) == PP
         rows = driver.find_elements(By.CSS_SELECTOR, "#stage-table tr.stage-row.error")
-        rep = expected_report(["global-swa"])
+        rep = expected_report(["global-swa"]).to_dict()
         assert len(rows) == PP
         for row, s in zip(rows, rep["stages"], strict=True):
             status = row.find_element(By.CSS_SELECTOR, "td.status").text

@@ -13,7 +13,7 @@ import time
 from browser_support import MARKS, _wait, js
 from plans import report
 from stagecache.dashboard.server import DashboardThread, bind_dashboard_socket
-from stagecache.exporters.snapshot import StaticSource
+from stagecache.runtime.live.source import StaticSource
 
 pytestmark = MARKS
 
@@ -22,7 +22,7 @@ NAME = ('tiny</title><script>window.__xss = 1</script>'
 
 
 def test_a_script_in_the_model_name_never_runs(driver):
-    rep = {**report("tiny-v4", 2), "model": NAME}
+    rep = report("tiny-v4", 2).model_copy(update={"model": NAME})
     dash = DashboardThread(StaticSource(rep), bind_dashboard_socket("127.0.0.1", 0),
                            title=f"stagecache {NAME} pp=2")
     dash.start()

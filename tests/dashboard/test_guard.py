@@ -20,7 +20,7 @@ import pytest
 from plans import report
 from stagecache.dashboard.app import create_app
 from stagecache.dashboard.server import DashboardThread, bind_dashboard_socket
-from stagecache.exporters.snapshot import StaticSource
+from stagecache.runtime.live.source import StaticSource
 
 HEAD = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n"  # no blank line: the head never ends
 

@@ -16,21 +16,23 @@ from live_helpers import blank_live
 from plans import report
 from schemathesis.checks import not_a_server_error
 from stagecache.dashboard.app import create_app
-from stagecache.exporters.snapshot import StaticSource
-from stagecache.runtime.model.pool_kinds import POOLS
+from stagecache.runtime.live.numbers import StageLive
+from stagecache.runtime.live.source import StaticSource
+from stagecache.runtime.model.families.deepseek_v4 import POOLS
+from stagecache.runtime.validation.report import StartupReport
 
 
-def _report(faults: list[str]) -> dict:
+def _report(faults: list[str]) -> StartupReport:
     return report("tiny-v4", 4, list(faults))
 
 
-def _live() -> dict[int, dict]:
+def _live() -> dict[int, StageLive]:
     out = {}
     for s in range(4):
         d = blank_live(s, POOLS)
         d["cache_tokens"] = {"device": 10 * s, "host": 5, "miss": 1}
         d["host_hit_ratio"] = 0.5
-        out[s] = d
+        out[s] = StageLive.model_validate(d)
     return out
 
 

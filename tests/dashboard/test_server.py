@@ -12,7 +12,7 @@ import time
 
 import pytest
 from stagecache.dashboard.server import DashboardThread, bind_dashboard_socket
-from stagecache.exporters.snapshot import StaticSource
+from stagecache.runtime.live.source import StaticSource
 from stagecache.runtime.net import exposure_warning, is_loopback
 
 

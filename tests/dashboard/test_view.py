@@ -11,18 +11,23 @@ from stagecache.dashboard import figures, live_figures
 from stagecache.dashboard.models import StageLive
 from stagecache.dashboard.rates import StageRates
 from stagecache.dashboard.view import (
-    ReportShapeError,
     layer_map_cells,
-    parse_report,
     pool_statuses,
     run_state,
     stages_response,
 )
-from stagecache.runtime.model.pool_kinds import POOLS
+from stagecache.runtime.errors import ConfigError
+from stagecache.runtime.model.families.deepseek_v4 import FAMILY, POOLS
+from stagecache.runtime.validation.report import StartupReport
 
 
 def report(model: str, pp: int, faults: list[str] = ()) -> dict:
-    return plan_report(model, pp, list(faults))
+    """``check --json`` of the layout, as a saved report is read back."""
+    return plan_report(model, pp, list(faults)).to_dict()
+
+
+def parse_report(raw: dict) -> StartupReport:
+    return StartupReport.parse(raw, "the report")
 
 
 def test_duplicate_compress_id_marks_the_second_layer_only():
@@ -56,16 +61,16 @@ def test_every_needed_cell_and_nothing_else():
     rep = parse_report(report("deepseek-v4-flash", 2))
     for stage in rep.stages:
         cells = layer_map_cells(stage)
-        assert {p: sum(c.pool == p for c in cells) for p in POOLS} == stage.expected_buffers
+        assert {p: sum(c.pool == p for c in cells) for p in POOLS} == stage.expected
         for c in cells:
-            assert stage.start_layer <= c.global_id < stage.end_layer
+            assert stage.start <= c.global_id < stage.end
 
 
 def test_parse_report_names_the_wrong_fields():
     raw = report("tiny-v4", 2)
     del raw["stages"][1]["buffers"]
     raw["pp_size"] = "two"
-    with pytest.raises(ReportShapeError) as exc:
+    with pytest.raises(ConfigError) as exc:
         parse_report(raw)
     assert "pp_size: Input should be a valid integer" in str(exc.value)
     assert "stages.1.buffers: Field required" in str(exc.value)
@@ -81,17 +86,18 @@ def test_stage_table_status_joins_exact_messages():
         assert {p.pool for p in row.pools if not p.ok} == want
 
 
-def test_layer_map_figure_colours_by_ratio_and_handles_an_empty_stage():
+def test_layer_map_figure_colours_by_layer_kind_and_handles_an_empty_stage():
     rep = parse_report(report("tiny-v4", 1))
     s = rep.stages[0]
-    fig = figures.to_json_dict(figures.layer_map_figure(s, pool_statuses(s), layer_map_cells(s)))
+    fig = figures.to_json_dict(figures.layer_map_figure(s, pool_statuses(s), layer_map_cells(s), FAMILY))
     z = fig["data"][0]["z"]
     swa_row = z[POOLS.index("swa")]
     ratios = [e.compress_ratio for e in s.layers]
-    assert swa_row == [figures.RATIO_CLASS[r] for r in ratios]
+    assert swa_row == [{0: 0, 4: 1, 128: 2}[r] for r in ratios]  # the legend: ratio 0, 4, 128
+    assert fig["data"][0]["colorbar"]["ticktext"] == ["ratio 0", "ratio 4", "ratio 128"]
     assert fig["data"][0]["text"][0] == [str(i) for i in range(len(ratios))]
-    empty = s.model_copy(update={"start_layer": 5, "end_layer": 5, "layers": [], "local_layers": 0})
-    fig = figures.to_json_dict(figures.layer_map_figure(empty, pool_statuses(empty), []))
+    empty = s.model_copy(update={"start": 5, "end": 5, "layers": (), "local_layers": 0})
+    fig = figures.to_json_dict(figures.layer_map_figure(empty, pool_statuses(empty), [], FAMILY))
     assert fig["layout"]["annotations"][0]["text"] == "this stage owns no layers"
 
 

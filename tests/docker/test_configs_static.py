@@ -32,8 +32,9 @@ def exported_sample_names() -> set[str]:
     from live_helpers import blank_live
     from plans import report as plan_report
     from stagecache.exporters.metrics import make_registry
-    from stagecache.exporters.snapshot import StaticSource
-    from stagecache.runtime.model.pool_kinds import POOLS
+    from stagecache.runtime.live.numbers import StageLive
+    from stagecache.runtime.live.source import StaticSource
+    from stagecache.runtime.model.families.deepseek_v4 import POOLS
 
     report = plan_report("tiny-v4", 4)
     stages = {}
@@ -45,7 +46,7 @@ def exported_sample_names() -> set[str]:
         n.update(host_tier={"status": ["ok"], "mem_available_bytes": 1 << 33, "reserve_bytes": 1 << 30},
                  pool_occupancy=[{"pool": p, "tier": "device", "unit": "slot" if p == "c128_state" else "page",
                                   "capacity": 8} for p in POOLS])
-        stages[k] = n
+        stages[k] = StageLive.model_validate(n)
     registry = make_registry(StaticSource(report, stages))
     return {s.name for fam in registry.collect() for s in fam.samples}
 

@@ -20,13 +20,19 @@ from stagecache.exporters.families import (
     label_names,
 )
 from stagecache.exporters.metrics import METRIC_NAMES, make_registry
-from stagecache.exporters.snapshot import StageLive, StaticSource
-from stagecache.runtime.model.pool_kinds import POOLS
-from stagecache.runtime.model.spec import load_spec
-from stagecache.runtime.serve.stage_cache import transfer_live_fields
+from stagecache.runtime.live.numbers import StageLive
+from stagecache.runtime.live.source import StaticSource
+from stagecache.runtime.model.families import load_spec
+from stagecache.runtime.model.families.deepseek_v4 import POOLS
 from stagecache.runtime.transfer.stats import TransferStats
+from stagecache.runtime.validation.report import StartupReport
 
 TINY = load_spec("tiny-v4")
+
+
+def source_of(rep, stages=None) -> StaticSource:
+    """A static source over a report and live numbers given as the JSON a stage writes."""
+    return StaticSource(rep, {k: StageLive.model_validate(v) for k, v in (stages or {}).items()})
 
 
 def report(faults=()):
@@ -73,7 +79,7 @@ def scrape(source) -> str:
 
 
 def full_scrape() -> dict[str, list]:
-    source = StaticSource(report(), {s: live(s) for s in range(4)})
+    source = source_of(report(), {s: live(s) for s in range(4)})
     source.write_failures = 2  # what a serving parent's source (RunDirSource) also counts
     return series_by_name(scrape(source))
 
@@ -110,7 +116,7 @@ def test_every_label_has_one_documented_meaning_and_closed_values():
 
 
 def test_the_registry_matches_the_family_table():
-    text = generate_openmetrics(make_registry(StaticSource(report(), {s: live(s) for s in range(4)})))
+    text = generate_openmetrics(make_registry(source_of(report(), {s: live(s) for s in range(4)})))
     from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_parse
 
     got = {f.name: f for f in om_parse(text.decode())}
@@ -124,7 +130,7 @@ def test_the_registry_matches_the_family_table():
 
 
 def test_counters_for_everything_cumulative_gauges_for_states():
-    text = scrape(StaticSource(report(), {0: live(0)}))
+    text = scrape(source_of(report(), {0: live(0)}))
     types = {f.name: f.type for f in text_string_to_metric_families(text)}
     for name in METRIC_NAMES:
         if name.endswith("_total"):
@@ -143,7 +149,7 @@ def test_counters_for_everything_cumulative_gauges_for_states():
 
 
 def test_startup_values_come_from_the_report():
-    smp = series_by_name(scrape(StaticSource(report(["global-swa"]))))
+    smp = series_by_name(scrape(source_of(report(["global-swa"]))))
     for st in "0123":
         assert sample_value(smp, "stagecache_stage_local_layers", pp_rank=st) == 3
         assert sample_value(smp, "stagecache_stage_buffers", pp_rank=st, pool="swa") == 12
@@ -151,7 +157,7 @@ def test_startup_values_come_from_the_report():
         assert sample_value(smp, "stagecache_stage_mapping_ok", pp_rank=st) == 0
         assert sample_value(smp, "stagecache_stage_mapping_errors", pp_rank=st) == 1
     assert sample_value(smp, "stagecache_startup_ok", model_name="tiny-v4") == 0
-    ok = series_by_name(scrape(StaticSource(report())))
+    ok = series_by_name(scrape(source_of(report())))
     assert sample_value(ok, "stagecache_startup_ok") == 1
     assert sample_value(ok, "stagecache_stage_mapping_ok", pp_rank="1") == 1
     assert sample_value(ok, "stagecache_stage_buffers", pp_rank="1", pool="c128") == 2
@@ -160,7 +166,7 @@ def test_startup_values_come_from_the_report():
 def test_build_and_model_info():
     from stagecache import runtime
 
-    smp = series_by_name(scrape(StaticSource(report())))
+    smp = series_by_name(scrape(source_of(report())))
     (build,) = smp["stagecache_build_info"]
     assert build.labels == {"version": runtime.__version__} and build.value == 1
     (model,) = smp["stagecache_model_info"]
@@ -169,14 +175,14 @@ def test_build_and_model_info():
 
 
 def test_pool_names_come_from_the_data_not_a_fixed_list():
-    rep = report()
-    for s in rep["stages"]:  # a pool kind this package has never heard of
-        s["buffers"]["c4_indexer_state"] = s["expected_buffers"]["c4_indexer_state"] = 2
+    raw = report().to_dict()
+    for s in raw["stages"]:  # a pool kind this package has never heard of
+        s["buffers"]["mystery"] = s["expected_buffers"]["mystery"] = 2
     d = live(0)
-    d["pool_bytes"]["c4_indexer_state"] = {"device": 5, "host": 6}
-    smp = series_by_name(scrape(StaticSource(rep, {0: d})))
-    assert sample_value(smp, "stagecache_stage_buffers", pp_rank="2", pool="c4_indexer_state") == 2
-    assert sample_value(smp, "stagecache_pool_bytes", pp_rank="0", pool="c4_indexer_state", tier="host") == 6
+    d["pool_bytes"]["mystery"] = {"device": 5, "host": 6}
+    smp = series_by_name(scrape(source_of(StartupReport.model_validate(raw), {0: d})))
+    assert sample_value(smp, "stagecache_stage_buffers", pp_rank="2", pool="mystery") == 2
+    assert sample_value(smp, "stagecache_pool_bytes", pp_rank="0", pool="mystery", tier="host") == 6
 
 
 def test_shared_page_space_is_counted_once():
@@ -192,14 +198,14 @@ def test_shared_page_space_is_counted_once():
 
 
 def test_no_report_yet_means_no_startup_samples_but_live_numbers_still_export():
-    smp = series_by_name(scrape(StaticSource(None, {2: live(2)})))
+    smp = series_by_name(scrape(source_of(None, {2: live(2)})))
     assert "stagecache_startup_ok" not in smp and "stagecache_stage_local_layers" not in smp
     assert "stagecache_model_info" not in smp and "stagecache_build_info" in smp
     assert sample_value(smp, "stagecache_prefix_hit_tokens_total", pp_rank="2", tier="host") == 300
 
 
 def test_live_values_per_stage_and_label():
-    smp = series_by_name(scrape(StaticSource(report(), {0: live(0), 1: live(1, scale=2)})))
+    smp = series_by_name(scrape(source_of(report(), {0: live(0), 1: live(1, scale=2)})))
     assert sample_value(smp, "stagecache_prefix_lookup_tokens_total", pp_rank="1") == 4200
     assert sample_value(smp, "stagecache_prefix_hit_tokens_total", pp_rank="1", tier="device") == 2000
     assert sample_value(smp, "stagecache_prefix_hit_tokens_total", pp_rank="1", tier="storage") == 200
@@ -240,9 +246,8 @@ def test_histogram_buckets_come_from_transfer_stats():
     for secs in (0.00005, 0.0003, 0.0003, 0.02, 3.0):
         stats.record("d2h", 4000, secs, 1, queue_seconds=secs / 2, kinds=kinds)
     d = live(0)
-    d.update({k: v.model_dump() if hasattr(v, "model_dump") else v
-              for k, v in transfer_live_fields(stats).items()})
-    smp = series_by_name(scrape(StaticSource(report(), {0: d})))
+    d.update(stats.live().model_dump())
+    smp = series_by_name(scrape(source_of(report(), {0: d})))
     h = "stagecache_transfer_dma_seconds_bucket"
     # swa's shares: 37.5 us, 225 us, 225 us, 15 ms, 2.25 s
     assert sample_value(smp, h, pp_rank="0", direction="d2h", pool="swa", le="5e-05") == 1
@@ -269,10 +274,15 @@ def test_histogram_buckets_come_from_transfer_stats():
 
 def test_the_source_is_read_on_every_scrape():
     class Growing:
+        write_failures = None
+
         def __init__(self):
             self.n = 0
 
         def startup(self):
+            return None
+
+        def run(self):
             return None
 
         def stages(self):
@@ -294,7 +304,7 @@ def test_stage_labels_are_sglangs():
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
 def test_promtool_lints_the_exposition_clean():
-    text = scrape(StaticSource(report(), {s: live(s) for s in range(4)}))
+    text = scrape(source_of(report(), {s: live(s) for s in range(4)}))
     r = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0 and not r.stdout.strip() and not r.stderr.strip(), r.stdout + r.stderr

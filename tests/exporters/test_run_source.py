@@ -6,9 +6,10 @@ import json
 import multiprocessing as mp
 
 from live_helpers import blank_live
-from stagecache.exporters.snapshot import SnapshotSource
+from plans import report
 from stagecache.runtime.live import run_dir as rd
 from stagecache.runtime.live.run_dir import RunDirSource
+from stagecache.runtime.live.source import SnapshotSource
 
 
 def test_empty_run_dir_is_starting(tmp_path):
@@ -18,13 +19,13 @@ def test_empty_run_dir_is_starting(tmp_path):
 
 
 def test_reads_startup_and_stage_files(tmp_path):
-    rd.write_json_atomic(tmp_path / rd.STARTUP_FILE, {"ok": True, "stages": []})
+    rd.write_json_atomic(tmp_path / rd.STARTUP_FILE, report("tiny-v4", 2).to_dict())
     d = blank_live(1, ("swa",))
     d["requests"] = 7
     rd.write_json_atomic(rd.stage_file(tmp_path, 1), d)
     rd.write_json_atomic(rd.stage_file(tmp_path, 0), blank_live(0))
     src = RunDirSource(tmp_path)
-    assert src.startup() == {"ok": True, "stages": []}
+    assert src.startup() == report("tiny-v4", 2)
     stages = src.stages()
     assert list(stages) == [0, 1] and stages[1].requests == 7
     snap = src.snapshot()

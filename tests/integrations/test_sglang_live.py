@@ -33,15 +33,15 @@ from sglang.srt.mem_cache import deepseek_v4_memory_pool as dsv4  # noqa: E402
 from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as hpa  # noqa: E402
 from sglang_real import partition_env, raw_ratios  # noqa: E402
 from stagecache.exporters.metrics import make_registry  # noqa: E402
-from stagecache.exporters.snapshot import SnapshotSource  # noqa: E402
 from stagecache.runtime.errors import StageMappingInvalid  # noqa: E402
 from stagecache.runtime.integrations import sglang as integ  # noqa: E402
+from stagecache.runtime.live.source import SnapshotSource  # noqa: E402
+from stagecache.runtime.model.families import load_spec  # noqa: E402
 from stagecache.runtime.model.layer_map import build_layout  # noqa: E402
 from stagecache.runtime.model.partition import partition_layers  # noqa: E402
-from stagecache.runtime.model.spec import load_spec  # noqa: E402
 from stagecache.runtime.plan.faults import Fault  # noqa: E402
 from stagecache.runtime.plan.plan import build_plan  # noqa: E402
-from stagecache.runtime.validation.report import preflight  # noqa: E402
+from stagecache.runtime.validation.deployment import preflight  # noqa: E402
 
 PAGE = 256
 FLASH = load_spec("deepseek-v4-flash")

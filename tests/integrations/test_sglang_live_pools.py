@@ -31,7 +31,7 @@ from sglang_real import (  # noqa: E402
     published,
 )
 from stagecache.runtime.cli.main import main  # noqa: E402
-from stagecache.runtime.model.pool_kinds import KINDS, POOLS  # noqa: E402
+from stagecache.runtime.model.families.deepseek_v4 import KINDS, POOLS  # noqa: E402
 
 TOKENS = 262_144
 LAYOUTS = [(1, None), (2, None), (4, None), (8, None),

@@ -10,7 +10,7 @@ import pytest
 import torch
 from live_helpers import blank_live
 from plans import pools as make_pools
-from plans import run_plan
+from plans import report, run_plan
 from stagecache.runtime.cli.main import build_parser
 from stagecache.runtime.cli.serve import options_from_args
 from stagecache.runtime.errors import ConfigError
@@ -28,8 +28,8 @@ from stagecache.runtime.memory.host_tier import (
     host_tier_check,
     read_meminfo,
 )
+from stagecache.runtime.model.families import load_spec
 from stagecache.runtime.model.layer_map import build_layout
-from stagecache.runtime.model.spec import load_spec
 from stagecache.runtime.serve.heartbeat import StageFile
 from stagecache.runtime.serve.host_tier_live import StageHostTier
 from stagecache.runtime.serve.options import check_host_memory
@@ -199,11 +199,11 @@ def test_ten_terabytes_of_host_pages_is_refused_before_anything_is_allocated():
         assert "of RAM" in str(again)
 
 
-def _stage(k: int, status: list[str], reasons: list[str], ready: bool) -> dict:
+def _stage(k: int, status: list[str], reasons: list[str], ready: bool) -> StageLive:
     d = blank_live(k)
     d.update(phase="serving", time=time.time(), heartbeat_at=time.time(),
              host_tier={"status": status, "reasons": reasons, "ready": ready})
-    return d
+    return StageLive.model_validate(d)
 
 
 def test_readyz_fails_on_exceeds_ram_and_warns_on_the_others():
@@ -213,9 +213,10 @@ def test_readyz_fails_on_exceeds_ram_and_warns_on_the_others():
     stages = {0: _stage(0, ["ok"], ["stage 0 host tier: ok"], True),
               1: _stage(1, ["smaller_than_device", "pin_refused"], ["stage 1 a", "stage 1 b"], True),
               2: _stage(2, ["ok"], ["stage 2 host tier: ok"], True)}
-    v = assess(RunInfo(**run), {"ok": True}, stages, time.time())
+    ok = report("tiny-v4", 3)
+    v = assess(RunInfo(**run), ok, stages, time.time())
     assert v.ready and v.warnings == ["stage 1 a", "stage 1 b"] and v.reasons == []
     assert [h.host_tier for h in v.stages] == [["ok"], ["smaller_than_device", "pin_refused"], ["ok"]]
     stages[2] = _stage(2, ["exceeds_ram"], ["stage 2 host tier: host RAM short"], False)
-    v = assess(RunInfo(**run), {"ok": True}, stages, time.time())
+    v = assess(RunInfo(**run), ok, stages, time.time())
     assert not v.ready and v.reasons == ["stage 2 host tier: host RAM short"]

@@ -7,13 +7,13 @@ from metric_samples import sample_value, series_by_name
 from plans import pools as make_pools
 from prometheus_client import generate_latest
 from stagecache.exporters.metrics import make_registry
-from stagecache.exporters.snapshot import StaticSource
 from stagecache.runtime.live.numbers import PageSpace, StageLive
+from stagecache.runtime.live.source import StaticSource
 from stagecache.runtime.memory.host_pools import HostPools
 from stagecache.runtime.memory.occupancy import stage_occupancy
+from stagecache.runtime.model.families import load_spec
+from stagecache.runtime.model.families.deepseek_v4 import HOST_CACHED, KINDS, POOLS
 from stagecache.runtime.model.layer_map import build_layout
-from stagecache.runtime.model.pool_kinds import HOST_CACHED, KINDS, POOLS
-from stagecache.runtime.model.spec import load_spec
 from stagecache.runtime.serve.host_tier_live import occupancy_live
 
 TINY = load_spec("tiny-v4")

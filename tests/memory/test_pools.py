@@ -8,8 +8,8 @@ from plans import pools, run_plan, stage_plan
 from stagecache.runtime.errors import ConfigError, LayerNotOwnedError
 from stagecache.runtime.memory.host_pools import HostPools
 from stagecache.runtime.memory.pools import StagePools
+from stagecache.runtime.model.families import load_spec
 from stagecache.runtime.model.layer_map import build_layout
-from stagecache.runtime.model.spec import load_spec
 from stagecache.runtime.plan.plan import Sizing, build_plan
 from stagecache.runtime.validation.checks import validate_stage
 
@@ -22,14 +22,14 @@ def test_pools_are_stage_local_and_lookup_uses_global_ids():
     p = pools(TINY, S1, 128, 4)
     assert validate_stage(p.stage_map, p.inventory()) == []
     assert len(p.buffers["swa"]) == S1.local_layers
-    assert p.get_swa_raw_buffer(S1.start) is p.buffers["swa"][0]
+    assert p.get_raw_buffer("swa", S1.start) is p.buffers["swa"][0]
     first_c4 = S1.pool_layers("c4")[0].global_id
     assert p.get_raw_buffer("c4", first_c4) is p.buffers["c4"][0]
-    assert p.get_c4_raw_buffer(first_c4) is p.buffers["c4"][0]
-    assert p.get_c4_state_buffer(first_c4) is p.buffers["c4_state"][0]
+    assert p.get_raw_buffer("c4", first_c4) is p.buffers["c4"][0]
+    assert p.get_raw_buffer("c4_state", first_c4) is p.buffers["c4_state"][0]
     assert p.allocator.num_pages == 4 and p.allocator.name == "stage 1 device"
     inv = p.inventory()
-    assert inv.stage == 1 and inv.counts()["swa"] == S1.local_layers
+    assert inv.stage == 1 and inv.counts(S1.pools)["swa"] == S1.local_layers
 
 
 def test_every_tensor_is_the_plans_shape():
@@ -45,9 +45,9 @@ def test_every_tensor_is_the_plans_shape():
 def test_wrong_layer_id_names_stage_and_range():
     p = pools(TINY, S1, 128, 2)
     with pytest.raises(LayerNotOwnedError, match=r"stage 1 owns global layers \[6, 12\); layer 2"):
-        p.get_swa_raw_buffer(2)
+        p.get_raw_buffer("swa", 2)
     with pytest.raises(ValueError, match="stage 1 owns"):  # the ValueError sglang raises for mapping errors
-        p.get_swa_raw_buffer(12)
+        p.get_raw_buffer("swa", 12)
     ratio4 = next(e.global_id for e in S1.layers if e.compress_ratio == 4)
     with pytest.raises(LayerNotOwnedError, match="compress ratio 4 and no C128 KV buffer"):
         p.get_raw_buffer("c128", ratio4)
@@ -100,8 +100,6 @@ def test_pools_are_allocated_from_a_runtime_plan_only():
 def test_host_sizes_and_layouts():
     assert HostPools(pools(TINY, S1, 128, 4)).num_pages == 8  # sglang's default ratio 2.0
     assert HostPools(pools(TINY, S1, 128, 4, hicache_ratio=1.5)).num_pages == 6
-    with pytest.raises(ConfigError, match="does not support a host size in bytes"):  # as sglang refuses it
-        Sizing.sglang(hicache_size_bytes=1 << 30)
     p = pools(TINY, S1, 128, 4, host_pages=5)
     assert HostPools(p).num_pages == 5
     pf = HostPools(p, layout="page_first")
@@ -114,7 +112,7 @@ def test_host_sizes_and_layouts():
     assert lf.pool_bytes() == pf.pool_bytes()
     assert sum(lf.pool_bytes().values()) == p.plan.host_bytes
     assert lf.allocator.name == "stage 1 host"
-    assert lf.get_swa_raw_buffer(S1.start) is lf.buffers["swa"][0]
+    assert lf.get_raw_buffer("swa", S1.start) is lf.buffers["swa"][0]
     assert not lf.pinned  # no CUDA here
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from stagecache.runtime.cli.main import main
 from stagecache.runtime.errors import ConfigError
+from stagecache.runtime.model.families import load_spec
 from stagecache.runtime.model.hf_cache import cached_config, hub_cache, is_repo_id
-from stagecache.runtime.model.spec import load_spec
 
 REPO = "deepseek-ai/DeepSeek-V4-Flash"
 MAIN = "0123456789abcdef0123456789abcdef01234567"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 from stagecache.runtime.errors import LayerNotOwnedError
+from stagecache.runtime.model.families import load_spec
 from stagecache.runtime.model.layer_map import build_layout
-from stagecache.runtime.model.spec import load_spec
 
 FLASH = load_spec("deepseek-v4-flash")
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 from stagecache.runtime.errors import ConfigError
-from stagecache.runtime.model.pool_kinds import check_page_size, kind_table
-from stagecache.runtime.model.spec import load_spec, spec_from_config
+from stagecache.runtime.model.families import load_spec, spec_from_config
+from stagecache.runtime.model.families.deepseek_v4 import check_page_size
 
 SHARED_FLASH = "runtime/presets/deepseek-v4-flash.json"
 
@@ -27,7 +27,7 @@ def test_flash_preset_matches_published_config():
     assert spec.compress_ratios[2:42] == (4, 128) * 20
     assert spec.compress_ratios[42] == 4
     assert spec.sliding_window == 128 and spec.num_nextn_predict_layers == 1
-    table = kind_table(spec, 256)
+    table = spec.family.kind_table(spec, 256)
     assert table["swa"].row_bytes == 584  # 448 fp8 nope + 64 bf16 rope + 7 scales + 1 pad
     assert table["indexer"].row_bytes == 132  # 128 fp8 + one fp32 scale
 

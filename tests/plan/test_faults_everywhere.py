@@ -10,7 +10,7 @@ import sys
 
 import pytest
 from stagecache.runtime.cli.main import main
-from stagecache.runtime.model.pool_kinds import POOLS
+from stagecache.runtime.model.families.deepseek_v4 import POOLS
 from stagecache.runtime.plan.faults import FAULTS
 
 #: Every fault, in two sets whose faults hit different stages of tiny-v4 at pp 4 (stage 1 is the

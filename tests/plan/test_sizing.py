@@ -11,9 +11,9 @@ from stagecache.runtime.cli.main import main
 from stagecache.runtime.errors import ConfigError
 from stagecache.runtime.memory.host_pools import HostPools
 from stagecache.runtime.memory.pools import StagePools
+from stagecache.runtime.model.families import load_spec
+from stagecache.runtime.model.families.deepseek_v4 import HOST_CACHED, KINDS, POOLS
 from stagecache.runtime.model.layer_map import build_layout
-from stagecache.runtime.model.pool_kinds import HOST_CACHED, KINDS, POOLS, kind_table
-from stagecache.runtime.model.spec import load_spec
 from stagecache.runtime.plan.plan import Sizing, build_plan
 from stagecache.runtime.plan.sizing import (
     host_pages_for,
@@ -28,7 +28,7 @@ TINY = load_spec("tiny-v4")
 
 
 def test_flash_table_at_256_tokens_is_sglangs_bytes():
-    t = kind_table(FLASH, 256)
+    t = FLASH.family.kind_table(FLASH, 256)
     got = {p: (t[p].rows_per_page, t[p].row_bytes, t[p].page_bytes) for p in POOLS}
     assert got == {
         "swa": (256, 584, 149_760),  # 256 x 584 = 149,504 padded to a multiple of 576
@@ -83,7 +83,7 @@ def test_a_sglang_sized_plan_sizes_each_kind_by_its_budget():
 
 @pytest.mark.parametrize("pp", [1, 2, 3, 4])
 def test_real_pools_allocate_their_budget_pages(pp):
-    table = kind_table(TINY, 128)
+    table = TINY.family.kind_table(TINY, 128)
     for m in build_layout(TINY, pp).stages:
         dp = pools(TINY, m, 128, 4, swa_ratio=0.5, request_slots=3, hicache_ratio=1.5)
         budget = runtime_budget(128, 4, 0.5, 3)
@@ -110,7 +110,7 @@ def test_faulty_pools_priced_by_their_plan():
 
 
 def test_full_tokens_for_a_byte_budget():
-    table = kind_table(FLASH, 256)
+    table = FLASH.family.kind_table(FLASH, 256)
     counts = build_layout(FLASH, 4).stages[0].expected_buffers()
     full = sglang_full_tokens_for_bytes(table, counts, 20 << 30)
     assert full % 256 == 0 and full > 0
@@ -131,10 +131,8 @@ def test_host_pages_by_ratio_only():
     assert host_pages_for(100, hicache_ratio=0.5) == 50
     with pytest.raises(ConfigError, match="hicache-ratio"):
         host_pages_for(100, hicache_ratio=0)
-    with pytest.raises(ConfigError, match="does not support a host size in bytes"):
-        host_pages_for(100, hicache_size_bytes=1 << 30)
-    with pytest.raises(ConfigError, match="does not support a host size in bytes"):
-        Sizing.sglang(hicache_size_bytes=1 << 30)
+    with pytest.raises(ConfigError, match="does not support a host size in bytes"):  # as sglang does
+        build_plan(FLASH, 4, sizing=Sizing.sglang(hicache_size_bytes=1 << 30))
     assert pages_for_tokens(1000, 256) == 4 and pages_for_tokens(1024, 256) == 4
     with pytest.raises(ConfigError, match="max-total-tokens"):
         pages_for_tokens(0, 256)

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from serve_helpers import SMALL, read_json, start, stop, wait_for
-from stagecache.runtime.model.pool_kinds import HOST_CACHED
+from stagecache.runtime.model.families.deepseek_v4 import HOST_CACHED
 
 PACED = [a for a in SMALL]
 PACED[PACED.index("--rate") + 1] = "4"

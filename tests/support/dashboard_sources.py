@@ -6,12 +6,14 @@ import time
 
 from live_helpers import blank_live
 from plans import report
-from stagecache.runtime.model.pool_kinds import POOLS
+from stagecache.runtime.live.numbers import RunInfo, StageLive
+from stagecache.runtime.model.families.deepseek_v4 import POOLS
+from stagecache.runtime.validation.report import StartupReport
 
 MODEL, PP = "deepseek-v4-flash", 4
 
 
-def expected_report(faults: list[str]) -> dict:
+def expected_report(faults: list[str]) -> StartupReport:
     return report(MODEL, PP, list(faults))
 
 
@@ -34,11 +36,13 @@ class ScriptedRun:
         self._t0 = 0.0
         self._elapsed = 0.0
 
-    def run(self):
+    write_failures = None
+
+    def run(self) -> RunInfo:
         parent = {"starting": "starting", "validating": "starting", "running": "serving",
                   "done": "done", "failed": "failed"}[self.phase]
-        return {"phase": parent, "failure": "stage 2 (pid 4242) exited with code 1: boom"
-                if self.phase == "failed" else None}
+        return RunInfo(phase=parent, failure="stage 2 (pid 4242) exited with code 1: boom"
+                       if self.phase == "failed" else None)
 
     def startup(self):
         return None if self.phase in ("starting", "validating") else self._report
@@ -53,7 +57,7 @@ class ScriptedRun:
         if self.phase == "starting":
             return {}
         e = self._clock()
-        return {s: self._stage(s, e) for s in range(PP)}
+        return {s: StageLive.model_validate(self._stage(s, e)) for s in range(PP)}
 
     def _stage(self, s: int, e: float) -> dict:
         d = blank_live(s, POOLS)
@@ -93,11 +97,16 @@ class LateReportSource:
         self.ready = False
         self._report = expected_report(["global-swa"])
 
+    write_failures = None
+
     def startup(self):
         return self._report if self.ready else None
 
     def stages(self):
         return {}
+
+    def run(self):
+        return None
 
 
 # -- host tier and pool occupancy --------------------------------------------------------------
@@ -116,7 +125,7 @@ def host_tier(s: int) -> dict:
 
 def occupancy(s: int, device_used: int) -> list[dict]:
     """Every pool kind on the device (c128_state in request slots), the host-cached kinds on the host."""
-    from stagecache.runtime.model.pool_kinds import KINDS
+    from stagecache.runtime.model.families.deepseek_v4 import KINDS
 
     rows = []
     for pool, kind in KINDS.items():

@@ -6,11 +6,13 @@ from collections.abc import Collection, Sequence
 
 from stagecache.runtime.memory.host_pools import HostPools
 from stagecache.runtime.memory.pools import StagePools
+from stagecache.runtime.model.families import load_spec
 from stagecache.runtime.model.layer_map import StageLayerMap
-from stagecache.runtime.model.spec import ModelSpec, load_spec
+from stagecache.runtime.model.spec import ModelSpec
 from stagecache.runtime.plan.faults import parse_faults
 from stagecache.runtime.plan.plan import RunPlan, Sizing, StagePlan, build_plan, plan_stage
-from stagecache.runtime.validation.report import preflight
+from stagecache.runtime.validation.deployment import preflight
+from stagecache.runtime.validation.report import StartupReport
 
 
 def run_plan(spec: ModelSpec | str, pp: int = 4, faults: Sequence[str] = (), *, page_size: int = 256,
@@ -18,12 +20,12 @@ def run_plan(spec: ModelSpec | str, pp: int = 4, faults: Sequence[str] = (), *, 
     """A run plan of ``spec`` (a spec or a preset name), runtime-sized to ``pages`` device pages."""
     spec = load_spec(spec) if isinstance(spec, str) else spec
     return build_plan(spec, pp, tp_size=tp, partition=partition, page_size=page_size,
-                      sizing=Sizing.runtime(pages, **sizing), faults=parse_faults(list(faults), pp))
+                      sizing=Sizing.runtime(pages, **sizing), faults=parse_faults(list(faults), pp, spec.family))
 
 
-def report(spec: ModelSpec | str, pp: int = 4, faults: Sequence[str] = (), **kw: object) -> dict:
-    """``stagecache check --json`` of that plan."""
-    return preflight(run_plan(spec, pp, faults, **kw)).to_dict()
+def report(spec: ModelSpec | str, pp: int = 4, faults: Sequence[str] = (), **kw: object) -> StartupReport:
+    """``stagecache check``'s report of that plan (``.to_dict()``: its ``--json``)."""
+    return preflight(run_plan(spec, pp, faults, **kw))
 
 
 def stage_plan(spec: ModelSpec, stage: StageLayerMap, page_size: int, pages: int, **sizing: object) -> StagePlan:

@@ -1,6 +1,7 @@
 """What ``check --json``, ``pools --json``, the dashboard's JSON API and ``/metrics`` print for a
 set of layouts and every ``--fault``: captured once before the stage report became one typed
-model, compared after (tests/validation/test_report_golden.py).
+model (``python tests/support/report_golden.py``, run at that commit), compared since
+(tests/validation/test_report_golden.py).
 
 Every output goes through the public surface a user sees: the CLI's stdout, and the dashboard
 app over a saved ``check --json`` report (``stagecache dashboard --from-json``).
@@ -63,12 +64,14 @@ def _cli(argv: list[str]) -> tuple[int, str]:
 
 
 def _api(report: dict[str, Any]) -> dict[str, Any]:
+    """The dashboard over a saved ``check --json`` report, as ``dashboard --from-json`` reads it."""
     from fastapi.testclient import TestClient
     from stagecache.dashboard.app import create_app
-    from stagecache.exporters.snapshot import StaticSource
+    from stagecache.runtime.live.source import StaticSource
+    from stagecache.runtime.validation.report import StartupReport
 
     out: dict[str, Any] = {}
-    with TestClient(create_app(StaticSource(report))) as client:
+    with TestClient(create_app(StaticSource(StartupReport.parse(report, "check --json")))) as client:
         for path in ["/api/startup", "/api/stages", "/startupz",
                      *(f"/api/stages/{s['stage']}/layer-map" for s in report["stages"])]:
             r = client.get(path)

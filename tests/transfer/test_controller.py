@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from plans import pools as make_pools
 from stagecache.runtime.errors import LayerNotOwnedError
 from stagecache.runtime.memory.host_pools import HostPools
+from stagecache.runtime.model.families import load_spec
+from stagecache.runtime.model.families.deepseek_v4 import HOST_CACHED
 from stagecache.runtime.model.layer_map import build_layout
-from stagecache.runtime.model.pool_kinds import HOST_CACHED
-from stagecache.runtime.model.spec import load_spec
 from stagecache.runtime.transfer import native
 from stagecache.runtime.transfer.controller import TransferController, TransferError
 from stagecache.runtime.transfer.stats import TransferStats
@@ -76,10 +76,10 @@ def test_round_trip_bit_identical_every_pool(layout, compiled, pages):
             assert torch.equal(b[dst], before[pool][i][src]), (pool, i)
             untouched = sorted(set(range(DEV_PAGES)) - set(dst))
             assert int(b[untouched].sum()) == 0
-    snap = stats.snapshot()
+    live = stats.live()
     nbytes = len(src) * dp.token_page_bytes()
-    assert snap["d2h"]["bytes"] == nbytes and snap["h2d"]["bytes"] == nbytes
-    assert snap["d2h"]["pages"] == len(src) and snap["h2d"]["count"] == 1
+    assert live.transfer_bytes.d2h == nbytes and live.transfer_bytes.h2d == nbytes
+    assert stats.pages("d2h") == len(src) and live.transfer_count.h2d == 1
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
@@ -96,7 +96,7 @@ def test_layer_subset_moves_only_those_layers(layout):
             assert torch.equal(b[[5, 6]], want), (pool, i)
     expected = 2 * sum(dp.page_bytes(p) for p in HOST_CACHED
                        for g in (c4_layer, c128_layer) if STAGE.pool_map(p).get(STAGE.local_id(g)) is not None)
-    assert r.nbytes == expected == stats.snapshot()["d2h"]["bytes"]
+    assert r.nbytes == expected == stats.live().transfer_bytes.d2h
 
 
 def test_load_layer_by_layer_matches_load():
@@ -112,7 +112,7 @@ def test_load_layer_by_layer_matches_load():
             assert torch.equal(b[[9, 10, 11]], before[pool][i][[3, 4, 5]])
     with pytest.raises(TransferError, match="not part of this transfer"):
         r.wait(0)
-    assert stats.snapshot()["h2d"]["bytes"] == 3 * dp.token_page_bytes()
+    assert stats.live().transfer_bytes.h2d == 3 * dp.token_page_bytes()
 
 
 @pytest.mark.parametrize(("dev", "host", "match"), [
@@ -128,7 +128,7 @@ def test_bad_page_ids_are_refused_before_copying(dev, host, match):
     with pytest.raises(TransferError, match=match):
         c.backup(dev, host)
     assert all(int(b.sum()) == 0 for bufs in hp.buffers.values() for b in bufs)
-    assert stats.snapshot()["d2h"]["count"] == 0
+    assert stats.live().transfer_count.d2h == 0
 
 
 @pytest.mark.parametrize("direction", ["backup", "load"])
@@ -147,7 +147,7 @@ def test_unallocated_pages_are_refused(direction):
                                                     strict=True))
     assert all(torch.equal(a, b) for a, b in zip(dev_before, [b for bufs in dp.buffers.values() for b in bufs],
                                                    strict=True))
-    assert stats.snapshot()["d2h"]["count"] == stats.snapshot()["h2d"]["count"] == 0
+    assert stats.live().transfer_count.d2h == stats.live().transfer_count.h2d == 0
     move([0, 1], [1, 2])  # allocated pages still move
 
 

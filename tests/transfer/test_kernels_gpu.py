@@ -8,9 +8,9 @@ import pytest
 import torch
 from plans import pools as make_pools
 from stagecache.runtime.memory.host_pools import HostPools
+from stagecache.runtime.model.families import load_spec
+from stagecache.runtime.model.families.deepseek_v4 import HOST_CACHED as POOLS
 from stagecache.runtime.model.layer_map import build_layout
-from stagecache.runtime.model.pool_kinds import HOST_CACHED as POOLS
-from stagecache.runtime.model.spec import load_spec
 from stagecache.runtime.transfer import device, native
 from stagecache.runtime.transfer.controller import TransferController, TransferError
 from stagecache.runtime.transfer.stats import TransferStats
@@ -70,8 +70,8 @@ def test_gpu_round_trip_bit_identical(layout, use_triton, model):
         for pool in POOLS:
             for i, b in enumerate(dp.buffers[pool]):
                 assert torch.equal(b[dst], before[pool][i][src]), (pool, i, r.path)
-    snap = stats.snapshot()
-    assert snap["d2h"]["count"] == 2 and snap["h2d"]["bytes"] == 40 * dp.token_page_bytes()
+    live = stats.live()
+    assert live.transfer_count.d2h == 2 and live.transfer_bytes.h2d == 40 * dp.token_page_bytes()
 
 
 def test_gpu_layer_by_layer_wait_on_current_stream():
@@ -85,7 +85,7 @@ def test_gpu_layer_by_layer_wait_on_current_stream():
     sums = []
     for g in r.layers:
         r.wait(g)  # the current stream now waits for layer g only
-        sums.append(dp.get_swa_raw_buffer(g)[:8].sum(dtype=torch.int64))
+        sums.append(dp.get_raw_buffer("swa", g)[:8].sum(dtype=torch.int64))
     torch.cuda.current_stream().synchronize()
     r.synchronize()
     for g, s in zip(r.layers, sums, strict=True):
@@ -145,7 +145,7 @@ def test_gpu_one_call_move_is_timed_by_its_entrys_events_until_finished():
     first.synchronize()
     assert _ring_word(c, k, native.OWNED) == 0 and _ring_word(c, k, native.MARK) == 0
     assert 0 < first.seconds < 0.05 and first.queue_seconds >= 0 and first.queued >= first.called
-    assert stats.snapshot()["d2h"]["count"] == 1
+    assert stats.live().transfer_count.d2h == 1
     for pool in POOLS:
         for d, h in zip(dp.buffers[pool], hp.buffers[pool], strict=True):
             assert torch.equal(h[[2, 3]], d[[0, 1]].cpu())
@@ -172,7 +172,7 @@ def test_gpu_a_full_ring_finishes_the_oldest_move_before_reusing_its_events():
     assert moves[0].seconds is not None and 0 < moves[0].seconds < 0.05  # finished to free its entry
     assert extra._end is moves[0]._end
     c.synchronize()
-    assert stats.snapshot()["d2h"]["count"] == device.RING_ENTRIES + 1
+    assert stats.live().transfer_count.d2h == device.RING_ENTRIES + 1
     for pool in POOLS:
         for d, h in zip(dp.buffers[pool], hp.buffers[pool], strict=True):
             n = device.RING_ENTRIES + 1

@@ -23,9 +23,9 @@ SCRIPT = textwrap.dedent(r'''
     from stagecache.runtime.transfer.device import LaunchShape
     from stagecache.runtime.memory.host_pools import HostPools
     from stagecache.runtime.model.layer_map import build_layout
-    from stagecache.runtime.model.pool_kinds import HOST_CACHED as POOLS
+    from stagecache.runtime.model.families.deepseek_v4 import HOST_CACHED as POOLS
     from stagecache.runtime.memory.pools import StagePools
-    from stagecache.runtime.model.spec import load_spec
+    from stagecache.runtime.model.families import load_spec
     from stagecache.runtime.plan.plan import Sizing, plan_stage
 
     assert kernels.HAVE_TRITON

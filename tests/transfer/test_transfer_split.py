@@ -12,12 +12,11 @@ from plans import pools as make_pools
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from stagecache.exporters.metrics import make_registry
-from stagecache.exporters.snapshot import StaticSource
 from stagecache.runtime.live.numbers import StageLive
+from stagecache.runtime.live.source import StaticSource
 from stagecache.runtime.memory.host_pools import HostPools
+from stagecache.runtime.model.families import load_spec
 from stagecache.runtime.model.layer_map import build_layout
-from stagecache.runtime.model.spec import load_spec
-from stagecache.runtime.serve.stage_cache import transfer_live_fields
 from stagecache.runtime.transfer import stats as stats_module
 from stagecache.runtime.transfer.controller import TransferController
 from stagecache.runtime.transfer.stats import TransferStats
@@ -43,30 +42,32 @@ def test_per_kind_bytes_and_dma_time_sum_to_what_moved():
     results = [c.backup([0, 1, 2], [5, 6, 7]), c.backup([3], [8]), c.load([5, 6], [10, 11]),
                c.load([8], [12], pools=["c4_state"]),  # one kind alone: its own measured time
                c.load([5, 6, 7], [13, 14, 15], layers=[STAGE.start])]
-    snap = stats.snapshot()
+    live = stats.live()
     for d in ("d2h", "h2d"):
         mine = [r for r in results if r.direction == d]
-        kinds = snap[d]["kinds"]
-        assert sum(k["bytes"] for k in kinds.values()) == snap[d]["bytes"] == sum(r.nbytes for r in mine)
-        assert sum(k["dma_seconds"] for k in kinds.values()) == pytest.approx(sum(r.seconds for r in mine))
-        assert snap[d]["queue_seconds"] == pytest.approx(sum(r.queue_seconds for r in mine))
+        kinds = getattr(live.transfer_split, d)
+        assert sum(k.bytes for k in kinds.values()) == getattr(live.transfer_bytes, d) == \
+            sum(r.nbytes for r in mine)
+        assert sum(k.dma_seconds for k in kinds.values()) == pytest.approx(sum(r.seconds for r in mine))
+        assert getattr(live.transfer_split.queue_seconds, d) == pytest.approx(
+            sum(r.queue_seconds for r in mine))
         assert all(r.seconds > 0 and r.queue_seconds > 0 for r in mine)
         for name, k in kinds.items():  # each kind's histograms count the transfers that moved it
-            assert k["queue_bucket_counts"][-1] == k["dma_bucket_counts"][-1] == k["moves"], name
+            assert k.queue_buckets[-1] == k.dma_buckets[-1] == k.moves, name
     plan = c.selection()
     per_page = dict(plan.kinds)
-    assert snap["d2h"]["kinds"]["swa"]["bytes"] == 4 * per_page["swa"]
-    assert snap["d2h"]["kinds"]["swa"]["dma_seconds"] == pytest.approx(
+    assert live.transfer_split.d2h["swa"].bytes == 4 * per_page["swa"]
+    assert live.transfer_split.d2h["swa"].dma_seconds == pytest.approx(
         sum(r.seconds for r in results[:2]) * per_page["swa"] / plan.page_bytes)
     alone = results[3]
     assert alone.nbytes == dp.page_bytes("c4_state") * len(dp.buffers["c4_state"])
     one_layer = dict(c.selection([STAGE.start]).kinds)
-    assert snap["h2d"]["kinds"]["c4_state"]["moves"] == 2 + ("c4_state" in one_layer)
-    assert snap["h2d"]["kinds"]["swa"]["moves"] == 2  # the c4_state-only load did not move swa
+    assert live.transfer_split.h2d["c4_state"].moves == 2 + ("c4_state" in one_layer)
+    assert live.transfer_split.h2d["swa"].moves == 2  # the c4_state-only load did not move swa
     # the c4_state-only load's whole DMA time is c4_state's; of the other loads, its byte share
     share = (results[2].seconds * per_page["c4_state"] / plan.page_bytes
              + results[4].seconds * one_layer.get("c4_state", 0) / sum(one_layer.values()))
-    assert snap["h2d"]["kinds"]["c4_state"]["dma_seconds"] == pytest.approx(alone.seconds + share)
+    assert live.transfer_split.h2d["c4_state"].dma_seconds == pytest.approx(alone.seconds + share)
 
 
 class _WatchedLock:
@@ -123,9 +124,9 @@ def test_a_call_queued_behind_another_waits_for_its_copy():
     assert b.queue_seconds >= a_end - b.called > 0.05  # it waited out the backup's held 50 ms at least
     assert b.queue_seconds > 10 * loads[2].queue_seconds  # the same load with nothing ahead
     assert b.seconds < a.seconds  # its own DMA time is its own one-page copy
-    snap = stats.snapshot()
-    assert snap["h2d"]["queue_seconds"] == pytest.approx(sum(r.queue_seconds for r in loads))
-    assert snap["h2d"]["kinds"]["swa"]["queue_seconds"] == pytest.approx(snap["h2d"]["queue_seconds"])
+    split = stats.live().transfer_split
+    assert split.queue_seconds.h2d == pytest.approx(sum(r.queue_seconds for r in loads))
+    assert split.h2d["swa"].queue_seconds == pytest.approx(split.queue_seconds.h2d)
 
 
 def test_fold_keeps_every_transfer(monkeypatch):
@@ -137,22 +138,22 @@ def test_fold_keeps_every_transfer(monkeypatch):
         kinds = (both, c4_only, tuple(list(both)))[i % 3]  # an equal tuple that is another object too
         stats.record("h2d", sum(b for _, b in kinds) * (i + 1), 0.001, i + 1, queue_seconds=0.0001, kinds=kinds)
         if i == 11:
-            stats.snapshot()
-    snap = stats.snapshot()["h2d"]
-    swa, c4 = snap["kinds"]["swa"], snap["kinds"]["c4"]
+            stats.live()
+    live = stats.live()
+    swa, c4 = live.transfer_split.h2d["swa"], live.transfer_split.h2d["c4"]
     n_both = sum(1 for i in range(20) if i % 3 != 1)
-    assert swa["moves"] == n_both and c4["moves"] == 20
-    assert swa["bytes"] + c4["bytes"] == snap["bytes"]
-    assert swa["dma_seconds"] == pytest.approx(0.001 * 0.75 * n_both)
-    assert c4["dma_seconds"] == pytest.approx(0.001 * (0.25 * n_both + 20 - n_both))
-    assert c4["queue_bucket_counts"][-1] == 20 and c4["queue_seconds"] == pytest.approx(0.002)
+    assert swa.moves == n_both and c4.moves == 20
+    assert swa.bytes + c4.bytes == live.transfer_bytes.h2d
+    assert swa.dma_seconds == pytest.approx(0.001 * 0.75 * n_both)
+    assert c4.dma_seconds == pytest.approx(0.001 * (0.25 * n_both + 20 - n_both))
+    assert c4.queue_buckets[-1] == 20 and c4.queue_seconds == pytest.approx(0.002)
 
 
 def test_split_reaches_stage_live_and_metrics():
     dp, hp, c, stats = make()
     c.backup([0, 1], [2, 3])
     c.load([2, 3], [4, 5])
-    live = StageLive(stage=1, model_name="tiny-v4", **transfer_live_fields(stats))
+    live = StageLive(stage=1, model_name="tiny-v4", **dict(stats.live()))
     live = StageLive.model_validate_json(live.model_dump_json())  # the run-dir round trip
     assert set(live.transfer_split.d2h) == {k for k, _ in c.selection().kinds}
     text = generate_latest(make_registry(StaticSource(None, {1: live}))).decode()

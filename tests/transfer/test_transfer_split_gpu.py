@@ -12,8 +12,8 @@ import pytest
 import torch
 from plans import pools as make_pools
 from stagecache.runtime.memory.host_pools import HostPools
+from stagecache.runtime.model.families import load_spec
 from stagecache.runtime.model.layer_map import build_layout
-from stagecache.runtime.model.spec import load_spec
 from stagecache.runtime.transfer.clock import EventClock, host_time
 from stagecache.runtime.transfer.controller import TransferController
 from stagecache.runtime.transfer.stats import TransferStats

@@ -6,13 +6,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from plans import run_plan
+from stagecache.runtime.model.families import load_spec, spec_from_config
+from stagecache.runtime.model.families.deepseek_v4 import POOLS
 from stagecache.runtime.model.layer_map import build_layout
 from stagecache.runtime.model.partition import StageSlice
-from stagecache.runtime.model.pool_kinds import POOLS
-from stagecache.runtime.model.spec import load_spec, spec_from_config
 from stagecache.runtime.plan.inventory import PoolInventory
 from stagecache.runtime.validation.checks import validate_stage, validate_tiling
-from stagecache.runtime.validation.report import preflight
+from stagecache.runtime.validation.deployment import preflight
 
 FLASH = load_spec("deepseek-v4-flash")
 

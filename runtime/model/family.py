@@ -1,0 +1,189 @@
+"""A model family: everything stagecache knows about one kind of hybrid KV cache, in one object.
+
+A family says, from a Hugging Face ``config.json``, which cache kind each layer has
+(``spec_from_config`` -> ``ModelSpec.layer_kinds``), which pool kinds a stage builds and how
+each is sized (``pool_kinds``, ``kind_table``) and indexed (``id_spaces``, ``entry``), the
+sglang budget floor of its SWA pools, its own known-bad builds (``faults``), and the words
+and legend an operator sees.  Everything else -- the plan, validation, memory, transfers,
+exporters, dashboard -- is generic over families and asks the family through the spec
+(``spec.family``).  Each family is one module of ``model/families`` (docs/architecture.md:
+adding a family).
+
+Faults are data here too (``FaultKind``): pure transforms of a layout, a stage's layer map,
+or its buffer list, built from the few helpers below, so a family states its bugs in a line
+each and the plan (``plan/faults.py``) applies them to every family alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Literal
+
+from .layer_map import IdSpace, LayerEntry, ModelLayout, StageLayerMap
+from .pool_kinds import KindTable, PoolKind
+from .spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """A kind of layer of a family (its cache kind): its name and how the legend shows it."""
+
+    name: str
+    text: str  # legend and messages: "ratio 4", "Mamba"
+
+
+# -- faults ---------------------------------------------------------------------------------------
+
+
+def every_stage(stage: int, pp_size: int) -> bool:
+    return True
+
+
+def later_stages(stage: int, pp_size: int) -> bool:
+    """Stages after the first (the only stage of a pp 1 run): where start-up crashes hit."""
+    return stage >= 1 or pp_size == 1
+
+
+def stage_one(stage: int, pp_size: int) -> bool:
+    return stage == 1
+
+
+@dataclass(frozen=True)
+class FaultKind:
+    """A known-bad way to build a stage, as pure transforms (each optional):
+
+    * ``layout``: the whole layout (another stage's range), given the fault's explicit stage;
+    * ``layer_map``: one hit stage's layer map (its ids);
+    * ``count``: the buffers a hit stage's constructor makes for one pool kind;
+    * ``present``: which of those buffers hold a tensor (``False``: left None).
+
+    Every callable is a module-level function or a ``partial`` of one, so a plan holding its
+    faults pickles to the stage processes.  ``scope="serve"``: only a serving stage acts on it
+    (its prefix cache or host tier), the plan's pools are left as they are.
+    """
+
+    name: str
+    help: str
+    stages: Callable[[int, int], bool] = every_stage
+    min_pp: int = 1
+    scope: Literal["pools", "serve"] = "pools"
+    layout: Callable[[ModelLayout, int | None], ModelLayout] | None = None
+    layer_map: Callable[[ModelSpec, StageLayerMap], StageLayerMap] | None = None
+    count: Callable[[ModelSpec, StageLayerMap, PoolKind, int], int] | None = None
+    present: Callable[[PoolKind, list[bool]], list[bool]] | None = None
+
+
+def _sized_globally(pools: frozenset[str], spec: ModelSpec, stage_map: StageLayerMap, kind: PoolKind,
+                    count: int) -> int:
+    if kind.name not in pools:
+        return count
+    return sum(1 for k in spec.layer_kinds if kind.owns(k))
+
+
+def sized_globally(*pools: str) -> Callable[..., int]:
+    """``pools`` get one buffer per layer of their kind in the *whole model* (the PP bug)."""
+    return partial(_sized_globally, frozenset(pools))
+
+
+def _last_none(pools: frozenset[str], kind: PoolKind, present: list[bool]) -> list[bool]:
+    if kind.name in pools and present:
+        present[-1] = False
+    return present
+
+
+def last_buffer_none(*pools: str) -> Callable[..., list[bool]]:
+    """The last buffer of ``pools`` is left None."""
+    return partial(_last_none, frozenset(pools))
+
+
+def _global_ids(spaces: tuple[IdSpace, ...], spec: ModelSpec, stage_map: StageLayerMap) -> StageLayerMap:
+    kinds = spec.layer_kinds
+    layers = []
+    for e in stage_map.layers:
+        update: dict[str, Any] = {}
+        for space in spaces:
+            if e.kind in space.owners:
+                counted = {e.kind} if space.per_kind else space.owners
+                update[space.name] = sum(1 for k in kinds[: e.global_id] if k in counted)
+        layers.append(e.model_copy(update=update) if update else e)
+    return stage_map.with_layers(stage_map.start, stage_map.end, layers)
+
+
+def ids_counted_globally(*spaces: IdSpace) -> Callable[..., StageLayerMap]:
+    """The ids of ``spaces`` count the layers of the whole model instead of the stage's."""
+    return partial(_global_ids, tuple(spaces))
+
+
+def _duplicate(kind: str, space: str, spec: ModelSpec, stage_map: StageLayerMap) -> StageLayerMap:
+    owned = [e.local for e in stage_map.layers if e.kind == kind]
+    if len(owned) < 2:
+        return stage_map
+    layers = list(stage_map.layers)
+    first = layers[owned[0]].id_in(space)
+    layers[owned[1]] = layers[owned[1]].model_copy(update={space: first})
+    return stage_map.with_layers(stage_map.start, stage_map.end, layers)
+
+
+def duplicate_id(kind: str, space: str) -> Callable[..., StageLayerMap]:
+    """The second ``kind`` layer of a stage takes the first one's id in ``space``."""
+    return partial(_duplicate, kind, space)
+
+
+# -- the family --------------------------------------------------------------------------------
+
+
+class Family:
+    """One model family (see the module docstring); each module of ``model/families`` makes one.
+
+    Class attributes are the family's data; the methods its rules.
+    """
+
+    name: str  # "deepseek_v4": the ``family`` field of reports and records
+    label: str  # "DeepSeek V4"
+    architectures: tuple[str, ...]  # the config.json ``architectures`` it reads
+    entry: type[LayerEntry]  # its layer entries
+    layer_kinds: tuple[LayerKind, ...]  # legend order
+    legend_title: str  # the layer map's colour bar title
+    id_spaces: tuple[IdSpace, ...]
+    pool_kinds: tuple[PoolKind, ...]  # display order
+    kv_dtype: str  # what sglang stores its KV as (part of a deployment's fingerprint)
+    faults: tuple[FaultKind, ...] = ()
+    #: why a host size in bytes (``--hicache-size``) is refused, where sglang refuses it
+    host_size_refused: str | None = None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled by name: a plan shipped to a stage process finds the same family object."""
+        return (_family_named, (type(self).__module__, self.name))
+
+    def matches(self, cfg: dict[str, Any]) -> bool:
+        """Whether ``cfg`` (a parsed config.json) is a model of this family."""
+        raise NotImplementedError
+
+    def spec_from_config(self, cfg: dict[str, Any], name: str) -> ModelSpec:
+        """Validate a parsed config.json and build this family's spec."""
+        raise NotImplementedError
+
+    def kind_table(self, spec: ModelSpec, page_size: int) -> KindTable:
+        """Every pool kind sized for ``spec`` at ``page_size`` (the page size is checked here)."""
+        raise NotImplementedError
+
+    def swa_floor_tokens(self, spec: ModelSpec) -> int:
+        """Tokens an SWA pool must hold beyond one page to admit one request (sglang's
+        ``validate_swa_pool_size``): the sliding window, 0 for a family without SWA pools."""
+        return 0
+
+    def layer_kind(self, name: str) -> LayerKind:
+        return next(k for k in self.layer_kinds if k.name == name)
+
+    def fault_kind(self, name: str) -> FaultKind | None:
+        return next((f for f in self.faults if f.name == name), None)
+
+
+def _family_named(module: str, name: str) -> Family:
+    import importlib
+
+    family = importlib.import_module(module).FAMILY
+    assert family.name == name, (module, name)
+    return family

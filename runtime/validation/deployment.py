@@ -1,0 +1,109 @@
+"""A deployment's records -> its startup report: the checks ``stagecache check`` runs, on any path.
+
+``check`` (records from the plan), ``serve`` (records from the stage processes' real pools) and a
+live sglang deployment (records the ranks exchanged) all end here, so the same input gives the
+same verdict and the same messages everywhere: every stage's buffers against its local layers
+per pool kind (``checks.validate_stage``), the tiling of ``[0, L)``, and -- what only a real
+deployment can get wrong -- stages of another deployment (fingerprints, engine versions), token
+capacities that disagree, and a rank that reports another stage.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from ..errors import MappingError
+from ..plan.plan import RunPlan
+from .checks import validate_stage, validate_tiling
+from .record import StageRecord, stage_record
+from .report import StageReport, StartupReport
+
+
+def _majority(values: list[str], first: str) -> str:
+    """The most common value; rank 0's on a tie (a 2-rank split has no majority to trust)."""
+    counts = Counter(values)
+    top = max(counts.values())
+    return first if counts[first] == top else next(v for v in values if counts[v] == top)
+
+
+def fingerprint_errors(records: Sequence[StageRecord]) -> dict[int, list[MappingError]]:
+    """Per stage, how its fingerprint (and engine version) differs from the deployment's."""
+    out: dict[int, list[MappingError]] = {}
+    fps = [r.fingerprint for r in records]
+    if all(fp is not None for fp in fps):
+        agreed = _majority([f.digest for f in fps], fps[0].digest)
+        want = next(f for f in fps if f.digest == agreed)
+        for rec, fp in zip(records, fps, strict=True):
+            if fp.digest != agreed:
+                out.setdefault(rec.stage, []).append(MappingError(
+                    rec.stage, "fingerprint", want.digest, fp.digest,
+                    f"stage {rec.stage} runs another deployment than the other stages "
+                    f"({'; '.join(fp.differences(want))})"))
+    engines = [r.engine for r in records]
+    engine = _majority(engines, engines[0])
+    for rec in records:
+        if rec.engine != engine:
+            out.setdefault(rec.stage, []).append(MappingError(
+                rec.stage, "fingerprint", engine, rec.engine,
+                f"stage {rec.stage} runs {rec.engine}, the others {engine}"))
+    return out
+
+
+def capacity_errors(records: Sequence[StageRecord]) -> dict[int, list[MappingError]]:
+    """Every stage must end with the one deployment capacity, no larger than any stage alone."""
+    caps = {r.stage: r.capacity for r in records if r.capacity is not None}
+    if not caps:
+        return {}
+    agreed = _majority([str(c.tokens) for c in caps.values()], str(next(iter(caps.values())).tokens))
+    floor = min(c.tokens_alone for c in caps.values())
+    out: dict[int, list[MappingError]] = {}
+    for stage, cap in caps.items():
+        if str(cap.tokens) != agreed:
+            out.setdefault(stage, []).append(MappingError(
+                stage, "capacity", int(agreed), cap.tokens,
+                f"stage {stage} sized its pools for {cap.tokens} tokens, the deployment for {agreed}"))
+        if cap.tokens > floor:
+            out.setdefault(stage, []).append(MappingError(
+                stage, "capacity", f"<= {floor}", cap.tokens,
+                f"stage {stage}'s capacity {cap.tokens} exceeds the smallest stage's {floor} tokens"))
+    return out
+
+
+def stage_report(rec: StageRecord, extra: Sequence[MappingError] = ()) -> StageReport:
+    """One stage's verdict: its record validated, its own findings and ``extra`` added."""
+    m, inv = rec.layer_map, rec.pool_inventory()
+    errors = (*validate_stage(m, inv), *rec.findings, *extra)
+    return StageReport(
+        stage=m.stage, start=m.start, end=m.end, layers=m.layers, kinds=m.kinds,
+        buffers=inv.counts(m.pools), expected=m.expected_buffers(),
+        pool_page_bytes=rec.pool_page_bytes, device_bytes=rec.device_bytes,
+        host_buffers=rec.host_buffers, host_bytes=rec.host_bytes, errors=errors)
+
+
+def deployment_report(records: Sequence[StageRecord], *, tp_size: int, page_size: int,
+                      faults: Sequence[str] = ()) -> StartupReport:
+    """Every stage, the tiling, fingerprints and capacity, over the deployment's records.
+
+    Records are in rank order (``all_gather`` keeps group order); a record that claims
+    another stage than its rank is an error of that rank's stage.
+    """
+    first = records[0]
+    extra: dict[int, list[MappingError]] = {}
+    for key, errs in (*fingerprint_errors(records).items(), *capacity_errors(records).items()):
+        extra.setdefault(key, []).extend(errs)
+    for rank, rec in enumerate(records):
+        if rec.stage != rank:
+            extra.setdefault(rec.stage, []).append(MappingError(
+                rec.stage, "partition", rank, rec.stage, f"PP rank {rank} reports its pool as stage {rec.stage}"))
+    stages = tuple(stage_report(r, extra.get(r.stage, ())) for r in records)
+    cross = validate_tiling([s.slice for s in stages], first.num_layers)
+    return StartupReport(family=first.family, model=first.model, num_layers=first.num_layers,
+                         pp_size=len(records), tp_size=tp_size, page_size=page_size, faults=tuple(faults),
+                         stages=stages, cross_errors=tuple(cross))
+
+
+def preflight(plan: RunPlan) -> StartupReport:
+    """``check``: validate every stage of a plan against its planned pools (faults included)."""
+    return deployment_report([stage_record(s) for s in plan.stages], tp_size=plan.tp_size,
+                             page_size=plan.page_size, faults=plan.fault_names)
