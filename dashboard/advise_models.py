@@ -1,4 +1,4 @@
-"""Pydantic model of an advise report (``stagecache advise --json``; ``cache/advice.py``).
+"""Pydantic model of an advise report (``stagecache advise --json``; ``sizing/advice.py``).
 
 A saved report is user input to the dashboard (``stagecache dashboard --advise FILE``), so it
 is checked here, field by field and with size limits, before a figure is drawn from it; the

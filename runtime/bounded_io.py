@@ -4,7 +4,7 @@ Every file stagecache reads whole (a model ``config.json``, a saved report) goes
 through ``read_bounded_text``: it never reads more than ``limit + 1`` bytes (a
 huge file or an endless stream costs nothing), and every failure is one
 ``ConfigError`` that names the file, what went wrong and what was expected.
-Traces are streamed line by line instead (``cache/traces.py``), from the same
+Traces are streamed line by line instead (``traces/readers.py``), from the same
 ``open_regular``: a FIFO, a device or a socket is refused before a byte is read
 (opening a FIFO for reading would wait for a writer forever), and so is a path
 that cannot be looked at (name too long, a parent without permission).

@@ -84,7 +84,7 @@ DIST_HOST = "127.0.0.1"
 DASHBOARD_PORT = 8000
 #: The one dashboard port of a live sglang deployment (``STAGECACHE_SGLANG_DASHBOARD_PORT``).
 SGLANG_DASHBOARD_PORT = 9100
-#: Seconds every PP rank of a live sglang deployment waits for the others at the plan exchange
+#: Seconds every PP rank of a live sglang deployment waits for the others at the record exchange
 #: (``STAGECACHE_SGLANG_EXCHANGE_TIMEOUT_S``); the error names the ranks that did not come.
 SGLANG_EXCHANGE_TIMEOUT_S = 60.0
 #: A PP rank other than 0 pushes its live numbers to rank 0's endpoint this often (seconds) ...

@@ -5,7 +5,7 @@ that size (``bench hicache --metadata-only``), once per size.  This benchmark
 times both on the same trace in the same process, pinned to one CPU core:
 
 * **curve**: read the trace file, build the page keys, compute both tiers'
-  curves at every capacity (``cache/curves.py``); wall and CPU seconds, and the
+  curves at every capacity (``sizing/curves.py``); wall and CPU seconds, and the
   process's peak RSS before and right after it (no replay has run yet);
 * **replays**: the metadata-only HiCache replay (``HiCache.metadata_only``, LRU,
   write-through, no insight, one request in flight) at ``sizes`` host sizes
@@ -16,7 +16,7 @@ times both on the same trace in the same process, pinned to one CPU core:
 Every replay's device and device + host hit rates are compared with the curves'
 values at its sizes (``max_abs_diff_pp``: 0 when the curve is exact), and
 ``ratio_replays_vs_curve`` is the replays' wall time over the curve's.  Without
-``--trace`` the trace is generated (``cache/block_workload.py``, sized like the
+``--trace`` the trace is generated (``traces/block_workload.py``, sized like the
 public Mooncake conversation trace) and written to a private temporary file, so
 the curve's time includes parsing it as a user's run would.
 """
@@ -62,8 +62,8 @@ def _rss_mib() -> float:
 
 def timed_curve(path: str, fmt: str, page_size: int | None, block_tokens: int) -> dict[str, Any]:
     """Read ``path`` and compute its curves, timed; the views and curves come back too."""
-    from ..cache.curves import page_views, trace_curves
-    from ..cache.traces import load_requests
+    from ..sizing.curves import page_views, trace_curves
+    from ..traces.readers import load_requests
 
     rss0 = _rss_mib()  # the interpreter, numpy, torch (the page keys import it): before any work
     t0, c0 = time.perf_counter(), time.thread_time()
@@ -118,9 +118,9 @@ def _compare(rows: list[dict[str, Any]], curves: Any) -> dict[str, float]:
 
 def _trace_file(args: Any, tmp: str) -> tuple[str, dict[str, Any]]:
     """The trace to time: ``--trace``, or a generated one written to ``tmp``."""
-    from ..cache.block_workload import BlockWorkloadConfig, generate_blocks
-    from ..cache.traces import write_trace
     from ..errors import ConfigError
+    from ..traces.block_workload import BlockWorkloadConfig, generate_blocks
+    from ..traces.readers import write_trace
 
     if args.trace:
         return args.trace, {"source": str(args.trace)}

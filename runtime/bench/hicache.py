@@ -6,7 +6,7 @@ One run, same trace, same page size, same device pages per stage:
 * ``device_only`` -- the same device pages, no host tier (what HiCache adds is the difference);
 * ``ceiling``     -- an infinite cache: every page ever kept stays reusable;
 * ``belady``      -- the offline bound: one tier of the host tier's capacity that
-  evicts the page used farthest in the future (``cache/bounds.py``).
+  evicts the page used farthest in the future (``sizing/bounds.py``).
 
 Traces: stagecache's token JSONL or Mooncake's block-hash JSONL (detected, or
 ``--trace-format``), or a generated chat trace.  In Mooncake format a block is a
@@ -131,8 +131,8 @@ def replay(requests: Sequence[Any], cache: Any, writer: Any | None = None, verif
 
 # -- inputs ---------------------------------------------------------------------------------------
 def _load_requests(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any]]:
-    from ..cache.traces import WorkloadConfig, generate, load_requests, write_trace
     from ..errors import ConfigError
+    from ..traces.readers import WorkloadConfig, generate, load_requests, write_trace
 
     if args.trace:
         trace = load_requests(args.trace, fmt=args.trace_format, limit=args.requests,
@@ -358,10 +358,10 @@ def l3_tiers(args: argparse.Namespace, plan: RunPlan) -> Iterator[Any]:
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from ..cache.bounds import CeilingTracker, belady_hit_tokens
     from ..cache.pages import page_view
     from ..errors import ConfigError
     from ..plan.inputs import resolve_plan
+    from ..sizing.bounds import CeilingTracker, belady_hit_tokens
     from .hicache_report import build_report
 
     if args.threads:

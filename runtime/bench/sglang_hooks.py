@@ -9,9 +9,10 @@ round on fresh radix caches with the same requests:
   request's new page of the C4, indexer and C128 pools (``write`` / ``start_writing``), its load
   back (``load`` / ``start_loading``) and sglang's own ack consumption (``writing_check`` /
   ``loading_check``);
-* hooked: the same, with ``match_prefix`` wrapped by sglang's ``HookRegistry`` wrapper (``_wrap_fn``,
-  AFTER) around ``Deployment.after_match_prefix`` and the controller wrapped by
-  ``wrap_controller``: what a served rank runs.
+* hooked: the same, with ``match_prefix`` and the controller's ``start_writing`` /
+  ``start_loading`` wrapped by sglang's ``HookRegistry`` wrapper (``_wrap_fn``: AFTER around
+  ``Deployment.after_match_prefix``, AROUND around ``around_start_writing`` /
+  ``around_start_loading``): what a served rank runs.
 
 Each arm runs twice: with the page copies (torch row copies standing in for ``sgl_kernel``'s
 ``transfer_kv_direct``) and without them.  On a GPU host the copies run on the copy engine while
@@ -176,14 +177,29 @@ class _AckOnlyController:
         return 0
 
 
+@contextlib.contextmanager
+def _hooked_controller(ctl: Any, dep: Any) -> Iterator[None]:
+    """``ctl``'s submissions wrapped as sglang's ``HookRegistry`` wraps them in a served rank (on
+    the class there; on this instance here, so the plain arm keeps the bare methods)."""
+    import types
+
+    from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
+
+    for name, hook in (("start_writing", dep.around_start_writing), ("start_loading", dep.around_start_loading)):
+        setattr(ctl, name, types.MethodType(_wrap_fn(getattr(type(ctl), name), hook, HookType.AROUND), ctl))
+    try:
+        yield
+    finally:
+        for name in ("start_writing", "start_loading"):
+            ctl.__dict__.pop(name, None)
+
+
 def _hooks_alone(trace: list[tuple[str, array]], dep: Any) -> float:
     """Seconds of the hooks' own work for the trace: the match hook on real match results, and a
     wrapped minus a bare backup + load submission per request (an A/B difference of whole
     requests drowns in the noise of the transfers)."""
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
     from sglang.srt.mem_cache.radix_cache import RadixKey
-
-    from ..integrations.sglang.hooks import wrap_controller
 
     dep.forget_requests()
     calls = [(MatchResult(device_prefix_len=len(k) - PAGE, last_device_node=None, last_host_node=None,
@@ -205,9 +221,8 @@ def _hooks_alone(trace: list[tuple[str, array]], dep: Any) -> float:
         return time.perf_counter() - t
 
     bare = min(acks() for _ in range(3))
-    restore = wrap_controller(ctl, dep.source, 0)
-    wrapped = min(acks() for _ in range(3))
-    restore()
+    with _hooked_controller(ctl, dep):
+        wrapped = min(acks() for _ in range(3))
     return match_s + max(0.0, wrapped - bare)
 
 
@@ -216,18 +231,13 @@ def _arms(trace: list[tuple[str, array]], stage: _Stage, dep: Any, rounds: int) 
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
     from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
 
-    from ..integrations.sglang.hooks import wrap_controller
-
     plain_match = UnifiedRadixCache.match_prefix
     hooked_match = _wrap_fn(plain_match, dep.after_match_prefix, HookType.AFTER)
 
     def hooked_round() -> float:
         dep.forget_requests()  # every round's requests are new to the hook
-        restore = wrap_controller(stage.ctl, dep.source, 0)
-        try:
+        with _hooked_controller(stage.ctl, dep):
             return _round(trace, hooked_match, stage)
-        finally:
-            restore()
 
     _round(trace, plain_match, stage)  # warm-up, both arms
     hooked_round()

@@ -1,8 +1,8 @@
 """``stagecache advise``: how much memory each stage should get, from one pass over a trace.
 
-The trace's hit-rate curves at every capacity (``cache/curves.py``: LRU stack
+The trace's hit-rate curves at every capacity (``sizing/curves.py``: LRU stack
 distances), turned into each stage's bytes and sglang's flags by the run's plan
-(``cache/advice.py``), with Belady's offline optimum at the marked sizes and,
+(``sizing/advice.py``), with Belady's offline optimum at the marked sizes and,
 under ``--mem-budget-gb``, the capacity ledger ``stagecache pools`` prints.
 ``--json`` for scripts, ``--plot FILE.html`` for a standalone page; the dashboard
 shows a saved ``--json`` report (``stagecache dashboard --advise FILE``).
@@ -21,7 +21,7 @@ from .common import add_layout_command, add_trace_args, output_console, plan_fro
 from .pools import add_sizing_args, deployment, human, print_ledger, sizing_of
 
 if TYPE_CHECKING:
-    from ..cache.curves import Progress
+    from ..sizing.curves import Progress
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -79,7 +79,7 @@ class ProgressBar:
 
 
 def _read(args: argparse.Namespace, bar: Progress) -> tuple[list[Any], dict[str, Any]]:
-    from ..cache.traces import TraceError, load_requests
+    from ..traces.readers import TraceError, load_requests
 
     bar("reading the trace", 0, 0)
     try:
@@ -99,9 +99,9 @@ def _read(args: argparse.Namespace, bar: Progress) -> tuple[list[Any], dict[str,
 def advise(args: argparse.Namespace, bar: Progress) -> dict[str, Any]:
     """The whole report (what ``--json`` prints); ``bar(phase, done, total)`` hears each step."""
     from ..bench.hicache import page_size_for
-    from ..cache.advice import TARGETS, build_report
-    from ..cache.bounds import belady_curve
-    from ..cache.curves import page_views, trace_curves
+    from ..sizing.advice import TARGETS, build_report
+    from ..sizing.bounds import belady_curve
+    from ..sizing.curves import page_views, trace_curves
 
     t0 = time.perf_counter()
     requests, info = _read(args, bar)

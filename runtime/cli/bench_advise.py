@@ -11,7 +11,7 @@ from .common import int_range, nonneg_int, positive_int
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from ..cache.mooncake import DEFAULT_BLOCK_TOKENS
+    from ..traces.mooncake_trace import DEFAULT_BLOCK_TOKENS
 
     p = sub.add_parser(
         "advise", help="time advise's one pass over a trace against replaying it at N sizes (JSON)",

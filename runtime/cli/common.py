@@ -188,7 +188,7 @@ def add_layout_command(sub: argparse._SubParsersAction, name: str, help: str,
 def add_trace_args(p: argparse.ArgumentParser, trace_help: str, *, required: bool) -> None:
     """The flags of a command that reads a prefix-cache trace (either format). A Mooncake trace
     fixes the page (one block), so --page-size defaults to None and resolves per format later."""
-    from ..cache.mooncake import DEFAULT_BLOCK_TOKENS
+    from ..traces.mooncake_trace import DEFAULT_BLOCK_TOKENS
 
     p.set_defaults(page_size=None, default_page_size=defaults.PAGE_SIZE)
     next(a for a in p._actions if a.dest == "page_size").help = (

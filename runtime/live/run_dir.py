@@ -14,13 +14,11 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..validation.report import StartupReport
-from .liveness import Liveness, assess
 from .numbers import RunInfo, StageLive
 
 STARTUP_FILE = "startup.json"
@@ -156,10 +154,6 @@ class RunDirSource:
     def run(self) -> RunInfo | None:
         """The parent's view: phase, pids, exit codes, the failure (None before it wrote one)."""
         return self._files.get(str(self.run_dir / RUN_FILE), RunInfo.model_validate_json)
-
-    def liveness(self, now: float | None = None) -> Liveness:
-        """The readiness verdict over what the directory holds now (``liveness.assess``)."""
-        return assess(self.run(), self.startup(), self.stages(), time.time() if now is None else now)
 
     def snapshot(self) -> dict[str, Any]:
         """One JSON document with everything: ``{"run", "startup", "stages"}`` (``snapshot.json``)."""

@@ -43,9 +43,6 @@ class Occupancy:
     def capacity_bytes(self) -> int:
         return self.capacity * self.unit_bytes
 
-    @property
-    def usage(self) -> float:
-        return self.used / self.capacity if self.capacity else 0.0
 
 
 def _row(kind: PoolKind, tier: str, capacity: int, allocator: PageAllocator, unit_bytes: int) -> Occupancy:

@@ -174,9 +174,6 @@ class Family:
         ``validate_swa_pool_size``): the sliding window, 0 for a family without SWA pools."""
         return 0
 
-    def layer_kind(self, name: str) -> LayerKind:
-        return next(k for k in self.layer_kinds if k.name == name)
-
     def fault_kind(self, name: str) -> FaultKind | None:
         return next((f for f in self.faults if f.name == name), None)
 

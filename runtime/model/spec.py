@@ -66,9 +66,6 @@ class ConfigFields:
             raise ConfigError(f"{self.source}: expected a JSON object, got {type(cfg).__name__}")
         self.cfg = cfg
 
-    def has(self, key: str) -> bool:
-        return key in self.cfg
-
     def error(self, text: str) -> ConfigError:
         return ConfigError(f"{self.source}: {text}")
 

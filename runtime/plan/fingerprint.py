@@ -56,7 +56,7 @@ class Fingerprint(BaseModel):
 
     def differences(self, other: Fingerprint) -> list[str]:
         """``field: mine != theirs`` for every field (but the name) that differs."""
-        mine, theirs = self._fields(), other._fields()
+        mine, theirs = self.model_dump(), other.model_dump()
         return [f"{k}: {mine[k]!r} != {theirs[k]!r}" for k in mine if k != "model" and mine[k] != theirs[k]]
 
     def to_dict(self) -> dict[str, Any]:

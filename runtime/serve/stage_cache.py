@@ -57,7 +57,7 @@ class KvMismatchError(StageCacheError):
 def build_trace(trace: str | None, requests: int, seed: int, fmt: str = "auto") -> list[Any]:
     """The request stream every stage replays: a JSONL file (first ``requests``, in format ``fmt``)
     or a generated one."""
-    from ..cache.traces import WorkloadConfig, generate, load_requests
+    from ..traces.readers import WorkloadConfig, generate, load_requests
 
     if trace:
         return list(load_requests(trace, fmt=fmt, limit=requests or None).requests)

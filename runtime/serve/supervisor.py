@@ -49,7 +49,7 @@ STAGE_PRELOAD = (
     "stagecache.runtime.serve.stage_cache", "stagecache.runtime.serve.pipeline",
     "stagecache.runtime.cache.hicache", "stagecache.runtime.transfer.controller",
     "stagecache.runtime.memory.host_pools", "stagecache.runtime.memory.pools",
-    "stagecache.runtime.cache.kv_writer", "stagecache.runtime.cache.traces",
+    "stagecache.runtime.cache.kv_writer", "stagecache.runtime.traces.readers",
 )
 
 

@@ -82,25 +82,35 @@ def stage_report(rec: StageRecord, extra: Sequence[MappingError] = ()) -> StageR
 
 
 def deployment_report(records: Sequence[StageRecord], *, tp_size: int, page_size: int,
-                      faults: Sequence[str] = ()) -> StartupReport:
+                      faults: Sequence[str] = (), pp_size: int | None = None,
+                      cross: Sequence[MappingError] = ()) -> StartupReport:
     """Every stage, the tiling, fingerprints and capacity, over the deployment's records.
 
-    Records are in rank order (``all_gather`` keeps group order); a record that claims
-    another stage than its rank is an error of that rank's stage.
+    With every stage's record (``pp_size`` records, the default), they are in rank order
+    (``all_gather`` keeps group order): a record that claims another stage than its rank is an
+    error of that rank's stage, and the stages must tile ``[0, L)``.  With only some stages'
+    records (one rank's view of its own stage) those are validated, and a tiling error counts
+    only where it names one of them: the other stages live elsewhere.  ``cross``: more
+    cross-stage findings (a partition the engine computes otherwise).
     """
     first = records[0]
+    pp = len(records) if pp_size is None else pp_size
+    whole = len(records) == pp
     extra: dict[int, list[MappingError]] = {}
     for key, errs in (*fingerprint_errors(records).items(), *capacity_errors(records).items()):
         extra.setdefault(key, []).extend(errs)
     for rank, rec in enumerate(records):
-        if rec.stage != rank:
+        if whole and rec.stage != rank:
             extra.setdefault(rec.stage, []).append(MappingError(
                 rec.stage, "partition", rank, rec.stage, f"PP rank {rank} reports its pool as stage {rec.stage}"))
-    stages = tuple(stage_report(r, extra.get(r.stage, ())) for r in records)
-    cross = validate_tiling([s.slice for s in stages], first.num_layers)
+    ordered = records if whole else sorted(records, key=lambda r: r.stage)
+    stages = tuple(stage_report(r, extra.get(r.stage, ())) for r in ordered)
+    tiling = validate_tiling([s.slice for s in stages], first.num_layers)
+    if not whole:
+        tiling = [e for e in tiling if e.stage is not None]
     return StartupReport(family=first.family, model=first.model, num_layers=first.num_layers,
-                         pp_size=len(records), tp_size=tp_size, page_size=page_size, faults=tuple(faults),
-                         stages=stages, cross_errors=tuple(cross))
+                         pp_size=pp, tp_size=tp_size, page_size=page_size, faults=tuple(faults),
+                         stages=stages, cross_errors=(*tiling, *cross))
 
 
 def preflight(plan: RunPlan) -> StartupReport:

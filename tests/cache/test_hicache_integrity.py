@@ -11,15 +11,15 @@ import json
 import pytest
 from plans import pools as make_pools
 from stagecache.runtime.bench.hicache import replay
-from stagecache.runtime.cache.bounds import CeilingTracker
 from stagecache.runtime.cache.hicache import HiCache
 from stagecache.runtime.cache.kv_writer import KvWriter
 from stagecache.runtime.cache.pages import page_view
-from stagecache.runtime.cache.traces import WorkloadConfig, generate, write_trace
 from stagecache.runtime.cli.main import main
 from stagecache.runtime.memory.host_pools import HostPools
 from stagecache.runtime.model.families import load_spec
 from stagecache.runtime.model.layer_map import build_layout
+from stagecache.runtime.sizing.bounds import CeilingTracker
+from stagecache.runtime.traces.readers import WorkloadConfig, generate, write_trace
 from stagecache.runtime.transfer.controller import TransferController
 from stagecache.runtime.transfer.stats import TransferStats
 

@@ -11,13 +11,13 @@ from plans import run_plan
 from stagecache.runtime.cache.hicache import HiCache
 from stagecache.runtime.cache.kv_writer import KvWriter
 from stagecache.runtime.cache.storage_tier import StorageTier
-from stagecache.runtime.cache.traces import WorkloadConfig, generate
 from stagecache.runtime.memory.host_pools import HostPools
 from stagecache.runtime.memory.pools import StagePools
 from stagecache.runtime.storage.file import FileStore
 from stagecache.runtime.storage.keys import key_space
 from stagecache.runtime.storage.memory import MemoryStore
 from stagecache.runtime.storage.views import HostPageViews
+from stagecache.runtime.traces.readers import WorkloadConfig, generate
 from stagecache.runtime.transfer.controller import TransferController
 from stagecache.runtime.transfer.stats import TransferStats
 

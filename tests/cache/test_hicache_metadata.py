@@ -15,12 +15,12 @@ from plans import pools as make_pools
 from stagecache.runtime.bench.hicache import replay
 from stagecache.runtime.cache.hicache import HiCache
 from stagecache.runtime.cache.kv_writer import KvWriter
-from stagecache.runtime.cache.traces import WorkloadConfig, generate, load_requests
 from stagecache.runtime.cli.main import main
 from stagecache.runtime.memory.host_pools import HostPools
 from stagecache.runtime.model.families import load_spec
 from stagecache.runtime.model.layer_map import build_layout
 from stagecache.runtime.serve.stage_cache import build_trace
+from stagecache.runtime.traces.readers import WorkloadConfig, generate, load_requests
 from stagecache.runtime.transfer.controller import TransferController
 from stagecache.runtime.transfer.stats import TransferStats
 

@@ -7,12 +7,12 @@ import pytest
 from plans import pools as make_pools
 from stagecache.runtime.cache.hicache import CacheOutOfPagesError, HandleError, HiCache
 from stagecache.runtime.cache.kv_writer import KvWriter, page_hashes
-from stagecache.runtime.cache.traces import Request
 from stagecache.runtime.errors import ConfigError
 from stagecache.runtime.memory.host_pools import HostPools
 from stagecache.runtime.model.families import load_spec
 from stagecache.runtime.model.families.deepseek_v4 import HOST_CACHED
 from stagecache.runtime.model.layer_map import build_layout
+from stagecache.runtime.traces.readers import Request
 from stagecache.runtime.transfer.controller import TransferController
 from stagecache.runtime.transfer.stats import TransferStats
 

@@ -20,10 +20,10 @@ from stagecache.runtime.cache.handle import CacheOutOfPagesError
 from stagecache.runtime.cache.hicache import HiCache
 from stagecache.runtime.cache.insight import InsightConfig
 from stagecache.runtime.cache.keytable import EMPTY, GHOST, KeyTable, ghost_reason
-from stagecache.runtime.cache.traces import Request
 from stagecache.runtime.memory.host_pools import HostPools
 from stagecache.runtime.model.families import load_spec
 from stagecache.runtime.model.layer_map import build_layout
+from stagecache.runtime.traces.readers import Request
 from stagecache.runtime.transfer.controller import TransferController
 from stagecache.runtime.transfer.stats import TransferStats
 
@@ -201,7 +201,7 @@ def test_deferred_records_book_pages_below_the_agreed_prefix_as_stage_disagreeme
 
 
 def test_the_last_mooncake_block_counts_only_its_tokens():
-    from stagecache.runtime.cache.mooncake import BlockRequest
+    from stagecache.runtime.traces.mooncake_trace import BlockRequest
 
     cache = HiCache.metadata_only(512, 8, 8, write_policy="write_through")
     cache.finish(cache.begin(BlockRequest(np.asarray([1, 2, 3]), 1100, 10, 512)))

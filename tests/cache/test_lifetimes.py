@@ -13,7 +13,7 @@ from stagecache.runtime.cache import lifetimes
 from stagecache.runtime.cache.hicache import HiCache
 from stagecache.runtime.cache.insight import InsightConfig
 from stagecache.runtime.cache.lifetimes import BUCKETS, InsightClock, Lifetimes
-from stagecache.runtime.cache.traces import Request
+from stagecache.runtime.traces.readers import Request
 
 
 def _oracle_at(ticks: list[int], offset: int, stamp: int) -> int:

@@ -22,11 +22,11 @@ from stagecache.runtime.cache.eviction import LFUAging, make_policy
 from stagecache.runtime.cache.hicache import CacheOutOfPagesError, HiCache
 from stagecache.runtime.cache.kv_writer import KvWriter
 from stagecache.runtime.cache.radix import DEVICE, HOST, RadixError, RadixTree
-from stagecache.runtime.cache.traces import Request
 from stagecache.runtime.errors import ConfigError
 from stagecache.runtime.memory.host_pools import HostPools
 from stagecache.runtime.model.families import load_spec
 from stagecache.runtime.model.layer_map import build_layout
+from stagecache.runtime.traces.readers import Request
 from stagecache.runtime.transfer.controller import TransferController
 from stagecache.runtime.transfer.stats import TransferStats
 

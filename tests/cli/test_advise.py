@@ -7,13 +7,13 @@ import json
 
 import pytest
 from mooncake_sample import write_sample
-from stagecache.runtime.cache.advice import TARGETS, hicache_ratio_for
-from stagecache.runtime.cache.curves import page_views, trace_curves
-from stagecache.runtime.cache.traces import WorkloadConfig, generate, load_requests, write_trace
 from stagecache.runtime.cli.main import main
 from stagecache.runtime.model.families.deepseek_v4 import FAMILY
 from stagecache.runtime.plan.inputs import resolve_plan
 from stagecache.runtime.plan.plan import Sizing
+from stagecache.runtime.sizing.advice import TARGETS, hicache_ratio_for
+from stagecache.runtime.sizing.curves import page_views, trace_curves
+from stagecache.runtime.traces.readers import WorkloadConfig, generate, load_requests, write_trace
 
 HICACHE_SIZE_REFUSED = FAMILY.host_size_refused
 

@@ -221,7 +221,7 @@ def test_the_config_loader_returns_a_spec_or_one_config_error(key, value, raw, t
                       min_size=0, max_size=12),
        fmt=st.sampled_from(["auto", "tokens", "mooncake"]))
 def test_the_trace_loader_returns_requests_or_one_config_error(lines, fmt, tmp_path_factory):
-    from stagecache.runtime.cache.traces import load_requests
+    from stagecache.runtime.traces.readers import load_requests
 
     path = tmp_path_factory.getbasetemp() / "fuzz-trace.jsonl"
     path.write_text("\n".join(lines) + "\n", errors="surrogatepass")

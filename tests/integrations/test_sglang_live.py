@@ -15,6 +15,7 @@ flash's 43 layers (the MTP placeholder), 13 for tiny's 12.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import re
@@ -39,7 +40,7 @@ from stagecache.runtime.live.source import SnapshotSource  # noqa: E402
 from stagecache.runtime.model.families import load_spec  # noqa: E402
 from stagecache.runtime.model.layer_map import build_layout  # noqa: E402
 from stagecache.runtime.model.partition import partition_layers  # noqa: E402
-from stagecache.runtime.plan.faults import Fault  # noqa: E402
+from stagecache.runtime.plan.faults import parse_faults  # noqa: E402
 from stagecache.runtime.plan.plan import build_plan  # noqa: E402
 from stagecache.runtime.validation.deployment import preflight  # noqa: E402
 
@@ -167,8 +168,9 @@ def test_layer_maps_match_real_pool_and_assembler(spec, pp, partition):
     # the same per-stage report `stagecache check` computes for this layout
     want = preflight(build_plan(spec, pp, partition=partition, page_size=PAGE)).to_dict()
 
-    def maps_and_errors(stages: list[dict]) -> list[dict]:  # the live report measures no page bytes
-        return [{k: v for k, v in s.items() if k != "pool_page_bytes"} for s in stages]
+    def maps_and_errors(stages: list[dict]) -> list[dict]:  # bytes: sized by the plan, measured live
+        sized = {"pool_page_bytes", "device_bytes", "host_buffers", "host_bytes"}
+        return [{k: v for k, v in s.items() if k not in sized} for s in stages]
 
     assert maps_and_errors(report.to_dict()["stages"]) == maps_and_errors(want["stages"])
 
@@ -184,7 +186,7 @@ def test_random_models_match(ratios, data):
     pool = _check_stage(ratios + [0] * mtp, stage_map)
     report = integ.inspect_pool(pool, pp_size=pp, num_layers=len(ratios))
     assert report.ok, [str(e) for e in report.all_errors]
-    assert report.stages[0].stage_map == stage_map
+    assert report.stages[0].to_dict() == stage_map.to_dict()
 
 
 # -- faults: the same errors as `stagecache check --fault ...` --------------------------------
@@ -199,7 +201,7 @@ def _global_swa(pool):
 
 
 def _stage_errors(report, stage):
-    return [e.message for s in report.stages if s.stage_map.stage == stage for e in s.errors]
+    return [e.message for s in report.stages if s.stage == stage for e in s.errors]
 
 
 def test_global_swa_same_errors_as_check_and_as_sglang():
@@ -207,7 +209,7 @@ def test_global_swa_same_errors_as_check_and_as_sglang():
     s = layout.stages[2]
     pool = _global_swa(make_pool(FLASH44, s.start, s.end))
     report = integ.inspect_pool(pool, pp_size=4)
-    want = preflight(build_plan(FLASH, 4, page_size=PAGE, faults=[Fault("global-swa")]))
+    want = preflight(build_plan(FLASH, 4, page_size=PAGE, faults=parse_faults(["global-swa"], 4)))
     assert not report.ok
     assert _stage_errors(report, 2) == _stage_errors(want, 2)
     assert _stage_errors(report, 2) == [
@@ -226,7 +228,7 @@ def test_missing_c4_state_same_error_as_check():
     last_c4 = s.pool_layers("c4_state")[-1].global_id
     pool.compress_state_pools[last_c4] = None
     report = integ.inspect_pool(pool, pp_size=4)
-    want = preflight(build_plan(FLASH, 4, page_size=PAGE, faults=[Fault("missing-c4-state")]))
+    want = preflight(build_plan(FLASH, 4, page_size=PAGE, faults=parse_faults(["missing-c4-state"], 4)))
     assert _stage_errors(report, 1) == _stage_errors(want, 1)
     assert "deepseek_v4_c4_state state_pools must not contain None" in _stage_errors(report, 1)[0]
 
@@ -253,40 +255,50 @@ class _Params:
     mtp_draft_device_pools = ()
 
 
-def test_attach_validates_publishes_and_restores():
-    original = hpa.build_deepseek_v4_hicache_stack
+@contextlib.contextmanager
+def as_rank(pp_rank: int, pp_size: int):
+    """sglang's runtime context says this process is PP rank ``pp_rank`` of ``pp_size``."""
+    from sglang.srt.runtime_context import get_parallel
+
+    with get_parallel().override(pp_rank=pp_rank, pp_size=pp_size, tp_rank=0, tp_size=1):
+        yield
+
+
+def build_stack(dep, kvcache):
+    """sglang's stack build, through the deployment's hook (what ``HookRegistry`` applies)."""
+    return dep.around_stack_build(hpa.build_deepseek_v4_hicache_stack, params=_Params(), kvcache=kvcache,
+                                  load_cache_event=None, storage_backend=None)
+
+
+def test_a_rank_alone_validates_its_stage_and_refuses_it_strictly():
+    """``STAGECACHE_SGLANG_PER_RANK=1``: each rank a deployment of size 1, its own stage checked."""
     layout = build_layout(FLASH, 4)
     s = layout.stages[3]
     bad = _global_swa(make_pool(FLASH44, s.start, s.end))
-    with integ.attach(pp_size=4) as source:
-        assert isinstance(source, SnapshotSource)
-        assert hpa.build_deepseek_v4_hicache_stack is not original
-        assert source.startup() is None
-        with pytest.raises(StageMappingInvalid, match="stage 3.*PP-stage-local: got 43 buffers for 11"):
-            hpa.build_deepseek_v4_hicache_stack(
-                params=_Params(), kvcache=bad, load_cache_event=None, storage_backend=None)
-        startup = source.startup()
-        assert startup["ok"] is False and startup["stages"][0]["stage"] == 3
-        assert startup["stages"][0]["buffers"]["swa"] == 43
-        live = source.stages()[3].model_dump()
-        assert live["pool_bytes"]["swa"]["device"] == sum(b.nbytes for b in bad.swa_kv_pool.kv_buffer)
-    assert hpa.build_deepseek_v4_hicache_stack is original
+    dep = integ.Deployment(integ.DeploymentOptions(per_rank=True, port=None))
+    assert isinstance(dep.source, SnapshotSource) and dep.source.startup() is None
+    with as_rank(3, 4), pytest.raises(StageMappingInvalid, match="stage 3.*PP-stage-local: got 43 buffers for 11"):
+        build_stack(dep, bad)
+    startup = dep.source.startup()
+    assert startup.ok is False and [st.stage for st in startup.stages] == [3]
+    assert startup.stages[0].buffers["swa"] == 43 and startup.cross_errors == ()  # no false gap
+    live = dep.source.stages()[3]
+    assert live.pool_bytes["swa"].device == sum(b.nbytes for b in bad.swa_kv_pool.kv_buffer)
 
 
-def test_attach_non_strict_delegates_to_sglang():
+def test_a_rank_not_strict_lets_sglang_refuse_with_its_own_words():
     s = build_layout(FLASH, 2).stages[0]
     bad = _global_swa(make_pool(FLASH44, s.start, s.end))
-    with integ.attach(pp_size=2, strict=False) as source:
-        # the real sglang function runs and raises its own error
-        with pytest.raises(ValueError, match="DeepSeek V4 SWA KV pool must be PP-stage-local"):
-            hpa.build_deepseek_v4_hicache_stack(
-                params=_Params(), kvcache=bad, load_cache_event=None, storage_backend=None)
-    assert source.startup()["ok"] is False
+    dep = integ.Deployment(integ.DeploymentOptions(per_rank=True, port=None, strict=False))
+    with as_rank(0, 2), pytest.raises(ValueError, match="DeepSeek V4 SWA KV pool must be PP-stage-local"):
+        build_stack(dep, bad)  # the real sglang function runs and raises its own error
+    assert dep.source.startup().ok is False
 
 
 class _Controller:
-    """Records HiCache acks the way sglang's start_writing/start_loading do (CPU stand-in:
-    the real HybridCacheController needs CUDA streams); the acks are sglang's HiCacheAck."""
+    """Records HiCache acks the way sglang's start_writing/start_loading do (a stand-in for the
+    counting alone: the real controller's copies are test_sglang_live_deployment's); the acks
+    are sglang's HiCacheAck."""
 
     def __init__(self):
         self.ack_write_queue, self.ack_load_queue = [], []
@@ -299,25 +311,35 @@ class _Controller:
         return 0
 
 
+def _hooked(dep, ctl):
+    """The controller's submissions as ``HookRegistry`` wraps them (AROUND) in a served rank."""
+    from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
+
+    def wrap(method, hook):
+        return lambda: _wrap_fn(method, hook, HookType.AROUND)(ctl)
+
+    return (wrap(_Controller.start_writing, dep.around_start_writing),
+            wrap(_Controller.start_loading, dep.around_start_loading))
+
+
 def test_transfers_reach_the_prometheus_exporter():
-    source = integ.SglangSource()
     s = build_layout(TINY, 2).stages[1]
     pool = make_pool(RATIOS[TINY.name], s.start, s.end)
-    source.publish(integ.inspect_pool(pool, pp_size=2))
+    dep = integ.Deployment(integ.DeploymentOptions(per_rank=True, port=None))
+    with as_rank(1, 2):
+        dep.join(pool, page_size=PAGE, host_pages={})
     ctl = _Controller()
-    restore = integ.wrap_controller(ctl, source, stage=1)
-    ctl.start_writing()
-    ctl.start_loading()
-    ctl.start_loading()
-    live = source.stages()[1].model_dump()
-    assert live["transfer_bytes"] == {"d2h": 4096, "h2d": 16384}
-    assert live["transfer_count"] == {"d2h": 1, "h2d": 2}
-    assert live["cache_tokens"]["host"] == 1024
-    assert live["transfer_seconds"]["h2d"] > 0
-    restore()
-    ctl.start_writing()
-    assert source.stages()[1].transfer_count.d2h == 1
-    text = generate_latest(make_registry(source)).decode()
+    write, load = _hooked(dep, ctl)
+    write()
+    load()
+    load()
+    live = dep.source.stages()[1]
+    assert live.transfer_bytes.model_dump() == {"d2h": 4096, "h2d": 16384}
+    assert live.transfer_count.model_dump() == {"d2h": 1, "h2d": 2}
+    assert live.transfer_seconds.h2d > 0
+    ctl.start_writing()  # not through the hook: not counted
+    assert dep.source.stages()[1].transfer_count.d2h == 1
+    text = generate_latest(make_registry(dep.source)).decode()
     from prometheus_client.parser import text_string_to_metric_families
 
     samples = [x for f in text_string_to_metric_families(text) for x in f.samples]
@@ -327,26 +349,24 @@ def test_transfers_reach_the_prometheus_exporter():
     assert [x.value for x in samples if x.name == "stagecache_startup_ok"] == [1.0]
 
 
-def test_install_serves_the_stage_dashboard(free_port):
+def test_a_rank_alone_serves_its_stage_on_port_plus_rank(free_port):
     import httpx
 
     s = build_layout(FLASH, 4).stages[2]
     bad = _global_swa(make_pool(FLASH44, s.start, s.end))
-    att = integ.install(pp_size=4, dashboard_port=free_port - 2)  # served on port + pp_rank
+    dep = integ.Deployment(integ.DeploymentOptions(per_rank=True, port=free_port - 2))
     try:
-        with pytest.raises(StageMappingInvalid):
-            hpa.build_deepseek_v4_hicache_stack(
-                params=_Params(), kvcache=bad, load_cache_event=None, storage_backend=None)
-        assert att.dashboard_url == f"http://127.0.0.1:{free_port}"
-        startup = httpx.get(f"{att.dashboard_url}/api/startup", timeout=10).json()
+        with as_rank(2, 4), pytest.raises(StageMappingInvalid):
+            build_stack(dep, bad)
+        assert dep.url == f"http://127.0.0.1:{free_port}"
+        startup = httpx.get(f"{dep.url}/api/startup", timeout=10).json()
         assert startup["ok"] is False
         assert startup["stages"][0]["errors"][0]["message"].startswith(
             "DeepSeek V4 SWA KV pool must be PP-stage-local: got 43 buffers for 11")
-        metrics = httpx.get(f"{att.dashboard_url}/metrics", timeout=10).text
+        metrics = httpx.get(f"{dep.url}/metrics", timeout=10).text
         assert re.search(r"^stagecache_startup_ok\{[^}]*\} 0\.0$", metrics, re.M), metrics
     finally:
-        att.detach()
-    assert hpa.build_deepseek_v4_hicache_stack.__module__ == hpa.__name__
+        dep.close()
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{free_port}/healthz", timeout=2)
 
@@ -369,9 +389,10 @@ def test_sglang_plugin_entry_point(monkeypatch):
         dep = plugin()
         assert plugin() is dep and dep.options.port == 9300 and dep.options.strict  # once per process
         kinds = {t: [h[0] for h in HookRegistry._hooks[t]] for t in integ.deployment.TARGETS.values()}
-        assert kinds[integ.deployment.TARGETS["stack"]] == [HookType.AROUND]
-        assert kinds[integ.deployment.TARGETS["capacity"]] == [HookType.AROUND]
-        assert kinds[integ.deployment.TARGETS["match"]] == [HookType.AFTER]
+        targets = integ.deployment.TARGETS
+        for name in ("stack", "capacity", "pools", "write", "load"):
+            assert kinds[targets[name]] == [HookType.AROUND], name
+        assert kinds[targets["match"]] == [HookType.AFTER]
         for target in integ.deployment.TARGETS.values():  # every target resolves in sglang 0.5.23
             import pkgutil
 
@@ -401,12 +422,11 @@ def test_pool_of_another_partition_is_a_clear_config_error():
 
 
 def test_sync_transfers_still_records_without_cuda_events():
-    source = integ.SglangSource()
-    ctl = _Controller()
-    integ.wrap_controller(ctl, source, stage=0, sync=True)
-    ctl.start_loading()
-    live = source.stages()[0].model_dump()
-    assert live["transfer_bytes"]["h2d"] == 8192 and live["transfer_seconds"]["h2d"] > 0
+    dep = integ.Deployment(integ.DeploymentOptions(per_rank=True, port=None, sync_transfers=True))
+    _, load = _hooked(dep, _Controller())
+    load()
+    live = dep.source.stages()[0]
+    assert live.transfer_bytes.h2d == 8192 and live.transfer_seconds.h2d > 0
 
 
 def test_push_endpoint_refuses_forged_replayed_and_oversized_pushes():

@@ -300,7 +300,7 @@ def test_a_rank_that_never_reaches_the_exchange_is_named_within_the_timeout(tmp_
     run = launch(tmp_path, 2, env={1: {"STAGECACHE_TEST_SKIP_BUILD": "1"}},
                  common_env={"STAGECACHE_SGLANG_EXCHANGE_TIMEOUT_S": "3"}, budget=128 << 20)
     error = run.results[0]["error"]
-    assert error.startswith("ExchangeTimeout: stagecache plan exchange (PP rank 0): PP rank(s) 1 did not "
+    assert error.startswith("ExchangeTimeout: stagecache record exchange (PP rank 0): PP rank(s) 1 did not "
                             "reach the HiCache stack build within 3 s"), error
 
 

@@ -23,10 +23,12 @@ from sglang.srt.runtime_context import get_parallel  # noqa: E402
 from sglang_real import (  # noqa: E402
     build_stage,
     cache_params,
+    hooks_applied,
     model_dir,
     on_cpu,
     partition_env,
     published,
+    sglang_restored,
 )
 from stagecache.runtime.errors import StageMappingInvalid  # noqa: E402
 from stagecache.runtime.integrations import sglang as integ  # noqa: E402
@@ -49,36 +51,34 @@ def test_healthy_server_pools_have_no_error_and_no_gap(flash_dir, pp, partition)
         assert {len(kv.compression_ratios) for kv in pools} == {44}
         report = integ.inspect_pools(pools, pp_size=pp, model_name="deepseek-v4-flash")
         assert report.ok and report.all_errors == [], [str(e) for e in report.all_errors]
-        assert report.num_layers == 43 and [s.stage_map.end for s in report.stages][-1] == 43
+        assert report.num_layers == 43 and [s.end for s in report.stages][-1] == 43
         for rank, kv in enumerate(pools):  # one rank at a time, as each scheduler process sees it
             alone = integ.inspect_pool(kv, pp_size=pp)
-            assert alone.ok and alone.num_layers == 43 and alone.stages[0].stage_map.stage == rank
+            assert alone.ok and alone.num_layers == 43 and alone.stages[0].stage == rank
 
 
-def test_strict_hook_accepts_a_healthy_server_with_an_explicit_partition(flash_dir):
-    """``install()`` (one process), SGLANG_PP_LAYER_PARTITION=11,11,11,10: every rank's real stack
-    builds (the served deployment's plugin: test_sglang_live_deployment.py)."""
+def test_strict_hooks_accept_a_healthy_server_with_an_explicit_partition(flash_dir):
+    """Each rank a deployment of size 1 (``STAGECACHE_SGLANG_PER_RANK=1``), its hooks applied by
+    sglang's ``HookRegistry``, SGLANG_PP_LAYER_PARTITION=11,11,11,10: every rank's real stack
+    builds (the served deployment's exchange: test_sglang_live_deployment.py)."""
     original = hpa.build_deepseek_v4_hicache_stack
     with partition_env((11, 11, 11, 10)), \
             published(flash_dir, pp_size=4, max_total_tokens=16_384, max_running_requests=4) as (sa, mc), \
             on_cpu():
-        att = integ.install()
-        try:
-            for rank in range(4):
+        for rank in range(4):  # one scheduler process each: one deployment each
+            with hooks_applied(integ.Deployment(integ.DeploymentOptions(per_rank=True, port=None))) as dep:
+                assert hpa.build_deepseek_v4_hicache_stack is not original
                 stage = build_stage(sa, mc, rank, 4, device="cpu")
                 with get_parallel().override(pp_rank=rank):
                     group, controller = hpa.build_deepseek_v4_hicache_stack(
                         params=cache_params(stage), kvcache=stage.kvcache, load_cache_event=None,
                         storage_backend=None)
                 assert isinstance(controller, hpa.HybridCacheController) and len(group.entries) == 7
-            startup = att.source.startup()
-            assert startup["ok"] is True and startup["num_layers"] == 43 and startup["pp_size"] == 4
-            assert [(s["start_layer"], s["end_layer"]) for s in startup["stages"]] == [
-                (0, 11), (11, 22), (22, 33), (33, 43)]
-            assert startup["errors"] == []
-            assert att.source.stages()[3].pool_bytes["c4_indexer_state"].device > 0
-        finally:
-            att.detach()
+                startup = dep.source.startup()
+                assert startup.ok and startup.num_layers == 43 and startup.pp_size == 4
+                assert [(s.start, s.end) for s in startup.stages] == [[(0, 11), (11, 22), (22, 33), (33, 43)][rank]]
+                assert startup.cross_errors == ()
+                assert dep.source.stages()[rank].pool_bytes["c4_indexer_state"].device > 0
     assert hpa.build_deepseek_v4_hicache_stack is original
 
 
@@ -127,7 +127,8 @@ def test_docs_examples_run(flash_dir):
             hpa.build_deepseek_v4_hicache_stack(params=cache_params(stage), kvcache=kvcache,
                                                 load_cache_event=None, storage_backend=None)
 
-        with pytest.raises(StageMappingInvalid) as exc:
+        with sglang_restored(), get_parallel().override(pp_rank=2), \
+                pytest.raises(StageMappingInvalid) as exc:
             exec(python[1], {"engine_builds_its_hicache_stack": engine_builds_its_hicache_stack})  # noqa: S102
         assert str(exc.value) == textwrap.dedent(text[1]).strip().split("StageMappingInvalid: ", 1)[1]
 
@@ -136,13 +137,13 @@ def test_docs_examples_run(flash_dir):
 def test_a_stage_record_with_another_page_size_is_a_fingerprint_error_naming_it(flash_dir, odd):
     """The exchange's whole-deployment check on the records of four real pools, one of them
     recorded with 512-token pages: that stage, and only it, is named with both values."""
-    from stagecache.runtime.integrations.sglang.record import deployment_report, stage_record
+    from stagecache.runtime.validation.deployment import deployment_report
 
     with published(flash_dir, pp_size=4, max_total_tokens=262_144) as (sa, mc):
-        records = [stage_record(build_stage(sa, mc, rank, 4).kvcache, stage=rank, pp_size=4, tp_size=1,
-                                num_layers=43, model_name="deepseek-v4-flash",
-                                page_size=512 if rank == odd else 256) for rank in range(4)]
-    report = deployment_report(records)
+        records = [integ.read_pool(build_stage(sa, mc, rank, 4).kvcache, rank, 43, "deepseek-v4-flash",
+                                   page_size=512 if rank == odd else 256).record(pp_size=4)
+                   for rank in range(4)]
+    report = deployment_report(records, tp_size=1, page_size=records[0].fingerprint.page_size)
     assert not report.ok and report.page_size == 256
     named = {e.stage for e in report.all_errors}
     assert named == {odd}, [str(e) for e in report.all_errors]

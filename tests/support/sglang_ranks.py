@@ -10,7 +10,7 @@ Each rank is a process forked from the test process (sglang is imported once, th
    sglang applies them;
 4. sizes its pool from a byte budget with sglang's ``KVCacheConfigurator.config_from_budget``
    (whose ``_apply_token_constraints`` MIN-reduces the capacity over the ranks), builds it with
-   ``_init_pools`` and calls the real ``build_deepseek_v4_hicache_stack`` (the plan exchange
+   ``_init_pools`` and calls the real ``build_deepseek_v4_hicache_stack`` (the record exchange
    runs inside, as in ``Scheduler.__init__``), with sglang's real ``HybridCacheController``
    (``on_cpu``: no page pinning, copies in torch, ``hicache_io_backend="direct"``);
 5. runs the case's ``after(rank, ctx)`` and puts its JSON result on a queue.

@@ -103,3 +103,48 @@ def host_pages(stage: Stage) -> tuple[int, int, int]:
     kv = stage.kvcache
     return hpa._deepseek_v4_num_host_pages(params=cache_params(stage), kvcache=kv,
                                            page_size=get_schedule().page_size, swa_page_size=kv.swa_page_size)
+
+
+@contextmanager
+def sglang_restored():
+    """Undo, on exit, every hook sglang's ``HookRegistry`` applied to the deployment's targets
+    meanwhile: sglang has no way to unapply hooks, and the tests after this one must see sglang's
+    functions as they ship."""
+    import pkgutil
+    import sys
+
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    from stagecache.runtime.integrations.sglang.deployment import TARGETS
+
+    def owner_and_raw(target: str) -> tuple[Any, str, Any]:
+        path, attr = target.rsplit(".", 1)
+        owner = pkgutil.resolve_name(path)
+        return owner, attr, owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+
+    originals = {t: owner_and_raw(t) for t in TARGETS.values()}
+    try:
+        yield
+    finally:
+        for target, (owner, attr, raw) in originals.items():
+            wrapped = owner_and_raw(target)[2]
+            setattr(owner, attr, raw)
+            for module in list(sys.modules.values()):  # the ``from X import f`` copies sglang patched
+                names = [n for n, v in getattr(module, "__dict__", {}).items() if v is wrapped]
+                for name in names:
+                    setattr(module, name, raw)
+        HookRegistry.reset()
+
+
+@contextmanager
+def hooks_applied(deployment: Any):
+    """``deployment``'s hooks registered and applied by sglang's own ``HookRegistry`` (what
+    ``load_plugins`` does in a server), undone on exit (``sglang_restored``)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    with sglang_restored():
+        deployment.register()
+        HookRegistry.apply_hooks()
+        try:
+            yield deployment
+        finally:
+            deployment.close()

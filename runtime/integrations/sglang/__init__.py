@@ -8,14 +8,12 @@ stack disagreed about how many layers a stage owns.
 * ``reader`` reads a real pool into stagecache's ``StageLayerMap`` +
   ``PoolInventory`` and validates it like ``stagecache check``
   (``inspect_pool``/``inspect_pools``, ``read_pool``, ``partition_findings``);
-* ``hooks`` patches one process's start-up so its stage is validated before its host
-  stack is built and its transfers are counted (``install``/``attach``,
-  ``SglangSource``, ``wrap_controller``);
 * ``deployment`` makes a served PP deployment one instrument: the ``sglang_plugin``
-  entry point registers hooks with sglang's ``HookRegistry``; the ranks exchange their
-  stage records (``record``, ``exchange``) and validate the whole deployment, rank 0
-  serves the one endpoint the others push to (``push``), and sglang's own prefix
-  matches and transfer acks give the per-stage numbers.
+  entry point registers hooks with sglang's ``HookRegistry`` (the one way stagecache hooks
+  sglang); the ranks exchange their stage records (``record_exchange``) and validate the
+  whole deployment, rank 0 serves the one endpoint the others push to (``push``), and
+  sglang's own prefix matches and transfer acks give the per-stage numbers
+  (``rank_source.SglangSource``).
 
 Tested against sglang 0.5.23 (``pip install '.[sglang]'`` in a checkout); see docs/sglang.md.
 """
@@ -32,9 +30,9 @@ except ImportError as exc:  # pragma: no cover - exercised in the no-sglang envi
         f"(import failed: {exc})"
     ) from exc
 
-from . import deployment, hooks
+from . import deployment
 from .deployment import PLUGIN_ENV, Deployment, DeploymentOptions, sglang_plugin
-from .hooks import Attachment, SglangSource, attach, install, wrap_controller
+from .rank_source import SglangSource
 from .reader import (
     PARTITION_ENV,
     PoolView,
@@ -42,20 +40,15 @@ from .reader import (
     inspect_pools,
     model_num_layers,
     partition_findings,
-    pool_buffers,
-    pp_rank_of,
     read_pool,
     sglang_partition,
-    spec_from_pool,
-    stage_map_from_pool,
 )
 
 #: The sglang release this package was written and tested against.
 SGLANG_TESTED_VERSION = "0.5.23"
 
 __all__ = [
-    "PARTITION_ENV", "PLUGIN_ENV", "SGLANG_TESTED_VERSION", "Attachment", "Deployment",
-    "DeploymentOptions", "PoolView", "SglangSource", "attach", "deployment", "hooks", "inspect_pool", "inspect_pools", "install", "model_num_layers",
-    "partition_findings", "pool_buffers", "pp_rank_of", "read_pool", "sglang_partition",
-    "sglang_plugin", "spec_from_pool", "stage_map_from_pool", "wrap_controller",
+    "PARTITION_ENV", "PLUGIN_ENV", "SGLANG_TESTED_VERSION", "Deployment", "DeploymentOptions", "PoolView",
+    "SglangSource", "deployment", "inspect_pool", "inspect_pools", "model_num_layers",
+    "partition_findings", "read_pool", "sglang_partition", "sglang_plugin",
 ]

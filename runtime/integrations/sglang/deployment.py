@@ -1,23 +1,26 @@
-"""A live sglang PP deployment as one instrument: plans exchanged, one endpoint, sglang's own numbers.
+"""A live sglang PP deployment as one instrument: records exchanged, one endpoint, sglang's own numbers.
 
 sglang loads plugins first thing in each scheduler process, before its distributed state
 exists, so nothing can be exchanged then.  ``Deployment.register()`` instead registers hooks
-with sglang's ``HookRegistry`` (applied by ``load_plugins`` right after), on calls every PP
-rank reaches in ``Scheduler.__init__`` in the same order:
+with sglang's ``HookRegistry`` (applied by ``load_plugins`` right after) -- the one way
+stagecache hooks sglang -- on calls every PP rank reaches in ``Scheduler.__init__`` in the
+same order:
 
 * ``KVCacheConfigurator._apply_token_constraints`` (AROUND): its argument is the token
   capacity this stage's budget fits alone, its result the deployment's (sglang's MIN over
   the ranks) -- the capacity ledger;
 * ``build_deepseek_v4_hicache_stack`` (AROUND), or ``KVCacheConfigurator._init_pools`` when
-  HiCache is off: the rank reads its live pool into a ``StageRecord``, the ranks exchange
-  records over ``get_pp_group().cpu_group`` (``exchange.py``), and every rank validates the
-  whole deployment (``record.deployment_report``).  Strict: every rank raises the same
-  ``StageMappingInvalid``; otherwise the errors are published and sglang goes on.
+  HiCache is off: the rank reads its live pool once into a ``StageRecord`` (``reader``), the
+  ranks exchange records over ``get_pp_group().cpu_group`` (``record_exchange.py``), and every
+  rank validates the whole deployment (``validation.deployment``).  Strict: every rank raises
+  the same ``StageMappingInvalid``; otherwise the errors are published and sglang goes on.
   Then rank 0 serves the one dashboard (every stage, ``/readyz``, ``/metrics`` with
-  ``pp_rank``) and the other ranks push their numbers to it (``push.py``);
+  ``pp_rank``) and the other ranks push their numbers to it (``push.py``).  With
+  ``STAGECACHE_SGLANG_PER_RANK=1`` each rank is a deployment of size 1: it validates its own
+  stage, exchanges nothing and serves its own endpoint on ``PORT + pp_rank``;
 * ``UnifiedRadixCache.match_prefix`` (AFTER): device-hit, host-hit and miss tokens of each
-  request's first match; the controller's ``start_writing``/``start_loading`` acks (wrapped
-  on the instance the stack build returns): backup and load bytes and seconds.
+  request's first match; ``HiCacheController.start_writing``/``start_loading`` (AROUND; sglang's
+  ``HybridCacheController`` inherits them): backup and load bytes and seconds from their acks.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import contextlib
 import logging
 import os
 import secrets
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -40,12 +44,13 @@ from ...defaults import (
 )
 from ...errors import ConfigError, StageMappingInvalid
 from ...live.numbers import CapacityLive, PageSpace, PoolBytes, StageLive
+from ...validation.deployment import deployment_report
+from ...validation.record import StageRecord
 from ...validation.report import StartupReport
-from .exchange import exchange_records
-from .hooks import SglangSource, wrap_controller
 from .push import Pusher, PushReceiver
-from .reader import model_num_layers
-from .record import StageRecord, deployment_report, parse_records, stage_record, stranded_bytes
+from .rank_source import Moves, SglangSource
+from .reader import model_num_layers, read_pool
+from .record_exchange import exchange_records
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +60,8 @@ TARGETS = {
     "pools": "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._init_pools",
     "stack": "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler.build_deepseek_v4_hicache_stack",
     "match": "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.match_prefix",
+    "write": "sglang.srt.managers.cache_controller.HiCacheController.start_writing",
+    "load": "sglang.srt.managers.cache_controller.HiCacheController.start_loading",
 }
 #: Requests whose first match was counted, remembered so a request re-matched while it waits
 #: is not counted again (bounded: the oldest are forgotten).
@@ -150,22 +157,69 @@ def _host_pages(params: Any, kvcache: Any) -> dict[str, int]:
     return {"full": int(full), "swa": int(swa), "c128": int(c128)}
 
 
+def _ack_seconds(ack: Any) -> float | None:
+    """Wait for a ``HiCacheAck``'s copy; its device-measured time when the events record one."""
+    try:
+        ack.finish_event.synchronize()
+        if getattr(ack, "timing_enabled", False):
+            return float(ack.start_event.elapsed_time(ack.finish_event)) / 1000.0
+    except (AttributeError, RuntimeError):
+        return None
+    return None
+
+
 def stage_live(rec: StageRecord, model_name: str) -> StageLive:
     """A stage's start-up numbers from its record: layers, pool bytes, capacity, host pages."""
     cap = rec.capacity
-    used = sum(rec.pool_bytes.values())
+    used = sum(rec.device_bytes.values())
     spaces = {}
+    page_size = rec.fingerprint.page_size if rec.fingerprint is not None else 0
     if rec.host_pages.get("full"):
-        spaces["host"] = PageSpace(tier="host", used=0, total=rec.host_pages["full"] * rec.fingerprint.page_size,
-                                   pools=["full"])
+        spaces["host"] = PageSpace(tier="host", used=0, total=rec.host_pages["full"] * page_size, pools=["full"])
+    m = rec.layer_map
     return StageLive(
-        stage=rec.stage, model_name=model_name, start_layer=rec.start, end_layer=rec.end,
-        local_layers=rec.end - rec.start,
-        pool_bytes={p: PoolBytes(device=b) for p, b in rec.pool_bytes.items()},
+        stage=rec.stage, model_name=model_name, start_layer=m.start, end_layer=m.end,
+        local_layers=m.local_layers,
+        pool_bytes={p: PoolBytes(device=b) for p, b in rec.device_bytes.items()},
         capacity=CapacityLive(tokens_alone=cap.tokens_alone, tokens=cap.tokens, used_bytes=used,
-                              stranded_bytes=stranded_bytes(rec)) if cap else CapacityLive(used_bytes=used),
+                              stranded_bytes=rec.stranded_bytes()) if cap else CapacityLive(used_bytes=used),
         page_spaces=spaces,
     )
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where the other ranks push (rank 0's URL) and the push MAC key: sent with rank 0's record."""
+
+    url: str
+    secret: bytes
+
+
+def _exchanged(record: StageRecord, endpoint: Endpoint | None) -> dict[str, Any]:
+    return {"record": record.to_json(), "push_url": endpoint.url if endpoint else None,
+            "push_secret": endpoint.secret.hex() if endpoint else None}
+
+
+def parse_exchanged(raw: list[Any], pp_size: int) -> tuple[list[StageRecord], Endpoint | None]:
+    """Every rank's record, validated, and rank 0's endpoint; a malformed one is a ``ConfigError``
+    naming its rank."""
+    from ...validation.record import RECORD_VERSION
+
+    if len(raw) != pp_size:
+        raise ConfigError(f"expected {pp_size} stage records, got {len(raw)}")
+    records = []
+    for rank, item in enumerate(raw):
+        try:
+            rec = StageRecord.model_validate(item["record"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"PP rank {rank}'s stage record is malformed: {exc}") from None
+        if rec.version != RECORD_VERSION:
+            raise ConfigError(f"PP rank {rank} sent stage record version {rec.version}, this rank "
+                              f"reads {RECORD_VERSION}: run one stagecache version on every rank")
+        records.append(rec)
+    url, key = raw[0].get("push_url"), raw[0].get("push_secret")
+    endpoint = Endpoint(str(url)[:512], bytes.fromhex(str(key)[:128])) if url and key else None
+    return records, endpoint
 
 
 class Deployment:
@@ -175,7 +229,6 @@ class Deployment:
         self.options = options or DeploymentOptions()
         self.source = SglangSource(self.options.model_name,
                                    push_timeout_s=None if self.options.per_rank else self.options.push_timeout_s)
-        self.source.count_loads_as_hits = False  # host hits come from sglang's match results
         self.capacity: tuple[int, int] | None = None
         self.rank: Rank | None = None
         self.report: StartupReport | None = None
@@ -184,18 +237,19 @@ class Deployment:
         self.host_pool: Any = None  # sglang's HostPoolGroup, once the stack is built
         self._matched: OrderedDict[str, None] = OrderedDict()
         self._stack = contextlib.ExitStack()
-        self._restorers: list[Callable[[], None]] = []
-        self._joined = False
 
     # -- registration ---------------------------------------------------------------------
     def register(self) -> Deployment:
         """Register the hooks with sglang's ``HookRegistry`` (``load_plugins`` applies them)."""
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-        HookRegistry.register(TARGETS["capacity"], self.around_token_constraints, HookType.AROUND)
-        HookRegistry.register(TARGETS["pools"], self.around_init_pools, HookType.AROUND)
-        HookRegistry.register(TARGETS["stack"], self.around_stack_build, HookType.AROUND)
-        HookRegistry.register(TARGETS["match"], self.after_match_prefix, HookType.AFTER)
+        for name, hook, kind in (("capacity", self.around_token_constraints, HookType.AROUND),
+                                 ("pools", self.around_init_pools, HookType.AROUND),
+                                 ("stack", self.around_stack_build, HookType.AROUND),
+                                 ("match", self.after_match_prefix, HookType.AFTER),
+                                 ("write", self.around_start_writing, HookType.AROUND),
+                                 ("load", self.around_start_loading, HookType.AROUND)):
+            HookRegistry.register(TARGETS[name], hook, kind)
         return self
 
     # -- hooks (HookRegistry signatures) -----------------------------------------------------
@@ -218,17 +272,52 @@ class Deployment:
         return pools
 
     def around_stack_build(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Exchange and validate before sglang builds host pools; count the controller's transfers."""
+        """Exchange and validate before sglang builds host pools."""
         kvcache, params = kwargs.get("kvcache"), kwargs.get("params")
         if kvcache is None or params is None:
             raise ConfigError("build_deepseek_v4_hicache_stack called without kvcache= and params=")
         self.join(kvcache, page_size=int(params.page_size), host_pages=_host_pages(params, kvcache))
         host_pool_group, controller = original(*args, **kwargs)
-        stage = self.rank.pp_rank if self.rank else 0
-        self._restorers.append(wrap_controller(controller, self.source, stage, self.options.sync_transfers))
         self.host_pool = host_pool_group
         self.source.on_read = self._refresh_host_used
         return host_pool_group, controller
+
+    def around_start_writing(self, original: Callable[..., Any], controller: Any, *a: Any, **k: Any) -> Any:
+        """A backup submission: count the acks it queued (bytes, seconds)."""
+        return self._count(original, controller, controller.ack_write_queue, "d2h", a, k)
+
+    def around_start_loading(self, original: Callable[..., Any], controller: Any, *a: Any, **k: Any) -> Any:
+        """A load submission: count the acks it queued (bytes, seconds)."""
+        return self._count(original, controller, controller.ack_load_queue, "h2d", a, k)
+
+    def _count(self, original: Callable[..., Any], controller: Any, queue: list[Any], direction: str,
+               a: tuple[Any, ...], k: dict[str, Any]) -> Any:
+        """On sglang's scheduler thread at every call, most of which queue nothing: kept lean.
+
+        Each call that submits a transfer appends one ``HiCacheAck`` (``num_bytes``); seconds
+        are the submission's wall time, or -- with ``STAGECACHE_SGLANG_SYNC_TRANSFERS=1`` -- the
+        copy itself (waits on the ack's CUDA event, which serialises transfers: debugging only).
+        """
+        before = len(queue)
+        t0 = time.perf_counter()
+        result = original(controller, *a, **k)
+        queued = len(queue) - before
+        if queued > 0:
+            self._counted(queue[before:], direction, t0)
+        return result
+
+    def _counted(self, acks: list[Any], direction: str, t0: float) -> None:
+        measured = [_ack_seconds(ack) for ack in acks] if self.options.sync_transfers else None
+        share = (time.perf_counter() - t0) / len(acks)  # after the waits when sync
+        counters = self.source.counters(self.rank.pp_rank if self.rank else 0)
+        moves: Moves = getattr(counters, direction)
+        with self.source.lock:
+            for i, ack in enumerate(acks):
+                secs = measured[i] if measured is not None and measured[i] is not None else share
+                moves.bytes += ack.num_bytes
+                moves.seconds += secs
+                moves.count += 1
+            counters.updated_at = time.time()
 
     def _refresh_host_used(self) -> None:
         used = self.host_used()
@@ -266,7 +355,12 @@ class Deployment:
             matched.popitem(last=False)
         device = result.device_prefix_len
         host = result.host_hit_length
-        self.source.record_lookup(self.rank.pp_rank, device, host, max(0, len(params.key) - device - host))
+        counters = self.source.counters(self.rank.pp_rank)
+        with self.source.lock:
+            counters.device_tokens += device
+            counters.host_tokens += host
+            counters.miss_tokens += max(0, len(params.key) - device - host)
+            counters.updated_at = time.time()
         return None
 
     def forget_requests(self) -> None:
@@ -276,41 +370,42 @@ class Deployment:
     # -- the exchange ------------------------------------------------------------------------
     def join(self, kvcache: Any, *, page_size: int, host_pages: dict[str, int]) -> StartupReport:
         """Record, exchange, validate, publish, serve; strict: every rank raises the same error."""
-        if self._joined:
+        if self.rank is not None:
             raise ConfigError("stagecache: this sglang process built a second KV cache stack; "
-                              "the plan exchange runs once per scheduler process")
-        self._joined = True
+                              "the record exchange runs once per scheduler process")
         rank = self.rank = _this_rank()
         n = model_num_layers([kvcache], rank.pp_size)
-        record = stage_record(kvcache, stage=rank.pp_rank, pp_size=rank.pp_size, tp_size=rank.tp_size,
-                              num_layers=n, model_name=self.options.model_name, page_size=page_size,
-                              capacity=self.capacity, host_pages=host_pages)
-        push_secret = secrets.token_bytes(32) if rank.pp_rank == 0 else b""
-        if self._serves_deployment(rank):
-            host = self.options.advertise or self.options.host
-            record = record.model_copy(update={"push_url": f"http://{host}:{self.options.port}",
-                                               "push_secret": push_secret.hex()})
-        raw = ([record.model_dump(mode="json")] if rank.pp_size == 1 else
-               exchange_records(record.model_dump(mode="json"), _pp_cpu_group(), self.options.exchange_timeout_s))
-        records = parse_records(raw, rank.pp_size)
-        report = self.report = deployment_report(records, rank.tp_size)
-        self.source.publish_deployment(
-            report, {r.stage: stage_live(r, self.options.model_name) for r in records
-                     if not self.options.per_rank or r.stage == rank.pp_rank}, rank.pp_rank)
+        record = read_pool(kvcache, rank.pp_rank, n, self.options.model_name, page_size).record(
+            pp_size=rank.pp_size, tp_size=rank.tp_size, model_name=self.options.model_name,
+            capacity=self.capacity, host_pages=host_pages, pool_tokens=int(getattr(kvcache, "size", 0) or 0))
+        alone = self.options.per_rank or rank.pp_size == 1  # a deployment of size 1
+        endpoint = self._endpoint(rank)
+        if alone:
+            records = [record]
+        else:
+            raw = exchange_records(_exchanged(record, endpoint), _pp_cpu_group(), self.options.exchange_timeout_s)
+            records, endpoint = parse_exchanged(raw, rank.pp_size)
+        report = self.report = deployment_report(records, tp_size=rank.tp_size, page_size=page_size,
+                                                 pp_size=rank.pp_size)
+        self.source.publish(report, {r.stage: stage_live(r, self.options.model_name) for r in records},
+                            rank.pp_rank)
+        self._serve(rank, endpoint)  # first: the endpoint shows a refusal while the process exits
         if not report.ok:
             for err in report.all_errors:
                 log.error("stagecache: %s", err)
             if self.options.strict:
                 raise StageMappingInvalid(report.all_errors)
-        self._serve(rank, records, push_secret)
         return report
 
-    def _serves_deployment(self, rank: Rank) -> bool:
-        return (rank.pp_rank == 0 and rank.tp_rank == 0 and self.options.port is not None
-                and not self.options.per_rank)
+    def _endpoint(self, rank: Rank) -> Endpoint | None:
+        """Rank 0 of a deployment with one endpoint: where the others push, and their key."""
+        opts = self.options
+        if rank.pp_rank != 0 or rank.tp_rank != 0 or opts.port is None or opts.per_rank:
+            return None
+        return Endpoint(f"http://{opts.advertise or opts.host}:{opts.port}", secrets.token_bytes(32))
 
-    def _serve(self, rank: Rank, records: list[StageRecord], push_secret: bytes) -> None:
-        """Rank 0: the one endpoint; the others: push to it (or, per rank, each its own)."""
+    def _serve(self, rank: Rank, endpoint: Endpoint | None) -> None:
+        """Rank 0: the one endpoint; the others: push to it (per rank: each its own)."""
         opts = self.options
         if opts.port is None or rank.tp_rank != 0:
             return
@@ -320,25 +415,22 @@ class Deployment:
         if opts.per_rank:
             self.url = self._stack.enter_context(dashboard_in_thread(
                 self.source, opts.host, opts.port + rank.pp_rank, title=title))
-        elif rank.pp_rank == 0:
-            receiver = PushReceiver(push_secret, rank.pp_size, self.source.put_remote)
+        elif rank.pp_rank == 0 and endpoint is not None:
+            receiver = PushReceiver(endpoint.secret, rank.pp_size, self.source.put_remote)
             extra = [opts.advertise] if opts.advertise else []
             self.url = self._stack.enter_context(dashboard_in_thread(
                 self.source, opts.host, opts.port, title=title, configure=receiver.add_route,
                 extra_hosts=extra))
-        elif records[0].push_url and records[0].push_secret:
-            self.pusher = Pusher(records[0].push_url, bytes.fromhex(records[0].push_secret), rank.pp_rank,
-                                 self.snapshot, opts.push_interval_s).start()
+        elif endpoint is not None:
+            self.pusher = Pusher(endpoint.url, endpoint.secret, rank.pp_rank, self.snapshot,
+                                 opts.push_interval_s).start()
             self._stack.callback(self.pusher.stop)
         log.info("stagecache: PP rank %d %s", rank.pp_rank,
-                 f"serves the deployment on {self.url}" if self.url else f"pushes to {records[0].push_url}")
+                 f"serves on {self.url}" if self.url else f"pushes to {endpoint.url if endpoint else '-'}")
 
     def close(self) -> None:
-        """Stop the endpoint or the pusher and unwrap the controllers (tests; sglang never calls it)."""
+        """Stop the endpoint or the pusher (tests; sglang never calls it)."""
         self._stack.close()
-        for restore in self._restorers:
-            restore()
-        self._restorers.clear()
 
 
 #: Environment of the sglang plugin (sglang gives plugins no arguments).
@@ -349,8 +441,9 @@ PLUGIN_ENV = {
     "STAGECACHE_SGLANG_DASHBOARD_PORT": "the deployment's one port, served by PP rank 0 (unset: no endpoint)",
     "STAGECACHE_SGLANG_DASHBOARD_HOST": f"address rank 0 binds (default {HOST}; 0.0.0.0 across hosts)",
     "STAGECACHE_SGLANG_ADVERTISE_HOST": "address the other ranks push to (default: the bind address)",
-    "STAGECACHE_SGLANG_PER_RANK": "1: every rank serves its own stage on PORT + pp_rank instead (no push)",
-    "STAGECACHE_SGLANG_EXCHANGE_TIMEOUT_S": f"seconds to wait for every rank at the plan exchange "
+    "STAGECACHE_SGLANG_PER_RANK": "1: every rank is a deployment of size 1: it validates its own stage "
+                                  "and serves it on PORT + pp_rank (no exchange, no push)",
+    "STAGECACHE_SGLANG_EXCHANGE_TIMEOUT_S": f"seconds to wait for every rank at the record exchange "
                                             f"(default {SGLANG_EXCHANGE_TIMEOUT_S:g})",
     "STAGECACHE_SGLANG_PUSH_INTERVAL_S": f"seconds between pushes (default {SGLANG_PUSH_INTERVAL_S:g})",
     "STAGECACHE_SGLANG_PUSH_TIMEOUT_S": f"a rank silent this long is not ready (default {SGLANG_PUSH_TIMEOUT_S:g})",

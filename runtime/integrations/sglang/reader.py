@@ -1,10 +1,11 @@
 """Read a live sglang ``DeepSeekV4TokenToKVPool`` into stagecache's types and validate it.
 
 The pool's ``start_layer``/``end_layer``, ``layer_mapping``, SWA / C4 / C128 /
-indexer buffers and compress-state pools become a ``StageLayerMap`` +
-``PoolInventory``, checked by the same code as ``stagecache check``, so an
-operator sees every mapping error of a stage at start-up instead of sglang's
-first ``ValueError``.
+indexer buffers and compress-state pools are read once (``read_pool``) into a
+``StageLayerMap``, a ``PoolInventory`` and measured bytes, and become the stage's
+``StageRecord`` (``PoolView.record``), checked by the same code as ``stagecache check``
+(``validation.deployment``), so an operator sees every mapping error of a stage at
+start-up instead of sglang's first ``ValueError``.
 
 A real pool carries the model config's ``compress_ratios`` as is: DeepSeek-V4
 lists one ratio per layer *plus* one placeholder per MTP layer (44 entries for
@@ -24,13 +25,15 @@ from typing import Any
 from sglang.srt.distributed.utils import get_pp_indices
 
 from ...errors import ConfigError, MappingError
-from ...model.layer_map import LayerEntry, ModelLayout, StageLayerMap, build_stage_map
+from ...model.families.deepseek_v4 import FAMILY, SUPPORTED_RATIOS, DeepSeekV4Layer, DeepSeekV4Spec
+from ...model.layer_map import StageLayerMap, number_layers
 from ...model.partition import parse_partition, partition_layers
-from ...model.pool_kinds import POOLS
-from ...model.spec import SUPPORTED_RATIOS, ModelSpec
+from ...plan.fingerprint import Fingerprint, config_hash
 from ...plan.inventory import PoolInventory
-from ...validation.checks import validate_stage, validate_tiling
-from ...validation.report import StageReport, StartupReport, build_report
+from ...plan.plan import plan_stage
+from ...validation.deployment import deployment_report
+from ...validation.record import StageRecord, stage_record
+from ...validation.report import StartupReport
 
 #: The env var sglang's ``get_pp_indices`` reads for an explicit partition.
 PARTITION_ENV = "SGLANG_PP_LAYER_PARTITION"
@@ -40,11 +43,33 @@ PARTITION_ENV = "SGLANG_PP_LAYER_PARTITION"
 class PoolView:
     """Everything stagecache reads from one live ``DeepSeekV4TokenToKVPool``, read once."""
 
-    spec: ModelSpec
+    spec: DeepSeekV4Spec
     stage_map: StageLayerMap
     inventory: PoolInventory
     pool_bytes: dict[str, int]  # device bytes per stagecache pool kind
     findings: tuple[MappingError, ...]  # problems the generic validation cannot see
+    page_size: int
+    kv_dtype: str
+
+    def record(self, *, pp_size: int, tp_size: int = 1, model_name: str = "sglang",
+               capacity: tuple[int, int] | None = None, host_pages: dict[str, int] | None = None,
+               pool_tokens: int = 0) -> StageRecord:
+        """The stage's record, as every rank of the deployment exchanges it."""
+        import sglang
+
+        try:
+            partition = tuple(end - start for start, end in sglang_partition(self.spec.num_layers, pp_size))
+        except ValueError:  # an explicit partition get_pp_indices refuses: the tiling check names it
+            partition = ()
+        fp = Fingerprint(model_name, config_hash(self.spec), self.kv_dtype, self.page_size, pp_size,
+                         tp_size, partition)
+        plan = plan_stage(self.spec, self.stage_map, page_size=self.page_size,
+                          buffers=dict(self.inventory.buffers))
+        return stage_record(
+            plan, inventory=self.inventory, device_bytes=self.pool_bytes, host_buffers={}, host_bytes={},
+            findings=self.findings, engine=f"sglang {getattr(sglang, '__version__', 'unknown')}",
+            capacity=capacity, host_pages=host_pages, pool_tokens=pool_tokens, fingerprint=fp,
+            model=model_name)
 
 
 # -- the model's layer count --------------------------------------------------------------------
@@ -93,7 +118,7 @@ def model_num_layers(kvcaches: Sequence[Any], pp_size: int, num_layers: int | No
 
 
 # -- one pool --------------------------------------------------------------------------------------
-def spec_from_pool(kvcache: Any, num_layers: int, name: str = "sglang") -> ModelSpec:
+def spec_from_pool(kvcache: Any, num_layers: int, name: str = "sglang") -> DeepSeekV4Spec:
     """The model spec a pool was built for; ratios sglang has but stagecache lacks are ConfigError."""
     ratios = tuple(int(r) for r in kvcache.compression_ratios)
     for i, r in enumerate(ratios):
@@ -103,7 +128,7 @@ def spec_from_pool(kvcache: Any, num_layers: int, name: str = "sglang") -> Model
                 f"(supported: {', '.join(map(str, SUPPORTED_RATIOS))}); DeepSeek-V4.1 low ratios "
                 "1/2 are not modelled"
             )
-    return ModelSpec(
+    return DeepSeekV4Spec(
         name=name,
         num_layers=num_layers,
         compress_ratios=ratios[:num_layers],
@@ -129,23 +154,26 @@ def stage_map_from_pool(kvcache: Any, stage: int, num_layers: int) -> tuple[Stag
     c4_seen = 0
     for local, global_id in enumerate(range(start, end)):
         item = mapping[global_id] if global_id < len(mapping) else None
-        ratio, cid = ratios[global_id], None
+        ratio, cid = int(ratios[global_id]), None
         if item is None:
             errors.append(MappingError(
                 stage, "layer_map", f"a layer_mapping item for global layer {global_id}", None,
                 f"layer_mapping[{global_id}] is None although the stage owns layers [{start}, {end})",
             ))
         else:
-            ratio, cid = int(item.compress_ratio), int(item.compress_layer_id)
-            if ratio != ratios[global_id]:
+            cid = int(item.compress_layer_id)
+            if int(item.compress_ratio) != ratio:
                 errors.append(MappingError(
-                    stage, "layer_map", ratios[global_id], ratio,
+                    stage, "layer_map", ratio, int(item.compress_ratio),
                     f"layer_mapping[{global_id}].compress_ratio disagrees with compression_ratios[{global_id}]",
                 ))
         c4_state_id = c4_seen if ratio == 4 else None
         c4_seen += ratio == 4
-        entries.append(LayerEntry(local, global_id, ratio, cid if ratio in (4, 128) else None, c4_state_id))
-    return StageLayerMap(stage, start, end, tuple(entries)), errors
+        entries.append(DeepSeekV4Layer(local=local, global_id=global_id, compress_ratio=ratio,
+                                       compress_layer_id=cid if ratio in (4, 128) else None,
+                                       c4_state_id=c4_state_id))
+    return StageLayerMap(stage=stage, start=start, end=end, layers=tuple(entries),
+                         kinds=FAMILY.pool_kinds), errors
 
 
 def _buffers(pool: Any, attr: str) -> list | None:
@@ -201,15 +229,16 @@ def pp_rank_of(kvcache: Any, pp_size: int, num_layers: int) -> int | None:
     return next((r for r in range(pp_size) if _pp_range(num_layers, r, pp_size) == want), None)
 
 
-def read_pool(kvcache: Any, pp_rank: int, num_layers: int, name: str = "sglang") -> PoolView:
+def read_pool(kvcache: Any, pp_rank: int, num_layers: int, name: str = "sglang",
+              page_size: int | None = None) -> PoolView:
     """Read one pool into stagecache's types; also diff its map against stagecache's own."""
     spec = spec_from_pool(kvcache, num_layers, name)
     stage_map, findings = stage_map_from_pool(kvcache, pp_rank, num_layers)
     buffers = pool_buffers(kvcache, stage_map)
     inventory = PoolInventory.from_buffers(pp_rank, buffers)
-    nbytes = {pool: sum(_nbytes(b) for b in (buffers.get(pool) or ())) for pool in POOLS}
+    nbytes = {pool: sum(_nbytes(b) for b in (buffers.get(pool) or ())) for pool in stage_map.pools}
     if 0 <= stage_map.start <= stage_map.end <= spec.num_layers:
-        expected = build_stage_map(spec, pp_rank, stage_map.start, stage_map.end)
+        expected = number_layers(spec, pp_rank, stage_map.start, stage_map.end)
         findings += [
             MappingError(pp_rank, "layer_map", want.compress_layer_id, got.compress_layer_id,
                          f"global layer {got.global_id} (ratio {got.compress_ratio}): sglang's "
@@ -217,7 +246,9 @@ def read_pool(kvcache: Any, pp_rank: int, num_layers: int, name: str = "sglang")
             for got, want in zip(stage_map.layers, expected.layers, strict=True)
             if got.compress_layer_id != want.compress_layer_id
         ]
-    return PoolView(spec, stage_map, inventory, nbytes, tuple(findings))
+    page = int(page_size if page_size is not None else kvcache.page_size)
+    return PoolView(spec, stage_map, inventory, nbytes, tuple(findings), page,
+                    str(getattr(kvcache, "dtype", "unknown")))
 
 
 # -- partition: sglang's get_pp_indices vs stagecache's partition_layers ---------------------------
@@ -273,40 +304,23 @@ def inspect_pools(
 ) -> StartupReport:
     """Validate live pools (one per PP rank given) and report like ``stagecache check``.
 
-    With every stage present the report is ``build_report`` over the whole layout
-    (tiling checked too); with some stages present only those are validated.
-    Either way sglang-vs-stagecache partition mismatches and pool holes the generic
-    validation cannot see are added as findings.
+    With every stage present the stages must also tile ``[0, L)``; with some present only those
+    are validated (``deployment_report``).  Either way sglang-vs-stagecache partition mismatches
+    and pool holes the generic validation cannot see are added as findings.
     """
     if not kvcaches:
         raise ConfigError("inspect_pools: no pool given")
     n = model_num_layers(kvcaches, pp_size, num_layers)
     ranks = list(pp_ranks) if pp_ranks is not None else _ranks(kvcaches, pp_size, n)
-    views = [read_pool(kv, rank, n, model_name) for kv, rank in zip(kvcaches, ranks, strict=True)]
-    spec = views[0].spec
+    records = [read_pool(kv, rank, n, model_name, page_size).record(pp_size=pp_size, tp_size=tp_size,
+                                                                     model_name=model_name)
+               for kv, rank in zip(kvcaches, ranks, strict=True)]
+    whole = sorted(ranks) == list(range(pp_size))
+    if whole:
+        records.sort(key=lambda r: r.stage)
     page = int(page_size if page_size is not None else kvcaches[0].page_size)
-    cross = partition_findings(n, pp_size)
-    by_stage = {v.stage_map.stage: v for v in views}
-    if sorted(by_stage) == list(range(pp_size)) and len(views) == pp_size:
-        layout = ModelLayout(spec, tp_size, tuple(by_stage[i].stage_map for i in range(pp_size)))
-        report = build_report(layout, [by_stage[i].inventory for i in range(pp_size)], page)
-        stages = tuple(
-            StageReport(r.stage_map, r.buffers, r.expected, r.errors + by_stage[r.stage_map.stage].findings)
-            for r in report.stages
-        )
-        cross = list(report.cross_errors) + cross
-    else:
-        stages = tuple(
-            StageReport(v.stage_map, v.inventory.counts(), v.stage_map.expected_buffers(),
-                        tuple(validate_stage(v.stage_map, v.inventory)) + v.findings)
-            for v in sorted(views, key=lambda v: v.stage_map.stage)
-        )
-        cross += [
-            e for e in validate_tiling([v.stage_map.slice for v in views], spec.num_layers)
-            if e.stage is not None  # gaps are expected: the other stages live elsewhere
-        ]
-    return StartupReport(model=model_name, num_layers=n, pp_size=pp_size, tp_size=tp_size,
-                         page_size=page, stages=stages, cross_errors=tuple(cross))
+    return deployment_report(records, tp_size=tp_size, page_size=page, pp_size=pp_size,
+                             cross=partition_findings(n, pp_size))
 
 
 def inspect_pool(kvcache: Any, *, pp_size: int, pp_rank: int | None = None, **kw: Any) -> StartupReport:

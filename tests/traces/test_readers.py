@@ -6,7 +6,8 @@ import json
 
 import numpy as np
 import pytest
-from stagecache.runtime.cache.traces import (
+from stagecache.runtime.errors import ConfigError
+from stagecache.runtime.traces.readers import (
     TraceError,
     WorkloadConfig,
     generate,
@@ -14,7 +15,6 @@ from stagecache.runtime.cache.traces import (
     parse_trace,
     write_trace,
 )
-from stagecache.runtime.errors import ConfigError
 
 SMALL = WorkloadConfig(seed=3, requests=300, system_prompts=3, system_prompt_len=(64, 256),
                        user_len=(8, 64), assistant_len=(8, 64), turns=(2, 6))

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .trace_fields import checked_keys, id_array, int_field, require, time_field
+from .fields import checked_keys, id_array, int_field, require, time_field
 from .workload import synthetic_tokens
 
 MOONCAKE_KEYS = ("timestamp", "input_length", "output_length", "hash_ids")

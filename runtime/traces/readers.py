@@ -34,8 +34,14 @@ import numpy as np
 
 from ..bounded_io import open_regular
 from ..errors import ConfigError
-from .mooncake import DEFAULT_BLOCK_TOKENS, MOONCAKE_KEYS, BlockRequest, PrefixCheck, parse_mooncake
-from .trace_fields import checked_keys, id_array, int_field, require, time_field
+from .fields import checked_keys, id_array, int_field, require, time_field
+from .mooncake_trace import (
+    DEFAULT_BLOCK_TOKENS,
+    MOONCAKE_KEYS,
+    BlockRequest,
+    PrefixCheck,
+    parse_mooncake,
+)
 from .workload import TOKEN_LIMIT, Request, WorkloadConfig, generate, synthetic_tokens
 
 __all__ = ["FORMATS", "MAX_LINE_BYTES", "MAX_REQUEST_TOKENS", "BlockRequest", "Request", "Trace",

@@ -24,18 +24,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mooncake_sample import write_sample
 from stagecache.runtime.bench.hicache import replay
-from stagecache.runtime.cache.block_workload import BlockWorkloadConfig, generate_blocks
-from stagecache.runtime.cache.bounds import CeilingTracker, belady_curve, belady_hit_tokens
-from stagecache.runtime.cache.curves import (
+from stagecache.runtime.cache.hicache import HiCache
+from stagecache.runtime.errors import ConfigError
+from stagecache.runtime.sizing.bounds import CeilingTracker, belady_curve, belady_hit_tokens
+from stagecache.runtime.sizing.curves import (
     page_views,
     sample_capacities,
     stack_distances,
     trace_curves,
 )
-from stagecache.runtime.cache.hicache import HiCache
-from stagecache.runtime.cache.mooncake import BlockRequest
-from stagecache.runtime.cache.traces import WorkloadConfig, generate, load_requests, write_trace
-from stagecache.runtime.errors import ConfigError
+from stagecache.runtime.traces.block_workload import BlockWorkloadConfig, generate_blocks
+from stagecache.runtime.traces.mooncake_trace import BlockRequest
+from stagecache.runtime.traces.readers import WorkloadConfig, generate, load_requests, write_trace
 
 
 def lru_oracle(views, capacity: int) -> int:
@@ -271,7 +271,7 @@ def test_belady_curve_is_belady_at_each_size(mooncake_views):
     assert got == {c: belady_hit_tokens(mooncake_views, c) for c in sizes}
     assert all(got[c] >= curves.total.at(c) for c in sizes)  # the offline optimum beats LRU
     assert got[600] == got[10**6] == curves.total.ceiling_tokens > got[120]
-    from stagecache.runtime.cache.bounds import _most_awaited, _next_uses
+    from stagecache.runtime.sizing.bounds import _most_awaited, _next_uses
 
     assert 170 < _most_awaited(_next_uses(mooncake_views), len(mooncake_views)) <= 250  # both paths ran
 

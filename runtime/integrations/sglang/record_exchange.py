@@ -1,4 +1,4 @@
-"""The plan exchange of a live sglang deployment: every PP rank's record to every PP rank.
+"""The record exchange of a live sglang deployment: every PP rank's stage record to every PP rank.
 
 It runs once, at the stack build in ``Scheduler.__init__``, over sglang's own PP CPU group
 (``get_pp_group().cpu_group``: gloo, so it crosses hosts) -- the one moment every rank is
@@ -12,7 +12,9 @@ Two steps:
    config that took another path, a stale launch -- is named within seconds instead of the
    deployment hanging.
 2. ``serve.exchange.all_gather_json``: the records as JSON in uint8 tensors, never
-   pickle, each prefixed with an HMAC (``PLAN_KEY``, or the deployment's secret file).
+   pickle, each prefixed with an HMAC under ``RECORD_KEY``.  The key is no secret (the records
+   are integrity-checked JSON of the deployment's own layout, and no code runs from them); the
+   push secret rank 0 sends in its message is used only over the ranks' own PP group.
 """
 
 from __future__ import annotations
@@ -27,13 +29,13 @@ from ...serve.exchange import all_gather_json
 
 log = logging.getLogger(__name__)
 
-#: MAC key of the plan exchange when the deployment has no secret file: the records are
-#: integrity-checked JSON, and no code runs from them (nothing is unpickled).
-PLAN_KEY = b"stagecache-sglang-plan-exchange-v1"
+#: MAC key of the record exchange: the records are integrity-checked JSON, and no code runs
+#: from them (nothing is unpickled).
+RECORD_KEY = b"stagecache-sglang-record-exchange-v2"
 
 
 class ExchangeTimeout(StageCacheError):
-    """Some PP ranks did not reach the plan exchange in time (the message names them)."""
+    """Some PP ranks did not reach the record exchange in time (the message names them)."""
 
 
 def _missing(text: str, ranks: list[int]) -> list[int]:
@@ -46,7 +48,7 @@ def _missing(text: str, ranks: list[int]) -> list[int]:
 
 
 def exchange_records(record: dict[str, Any], group: Any, timeout_s: float,
-                     secret: bytes = PLAN_KEY) -> list[Any]:
+                     secret: bytes = RECORD_KEY) -> list[Any]:
     """Every PP rank's ``record``, in PP rank order, on every PP rank of ``group``.
 
     ``ExchangeTimeout`` names the ranks that did not arrive within ``timeout_s`` (rank 0
@@ -63,9 +65,9 @@ def exchange_records(record: dict[str, Any], group: Any, timeout_s: float,
         who = (f"PP rank(s) {', '.join(map(str, missing))} did not" if missing
                else "PP rank 0 gave up waiting: some PP rank did not")
         raise ExchangeTimeout(
-            f"stagecache plan exchange (PP rank {me}): {who} reach the HiCache stack build within "
+            f"stagecache record exchange (PP rank {me}): {who} reach the HiCache stack build within "
             f"{timeout_s:g} s (STAGECACHE_SGLANG_EXCHANGE_TIMEOUT_S); the deployment cannot start"
         ) from None
     records = all_gather_json(record, secret, len(ranks), group=group)
-    log.info("PP rank %d: plan exchange done with %d ranks", me, len(ranks))
+    log.info("PP rank %d: record exchange done with %d ranks", me, len(ranks))
     return records

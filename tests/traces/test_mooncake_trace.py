@@ -11,12 +11,12 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 from mooncake_sample import sample_lines, write_sample
-from stagecache.runtime.cache.bounds import CeilingTracker, belady_hit_tokens
 from stagecache.runtime.cache.hicache import HiCache
-from stagecache.runtime.cache.mooncake import BlockRequest
 from stagecache.runtime.cache.pages import page_view
-from stagecache.runtime.cache.traces import TraceError, load_requests, parse_trace
 from stagecache.runtime.errors import ConfigError
+from stagecache.runtime.sizing.bounds import CeilingTracker, belady_hit_tokens
+from stagecache.runtime.traces.mooncake_trace import BlockRequest
+from stagecache.runtime.traces.readers import TraceError, load_requests, parse_trace
 
 
 @pytest.fixture

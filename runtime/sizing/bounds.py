@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterable, Sequence
 
-from .pages import PageView
+from ..cache.pages import PageView
 
 
 class CeilingTracker:

@@ -39,8 +39,8 @@ from typing import Any
 
 import numpy as np
 
+from ..cache.pages import PageView, page_view
 from ..errors import ConfigError
-from .pages import PageView, page_view
 
 log = logging.getLogger(__name__)
 

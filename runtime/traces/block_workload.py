@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ConfigError
-from .mooncake import DEFAULT_BLOCK_TOKENS, BlockRequest
+from .mooncake_trace import DEFAULT_BLOCK_TOKENS, BlockRequest
 
 
 @dataclass(frozen=True)

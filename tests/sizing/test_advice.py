@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
-from stagecache.runtime.cache.advice import hicache_ratio_for
+from stagecache.runtime.sizing.advice import hicache_ratio_for
 
 
 @given(st.integers(1, 10**7), st.integers(1, 10**6))

@@ -1,0 +1,154 @@
+"""One sglang scheduler process's numbers: a ``SnapshotSource`` the deployment's hooks feed.
+
+Each PP rank of a served deployment (``deployment.Deployment``) holds one ``SglangSource``.  The
+hooks run on sglang's scheduler thread at every prefix match and every transfer submission, so
+they only bump a few typed counters under a lock (``StageCounters``); the counters are folded
+into the stage's ``StageLive`` when someone reads it (a push, a scrape, the dashboard).  Rank 0's
+source holds every stage: the deployment's report, the others' pushed numbers
+(``put_remote``), and ``run()``, which makes a rank that stopped pushing not ready.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ...live.numbers import PageSpace, Phase, RunInfo, StageLive
+from ...validation.report import StartupReport
+
+
+@dataclass
+class Moves:
+    """Transfers of one direction so far: bytes, seconds, count."""
+
+    bytes: int = 0
+    seconds: float = 0.0
+    count: int = 0
+
+
+@dataclass
+class StageCounters:
+    """What the hooks bump for one stage (see the module docstring)."""
+
+    d2h: Moves = field(default_factory=Moves)  # backups (``start_writing``)
+    h2d: Moves = field(default_factory=Moves)  # loads (``start_loading``)
+    device_tokens: int = 0  # of each request's first prefix match
+    host_tokens: int = 0
+    miss_tokens: int = 0
+    updated_at: float = 0.0
+
+    def fold_into(self, live: StageLive) -> StageLive:
+        """``live`` with these counters in it (``live`` is the caller's copy)."""
+        for d in ("d2h", "h2d"):
+            moves: Moves = getattr(self, d)
+            setattr(live.transfer_bytes, d, moves.bytes)
+            setattr(live.transfer_seconds, d, moves.seconds)
+            setattr(live.transfer_count, d, moves.count)
+            setattr(live.bandwidth_bytes_per_second, d, moves.bytes / moves.seconds if moves.seconds > 0 else 0.0)
+        tokens = live.cache_tokens
+        tokens.device, tokens.host, tokens.miss = self.device_tokens, self.host_tokens, self.miss_tokens
+        looked = tokens.looked_up
+        live.host_hit_ratio = tokens.host / looked if looked > 0 else 0.0
+        live.time = max(live.time, self.updated_at)
+        return live
+
+
+class SglangSource:
+    """A ``SnapshotSource`` fed by one scheduler process's hooks (thread-safe)."""
+
+    write_failures = None  # no serving parent writes files here
+
+    def __init__(self, model_name: str = "sglang", push_timeout_s: float | None = None):
+        self.model_name = model_name
+        self._lock = threading.Lock()
+        self._report: StartupReport | None = None
+        self._live: dict[int, StageLive] = {}
+        self._counters: dict[int, StageCounters] = {}
+        #: the deployment's endpoint (rank 0): every stage must push within this many seconds
+        self._push_timeout_s = push_timeout_s
+        self._own: int | None = None  # the stage of this process, once the deployment is known
+        #: called before the stages are read (the deployment refreshes its host use on demand)
+        self.on_read: Callable[[], None] | None = None
+
+    # -- feeding ---------------------------------------------------------------------------
+    def counters(self, stage: int) -> StageCounters:
+        """The stage's counters (created on first use), for a hook to bump under ``lock``."""
+        with self._lock:
+            return self._counters.setdefault(stage, StageCounters())
+
+    @property
+    def lock(self) -> threading.Lock:
+        return self._lock
+
+    def publish(self, report: StartupReport, lives: dict[int, StageLive], own: int) -> None:
+        """The deployment's report (every stage, or this rank's alone) and the stages' start-up
+        numbers (layers, pool bytes, capacity, host pages)."""
+        phase = Phase.SERVING if report.ok else Phase.REFUSED
+        with self._lock:
+            self._report, self._own = report, own
+            for stage, live in lives.items():
+                self._live[stage] = live.model_copy(update={"phase": phase})
+
+    def put_remote(self, stage: int, live: StageLive) -> None:
+        """Another rank's numbers, pushed to this (rank 0's) endpoint."""
+        with self._lock:
+            live.model_name = live.model_name or self.model_name
+            self._live[stage] = live
+
+    def set_host_used(self, stage: int, used: int, total: int) -> None:
+        """Host tokens in use of the full-KV host pool (sglang's ``logical_size - available_size()``;
+        ``page_spaces["host"]`` counts tokens here, as sglang's ``hicache_host_used_tokens``)."""
+        with self._lock:
+            spaces = self._stage(stage).page_spaces
+            if "host" not in spaces:
+                spaces["host"] = PageSpace(tier="host", pools=["full"])
+            spaces["host"].used, spaces["host"].total = used, total
+
+    def snapshot(self, stage: int) -> StageLive:
+        """A copy of one stage's numbers, stamped now (what a rank pushes)."""
+        with self._lock:
+            live = self._folded(stage)
+        live.time = live.heartbeat_at = time.time()
+        live.pid = os.getpid()
+        return live
+
+    def _stage(self, stage: int) -> StageLive:
+        """The stage's live numbers, created on first use (caller holds the lock)."""
+        if stage not in self._live:
+            self._live[stage] = StageLive(stage=stage, model_name=self.model_name)
+        return self._live[stage]
+
+    def _folded(self, stage: int) -> StageLive:
+        """A copy of the stage's numbers with its counters in it (caller holds the lock)."""
+        live = self._stage(stage).model_copy(deep=True)
+        counters = self._counters.get(stage)
+        return counters.fold_into(live) if counters is not None else live
+
+    # -- SnapshotSource --------------------------------------------------------------------
+    def startup(self) -> StartupReport | None:
+        with self._lock:
+            return self._report
+
+    def stages(self) -> dict[int, StageLive]:
+        if self.on_read is not None:
+            self.on_read()
+        now = time.time()
+        with self._lock:
+            out = {k: self._folded(k) for k in sorted(set(self._live) | set(self._counters))}
+        if self._own is not None and self._own in out:  # this process answers: its stage is alive
+            out[self._own].heartbeat_at = now
+            out[self._own].pid = os.getpid()
+        return out
+
+    def run(self) -> RunInfo | None:
+        """The deployment as ``liveness.assess`` reads it: every stage must report (rank 0 only)."""
+        with self._lock:
+            report = self._report
+            if self._push_timeout_s is None or self._own is None or report is None:
+                return None
+            return RunInfo(phase=Phase.SERVING if report.ok else Phase.REFUSED, pp_size=report.pp_size,
+                           model=self.model_name, heartbeat_timeout_s=self._push_timeout_s,
+                           started_at=0.0, time=time.time())

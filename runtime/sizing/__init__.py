@@ -1,0 +1,1 @@
+"""stagecache.runtime.sizing: offline sizing -- hit-rate curves over every capacity, bounds, the advice."""

@@ -1,0 +1,1 @@
+"""stagecache.runtime.traces: request traces -- formats (tokens, Mooncake), generators, bounded readers."""
