@@ -152,6 +152,8 @@ class Family:
     faults: tuple[FaultKind, ...] = ()
     #: why a host size in bytes (``--hicache-size``) is refused, where sglang refuses it
     host_size_refused: str | None = None
+    #: sglang's default SWA tokens / full tokens (``--swa-full-tokens-ratio``) for the family
+    swa_full_tokens_ratio: float = 1.0
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled by name: a plan shipped to a stage process finds the same family object."""

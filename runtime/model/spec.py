@@ -49,6 +49,11 @@ class ModelSpec:
         """The spec's fields as plain JSON: what ``pools --json`` shows and the config hash covers."""
         raise NotImplementedError
 
+    @property
+    def pp_refused(self) -> str | None:
+        """Why sglang 0.5.23 does not split this model over PP stages (None: it does)."""
+        return None
+
 
 def shown(value: Any) -> str:
     """A value as an error shows it: ``repr``, cut to 60 characters."""

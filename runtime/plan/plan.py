@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 from .. import defaults
 from ..errors import ConfigError
+from ..model.family import Family
 from ..model.layer_map import ModelLayout, StageLayerMap, build_layout
 from ..model.partition import StageSlice
 from ..model.pool_kinds import KindTable, PoolKind
@@ -66,7 +67,7 @@ class Sizing:
     # sglang
     max_total_tokens: int | None = None
     mem_budget_bytes: tuple[int, ...] | None = None  # per stage, or one entry for every stage
-    swa_ratio: float = defaults.SWA_FULL_TOKENS_RATIO
+    swa_ratio: float | None = None  # None: the model family's default (``build_plan`` fills it in)
     max_running_requests: int = defaults.MAX_RUNNING_REQUESTS
 
     @classmethod
@@ -97,8 +98,14 @@ class Sizing:
                        else tuple(int(b) for b in mem_budget_bytes))
         return cls("sglang", defaults.HICACHE_RATIO if hicache_ratio is None else hicache_ratio,
                    hicache_size_bytes=hicache_size_bytes, max_total_tokens=max_total_tokens, mem_budget_bytes=budgets,
-                   swa_ratio=defaults.SWA_FULL_TOKENS_RATIO if swa_ratio is None else swa_ratio,
+                   swa_ratio=swa_ratio,
                    max_running_requests=max_running_requests)
+
+    def for_family(self, family: Family) -> Sizing:
+        """This sizing with the family's defaults where it leaves them open (the SWA share)."""
+        if self.swa_ratio is not None:
+            return self
+        return dataclasses.replace(self, swa_ratio=family.swa_full_tokens_ratio)
 
     def stage_budget_bytes(self, stage: int, pp_size: int) -> int | None:
         """The memory budget of ``stage`` (None without one)."""
@@ -352,10 +359,12 @@ def build_plan(spec: ModelSpec, pp_size: int = defaults.PP_SIZE, *, tp_size: int
 
     Every bad input is a ``ConfigError`` naming the flag: the page size, the partition, sizes.
     """
+    if pp_size > 1 and spec.pp_refused:
+        raise ConfigError(f"--pp-size {pp_size}: {spec.name}: {spec.pp_refused}")
     table = spec.family.kind_table(spec, page_size)  # checks the page size
     explicit = tuple(partition) if partition is not None else None
     layout = build_layout(spec, pp_size, tp_size, explicit)
-    sizing = sizing if sizing is not None else Sizing.runtime()
+    sizing = (sizing if sizing is not None else Sizing.runtime()).for_family(spec.family)
     if sizing.hicache_size_bytes is not None:
         raise ConfigError(spec.family.host_size_refused or
                           f"--hicache-size: not modelled for {spec.family.label} models; size the "
@@ -372,7 +381,7 @@ def plan_stage(spec: ModelSpec, layer_map: StageLayerMap, *, page_size: int = de
     live pool): what a rank knows before it has heard from the others.  Its fingerprint is left
     empty: the partition is the deployment's, not one stage's."""
     plan = _assemble(spec, defaults.TP_SIZE, spec.family.kind_table(spec, page_size).page_size, None,
-                     sizing if sizing is not None else Sizing.runtime(), (), [layer_map],
+                     (sizing if sizing is not None else Sizing.runtime()).for_family(spec.family), (), [layer_map],
                      [buffers if buffers is not None else faulty_buffers(layer_map, spec)])
     return dataclasses.replace(plan.stage(0), fingerprint=None)
 

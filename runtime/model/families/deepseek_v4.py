@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from ... import defaults
 from ...errors import ConfigError
 from ..family import (
     Family,
@@ -176,6 +177,7 @@ class DeepSeekV4(Family):
     pool_kinds = _POOL_KINDS
     #: sglang 0.5.23's V4 FP8 layout (FP8 nope, BF16 rope, UE8M0 scales) and FP8 indexer keys
     kv_dtype = "fp8_v4"
+    swa_full_tokens_ratio = defaults.SWA_FULL_TOKENS_RATIO
     host_size_refused = ("--hicache-size: DeepSeek V4 HiCache does not support a host size in bytes "
                          "(sglang 0.5.23 refuses it); size the host pools with --hicache-ratio")
     faults = (
