@@ -171,6 +171,12 @@ class Family:
         """Every pool kind sized for ``spec`` at ``page_size`` (the page size is checked here)."""
         raise NotImplementedError
 
+    def stage_problems(self, stage_map: StageLayerMap) -> list[str]:
+        """What sglang 0.5.23 itself does wrong with this (legal) stage, one line each -- an
+        assertion it hits, a host pool it cannot allocate -- so ``check`` names it before any
+        server starts.  None by default."""
+        return []
+
     def swa_floor_tokens(self, spec: ModelSpec) -> int:
         """Tokens an SWA pool must hold beyond one page to admit one request (sglang's
         ``validate_swa_pool_size``): the sliding window, 0 for a family without SWA pools."""

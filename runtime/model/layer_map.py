@@ -202,6 +202,32 @@ class ModelLayout:
         return tuple(s.slice for s in self.stages)
 
 
+def partition_without_problems(spec: ModelSpec, pp_size: int, tries: int = 4096) -> tuple[int, ...] | None:
+    """A partition close to sglang's even split whose stages sglang builds without the family's
+    ``stage_problems`` (None: none found within ``tries`` candidates): what ``pools`` suggests.
+
+    Breadth-first from the even split, moving one stage boundary by one layer at a time, so the
+    first partition found is one of the fewest moves away from what sglang does by default."""
+    start = tuple(s.num_layers for s in partition_layers(spec.num_layers, pp_size))
+    seen, queue = {start}, [start]
+    for part in queue:
+        if len(seen) > tries:
+            return None
+        if not any(spec.family.stage_problems(number_layers(spec, s.stage, s.start, s.end))
+                   for s in partition_layers(spec.num_layers, pp_size, part)):
+            return part
+        for i in range(pp_size - 1):
+            for step in (-1, 1):
+                nxt = list(part)
+                nxt[i] += step
+                nxt[i + 1] -= step
+                cand = tuple(nxt)
+                if min(cand) >= 1 and cand not in seen:
+                    seen.add(cand)
+                    queue.append(cand)
+    return None
+
+
 def build_layout(
     spec: ModelSpec, pp_size: int, tp_size: int = 1, partition: Sequence[int] | None = None
 ) -> ModelLayout:

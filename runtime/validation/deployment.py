@@ -11,7 +11,7 @@ capacities that disagree, and a rank that reports another stage.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from ..errors import MappingError
 from ..plan.plan import RunPlan
@@ -83,7 +83,8 @@ def stage_report(rec: StageRecord, extra: Sequence[MappingError] = ()) -> StageR
 
 def deployment_report(records: Sequence[StageRecord], *, tp_size: int, page_size: int,
                       faults: Sequence[str] = (), pp_size: int | None = None,
-                      cross: Sequence[MappingError] = ()) -> StartupReport:
+                      cross: Sequence[MappingError] = (),
+                      extra: Mapping[int, Sequence[MappingError]] | None = None) -> StartupReport:
     """Every stage, the tiling, fingerprints and capacity, over the deployment's records.
 
     With every stage's record (``pp_size`` records, the default), they are in rank order
@@ -91,20 +92,21 @@ def deployment_report(records: Sequence[StageRecord], *, tp_size: int, page_size
     error of that rank's stage, and the stages must tile ``[0, L)``.  With only some stages'
     records (one rank's view of its own stage) those are validated, and a tiling error counts
     only where it names one of them: the other stages live elsewhere.  ``cross``: more
-    cross-stage findings (a partition the engine computes otherwise).
+    cross-stage findings (a partition the engine computes otherwise); ``extra``: more findings
+    per stage (what the engine itself will do wrong with it).
     """
     first = records[0]
     pp = len(records) if pp_size is None else pp_size
     whole = len(records) == pp
-    extra: dict[int, list[MappingError]] = {}
+    found: dict[int, list[MappingError]] = {k: list(v) for k, v in (extra or {}).items()}
     for key, errs in (*fingerprint_errors(records).items(), *capacity_errors(records).items()):
-        extra.setdefault(key, []).extend(errs)
+        found.setdefault(key, []).extend(errs)
     for rank, rec in enumerate(records):
         if whole and rec.stage != rank:
-            extra.setdefault(rec.stage, []).append(MappingError(
+            found.setdefault(rec.stage, []).append(MappingError(
                 rec.stage, "partition", rank, rec.stage, f"PP rank {rank} reports its pool as stage {rec.stage}"))
     ordered = records if whole else sorted(records, key=lambda r: r.stage)
-    stages = tuple(stage_report(r, extra.get(r.stage, ())) for r in ordered)
+    stages = tuple(stage_report(r, found.get(r.stage, ())) for r in ordered)
     tiling = validate_tiling([s.slice for s in stages], first.num_layers)
     if not whole:
         tiling = [e for e in tiling if e.stage is not None]
@@ -114,6 +116,10 @@ def deployment_report(records: Sequence[StageRecord], *, tp_size: int, page_size
 
 
 def preflight(plan: RunPlan) -> StartupReport:
-    """``check``: validate every stage of a plan against its planned pools (faults included)."""
+    """``check``: validate every stage of a plan against its planned pools (faults included), and
+    name what sglang itself would do wrong with a stage (``Family.stage_problems``)."""
+    family = plan.spec.family
+    problems = {s.stage: [MappingError(s.stage, "partition", None, None, f"stage {s.stage}: {p}")
+                          for p in family.stage_problems(s.layer_map)] for s in plan.stages}
     return deployment_report([stage_record(s) for s in plan.stages], tp_size=plan.tp_size,
-                             page_size=plan.page_size, faults=plan.fault_names)
+                             page_size=plan.page_size, faults=plan.fault_names, extra=problems)

@@ -64,7 +64,7 @@ def no_work():
         transfer,
         transfer_split,
     )
-    from stagecache.runtime.cache import curves
+    from stagecache.runtime.sizing import curves
     from stagecache.runtime.cli import serve
 
     mp = pytest.MonkeyPatch()
