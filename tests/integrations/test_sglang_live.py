@@ -470,3 +470,28 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_the_tested_releases_are_the_ones_the_suites_run_on():
+    from sglang_env import PREVIOUS_VERSION
+
+    assert set(integ.SGLANG_TESTED_VERSIONS) == {PREVIOUS_VERSION, "0.5.23"}
+    assert sglang.__version__ in integ.SGLANG_TESTED_VERSIONS
+    assert integ.deployment.changed_targets() == []  # this release: every target as the hooks expect
+
+
+def test_a_release_whose_hooked_function_changed_leaves_the_plugin_off(monkeypatch, caplog):
+    """One target renamed its parameter: the plugin logs one line naming it and registers nothing
+    -- the server starts as if stagecache were not installed."""
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    monkeypatch.setattr(UnifiedRadixCache, "match_prefix", lambda self, request: None)
+    monkeypatch.setenv("STAGECACHE_SGLANG", "1")
+    monkeypatch.setattr(integ.deployment, "_PLUGIN", None)
+    with caplog.at_level(logging.WARNING, logger="stagecache"):
+        assert integ.sglang_plugin() is None
+    assert not any(t in HookRegistry._hooks for t in integ.deployment.TARGETS.values())
+    [line] = [r.getMessage() for r in caplog.records if "stays off" in r.getMessage()]
+    assert "UnifiedRadixCache.match_prefix takes (self, request), expected (self, params, ...)" in line
+    assert "tested with (0.5.22, 0.5.23)" in line

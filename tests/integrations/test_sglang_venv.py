@@ -17,7 +17,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from sglang_env import TIMEOUT_S, checkout_on_path, sglang_python
+from sglang_env import PREVIOUS_VERSION, TIMEOUT_S, checkout_on_path, sglang_python
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -79,9 +79,12 @@ DEPLOYMENT_SUITE = "tests/integrations/test_sglang_live_deployment.py"
 
 @pytest.mark.sglang_venv
 @pytest.mark.timeout(TIMEOUT_S)
-def test_real_sglang_suite_in_its_venv(tmp_path):
-    """Run the tests/integrations/test_sglang_live*.py suites against the real sglang in .venv-sglang."""
-    venv_py = sglang_python()
+@pytest.mark.parametrize("release", [None, PREVIOUS_VERSION], ids=["pinned", PREVIOUS_VERSION])
+def test_real_sglang_suite_in_its_venv(tmp_path, release):
+    """Run the tests/integrations/test_sglang_live*.py suites against the real sglang in .venv-sglang,
+    and again on the release before (``SGLANG_TESTED_VERSIONS``: every release the plugin says it was
+    tested with)."""
+    venv_py = sglang_python(release)
     env = {**os.environ, "PYTHONPATH": str(checkout_on_path(tmp_path))}
     for suites, least in ((LIVE_SUITES, 50), ((DEPLOYMENT_SUITE,), 8)):
         proc = subprocess.run(

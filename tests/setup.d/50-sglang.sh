@@ -36,6 +36,7 @@ cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
 VENV=.venv-sglang
 SGLANG_VERSION=0.5.23
+PREVIOUS_VERSION=0.5.22  # the release before, tested too (an overlay, below)
 TORCH_VERSION=2.14.1
 SGLANG_DEPS=(
     "torchvision==0.29.1" "transformers==5.19.0" "compressed-tensors==0.18.0"
@@ -123,3 +124,35 @@ import stagecache.runtime.integrations.sglang, os, stagecache.runtime
 assert os.path.realpath(stagecache.runtime.__path__[0]) == os.path.realpath('runtime'), stagecache.runtime.__path__
 "
 echo "$VENV is ready (on $BASE)"
+
+# The release before: sglang $PREVIOUS_VERSION --no-deps over the same environment (its own
+# site directory in the cache, ahead of the base's on sys.path), in $VENV-$PREVIOUS_VERSION: the
+# live suites run on both releases (tests/integrations/test_sglang_venv.py).
+OVERLAY="$CACHE/sglang-$KEY-$PREVIOUS_VERSION"
+exec 9>"$CACHE/.lock"
+flock 9
+if [ ! -f "$OVERLAY/.complete" ]; then
+    rm -rf "$OVERLAY"
+    with_progress "sglang $PREVIOUS_VERSION (overlay)" "$BASE/bin/python" -m pip install -q \
+        --disable-pip-version-check --no-deps --ignore-installed --target "$OVERLAY/site" \
+        "sglang==$PREVIOUS_VERSION" 2>&1 | { grep -v -e 'WARNING: Location' || true; }
+    touch "$OVERLAY/.complete"
+fi
+flock -u 9
+PREV_VENV="$VENV-$PREVIOUS_VERSION"
+if [ ! -x "$PREV_VENV/bin/python" ] || [ "$(cat "$PREV_VENV/.stagecache-base" 2>/dev/null)" != "$OVERLAY" ]; then
+    rm -rf "$PREV_VENV"
+    $PY -m venv --without-pip "$PREV_VENV"
+fi
+PSITE=$("$PREV_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+printf "import site; site.addsitedir('%s')\nimport site; site.addsitedir('%s')\n" "$OVERLAY/site" "$SITE" \
+    > "$PSITE/stagecache-sglang-base.pth"
+echo "$OVERLAY" > "$PREV_VENV/.stagecache-base"
+"$PREV_VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e . \
+    2>&1 | { grep -v -e 'WARNING: Location' || true; }
+"$PREV_VENV/bin/python" -W ignore -c "
+import sglang
+assert sglang.__version__ == '$PREVIOUS_VERSION', sglang.__version__
+import stagecache.runtime.integrations.sglang
+"
+echo "$PREV_VENV is ready (sglang $PREVIOUS_VERSION over $BASE)"

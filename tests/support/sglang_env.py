@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-VENV_PY = ROOT / ".venv-sglang" / "bin" / "python"
+#: The release before the pinned one, over the same environment (tests/setup.d/50-sglang.sh).
+PREVIOUS_VERSION = "0.5.22"
 STEP = "50-sglang"
 #: How long a test waits for the background build (a fresh machine builds it in ~4-6 minutes).
 WAIT_S = float(os.environ.get("STAGECACHE_SGLANG_WAIT_S", "900"))
@@ -40,17 +41,20 @@ def _wait_for_step(setup_dir: Path) -> None:
         pytest.fail(f"tests/setup.d/{STEP}.sh failed (exit {rc}):\n{log}")
 
 
-def sglang_python() -> Path:
-    """The python of ``.venv-sglang``, once tests/run.sh's build of it is done; skips (fails
-    under CI) where it was never built."""
+def sglang_python(version: str | None = None) -> Path:
+    """The python of ``.venv-sglang`` (``version``: of ``.venv-sglang-<version>``, the release
+    before), once tests/run.sh's build of it is done; skips (fails under CI) where it was never
+    built."""
     setup_dir = os.environ.get("STAGECACHE_TEST_SETUP_DIR")
     if setup_dir and (Path(setup_dir) / f"{STEP}.log").exists():
         _wait_for_step(Path(setup_dir))
-    if not VENV_PY.exists():
+    name = ".venv-sglang" + (f"-{version}" if version else "")
+    python = ROOT / name / "bin" / "python"
+    if not python.exists():
         if os.environ.get("CI"):
-            pytest.fail(".venv-sglang is missing: tests/setup.d/50-sglang.sh did not run")
-        pytest.skip(".venv-sglang not built: run bash tests/setup.d/50-sglang.sh")
-    return VENV_PY
+            pytest.fail(f"{name} is missing: tests/setup.d/50-sglang.sh did not run")
+        pytest.skip(f"{name} not built: run bash tests/setup.d/50-sglang.sh")
+    return python
 
 
 def checkout_on_path(tmp_path: Path) -> Path:

@@ -15,7 +15,8 @@ stack disagreed about how many layers a stage owns.
   sglang's own prefix matches and transfer acks give the per-stage numbers
   (``rank_source.SglangSource``).
 
-Tested against sglang 0.5.23 (``pip install '.[sglang]'`` in a checkout); see docs/sglang.md.
+Tested against sglang 0.5.22 and 0.5.23 (``SGLANG_TESTED_VERSIONS``; ``pip install '.[sglang]'``
+in a checkout); see docs/sglang.md.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ except ImportError as exc:  # pragma: no cover - exercised in the no-sglang envi
     ) from exc
 
 from . import deployment
-from .deployment import PLUGIN_ENV, Deployment, DeploymentOptions, sglang_plugin
+from .deployment import PLUGIN_ENV, SGLANG_TESTED_VERSIONS, Deployment, DeploymentOptions, sglang_plugin
 from .rank_source import SglangSource
 from .reader import (
     PARTITION_ENV,
@@ -44,11 +45,8 @@ from .reader import (
     sglang_partition,
 )
 
-#: The sglang release this package was written and tested against.
-SGLANG_TESTED_VERSION = "0.5.23"
-
 __all__ = [
-    "PARTITION_ENV", "PLUGIN_ENV", "SGLANG_TESTED_VERSION", "Deployment", "DeploymentOptions", "PoolView",
+    "PARTITION_ENV", "PLUGIN_ENV", "SGLANG_TESTED_VERSIONS", "Deployment", "DeploymentOptions", "PoolView",
     "SglangSource", "deployment", "inspect_pool", "inspect_pools", "model_num_layers",
     "partition_findings", "read_pool", "sglang_partition", "sglang_plugin",
 ]

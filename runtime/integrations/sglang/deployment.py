@@ -54,7 +54,7 @@ from .record_exchange import exchange_records
 
 log = logging.getLogger(__name__)
 
-#: sglang 0.5.23 functions the deployment hooks (``HookRegistry`` targets).
+#: sglang functions the deployment hooks (``HookRegistry`` targets).
 TARGETS = {
     "capacity": "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._apply_token_constraints",
     "pools": "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._init_pools",
@@ -63,6 +63,34 @@ TARGETS = {
     "write": "sglang.srt.managers.cache_controller.HiCacheController.start_writing",
     "load": "sglang.srt.managers.cache_controller.HiCacheController.start_loading",
 }
+#: The leading parameters each hook relies on, as the tested releases have them.
+TARGET_PARAMS = {
+    "capacity": ("self", "token_capacity"), "pools": ("self",), "stack": ("params", "kvcache"),
+    "match": ("self", "params"), "write": ("self",), "load": ("self",),
+}
+
+
+def changed_targets() -> list[str]:
+    """What of sglang's hooked functions is not as the hooks expect, one phrase each (empty:
+    every target exists with the parameters the hooks read)."""
+    import inspect
+    import pkgutil
+
+    changed = []
+    for name, target in TARGETS.items():
+        path, attr = target.rsplit(".", 1)
+        try:
+            fn = getattr(pkgutil.resolve_name(path), attr)
+            params = tuple(inspect.signature(fn).parameters)
+        except Exception as exc:  # noqa: BLE001 - gone, renamed, not introspectable: all "changed"
+            changed.append(f"{target} is missing ({type(exc).__name__})")
+            continue
+        want = TARGET_PARAMS[name]
+        if params[:len(want)] != want:
+            changed.append(f"{target} takes ({', '.join(params)}), expected ({', '.join(want)}, ...)")
+    return changed
+#: The sglang releases the plugin was tested with (tests/integrations: the live suites run on each).
+SGLANG_TESTED_VERSIONS = ("0.5.22", "0.5.23")
 #: Requests whose first match was counted, remembered so a request re-matched while it waits
 #: is not counted again (bounded: the oldest are forgotten).
 MATCHED_REQUESTS = 8192
@@ -457,9 +485,21 @@ _PLUGIN: Deployment | None = None
 def sglang_plugin() -> Deployment | None:
     """Entry point ``sglang.srt.plugins: stagecache``: sglang runs it first thing in every
     scheduler process (``load_plugins()``, which then applies the registered hooks).  Off
-    unless ``STAGECACHE_SGLANG=1``, so installing stagecache never changes sglang silently."""
+    unless ``STAGECACHE_SGLANG=1``, so installing stagecache never changes sglang silently.
+
+    sglang ships every few weeks and the hooks read its internals: when a hooked function is
+    missing or takes other parameters than the hooks expect, the plugin stays off with one log
+    line naming what changed -- it never stops a server from starting."""
     global _PLUGIN
     if os.environ.get("STAGECACHE_SGLANG", "0") != "1" or _PLUGIN is not None:
         return _PLUGIN
+    changed = changed_targets()
+    if changed:
+        import sglang
+
+        log.warning("stagecache: sglang %s is not the sglang the plugin was tested with (%s): %s; "
+                    "the plugin stays off", getattr(sglang, "__version__", "unknown"),
+                    ", ".join(SGLANG_TESTED_VERSIONS), "; ".join(changed))
+        return None
     _PLUGIN = Deployment(DeploymentOptions.from_env()).register()
     return _PLUGIN
