@@ -64,8 +64,8 @@ def no_work():
         transfer,
         transfer_split,
     )
-    from stagecache.runtime.sizing import curves
     from stagecache.runtime.cli import serve
+    from stagecache.runtime.sizing import curves
 
     mp = pytest.MonkeyPatch()
     # advise and bench advise: the trace is read (or generated) and checked, the curves are work

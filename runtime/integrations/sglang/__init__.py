@@ -32,7 +32,13 @@ except ImportError as exc:  # pragma: no cover - exercised in the no-sglang envi
     ) from exc
 
 from . import deployment
-from .deployment import PLUGIN_ENV, SGLANG_TESTED_VERSIONS, Deployment, DeploymentOptions, sglang_plugin
+from .deployment import (
+    PLUGIN_ENV,
+    SGLANG_TESTED_VERSIONS,
+    Deployment,
+    DeploymentOptions,
+    sglang_plugin,
+)
 from .rank_source import SglangSource
 from .reader import (
     PARTITION_ENV,
