@@ -44,7 +44,6 @@ class Progress:
             console=console.rich, transient=False, auto_refresh=console.rich.is_terminal,
         )
         self.task = None
-        self.report_printed = False
 
     def __enter__(self) -> Progress:
         self.bar.start()

@@ -39,10 +39,6 @@ class KeyFacts:
     how: str = "table"  # table, or sglang: computed by calling sglang's own key functions
     note: str = ""
 
-    @property
-    def separates_stages(self) -> bool:
-        return self.pp_rank
-
     def missing(self) -> list[str]:
         return [p for p in PROPERTIES if not getattr(self, p)]
 

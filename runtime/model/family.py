@@ -155,10 +155,6 @@ class Family:
     #: sglang's default SWA tokens / full tokens (``--swa-full-tokens-ratio``) for the family
     swa_full_tokens_ratio: float = 1.0
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        """Pickled by name: a plan shipped to a stage process finds the same family object."""
-        return (_family_named, (type(self).__module__, self.name))
-
     def matches(self, cfg: dict[str, Any]) -> bool:
         """Whether ``cfg`` (a parsed config.json) is a model of this family."""
         raise NotImplementedError
@@ -184,11 +180,3 @@ class Family:
 
     def fault_kind(self, name: str) -> FaultKind | None:
         return next((f for f in self.faults if f.name == name), None)
-
-
-def _family_named(module: str, name: str) -> Family:
-    import importlib
-
-    family = importlib.import_module(module).FAMILY
-    assert family.name == name, (module, name)
-    return family
