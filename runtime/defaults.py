@@ -35,6 +35,14 @@ MAX_RUNNING_REQUESTS = 256
 #: ``--hicache-ratio``: host pages = device pages x ratio, per budget (sglang's default).
 HICACHE_RATIO = 2.0
 
+# -- linear-attention / Mamba hybrids ---------------------------------------------------------------
+#: ``--mamba-full-memory-ratio``: Mamba state bytes / KV bytes of a memory budget (sglang's fallback).
+MAMBA_FULL_MEMORY_RATIO = 0.9
+#: Mamba state slots per running request where neither a memory budget nor
+#: ``--max-mamba-cache-size`` gives sglang's count (a stagecache default: sglang sizes the slots from
+#: the GPU's free memory; 5 is sglang's slots-per-request ratio on CUDA, 3 plus the extra buffer's 2).
+MAMBA_SLOTS_PER_REQUEST = 5
+
 # -- the host (HiCache) tier -----------------------------------------------------------------------
 #: When device pages are backed up to the host: sglang's ``--hicache-write-policy`` values, in its order.
 WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")

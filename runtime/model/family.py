@@ -16,14 +16,17 @@ each and the plan (``plan/faults.py``) applies them to every family alike.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from .layer_map import IdSpace, LayerEntry, ModelLayout, StageLayerMap
 from .pool_kinds import KindTable, PoolKind
 from .spec import ModelSpec
+
+if TYPE_CHECKING:
+    from ..plan.plan import Sizing
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,19 @@ class FaultKind:
     layer_map: Callable[[ModelSpec, StageLayerMap], StageLayerMap] | None = None
     count: Callable[[ModelSpec, StageLayerMap, PoolKind, int], int] | None = None
     present: Callable[[PoolKind, list[bool]], list[bool]] | None = None
+    #: pool kinds the fault leaves out of the HiCache host set (#38031)
+    host_left_out: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class StageBudget:
+    """How sglang turns one stage's memory budget into units per pool budget (``Family.stage_budget``):
+    ``units`` (budget name -> pages, rows or slots), ``charged_bytes`` (bytes sglang charges the
+    stage per budget, e.g. the Mamba state of the stage with the most Mamba layers) and a note."""
+
+    units: Mapping[str, int]
+    charged_bytes: Mapping[str, int] = field(default_factory=dict)
+    note: str = ""
 
 
 def _sized_globally(pools: frozenset[str], spec: ModelSpec, stage_map: StageLayerMap, kind: PoolKind,
@@ -167,11 +183,25 @@ class Family:
         """Every pool kind sized for ``spec`` at ``page_size`` (the page size is checked here)."""
         raise NotImplementedError
 
-    def stage_problems(self, stage_map: StageLayerMap) -> list[str]:
+    def stage_problems(self, stage_map: StageLayerMap, page_size: int = 1) -> list[str]:
         """What sglang 0.5.23 itself does wrong with this (legal) stage, one line each -- an
         assertion it hits, a host pool it cannot allocate -- so ``check`` names it before any
         server starts.  None by default."""
         return []
+
+    def sglang_page_size(self, requested: int) -> int:
+        """The page size sglang really runs this family with (``requested`` unless it overrides)."""
+        return requested
+
+    def stage_budget(self, table: KindTable, counts: Mapping[str, int], budget_bytes: int,
+                     sizing: Sizing) -> StageBudget | None:
+        """How sglang sizes one stage's pools from its memory budget; None: the DeepSeek V4 rule
+        (``plan.sizing.sglang_full_tokens_for_bytes``)."""
+        return None
+
+    def refuses_pp(self, spec: ModelSpec) -> str | None:
+        """One line when sglang 0.5.23 does not split ``spec``'s architecture over PP stages."""
+        return spec.pp_refused
 
     def swa_floor_tokens(self, spec: ModelSpec) -> int:
         """Tokens an SWA pool must hold beyond one page to admit one request (sglang's

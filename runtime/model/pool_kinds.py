@@ -21,7 +21,10 @@ from ..errors import ConfigError
 if TYPE_CHECKING:
     from .spec import ModelSpec
 
-Budget = Literal["full", "swa", "request"]
+#: What sizes a pool kind: full-attention tokens, SWA tokens, request slots (DeepSeek V4's
+#: per-request compress state), or per-request state slots (Mamba conv + SSM state, sized by
+#: sglang's ``max_mamba_cache_size``).
+Budget = Literal["full", "swa", "request", "state"]
 
 #: The id space of a pool kind whose buffers are indexed by the local layer id (every layer owns
 #: one): no numbering of its own.
@@ -62,7 +65,7 @@ class PoolKind:
     @property
     def paged(self) -> bool:
         """Indexed by token page (``full``/``swa``) rather than by request slot."""
-        return self.budget != "request"
+        return self.budget not in ("request", "state")
 
     def owns(self, layer_kind: str) -> bool:
         return self.owners is None or layer_kind in self.owners
@@ -71,9 +74,12 @@ class PoolKind:
         """The buffer index of a layer entry in this kind."""
         return entry.id_in(self.id_space)
 
-    def wrong_count(self, got: int, expected: int) -> str:
-        return self.count_message.format(label=self.label, owners=self.owners_text, got=got,
+    def wrong_count(self, got: int, expected: int, layers: str = "") -> str:
+        """The message for a pool with ``got`` buffers where ``expected`` are due; ``layers``
+        names the owning layers, where the caller knows them."""
+        text = self.count_message.format(label=self.label, owners=self.owners_text, got=got,
                                          expected=expected)
+        return f"{text} (layers {layers})" if layers else text
 
     def holds_none(self, empty: list[int]) -> str:
         return f"{self.none_name or self.label + ' pool'} must not contain None: buffer(s) {empty} are None"
@@ -109,6 +115,16 @@ class PoolKindSpec:
     def tensor_rows(self, units: int) -> int:
         """First dimension of sglang's tensor for ``units`` budget pages (or request slots)."""
         raise NotImplementedError
+
+    def host_units(self, device_units: int, ratio: float) -> int:
+        """Host pages (or slots) HiCache builds for ``device_units`` device pages of this kind:
+        ``int(device_units x ratio)`` (sglang's rule for DeepSeek V4's host pools)."""
+        if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not ratio > 0:
+            raise ConfigError(f"--hicache-ratio must be > 0, got {ratio!r}")
+        pages = int(device_units * ratio)
+        if pages < 1:
+            raise ConfigError(f"--hicache-ratio {ratio} x {device_units} device pages gives no host page")
+        return pages
 
     def to_dict(self) -> dict[str, Any]:
         k = self.kind
@@ -153,6 +169,42 @@ class StateRing(PoolKindSpec):
     def tensor_rows(self, units: int) -> int:
         rows = units * self.rows_per_page + self.rows_per_page + 1
         return -(-rows // self.ring_pad) * self.ring_pad
+
+
+@dataclass(frozen=True)
+class TokenRows(PoolKindSpec):
+    """Per-token KV rows (plain MHA/MLA): ``rows_per_page`` is the page size, and sglang's tensor is
+    ``(size + page_size, heads, dim)``: the budget's tokens plus one page of padding rows.  HiCache's
+    host pool holds ``int(tokens x ratio)`` tokens rounded down to pages, plus one page."""
+
+    @property
+    def tensor_row_bytes(self) -> int:
+        return self.row_bytes
+
+    def tensor_rows(self, units: int) -> int:
+        return (units + 1) * self.rows_per_page
+
+    def host_units(self, device_units: int, ratio: float) -> int:
+        super().host_units(device_units, ratio)  # the ratio's checks
+        return int(device_units * self.rows_per_page * ratio) // self.rows_per_page + 1
+
+
+@dataclass(frozen=True)
+class RequestState(PoolKindSpec):
+    """Per-request-slot state (Mamba conv + SSM state): one row of ``row_bytes`` per slot and
+    layer; sglang's tensors hold the slots plus one padding slot, and HiCache's host pool
+    ``int(slots x ratio) + 1`` slots (``MambaPoolHost``: page size 1)."""
+
+    @property
+    def tensor_row_bytes(self) -> int:
+        return self.row_bytes
+
+    def tensor_rows(self, units: int) -> int:
+        return units + 1
+
+    def host_units(self, device_units: int, ratio: float) -> int:
+        super().host_units(max(device_units, 1), ratio)  # the ratio's checks
+        return int(device_units * ratio) + 1
 
 
 @dataclass(frozen=True)

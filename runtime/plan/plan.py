@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 from .. import defaults
 from ..errors import ConfigError
-from ..model.family import Family
+from ..model.family import Family, StageBudget
 from ..model.layer_map import ModelLayout, StageLayerMap, build_layout
 from ..model.partition import StageSlice
 from ..model.pool_kinds import KindTable, PoolKind
@@ -69,6 +69,13 @@ class Sizing:
     mem_budget_bytes: tuple[int, ...] | None = None  # per stage, or one entry for every stage
     swa_ratio: float | None = None  # None: the model family's default (``build_plan`` fills it in)
     max_running_requests: int = defaults.MAX_RUNNING_REQUESTS
+    # per-request state (Mamba): sglang's --max-mamba-cache-size and --mamba-full-memory-ratio;
+    # the ratio stays None for a family without state pools (``for_table`` fills it in)
+    max_mamba_cache_size: int | None = None
+    mamba_full_memory_ratio: float | None = None
+    #: every stage's ``[start, end)``, filled in by the plan for ``Family.stage_budget`` (sglang
+    #: charges each stage by the stage with the most state layers)
+    stage_ranges: tuple[tuple[int, int], ...] | None = field(default=None, compare=False)
 
     @classmethod
     def runtime(cls, device_pages: int = defaults.DEVICE_PAGES, *, request_slots: int = defaults.MICRO_BATCH,
@@ -87,9 +94,17 @@ class Sizing:
     def sglang(cls, *, max_total_tokens: int | None = None,
                mem_budget_bytes: int | Sequence[int] | None = None, swa_ratio: float | None = None,
                max_running_requests: int = defaults.MAX_RUNNING_REQUESTS,
-               hicache_ratio: float | None = None, hicache_size_bytes: int | None = None) -> Sizing:
+               hicache_ratio: float | None = None, hicache_size_bytes: int | None = None,
+               max_mamba_cache_size: int | None = None,
+               mamba_full_memory_ratio: float | None = None) -> Sizing:
         """sglang's flags (a family whose sglang refuses a host size in bytes refuses it at
         ``build_plan``)."""
+        if max_mamba_cache_size is not None and (isinstance(max_mamba_cache_size, bool) or not isinstance(
+                max_mamba_cache_size, int) or max_mamba_cache_size <= 0):
+            raise ConfigError(f"--max-mamba-cache-size must be a positive integer, got {max_mamba_cache_size!r}")
+        if mamba_full_memory_ratio is not None and (isinstance(mamba_full_memory_ratio, bool) or not isinstance(
+                mamba_full_memory_ratio, int | float) or not mamba_full_memory_ratio > 0):
+            raise ConfigError(f"--mamba-full-memory-ratio must be > 0, got {mamba_full_memory_ratio!r}")
         if max_total_tokens is not None and mem_budget_bytes is not None:
             raise ConfigError("give --max-total-tokens or a memory budget, not both")
         budgets = None
@@ -99,13 +114,28 @@ class Sizing:
         return cls("sglang", defaults.HICACHE_RATIO if hicache_ratio is None else hicache_ratio,
                    hicache_size_bytes=hicache_size_bytes, max_total_tokens=max_total_tokens, mem_budget_bytes=budgets,
                    swa_ratio=swa_ratio,
-                   max_running_requests=max_running_requests)
+                   max_running_requests=max_running_requests, max_mamba_cache_size=max_mamba_cache_size,
+                   mamba_full_memory_ratio=mamba_full_memory_ratio)
 
     def for_family(self, family: Family) -> Sizing:
         """This sizing with the family's defaults where it leaves them open (the SWA share)."""
         if self.swa_ratio is not None:
             return self
         return dataclasses.replace(self, swa_ratio=family.swa_full_tokens_ratio)
+
+    def for_table(self, table: KindTable) -> Sizing:
+        """This sizing with sglang's Mamba share filled in where the model has per-request state."""
+        if self.mamba_full_memory_ratio is not None or not any(
+                table[p].kind.budget == "state" for p in table.pools):
+            return self
+        return dataclasses.replace(self, mamba_full_memory_ratio=defaults.MAMBA_FULL_MEMORY_RATIO)
+
+    def state_slots(self) -> int:
+        """Mamba state slots without a memory budget: ``--max-mamba-cache-size``, or
+        ``defaults.MAMBA_SLOTS_PER_REQUEST`` per running request (stagecache's default)."""
+        if self.max_mamba_cache_size is not None:
+            return self.max_mamba_cache_size
+        return defaults.MAMBA_SLOTS_PER_REQUEST * self.max_running_requests
 
     def stage_budget_bytes(self, stage: int, pp_size: int) -> int | None:
         """The memory budget of ``stage`` (None without one)."""
@@ -125,8 +155,12 @@ class Sizing:
                     "host_pages": self.host_pages}
         budget = ({"mem_budget_bytes": list(self.mem_budget_bytes)} if self.mem_budget_bytes is not None
                   else {"max_total_tokens": self.max_total_tokens or defaults.MAX_TOTAL_TOKENS})
-        return {"mode": "sglang", **budget, "swa_full_tokens_ratio": self.swa_ratio,
-                "max_running_requests": self.max_running_requests, "hicache_ratio": self.hicache_ratio}
+        out = {"mode": "sglang", **budget, "swa_full_tokens_ratio": self.swa_ratio,
+               "max_running_requests": self.max_running_requests, "hicache_ratio": self.hicache_ratio}
+        if self.mamba_full_memory_ratio is not None:
+            out["max_mamba_cache_size"] = self.max_mamba_cache_size
+            out["mamba_full_memory_ratio"] = self.mamba_full_memory_ratio
+        return out
 
 
 @dataclass(frozen=True)
@@ -184,16 +218,31 @@ class Capacity:
     tokens_alone: int  # full tokens this stage's budget fits on its own
     tokens: int  # the deployment's: the minimum over stages
     used_bytes: int  # the stage's device bytes at the deployment's capacity
+    #: per-request state (Mamba): what sglang charges the stage's budget for it (the state of the
+    #: stage with the most Mamba layers) and what the stage allocates; None without such state
+    state_charged_bytes: int | None = None
+    state_bytes: int | None = None
 
     @property
     def stranded_bytes(self) -> int:
         """Budget the minimum leaves unused on this stage."""
         return max(0, self.budget_bytes - self.used_bytes)
 
+    @property
+    def state_stranded_bytes(self) -> int | None:
+        """State bytes charged to this stage's budget that it never allocates."""
+        if self.state_charged_bytes is None or self.state_bytes is None:
+            return None
+        return max(0, self.state_charged_bytes - self.state_bytes)
+
     def to_dict(self) -> dict[str, int]:
-        return {"budget_bytes": self.budget_bytes, "tokens_alone": self.tokens_alone,
-                "tokens": self.tokens, "used_bytes": self.used_bytes,
-                "stranded_bytes": self.stranded_bytes}
+        out = {"budget_bytes": self.budget_bytes, "tokens_alone": self.tokens_alone,
+               "tokens": self.tokens, "used_bytes": self.used_bytes,
+               "stranded_bytes": self.stranded_bytes}
+        if self.state_charged_bytes is not None:
+            out.update(state_charged_bytes=self.state_charged_bytes, state_bytes=self.state_bytes or 0,
+                       state_stranded_bytes=self.state_stranded_bytes or 0)
+        return out
 
 
 @dataclass(frozen=True)
@@ -359,12 +408,13 @@ def build_plan(spec: ModelSpec, pp_size: int = defaults.PP_SIZE, *, tp_size: int
 
     Every bad input is a ``ConfigError`` naming the flag: the page size, the partition, sizes.
     """
-    if pp_size > 1 and spec.pp_refused:
-        raise ConfigError(f"--pp-size {pp_size}: {spec.name}: {spec.pp_refused}")
+    refused = spec.family.refuses_pp(spec)
+    if pp_size > 1 and refused:
+        raise ConfigError(f"--pp-size {pp_size}: {spec.name}: {refused}")
     table = spec.family.kind_table(spec, page_size)  # checks the page size
     explicit = tuple(partition) if partition is not None else None
     layout = build_layout(spec, pp_size, tp_size, explicit)
-    sizing = (sizing if sizing is not None else Sizing.runtime()).for_family(spec.family)
+    sizing = (sizing if sizing is not None else Sizing.runtime()).for_family(spec.family).for_table(table)
     if sizing.hicache_size_bytes is not None:
         raise ConfigError(spec.family.host_size_refused or
                           f"--hicache-size: not modelled for {spec.family.label} models; size the "
@@ -380,8 +430,10 @@ def plan_stage(spec: ModelSpec, layer_map: StageLayerMap, *, page_size: int = de
     """The plan of one stage alone, from its layer map (and its real buffers, when read from a
     live pool): what a rank knows before it has heard from the others.  Its fingerprint is left
     empty: the partition is the deployment's, not one stage's."""
-    plan = _assemble(spec, defaults.TP_SIZE, spec.family.kind_table(spec, page_size).page_size, None,
-                     (sizing if sizing is not None else Sizing.runtime()).for_family(spec.family), (), [layer_map],
+    table = spec.family.kind_table(spec, page_size)
+    plan = _assemble(spec, defaults.TP_SIZE, table.page_size, None,
+                     (sizing if sizing is not None else Sizing.runtime()).for_family(spec.family).for_table(table),
+                     (), [layer_map],
                      [buffers if buffers is not None else faulty_buffers(layer_map, spec)])
     return dataclasses.replace(plan.stage(0), fingerprint=None)
 
@@ -402,38 +454,58 @@ def _assemble(spec: ModelSpec, tp_size: int, page_size: int, partition: tuple[in
               buffers: list[dict[str, tuple[bool, ...]]]) -> RunPlan:
     table = spec.family.kind_table(spec, page_size)
     counts = [{p: sum(b) for p, b in bufs.items()} for bufs in buffers]
-    budget, alone = _budget(spec, table, sizing, counts)
+    ranges = tuple((m.start, m.end) for m in maps)
+    budget, alone, per_stage = _budget(spec, table, dataclasses.replace(sizing, stage_ranges=ranges), counts)
     fp = fingerprint_of(spec, page_size, tp_size, tuple(m.local_layers for m in maps))
     host_full, host_swa = _host_space(sizing, budget)
     stages = []
     for i, (m, bufs) in enumerate(zip(maps, buffers, strict=True)):
-        pools = tuple(_pool_plan(table, sizing, budget, p, bufs.get(p, ())) for p in table.pools)
+        stage_budget = budget
+        if per_stage is not None and "state" in per_stage[i].units:
+            stage_budget = dataclasses.replace(budget, state_slots=per_stage[i].units["state"])
+        pools = tuple(_pool_plan(table, sizing, stage_budget, p, bufs.get(p, ())) for p in table.pools)
         cap = None
         if alone is not None:
+            charged = per_stage[i].charged_bytes.get("state") if per_stage is not None else None
+            state = (sum(p.device_bytes for p in pools if p.kind.budget == "state")
+                     if charged is not None else None)
             cap = Capacity(sizing.stage_budget_bytes(i, len(maps)) or 0, alone[i], budget.full_tokens,
-                           sum(p.device_bytes for p in pools))
-        stages.append(StagePlan(m, pools, budget, host_full, host_swa, sizing, spec, cap, fp))
+                           sum(p.device_bytes for p in pools), charged, state)
+        stages.append(StagePlan(m, pools, stage_budget, host_full, host_swa, sizing, spec, cap, fp))
     return RunPlan(spec, tp_size, page_size, partition, sizing, faults, tuple(stages))
 
 
-def _budget(spec: ModelSpec, table: KindTable, sizing: Sizing,
-            counts: list[dict[str, int]]) -> tuple[TokenBudget, list[int] | None]:
-    """The token budget every stage is sized by, and each stage's capacity alone (memory budgets)."""
+def _budget(spec: ModelSpec, table: KindTable, sizing: Sizing, counts: list[dict[str, int]]
+            ) -> tuple[TokenBudget, list[int] | None, list[StageBudget] | None]:
+    """The token budget every stage is sized by, each stage's capacity alone (memory budgets), and
+    each stage's own units where its family sizes them (``Family.stage_budget``)."""
     page = table.page_size
+    has_state = any(table[p].kind.budget == "state" for p in table.pools)
     if sizing.mode == "runtime":
         pages = defaults.DEVICE_PAGES if sizing.device_pages is None else sizing.device_pages
-        return runtime_budget(page, pages, sizing.swa_ratio, sizing.request_slots), None
-    alone = None
+        budget = runtime_budget(page, pages, sizing.swa_ratio, sizing.request_slots)
+        if has_state:
+            budget = dataclasses.replace(budget, state_slots=sizing.request_slots)
+        return budget, None, None
+    alone = per_stage = None
     if sizing.mem_budget_bytes is not None:
-        alone = [sglang_full_tokens_for_bytes(table, c, sizing.stage_budget_bytes(i, len(counts)) or 0,
-                                              sizing.swa_ratio, sizing.max_running_requests, f"stage {i}")
-                 for i, c in enumerate(counts)]
+        own = [spec.family.stage_budget(table, c, sizing.stage_budget_bytes(i, len(counts)) or 0, sizing)
+               for i, c in enumerate(counts)]
+        if all(b is not None for b in own):
+            per_stage = [b for b in own if b is not None]
+            alone = [b.units["full"] for b in per_stage]
+        else:
+            alone = [sglang_full_tokens_for_bytes(table, c, sizing.stage_budget_bytes(i, len(counts)) or 0,
+                                                  sizing.swa_ratio, sizing.max_running_requests, f"stage {i}")
+                     for i, c in enumerate(counts)]
         full = min(alone)  # sglang all-reduces the token capacity with MIN over the PP ranks
     else:
         full = sizing.max_total_tokens or defaults.MAX_TOTAL_TOKENS
     budget = sglang_budget(page, full, spec.family.swa_floor_tokens(spec), sizing.swa_ratio,
                            sizing.max_running_requests)
-    return budget, alone
+    if has_state:
+        budget = dataclasses.replace(budget, state_slots=sizing.state_slots())
+    return budget, alone, per_stage
 
 
 def _host_space(sizing: Sizing, budget: TokenBudget) -> tuple[int, int]:
@@ -450,7 +522,7 @@ def _pool_plan(table: KindTable, sizing: Sizing, budget: TokenBudget, pool: str,
     units = budget.units(spec.kind)
     host = 0
     if spec.kind.host_cached:
-        host = sizing.host_pages if sizing.host_pages is not None else host_pages_for(units, sizing.hicache_ratio)
+        host = sizing.host_pages if sizing.host_pages is not None else spec.host_units(units, sizing.hicache_ratio)
     if sizing.mode == "sglang":
         rows, row_bytes = spec.tensor_rows(units), spec.tensor_row_bytes
     else:

@@ -34,6 +34,8 @@ class TokenBudget:
     full_tokens: int
     swa_tokens: int
     request_slots: int
+    state_slots: int | None = None  # per-request state slots (Mamba); None: no such kind
+
 
     @property
     def full_pages(self) -> int:
@@ -45,12 +47,16 @@ class TokenBudget:
 
     def units(self, kind: PoolKind) -> int:
         """Pages (paged kinds) or request slots (per-request kinds) of ``kind``."""
-        return {"full": self.full_pages, "swa": self.swa_pages, "request": self.request_slots}[kind.budget]
+        return {"full": self.full_pages, "swa": self.swa_pages, "request": self.request_slots,
+                "state": self.state_slots or 0}[kind.budget]
 
     def to_dict(self) -> dict[str, int]:
-        return {"full_tokens": self.full_tokens, "swa_tokens": self.swa_tokens,
-                "request_slots": self.request_slots, "full_pages": self.full_pages,
-                "swa_pages": self.swa_pages}
+        out = {"full_tokens": self.full_tokens, "swa_tokens": self.swa_tokens,
+               "request_slots": self.request_slots, "full_pages": self.full_pages,
+               "swa_pages": self.swa_pages}
+        if self.state_slots is not None:
+            out["state_slots"] = self.state_slots
+        return out
 
 
 def _positive(value: object, flag: str) -> None:
