@@ -52,6 +52,14 @@ def add_sizing_args(p: argparse.ArgumentParser) -> None:
                    help="SWA tokens / full tokens (default 0.1, sglang's for DeepSeek-V4)")
     p.add_argument("--max-running-requests", type=int_range(1, 1 << 20), default=defaults.MAX_RUNNING_REQUESTS,
                    help="request slots of the per-request pools (default %(default)s, sglang's for DeepSeek-V4)")
+    mamba = p.add_mutually_exclusive_group()
+    mamba.add_argument("--max-mamba-cache-size", type=int_range(1, 1 << 24), default=None,
+                       help="Mamba state slots per stage, as sglang's flag (linear-attention / Mamba "
+                            f"hybrids; default: from the memory budget, else {defaults.MAMBA_SLOTS_PER_REQUEST} "
+                            "per running request)")
+    mamba.add_argument("--mamba-full-memory-ratio", type=float_range(0.0, 1 << 10, low_open=True), default=None,
+                       help="Mamba state bytes / attention KV bytes of a memory budget, as sglang's flag "
+                            f"(default {defaults.MAMBA_FULL_MEMORY_RATIO})")
     host = p.add_mutually_exclusive_group()
     host.add_argument("--hicache-ratio", type=positive_float, default=defaults.HICACHE_RATIO,
                       help="host pages = device pages x ratio, per budget (default %(default)s, as sglang)")
@@ -73,13 +81,47 @@ def sizing_of(args: argparse.Namespace, hicache_ratio: float | None = None) -> S
         max_running_requests=args.max_running_requests,
         hicache_ratio=args.hicache_ratio if hicache_ratio is None else hicache_ratio,
         hicache_size_bytes=_gib(args.hicache_size_gb),
+        max_mamba_cache_size=getattr(args, "max_mamba_cache_size", None),
+        mamba_full_memory_ratio=getattr(args, "mamba_full_memory_ratio", None),
     )
 
 
 def plan_of(args: argparse.Namespace) -> RunPlan:
-    """The plan sized the sglang way.  sglang runs DeepSeek-V4 with 256-token pages whatever
-    --page-size says; the plan takes that page size and the report says when it overrode the flag."""
-    return plan_from_args(args, sizing_of(args), page_size=defaults.PAGE_SIZE)
+    """The plan sized the sglang way, at the page size sglang really runs the model's family with
+    (``Family.sglang_page_size``: DeepSeek-V4 256 whatever --page-size says); the report says when
+    it overrode the flag."""
+    from ..model.families import load_spec
+
+    page = load_spec(args.model).family.sglang_page_size(args.page_size)
+    return plan_from_args(args, sizing_of(args), page_size=page)
+
+
+def family_notes(plan: RunPlan, requested_page_size: int) -> list[str]:
+    """One line per way the plan differs from what the flags say or what a reader may assume."""
+    family = plan.spec.family
+    notes = ([] if requested_page_size == plan.page_size else
+             [f"sglang 0.5.23 runs {'DeepSeek-V4' if family.name == 'deepseek_v4' else family.label} with "
+              f"page_size {plan.page_size} (it overrides --page-size {requested_page_size})"])
+    state = [p for p in plan.stage(0).pools if p.kind.budget == "state"]
+    if state:
+        sz = plan.sizing
+        source = ("--max-mamba-cache-size" if sz.max_mamba_cache_size is not None else
+                  "the memory budget (--mamba-full-memory-ratio)" if sz.mem_budget_bytes is not None else
+                  f"stagecache's default of {defaults.MAMBA_SLOTS_PER_REQUEST} per running request (sglang "
+                  "sizes them from free GPU memory: give --mem-budget-gb or --max-mamba-cache-size)")
+        notes.append(f"Mamba state is per request, not per token: {state[0].units:,} slots per stage (+1 "
+                     f"padding slot), from {source}")
+    for s in plan.stages:
+        for problem in family.stage_problems(s.layer_map, plan.page_size):
+            notes.append(f"stage {s.stage}: {problem}")
+    if any(family.stage_problems(s.layer_map, plan.page_size) for s in plan.stages):
+        from ..model.layer_map import partition_without_problems
+
+        part = partition_without_problems(plan.spec, plan.pp_size, page_size=plan.page_size)
+        notes.append(f"try --pp-partition {','.join(map(str, part))}" if part is not None else
+                     f"no partition of {plan.spec.num_layers} layers over {plan.pp_size} stages avoids it: "
+                     "lower --pp-size")
+    return notes
 
 
 def accounting(args: argparse.Namespace) -> dict[str, Any]:
@@ -90,9 +132,7 @@ def accounting(args: argparse.Namespace) -> dict[str, Any]:
     plan = plan_of(args)
     report = plan.to_dict()
     report["requested_page_size"] = args.page_size
-    report["notes"] = ([] if args.page_size == plan.page_size else
-                       [f"sglang 0.5.23 runs DeepSeek-V4 with page_size {plan.page_size} (it overrides "
-                        f"--page-size {args.page_size})"])
+    report["notes"] = family_notes(plan, args.page_size)
     for stage, row in zip(plan.stages, report["stages"], strict=True):
         cached = [p for p in stage.pools if p.host_pages and p.present]
         tier = host_tier_check(f"stage {stage.stage} host tier", {p.pool: p.units for p in cached},
@@ -107,9 +147,12 @@ def deployment(plan: RunPlan) -> dict[str, Any] | None:
     caps = [s.capacity for s in plan.stages]
     if any(c is None for c in caps):
         return None
-    return {"tokens": plan.stage(0).budget.full_tokens,
-            "limited_by": min(range(plan.pp_size), key=lambda i: caps[i].tokens_alone),
-            "stranded_bytes": sum(c.stranded_bytes for c in caps)}
+    out = {"tokens": plan.stage(0).budget.full_tokens,
+           "limited_by": min(range(plan.pp_size), key=lambda i: caps[i].tokens_alone),
+           "stranded_bytes": sum(c.stranded_bytes for c in caps)}
+    if all(c.state_stranded_bytes is not None for c in caps):
+        out["state_stranded_bytes"] = sum(c.state_stranded_bytes or 0 for c in caps)
+    return out
 
 
 def this_host(args: argparse.Namespace, report: dict[str, Any]) -> dict[str, Any] | None:
@@ -160,6 +203,11 @@ def _title(report: dict[str, Any]) -> str:
     sz, s0 = report["sizing"], report["stages"][0]
     budgets = sz.get("mem_budget_bytes")
     budget = f", budget {'/'.join(human(b) for b in budgets)} per stage" if budgets else ""
+    if "state_slots" in s0:  # a family with per-request state: no SWA pool, no request pool
+        return (f"{report['model']}: {report['num_layers']} layers, pp={report['pp_size']}, "
+                f"page={report['page_size']}{budget}: attention {s0['full_tokens']:,} tokens, Mamba state "
+                f"{s0['state_slots']:,} request slots per stage, hicache_ratio={sz['hicache_ratio']}"
+                + (f", faults={','.join(report['faults'])}" if report["faults"] else ""))
     return (f"{report['model']}: {report['num_layers']} layers, pp={report['pp_size']}, "
             f"page={report['page_size']}{budget}: full {s0['full_tokens']:,} tokens, swa {s0['swa_tokens']:,} "
             f"(ratio {sz['swa_full_tokens_ratio']}), {s0['request_slots']} request slots, "
@@ -182,7 +230,7 @@ def print_accounting(report: dict[str, Any]) -> None:
         for r in s["pools"]:
             if not r["buffers"]:
                 continue
-            unit = " /slot" if r["budget"] == "request" else ""
+            unit = " /slot" if r["budget"] in ("request", "state") else ""
             table.add_row(
                 str(s["stage"]) if first else "", f"[{s['start_layer']}, {s['end_layer']})" if first else "",
                 labels[r["pool"]], str(r["buffers"]), r["budget"], f"{r['page_bytes']:,}{unit}",
@@ -218,12 +266,22 @@ def print_ledger(console: Any, report: dict[str, Any]) -> None:
     from rich.table import Table
 
     dep = report["deployment"]
+    state = "state_stranded_bytes" in dep
     table = Table(title=f"capacity: the deployment holds {dep['tokens']:,} tokens (stage "
-                        f"{dep['limited_by']} limits it); {human(dep['stranded_bytes'])} stranded in all")
-    for col in ("stage", "budget", "tokens alone", "deployment tokens", "used", "stranded"):
+                        f"{dep['limited_by']} limits it); {human(dep['stranded_bytes'])} stranded in all"
+                        + (f", {human(dep['state_stranded_bytes'])} of it Mamba state charged and never "
+                           "allocated" if state else ""))
+    cols = ["stage", "budget", "tokens alone", "deployment tokens", "used", "stranded"]
+    if state:
+        cols += ["state charged", "state allocated", "state stranded"]
+    for col in cols:
         table.add_column(col, justify="right")
     for s in report["stages"]:
         c = s["capacity"]
-        table.add_row(str(s["stage"]), human(c["budget_bytes"]), f"{c['tokens_alone']:,}", f"{c['tokens']:,}",
-                      human(c["used_bytes"]), human(c["stranded_bytes"]))
+        alone = "unbounded" if c["tokens_alone"] >= (1 << 62) else f"{c['tokens_alone']:,}"
+        row = [str(s["stage"]), human(c["budget_bytes"]), alone, f"{c['tokens']:,}",
+               human(c["used_bytes"]), human(c["stranded_bytes"])]
+        if state:
+            row += [human(c["state_charged_bytes"]), human(c["state_bytes"]), human(c["state_stranded_bytes"])]
+        table.add_row(*row)
     console.print(table)

@@ -464,6 +464,9 @@ def _assemble(spec: ModelSpec, tp_size: int, page_size: int, partition: tuple[in
         if per_stage is not None and "state" in per_stage[i].units:
             stage_budget = dataclasses.replace(budget, state_slots=per_stage[i].units["state"])
         pools = tuple(_pool_plan(table, sizing, stage_budget, p, bufs.get(p, ())) for p in table.pools)
+        left_out = {k for f in faults if f.hits(i, len(maps)) for k in f.kind.host_left_out}
+        if left_out:  # a fault leaves these kinds out of the HiCache host set
+            pools = tuple(dataclasses.replace(p, host_pages=0) if p.pool in left_out else p for p in pools)
         cap = None
         if alone is not None:
             charged = per_stage[i].charged_bytes.get("state") if per_stage is not None else None

@@ -8,7 +8,7 @@ plan's (``StagePlan.inventory``: what a constructor will build) or real pools'.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from ..errors import MappingError
 from ..model.layer_map import StageLayerMap
@@ -130,4 +130,48 @@ def validate_tiling(slices: Sequence[StageSlice], num_layers: int) -> list[Mappi
             None, "partition", num_layers, expected_next,
             f"gap: layers [{expected_next}, {num_layers}) belong to no stage",
         ))
+    return errors
+
+
+def validate_transfer_ids(stage_map: StageLayerMap) -> list[MappingError]:
+    """Per pool kind, the layers whose HiCache completion id differs from the id their reader waits
+    on (``LayerEntry.transfer_ids``; sglang #38866, #37870): one error per pool."""
+    s = stage_map.stage
+    errors: list[MappingError] = []
+    for k in stage_map.kinds:
+        bad = [(e, ids) for e in stage_map.pool_layers(k.name)
+               if (ids := e.transfer_ids()) is not None and ids[0] != ids[1]]
+        if not bad:
+            continue
+        never = [e.global_id for e, (sent, _) in bad if sent is None]
+        wrong = [(e.global_id, sent, want) for e, (sent, want) in bad if sent is not None]
+        parts = []
+        if wrong:
+            parts.append("HiCache signals global layer(s) " + ", ".join(
+                f"{g} with id {sent} while its reader waits on {want}" for g, sent, want in wrong[:4])
+                + (f" (and {len(wrong) - 4} more)" if len(wrong) > 4 else ""))
+        if never:
+            parts.append(f"HiCache never signals global layer(s) {never} (the transfer bound stops below "
+                         "their stage-local ids)")
+        errors.append(MappingError(s, k.name, "signalled id == awaited id",
+                                   [[sent, want] for _, (sent, want) in bad],
+                                   f"stage {s} {k.label} pool: " + "; ".join(parts)))
+    return errors
+
+
+def validate_host(stage_map: StageLayerMap, device_present: Mapping[str, int],
+                  host_buffers: Mapping[str, int]) -> list[MappingError]:
+    """Per HiCache-mirrored pool kind the stage holds: the host set must hold every present device
+    buffer (a kind left out of it loads back without its data).  Kinds the record does not report
+    on the host are not judged."""
+    s = stage_map.stage
+    errors: list[MappingError] = []
+    for k in stage_map.kinds:
+        want, got = device_present.get(k.name, 0), host_buffers.get(k.name)
+        if not k.host_cached or got is None or not want or got >= want:
+            continue
+        errors.append(MappingError(
+            s, k.name, want, got,
+            f"stage {s}: the HiCache host set holds {got} of the {want} {k.label} buffers: {k.label} is "
+            "missing from the host set, so a load brings pages back without it"))
     return errors
