@@ -369,6 +369,7 @@ class RunPlan:
 
     def resized(self, sizing: Sizing) -> RunPlan:
         """The same layer maps and buffers under another sizing (what-fits searches)."""
+        sizing = sizing.for_family(self.spec.family).for_table(self.kinds)
         return _assemble(self.spec, self.tp_size, self.page_size, self.partition, sizing, self.faults,
                          [s.layer_map for s in self.stages], [s.buffers for s in self.stages])
 

@@ -1,0 +1,227 @@
+"""Linear-attention / Mamba hybrids: ``stagecache pools --json`` and ``check --json`` == what sglang
+0.5.23 builds, per stage and pool, on its own objects (CPU).
+
+Runs in ``.venv-sglang`` (tests/support/sglang_linear.py builds sglang's pools for a preset's real
+``config.json``).  Per stage and pool kind: buffers, bytes per page (attention) or per request
+slot (Mamba), tensor rows, device bytes; the HiCache host pools sglang's assembler builds (pages or
+slots, bytes); the controller's transfer bound, each pool's layer mapper and the ids readers wait
+on; and under a memory budget sglang's tokens per stage, Mamba slots, the bytes it charges for the
+state and the MIN over stages.  Every non-MLA architecture's layer kinds and state shapes are
+compared with sglang's own config classes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+pytest.importorskip("sglang", reason="sglang not installed (runs in .venv-sglang)")
+
+from sglang.srt.distributed.utils import get_pp_indices  # noqa: E402
+from sglang_linear import (  # noqa: E402
+    GIB,
+    budget_sizes,
+    build_linear_stage,
+    host_facts,
+    host_stack,
+    pool_facts,
+    published_linear,
+    transfer_facts,
+)
+from sglang_real import partition_env  # noqa: E402
+from stagecache.runtime.cli.main import main  # noqa: E402
+
+TOKENS = 8192
+SLOTS = 16
+LAYOUTS = [
+    ("qwen3.5-0.8b", 1, None), ("qwen3.5-0.8b", 2, None), ("qwen3.5-0.8b", 4, None),
+    ("qwen3.5-0.8b", 4, (5, 7, 6, 6)),
+    ("nemotron-h-8b", 1, None), ("nemotron-h-8b", 2, None), ("nemotron-h-8b", 4, None),
+    ("nemotron-h-8b", 4, (8, 14, 15, 15)),
+]
+#: Layouts whose stages all hold an attention layer: sglang builds their HiCache host KV pools.
+#: (qwen3.5 3,7,7,7 and nemotron-h pp 8 have stages without one: ``test_stage_without_attention``.)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    logging.getLogger("sglang").setLevel(logging.ERROR)
+    return tmp_path_factory.mktemp("models")
+
+
+def run_json(capsys, command: str, model: str, pp: int, partition, *extra: str) -> tuple[int, dict]:
+    argv = [command, "--model", model, "--pp-size", str(pp), "--page-size", "256", "--json", *extra]
+    if partition:
+        argv += ["--pp-partition", ",".join(map(str, partition))]
+    code = main(argv)
+    return code, json.loads(capsys.readouterr().out)
+
+
+def ours_ids(stage: dict) -> dict[str, dict[str, dict[int, int]]]:
+    """From ``check --json``: per pool, signalled id -> buffer, and global layer -> awaited id."""
+    out: dict[str, dict[str, dict[int, int]]] = {}
+    for pool, field, kinds in (("attention", "attention_id", {"attention", "hybrid"}),
+                               ("mamba", "mamba_id", {"mamba", "hybrid"})):
+        layers = [e for e in stage["layers"] if e["layer_type"] in kinds]
+        out[pool] = {"mapper": {e["transfer_id"]: e[field] for e in layers},
+                     "waits": {e["global"]: e["local"] for e in layers}}
+    return out
+
+
+@pytest.mark.parametrize(("model", "pp", "partition"), LAYOUTS,
+                         ids=[f"{m}-pp{pp}-" + (",".join(map(str, p)) if p else "even") for m, pp, p in LAYOUTS])
+def test_pools_and_ids_equal_sglangs(capsys, models, model, pp, partition):
+    extra = ("--max-total-tokens", str(TOKENS), "--max-mamba-cache-size", str(SLOTS), "--hicache-ratio", "2")
+    code, report = run_json(capsys, "pools", model, pp, partition, *extra)
+    assert code == 0
+    check_code, checked = run_json(capsys, "check", model, pp, partition)
+    assert check_code == 0, checked
+    mismatches = []
+    with partition_env(partition), published_linear(models, model, pp_size=pp, page_size=256,
+                                                     max_total_tokens=TOKENS, max_mamba_cache_size=SLOTS,
+                                                     max_running_requests=4, hicache_ratio=2.0) as (sa, mc):
+        assert mc.num_hidden_layers == report["num_layers"]
+        for ours, ids in zip(report["stages"], checked["stages"], strict=True):
+            stage = build_linear_stage(sa, mc, ours["stage"], pp)
+            kv = stage.kvcache
+            assert (ours["start_layer"], ours["end_layer"]) == get_pp_indices(mc.num_hidden_layers, ours["stage"], pp)
+            assert ours["start_layer"] == kv.start_layer == stage.req_pool.start_layer
+            assert ours["full_tokens"] == stage.config.max_total_num_tokens
+            assert ours["state_slots"] == stage.req_pool.mamba_pool.size
+            device, host = pool_facts(stage), host_facts(host_stack(stage, sa))
+            transfer = transfer_facts(stage, host_stack(stage, sa))
+            rows = {r["pool"]: r for r in ours["pools"]}
+            for pool in ("attention", "mamba"):
+                r = rows[pool]
+                want = {**device[pool], **host[pool]}
+                got = {"buffers": r["buffers"], "device_bytes": r["device_bytes"],
+                       "tensor_rows": {r["tensor_rows"]}, "page_bytes": r["page_bytes"] if r["buffers"] else None,
+                       "device_pages": r["device_pages"], "host_pages": r["host_pages"],
+                       "host_bytes": r["host_bytes"]}
+                mismatches += [(ours["stage"], pool, k, got[k], want[k]) for k in want if got[k] != want[k]]
+            assert ours["device_bytes"] == sum(device[p]["device_bytes"] for p in device)
+            # HiCache ids: the controller's bound, each pool's mapper, what readers wait on
+            mine = ours_ids(ids)
+            cached = [e["local"] for e in ids["layers"] if e["layer_type"] != "none"]
+            assert max(cached) + 1 == transfer["bound"] == transfer["events"]
+            for pool in ("attention", "mamba"):
+                if mine[pool]["mapper"] != transfer["mappers"][pool]:
+                    mismatches.append((ours["stage"], pool, "mapper", mine[pool]["mapper"], transfer["mappers"][pool]))
+                if mine[pool]["waits"] != transfer["waits"][pool]:
+                    mismatches.append((ours["stage"], pool, "waits", mine[pool]["waits"], transfer["waits"][pool]))
+    assert mismatches == []
+
+
+BUDGETS = [("qwen3.5-0.8b", 4, None, 6), ("qwen3.5-0.8b", 4, (5, 7, 6, 6), 6), ("qwen3.5-0.8b", 2, None, 3),
+           ("nemotron-h-8b", 4, None, 40), ("nemotron-h-8b", 8, None, 40)]
+
+
+@pytest.mark.parametrize(("model", "pp", "partition", "gb"), BUDGETS,
+                         ids=[f"{m}-pp{pp}-{gb}G" + ("-" + ",".join(map(str, p)) if p else "")
+                              for m, pp, p, gb in BUDGETS])
+def test_memory_budget_gives_sglangs_tokens_slots_and_charge(capsys, models, model, pp, partition, gb):
+    """sglang charges each stage the state of the stage with the most Mamba layers; PP takes the MIN
+    of the tokens.  Sized without allocating (full-size pools would be gigabytes)."""
+    code, report = run_json(capsys, "pools", model, pp, partition, "--mem-budget-gb", str(gb))
+    assert code == 0
+    with partition_env(partition):
+        sglang = []
+        for rank in range(pp):
+            with published_linear(models, model, pp_size=pp, page_size=256) as (sa, mc):
+                sglang.append(budget_sizes(sa, mc, rank, pp, gb * GIB))
+    tokens = min(s["tokens"] for s in sglang)
+    for ours, theirs in zip(report["stages"], sglang, strict=True):
+        cap = ours["capacity"]
+        assert cap["tokens_alone"] == theirs["tokens"], ours["stage"]
+        assert ours["full_tokens"] == cap["tokens"] == tokens
+        assert ours["state_slots"] == theirs["slots"]
+        assert abs(cap["state_charged_bytes"] - theirs["charged"]) <= 1  # sglang's float GiB arithmetic
+        mamba = next(r for r in ours["pools"] if r["pool"] == "mamba")
+        assert cap["state_bytes"] == mamba["device_bytes"] == mamba["buffers"] * (theirs["slots"] + 1) * \
+            mamba["page_bytes"]
+    if model == "qwen3.5-0.8b" and pp == 4 and partition is None:  # stages 1, 3: 4 Mamba layers, charged for 5
+        stranded = [s["capacity"]["state_stranded_bytes"] for s in report["stages"]]
+        assert stranded[0] == stranded[2] == 0 and stranded[1] == stranded[3] > 0
+        assert report["deployment"]["state_stranded_bytes"] == sum(stranded)
+
+
+@pytest.mark.parametrize(("model", "pp", "partition"), [("qwen3.5-0.8b", 4, (3, 7, 7, 7)), ("nemotron-h-8b", 8, None)])
+def test_stage_without_attention(capsys, models, model, pp, partition):
+    """sglang builds such a stage's device pools, but its HiCache host KV pool fails to allocate
+    (0 bytes per token): ``check`` names the stage, ``pools`` suggests a partition or says none exists."""
+    code, checked = run_json(capsys, "check", model, pp, partition)
+    assert code == 1
+    named = {s["stage"] for s in checked["stages"] for e in s["errors"] if "no attention layer" in e["message"]}
+    _, report = run_json(capsys, "pools", model, pp, partition, "--max-total-tokens", str(TOKENS),
+                         "--max-mamba-cache-size", "4", "--hicache-ratio", "2")
+    failed = set()
+    with partition_env(partition), published_linear(models, model, pp_size=pp, page_size=256,
+                                                     max_total_tokens=TOKENS, max_mamba_cache_size=4,
+                                                     max_running_requests=4, hicache_ratio=2.0) as (sa, mc):
+        for rank in range(pp):
+            stage = build_linear_stage(sa, mc, rank, pp)
+            assert len(stage.kvcache.full_kv_pool.k_buffer) == report["stages"][rank]["pools"][0]["buffers"]
+            try:
+                host_stack(stage, sa)
+            except OSError as exc:
+                assert exc.errno == 22  # EINVAL: a 0-byte host allocation
+                failed.add(rank)
+    assert named == failed and failed
+    hint = [n for n in report["notes"] if n.startswith(("try --pp-partition", "no partition"))]
+    assert hint == (["try --pp-partition 6,6,6,6"] if model == "qwen3.5-0.8b" else
+                    ["no partition of 52 layers over 8 stages avoids it: lower --pp-size"])
+
+
+def _sglang_config(arch_cfg: dict):
+    from sglang.srt.configs import falcon_h1, granitemoehybrid, lfm2, nemotron_h, qwen3_5, qwen3_next
+
+    arch = arch_cfg["architectures"][0]
+    cls = {"Qwen3_5ForConditionalGeneration": qwen3_5.Qwen3_5Config, "Qwen3NextForCausalLM": qwen3_next.Qwen3NextConfig,
+           "NemotronHForCausalLM": nemotron_h.NemotronHConfig,
+           "GraniteMoeHybridForCausalLM": granitemoehybrid.GraniteMoeHybridConfig,
+           "FalconH1ForCausalLM": falcon_h1.FalconH1Config, "Lfm2ForCausalLM": lfm2.Lfm2Config}[arch]
+    return cls(**{k: v for k, v in arch_cfg.items() if k != "architectures"}, architectures=[arch])
+
+
+ARCH_CONFIGS = {
+    "qwen3-next": {"architectures": ["Qwen3NextForCausalLM"], "num_hidden_layers": 12, "full_attention_interval": 3,
+                   "num_key_value_heads": 2, "head_dim": 256, "hidden_size": 2048, "num_attention_heads": 16,
+                   "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+                   "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4},
+    "nemotron-h": {"architectures": ["NemotronHForCausalLM"], "hybrid_override_pattern": "M-M*-EM*M",
+                   "num_key_value_heads": 8, "mamba_num_heads": 64, "mamba_head_dim": 64, "ssm_state_size": 128,
+                   "n_groups": 4, "conv_kernel": 4, "hidden_size": 2048},
+    "granite": {"architectures": ["GraniteMoeHybridForCausalLM"], "num_hidden_layers": 12, "hidden_size": 1536,
+                "num_attention_heads": 12, "num_key_value_heads": 4, "mamba_n_heads": 48, "mamba_d_head": 64,
+                "mamba_d_state": 128, "mamba_n_groups": 1, "mamba_d_conv": 4, "mamba_expand": 2},
+    "granite-types": {"architectures": ["GraniteMoeHybridForCausalLM"], "num_hidden_layers": 4, "hidden_size": 1536,
+                      "num_attention_heads": 12, "num_key_value_heads": 4, "mamba_n_heads": 48, "mamba_d_head": 64,
+                      "mamba_d_state": 128, "mamba_n_groups": 1, "mamba_d_conv": 4, "mamba_expand": 2,
+                      "layer_types": ["mamba", "attention", "linear_attention", "full_attention"]},
+    "falcon-h1": {"architectures": ["FalconH1ForCausalLM"], "num_hidden_layers": 6, "hidden_size": 1024,
+                  "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128, "mamba_d_ssm": 1536,
+                  "mamba_n_heads": 24, "mamba_d_head": 64, "mamba_d_state": 128, "mamba_n_groups": 1,
+                  "mamba_d_conv": 4},
+    "lfm2": {"architectures": ["Lfm2ForCausalLM"], "num_hidden_layers": 6, "hidden_size": 1024,
+             "num_attention_heads": 16, "num_key_value_heads": 8, "conv_L_cache": 3,
+             "layer_types": ["conv", "conv", "full_attention", "conv", "full_attention", "conv"]},
+}
+
+
+@pytest.mark.parametrize("name", sorted(ARCH_CONFIGS))
+def test_layer_kinds_and_state_shapes_equal_sglangs_config_classes(name):
+    from stagecache.runtime.model.families import spec_from_config
+
+    cfg = ARCH_CONFIGS[name]
+    spec = spec_from_config(dict(cfg), name)
+    theirs = _sglang_config(cfg)
+    params = theirs.mamba2_cache_params
+    full = set(theirs.full_attention_layer_ids)
+    mamba = set(params.layers)
+    assert {i for i, k in enumerate(spec.layer_kinds) if k in ("attention", "hybrid")} == full
+    assert {i for i, k in enumerate(spec.layer_kinds) if k in ("mamba", "hybrid")} == mamba
+    assert [tuple(spec.conv_shape)] == [tuple(c) for c in params.shape.conv]
+    assert tuple(spec.temporal_shape) == tuple(params.shape.temporal)
+    assert spec.state_slot_bytes * len(mamba) == params.mamba_cache_per_req
