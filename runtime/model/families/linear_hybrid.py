@@ -443,9 +443,9 @@ class LinearHybrid(Family):
     def stage_problems(self, stage_map: StageLayerMap, page_size: int = 1) -> list[str]:
         if any(KINDS["attention"].owns(e.kind) for e in stage_map.layers):
             return []
-        return [f"holds no attention layer: sglang 0.5.23 builds its HiCache host KV pool with 0 bytes "
-                f"per token and the allocation fails (OSError: [Errno 22] Invalid argument); give every "
-                f"stage an attention layer (--pp-partition)"]
+        return ["holds no attention layer: sglang 0.5.23 builds its HiCache host KV pool with 0 bytes "
+                "per token and the allocation fails (OSError: [Errno 22] Invalid argument); give every "
+                "stage an attention layer (--pp-partition)"]
 
     def stage_budget(self, table: KindTable, counts: Mapping[str, int], budget_bytes: int,
                      sizing: Sizing) -> StageBudget | None:
