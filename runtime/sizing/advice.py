@@ -102,8 +102,12 @@ def _curve_json(curves: TraceCurves, marked: Sequence[int]) -> dict[str, list[An
 def sglang_notes(plan: RunPlan) -> list[str]:
     """What the suggested flags mean in sglang 0.5.23 for this model."""
     refused = plan.spec.family.host_size_refused
+    state = [p for p in plan.stage(0).pools if p.kind.budget == "state"]
     return [
         *([f"host tier: {refused}"] if refused else []),
+        *([f"{state[0].kind.label} is per request, not per token: {state[0].units:,} slots per stage "
+           "(+1 padding slot) whatever the hit rate; the bytes per page here are the attention KV "
+           "only, the state is in `stagecache pools`"] if state else []),
         "sglang warns when the host tier is not larger than the device tier: it then holds what "
         "the device holds and adds no hit",
         f"--max-total-tokens is the device tier's token budget per stage (pages of {plan.page_size} "
