@@ -107,7 +107,7 @@ class KvWriter:
         self.plans: list[_PoolPlan] = []
         for idx, kind in enumerate(self.stage_map.kinds):
             gids = [e.global_id for e in self.stage_map.pool_layers(kind.name)]
-            if not gids or not kind.host_cached:  # per-request state: not addressed by page
+            if not gids or not kind.host_cached or not kind.paged:  # per-request state: not addressed by page
                 continue
             self.plans.append(_PoolPlan(kind.name, idx, gids, pools.page_bytes(kind.name), seed, self.device))
 

@@ -260,7 +260,10 @@ class StageWorker:
                     for e in l3_errors]
         return stage_record(self.cfg.plan, inventory=pools.inventory(),
                             pool_page_bytes=pools.pool_page_bytes(), device_bytes=pools.pool_bytes(),
-                            host_buffers={p: sum(m) for p, m in host.mirrored.items()},
+                            # per-request state stays on the device in stagecache's own runtime
+                            # (its host tier is page-addressed): no host set to judge for it
+                            host_buffers={p: sum(m) for p, m in host.mirrored.items()
+                                          if self.cfg.plan.pool(p).kind.paged},
                             findings=findings, engine=_engine())
 
     def _startup(self, l3_errors: list[str]) -> bool:

@@ -36,7 +36,7 @@ class L3Options:
 def object_bytes(stage_plan: StagePlan) -> dict[str, int]:
     """Bytes of one L3 object per host-cached pool kind of a stage (one page, every buffer)."""
     return {p.pool: p.present * p.page_bytes for p in stage_plan.pools
-            if p.present and p.host_pages and p.kind.host_cached}
+            if p.present and p.host_pages and p.kind.host_cached and p.kind.paged}
 
 
 def capacity_pages(plan: RunPlan, size_bytes: int) -> int:
@@ -57,7 +57,8 @@ def open_store(opts: L3Options, plan: RunPlan, stage: int, tp_rank: int = 0) -> 
         if not opts.dir:
             raise StoreUnavailable("--l3 file needs a directory (--l3-dir)")
         cap = stage_capacity_bytes(plan, stage, opts.size_bytes)
-        if cap <= 0:
+        # a stage with no page-addressed pool (a Mamba-only stage) stores nothing in L3
+        if cap <= 0 and object_bytes(plan.stage(stage)):
             raise StoreUnavailable(f"--l3-size-gb {opts.size_bytes / (1 << 30):g}: too small for one "
                                    "page of every stage")
         return FileStore(opts.dir, cap, owner=space.prefix), space
