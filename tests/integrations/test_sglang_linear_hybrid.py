@@ -20,6 +20,7 @@ import pytest
 pytest.importorskip("sglang", reason="sglang not installed (runs in .venv-sglang)")
 
 from sglang.srt.distributed.utils import get_pp_indices  # noqa: E402
+from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as hpa  # noqa: E402
 from sglang_linear import (  # noqa: E402
     GIB,
     budget_sizes,
@@ -232,3 +233,76 @@ def test_layer_kinds_and_state_shapes_equal_sglangs_config_classes(name):
     assert [tuple(spec.conv_shape)] == [tuple(c) for c in params.shape.conv]
     assert tuple(spec.temporal_shape) == tuple(params.shape.temporal)
     assert spec.state_slot_bytes * len(mamba) == params.mamba_cache_per_req
+
+
+# -- the family's faults, built with sglang's own classes as each bug built them ---------------------
+
+@pytest.mark.parametrize("fault", ["global-attention", "unsplit-mamba"])
+def test_count_faults_equal_sglangs_pools_built_the_buggy_way(capsys, models, monkeypatch, fault):
+    """``global-attention``: the attention pool built over the whole model's attention layers;
+    ``unsplit-mamba`` (#21448): the Mamba pool over every Mamba layer of the model.  sglang's own
+    configurator builds them with its stage filter widened to the whole model."""
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+    from sglang.srt.model_executor.model_runner_components.layer_setup import ModelLayerInfo
+
+    pp = 2
+    if fault == "unsplit-mamba":
+        monkeypatch.setattr(KVCacheConfigurator, "_get_mamba_layer_ids_for_req_pool",
+                            lambda self: list(self.mambaish_config.mamba2_cache_params.layers))
+    else:
+        build = KVCacheConfigurator._build_hybrid_linear_kv_pool
+
+        def whole_model(self, **kw):
+            saved = self.layer_info
+            n = self.model_config.num_hidden_layers
+            self.layer_info = ModelLayerInfo(start_layer=0, end_layer=n, num_effective_layers=n)
+            try:
+                return build(self, **kw)
+            finally:
+                self.layer_info = saved
+
+        monkeypatch.setattr(KVCacheConfigurator, "_build_hybrid_linear_kv_pool", whole_model)
+    _, report = run_json(capsys, "pools", "qwen3.5-0.8b", pp, None, "--max-total-tokens", str(TOKENS),
+                         "--max-mamba-cache-size", str(SLOTS), "--fault", fault)
+    with published_linear(models, "qwen3.5-0.8b", pp_size=pp, page_size=256, max_total_tokens=TOKENS,
+                          max_mamba_cache_size=SLOTS, max_running_requests=2) as (sa, mc):
+        for ours in report["stages"]:
+            device = pool_facts(build_linear_stage(sa, mc, ours["stage"], pp))
+            for r in ours["pools"]:
+                assert (r["buffers"], r["device_bytes"]) == (device[r["pool"]]["buffers"],
+                                                             device[r["pool"]]["device_bytes"]), (ours["stage"], r["pool"])
+    code, checked = run_json(capsys, "check", "qwen3.5-0.8b", pp, None, "--fault", fault)
+    assert code == 1 and all(not s["ok"] for s in checked["stages"])
+
+
+@pytest.mark.parametrize(("fault", "model", "pp"), [("mamba-len-bound", "nemotron-h-8b", 1),
+                                                    ("mamba-transfer-ids", "qwen3.5-0.8b", 2)])
+def test_transfer_id_faults_equal_sglangs_mappers_built_the_buggy_way(capsys, models, fault, model, pp):
+    """#37870: sglang's layer mapper with the bound ``len(keys)``; #38866: the Mamba mapping left in
+    global ids.  What sglang's ``_make_layer_mapper`` then signals is what ``check --fault`` reports."""
+    code, checked = run_json(capsys, "check", model, pp, None, "--fault", fault)
+    assert code == 1
+    with published_linear(models, model, pp_size=pp, page_size=256, max_total_tokens=TOKENS,
+                          max_mamba_cache_size=SLOTS, max_running_requests=2, hicache_ratio=1.0) as (sa, mc):
+        for ours in checked["stages"]:
+            stage = build_linear_stage(sa, mc, ours["stage"], pp)
+            kv, req = stage.kvcache, stage.req_pool
+            full = {g - kv.start_layer: i for g, i in kv.full_attention_layer_id_mapping.items()}
+            if fault == "mamba-len-bound":
+                mamba = {g - req.start_layer: i for g, i in req.mamba_map.items()}
+                bound = len(full.keys() | mamba.keys())  # the bug: len(keys), not max + 1
+            else:
+                mamba = dict(req.mamba_map) if ours["stage"] >= 1 else \
+                    {g - req.start_layer: i for g, i in req.mamba_map.items()}  # later stages: not rebased
+                bound = max(full.keys() | mamba.keys()) + 1
+            signalled = {pool: {i: m(i) for i in range(bound) if m(i) is not None}
+                         for pool, m in (("attention", hpa._make_layer_mapper(full, bound)),
+                                         ("mamba", hpa._make_layer_mapper(mamba, bound)))}
+            mine = ours_ids(ours)
+            for pool in ("attention", "mamba"):
+                sent = {k: v for k, v in mine[pool]["mapper"].items() if k is not None and k < bound}
+                assert sent == signalled[pool], (ours["stage"], pool)
+            named = {e["pool"] for e in ours["errors"]}
+            wrong = {pool for pool in ("attention", "mamba")
+                     if set(signalled[pool]) != set(mine[pool]["waits"].values())}
+            assert named == wrong
