@@ -111,6 +111,9 @@ def family_notes(plan: RunPlan, requested_page_size: int) -> list[str]:
                   "sizes them from free GPU memory: give --mem-budget-gb or --max-mamba-cache-size)")
         notes.append(f"Mamba state is per request, not per token: {state[0].units:,} slots per stage (+1 "
                      f"padding slot), from {source}")
+        if plan.tp_size > 1:
+            notes.append(f"--tp-size {plan.tp_size} is not modelled for {family.label} models: the sizes "
+                         "are those of one rank at TP 1")
     for s in plan.stages:
         for problem in family.stage_problems(s.layer_map, plan.page_size):
             notes.append(f"stage {s.stage}: {problem}")

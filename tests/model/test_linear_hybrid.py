@@ -5,6 +5,8 @@ are compared in tests/integrations/test_sglang_linear_hybrid.py."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 from stagecache.runtime.cli.main import main
@@ -180,3 +182,32 @@ def test_bench_check_at_pp8_is_under_50ms(capsys):
         assert main(["bench", "check", "--model", model, "--max-pp", "8", "--repeat", "20"]) == 0
         result = json.loads(capsys.readouterr().out)["results"][-1]
         assert result["pp_size"] == 8 and result["check_median_ms"] < 50, result
+
+
+# -- serve and advise on the presets ----------------------------------------------------------------
+
+def _serve(*extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "stagecache.runtime", "serve", "--pp-size", "2", "--requests", "8",
+                           "--rate", "0", "--no-dashboard", *extra], capture_output=True, text=True, timeout=300)
+
+
+def test_serve_runs_a_linear_hybrid_and_refuses_its_faults():
+    """Real stage processes: the attention KV pages move through the host tier and are verified
+    byte for byte; the Mamba state stays on the device (stagecache's runtime pages its host tier)."""
+    proc = _serve("--model", "nemotron-h-8b")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "cache decisions identical on every stage" in proc.stdout
+    proc = _serve("--model", "qwen3.5-0.8b", "--fault", "unsplit-mamba")
+    assert proc.returncode == 1
+    assert "got 18 buffers for 9 local Mamba layers" in proc.stdout + proc.stderr
+
+
+def test_advise_notes_the_state_is_per_request(capsys, tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": i, "input_length": 1536, "output_length": 8,
+                                         "hash_ids": [0, 1, 100 + i % 5]}) + "\n" for i in range(20)))
+    code, report = run_json(capsys, "advise", "--trace", str(trace), "--model", "qwen3.5-0.8b", "--pp-size", "4",
+                            "--mem-budget-gb", "6")
+    assert code == 0
+    assert any("Mamba state is per request, not per token" in n for n in report["notes"])
+    assert report["deployment"]["state_stranded_bytes"] > 0
