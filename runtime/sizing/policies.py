@@ -241,12 +241,12 @@ class Node:
 
 @dataclass
 class EvictionCall:
-    """One eviction call: pages asked for, and the evicted nodes (key of their first page and
-    their pages), in order."""
+    """One eviction call: the request it made room for, pages asked for, and the evicted nodes'
+    page keys, node by node in eviction order."""
 
     request: int
     asked: int
-    evicted: list[tuple[int, int]]
+    evicted: list[list[int]]
 
 
 @dataclass
@@ -383,9 +383,10 @@ class RadixModel:
         self._offer(leaf)
         return off, leaf
 
-    def evict(self, pages: int) -> list[tuple[int, int]]:
-        """Whole leaves in the strategy's order until ``pages`` are freed (or none is left)."""
-        out: list[tuple[int, int]] = []
+    def evict(self, pages: int) -> list[list[int]]:
+        """Whole leaves in the strategy's order until ``pages`` are freed (or none is left); the
+        evicted nodes' keys."""
+        out: list[list[int]] = []
         freed = 0
         heap = self.heap
         while freed < pages and heap:
@@ -398,7 +399,7 @@ class RadixModel:
             node.parent = None
             freed += len(node.keys)
             self.size -= len(node.keys)
-            out.append((node.keys[0], len(node.keys)))
+            out.append(node.keys)
             self._offer(parent)
         if len(heap) > 8 * (self.next_id + 64):
             self._rebuild()
