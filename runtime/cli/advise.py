@@ -39,6 +39,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-belady", action="store_true",
                    help="skip Belady's offline bound at the marked sizes (about a second per simulated size "
                         "on a 300,000-page trace)")
+    p.add_argument("--policies", nargs="*", default=None, metavar="POLICY",
+                   help="also evaluate sglang's radix eviction policies (lru lfu slru priority tlru; "
+                        "none named: all five) at the configured size and the LRU curve's 50/90/95/99 %% "
+                        "points, per tier, beside Belady; advice per stage with the flags")
+    p.add_argument("--policy-config", action="append", default=[], metavar="POLICY=JSON",
+                   help="a policy's --radix-eviction-policy-config, e.g. 'slru={\"protected_threshold\": 4}' "
+                        "(T-LRU default: threshold 4096, next_prompt_estimate 512, sglang's help example)")
+    p.add_argument("--policy-order", choices=("auto", "sglang", "stagecache"), default="auto",
+                   help="whose strategy classes rank the leaves: sglang's where installed (auto), "
+                        "sglang's (refused without sglang) or stagecache's versions")
     p.add_argument("--json", action="store_true", help="print the JSON report instead of tables")
     p.add_argument("--plot", metavar="FILE.html", default=None,
                    help="also write a standalone HTML page with the curves (plotly.js inside)")
@@ -102,6 +112,7 @@ def advise(args: argparse.Namespace, bar: Progress) -> dict[str, Any]:
     from ..sizing.advice import TARGETS, build_report
     from ..sizing.bounds import belady_curve
     from ..sizing.curves import page_views, trace_curves
+    from ..sizing.policy_advice import EVAL_SHARES, build_policy_report
 
     t0 = time.perf_counter()
     requests, info = _read(args, bar)
@@ -111,14 +122,51 @@ def advise(args: argparse.Namespace, bar: Progress) -> dict[str, Any]:
     curves = trace_curves(views, bar, lambda i: f"trace {args.trace} line {requests[i].line}")
     t2 = time.perf_counter()
     sizes = [curves.total.pages_for(s) for s in TARGETS] + [plan.stage(0).host_pages]
+    specs = _policy_specs(args)
+    if specs is not None:
+        sizes += [curves.device.pages_for(s) for s in EVAL_SHARES] + [plan.stage(0).device_pages]
     belady = {} if args.no_belady else belady_curve(views, sizes, bar)
     t3 = time.perf_counter()
     report = build_report(curves, plan, belady, info)
+    if specs is not None:
+        factory, source = _strategy_factory(args.policy_order)
+        bar("eviction policies", 0, 0)
+        report["policies"] = build_policy_report(views, curves, plan, specs, factory, source, belady)
+        bar("eviction policies", 1, 1)
     report["deployment"] = deployment(plan)
     report["seconds"] = {"read": round(t1 - t0, 3), "curves": round(t2 - t1, 3),
                          "belady": round(t3 - t2, 3), "total": round(time.perf_counter() - t0, 3)}
+    if specs is not None:
+        report["seconds"]["policies"] = report["policies"]["seconds"]
     report["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     return report
+
+
+def _policy_specs(args: argparse.Namespace) -> list[Any] | None:
+    """The policies ``--policies`` asks for (None: not asked), configs validated up front."""
+    from ..sizing.policies import parse_policy_config, policy_specs
+
+    if args.policies is None:
+        if args.policy_config:
+            raise ConfigError("--policy-config needs --policies")
+        return None
+    return policy_specs(args.policies, parse_policy_config(args.policy_config))
+
+
+def _strategy_factory(order: str) -> tuple[Any, str]:
+    """Whose ``get_priority`` ranks the leaves, and its name for the report."""
+    from ..sizing.policies import own_strategy
+
+    if order != "stagecache":
+        from ..integrations.sglang_eviction import sglang_factory, sglang_version
+
+        factory = sglang_factory()
+        if factory is not None:
+            return factory, f"sglang {sglang_version() or ''}".strip()
+        if order == "sglang":
+            raise ConfigError("--policy-order sglang: sglang cannot be imported here; install it "
+                              "(pip install '.[sglang]') or use --policy-order stagecache")
+    return own_strategy, "stagecache"
 
 
 def run(args: argparse.Namespace) -> int:
