@@ -233,13 +233,16 @@ def print_report(report: dict[str, Any]) -> None:
     _print_stages(console, report)
     if report.get("deployment"):
         print_ledger(console, report)
+    if report.get("policies"):
+        print_policies(console, report["policies"])
     for note in report["notes"]:
         console.print(f"note: {note}")
     if tr["repeated_requests"]:
         console.print(f"note: {tr['repeated_requests']} request(s) keep again pages past their lookable "
                       "prefix (a repeated prompt and answer): the device-tier column is an upper bound")
     s = report["seconds"]
-    console.print(f"read {s['read']} s, curves {s['curves']} s, Belady {s['belady']} s; "
+    extra = f", policies {s['policies']} s" if "policies" in s else ""
+    console.print(f"read {s['read']} s, curves {s['curves']} s, Belady {s['belady']} s{extra}; "
                   f"peak RSS {report['peak_rss_mib']} MiB")
 
 
@@ -258,3 +261,58 @@ def _print_stages(console: Any, report: dict[str, Any]) -> None:
                       human(s["knee"]["host_bytes"]), human(s["configured"]["host_bytes"]),
                       *(human(t["device_bytes"]) for t in s["targets"]))
     console.print(table)
+
+
+def print_policies(console: Any, pol: dict[str, Any]) -> None:
+    """The ``--policies`` tables: hit rates at the marked sizes, pages and flags per share, bytes
+    per stage."""
+    from rich.table import Table
+
+    labels = [p["name"] if not p["config"] else f"{p['name']}*" for p in pol["policies"]]
+    for tier in pol["tiers"]:
+        what = "device tier alone" if tier["tier"] == "device" else "device + host (host pages)"
+        table = Table(title=f"eviction policies, {what}: hit rate at each size (order: "
+                            f"{pol['source']}; ceiling {_pct(tier['ceiling_hit_rate'])})")
+        for col in ("size", "pages", "Belady", *labels, "best"):
+            table.add_column(col, justify="right")
+        for row in tier["sizes"]:
+            b = row["belady_hit_rate"]
+            table.add_row(row["mark"], f"{row['pages']:,}", _pct(b) if b is not None else "-",
+                          *(_pct(row["hit_rate"][p["label"]]) for p in _labelled(pol)),
+                          row["best"].split(" ")[0])
+        console.print(table)
+        table = Table(title=f"eviction policies, {what}: pages each needs for a share of the ceiling")
+        for col in ("share", *labels, "best", "saved vs lru", "flags"):
+            table.add_column(col, justify="right")
+        for row in tier["targets"]:
+            table.add_row(f"{100 * row['share']:g}%",
+                          *(f"{row['pages'][p['label']]:,}" if row["pages"][p["label"]] is not None
+                            else "beyond" for p in _labelled(pol)),
+                          (row["best"] or "-").split(" ")[0],
+                          f"{row['pages_saved_vs_lru']:,}" if row["pages_saved_vs_lru"] is not None else "-",
+                          row["flags"] or "-")
+        console.print(table)
+    table = Table(title="eviction policies per stage: bytes of the best policy's pages, and what it "
+                        "saves against lru")
+    for col in ("stage", "device B/page", "host B/page",
+                *(f"{t['tier']} {100 * t['share']:g}%" for t in pol["stages"][0]["targets"])):
+        table.add_column(col, justify="right")
+    for st in pol["stages"]:
+        table.add_row(str(st["stage"]), f"{st['device_page_bytes']:,}", f"{st['host_page_bytes']:,}",
+                      *(f"{(t['best'] or '-').split(' ')[0]} {human(t['bytes']) if t['bytes'] is not None else '-'}"
+                        f" (-{human(t['saved_bytes']) if t['saved_bytes'] is not None else '-'})"
+                        for t in st["targets"]))
+    console.print(table)
+    configured = [p for p in pol["policies"] if p["config"]]
+    for p in configured:
+        console.print(f"note: {p['name']}* is {p['flags']}")
+    if pol["unreduced_pools"]:
+        console.print("note: pools the hit rate does not size (per request, or a window budget): "
+                      + ", ".join(pol["unreduced_pools"]))
+    for note in pol["notes"]:
+        console.print(f"note: {note}")
+
+
+def _labelled(pol: dict[str, Any]) -> list[dict[str, Any]]:
+    """The policies, each with ``label`` (what its rates are keyed by)."""
+    return list(pol["policies"])

@@ -132,7 +132,8 @@ class PolicySpec:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "config": dict(self.config), "flags": self.flags()}
+        return {"name": self.name, "label": self.label, "config": dict(self.config),
+                "flags": self.flags()}
 
 
 def parse_policy_config(items: Sequence[str]) -> dict[str, dict[str, Any]]:
