@@ -183,12 +183,21 @@ def run(args: argparse.Namespace) -> int:
 
 def write_plot(path: str, report: dict[str, Any]) -> None:
     """A standalone page (plotly.js inside: it opens without a network)."""
-    from stagecache.dashboard.advise_figures import advise_figure
+    from stagecache.dashboard.advise_figures import advise_figure, policy_figure
     from stagecache.dashboard.advise_models import AdviseReport
 
-    fig = advise_figure(AdviseReport.model_validate(report))
+    checked = AdviseReport.model_validate(report)
+    fig = advise_figure(checked)
+    policies = policy_figure(checked)
     try:
-        fig.write_html(path, include_plotlyjs=True, full_html=True)
+        if policies is None:
+            fig.write_html(path, include_plotlyjs=True, full_html=True)
+        else:  # both figures on one page, plotly.js once
+            body = (fig.to_html(include_plotlyjs=True, full_html=False)
+                    + policies.to_html(include_plotlyjs=False, full_html=False))
+            with open(path, "w", encoding="utf-8") as f:
+                f.write("<!doctype html><html><head><meta charset='utf-8'><title>stagecache advise"
+                        f"</title></head><body>{body}</body></html>\n")
     except OSError as exc:
         raise ConfigError(f"--plot {path}: cannot write it: {exc.strerror or exc}") from None
 
