@@ -15,7 +15,6 @@ sglang's strategy objects and with stagecache's own versions.
 from __future__ import annotations
 
 import array
-import random
 
 import numpy as np
 import pytest

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 from fast25 import fast25_views
-
 from stagecache.runtime.cache.pages import page_view
 from stagecache.runtime.errors import ConfigError
 from stagecache.runtime.model.config_file import PRESETS
