@@ -92,5 +92,7 @@ def _measure(args: Any, core: int | None, factory: Callable[[Any], Any], source:
         "lru_model_vs_replay_max_pp": round(100 * diff / curves.input_tokens, 4),
         "seconds_per_run": {"policies": round(model_s / (len(specs) * len(sizes)), 4),
                             "replay": round(replay_s / len(sizes), 4)},
+        "ratio_replay_run_vs_policy_run": round((replay_s / len(sizes))
+                                                / max(model_s / (len(specs) * len(sizes)), 1e-9), 2),
         "peak_rss_mib": _rss_mib(),
     }

@@ -36,6 +36,9 @@ EVAL_SHARES = (0.5, 0.9, 0.95, 0.99)
 PRECISION = 0.01
 
 StrategyFactory = Callable[[PolicySpec], Any]
+#: Budgets counted per request slot whatever a kind's ``paged`` says (a family's per-request state
+#: budget, e.g. Mamba's ``state``, next to ``request``).
+PER_REQUEST_BUDGETS = frozenset({"request", "state"})
 
 
 # -- bytes per page, from the plan ----------------------------------------------------------------
@@ -49,7 +52,7 @@ def stage_pricing(stage: StagePlan) -> dict[str, Any]:
     for p in stage.pools:
         if not p.present:
             continue
-        if not p.kind.paged:
+        if not p.kind.paged or p.kind.budget in PER_REQUEST_BUDGETS:
             unreduced.append({"pool": p.pool, "budget": p.kind.budget, "reason": "per request",
                               "bytes": p.device_bytes, "slots": p.units,
                               "per_request_bytes": p.present * p.page_bytes})

@@ -112,8 +112,9 @@ def test_advice_pages_flags_and_bytes(mooncake, mooncake_report):
     assert pol["same_tiers"] is True
 
 
-def test_token_trace_tiers_and_configs(tokens, capsys):
-    rep = advise_json(capsys, "--trace", str(tokens), "--page-size", "256", "--policies", "lru", "slru",
+def test_token_trace_tiers_and_configs(tokens, capsys, tmp_path):
+    plot = tmp_path / "p.html"
+    rep = advise_json(capsys, "--trace", str(tokens), "--plot", str(plot), "--policies", "lru", "slru",
                       "tlru", "--policy-config", 'slru={"protected_threshold": 3}', "--policy-config",
                       'tlru={"threshold": 2048, "next_prompt_estimate": 256}', "--policy-order", "stagecache")
     pol = rep["policies"]
@@ -121,6 +122,8 @@ def test_token_trace_tiers_and_configs(tokens, capsys):
         "lru", 'slru {"protected_threshold": 3}', 'tlru {"next_prompt_estimate": 256, "threshold": 2048}']
     assert pol["same_tiers"] is False and [t["tier"] for t in pol["tiers"]] == ["device", "host"]
     assert "policies" in rep["seconds"]
+    page = plot.read_text()
+    assert page.count("plotly-graph-div") >= 2 and "sglang radix eviction policies" in page
 
 
 def test_tables(tokens, capsys):

@@ -141,9 +141,12 @@ def test_bytes_per_page_are_the_plans_device_growth(preset, pp):
         growth = (b.device_bytes - a.device_bytes) / (b.budget.full_pages - a.budget.full_pages)
         price = stage_pricing(a)
         assert price["device_page_bytes"] == pytest.approx(growth, rel=0.002), (preset, a.stage)
+        per_slot = [p for p in a.pools if p.present and (not p.kind.paged or p.kind.budget in
+                                                          ("request", "state"))]
         fixed = sum(u["bytes"] for u in price["unreduced_pools"] if u["reason"] == "per request")
-        assert fixed == sum(p.device_bytes for p in a.pools if not p.kind.paged)
-        per_request = [p.pool for p in a.pools if not p.kind.paged and p.present]
+        assert fixed == sum(p.device_bytes for p in per_slot)
+        assert (b.device_bytes - a.device_bytes) > 0
+        per_request = [p.pool for p in per_slot]
         assert {u["pool"] for u in price["unreduced_pools"]} >= set(per_request)
 
 
