@@ -190,3 +190,24 @@ def test_the_comparison_can_fail():
     assert model_run(views, spec, cap, 4, P.own_strategy(spec), reinsert=True) == want
     lfu = P.PolicySpec("lfu")
     assert model_run(views, lfu, cap, 4, P.LRU()) != sglang_run(views, lfu, cap, 4, "rust")
+
+
+def test_advise_uses_sglangs_strategies_and_agrees_with_stagecaches(tmp_path, capsys):
+    """`advise --policies` with sglang installed ranks by sglang's classes (``auto``), and its whole
+    ``policies`` report equals the one ranked by stagecache's versions."""
+    import json
+
+    from stagecache.runtime.cli.main import main
+    from stagecache.runtime.traces.readers import write_trace
+
+    trace = tmp_path / "blocks.jsonl"
+    write_trace(trace, generate_blocks(BlockWorkloadConfig(seed=3, requests=300, block_tokens=512)))
+    reports = {}
+    for order in ("auto", "stagecache"):
+        assert main(["advise", "--trace", str(trace), "--policies", "--policy-order", order,
+                     "--no-belady", "--json"]) == 0
+        reports[order] = json.loads(capsys.readouterr().out)["policies"]
+    assert reports["auto"]["source"].startswith("sglang 0.5.2")
+    assert reports["stagecache"]["source"] == "stagecache"
+    for key in ("tiers", "stages", "policies", "unreduced_pools"):
+        assert reports["auto"][key] == reports["stagecache"][key], key
