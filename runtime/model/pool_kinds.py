@@ -39,6 +39,13 @@ class LayerIds(Protocol):
     def id_in(self, space: str) -> int | None: ...
 
 
+def host_ratio(ratio: object) -> float:
+    """``--hicache-ratio``, checked: a positive number."""
+    if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not ratio > 0:
+        raise ConfigError(f"--hicache-ratio must be > 0, got {ratio!r}")
+    return float(ratio)
+
+
 @dataclass(frozen=True)
 class PoolKind:
     """What a pool kind is, independent of model sizes: its name, owners, ids and sizing rule.
@@ -58,6 +65,7 @@ class PoolKind:
     owners_text: str = ""  # the owning layers in a message ("ratio-4")
     none_name: str = ""  # how a pool holding None is named ("" -> "<label> pool")
     owner_ratio: int | None = None  # DeepSeek V4: the compress ratio owning it (``pools --json``)
+    name_layers: bool = False  # a wrong-count message lists the stage's owning layers
 
     @property
     def paged(self) -> bool:
@@ -71,9 +79,11 @@ class PoolKind:
         """The buffer index of a layer entry in this kind."""
         return entry.id_in(self.id_space)
 
-    def wrong_count(self, got: int, expected: int) -> str:
-        return self.count_message.format(label=self.label, owners=self.owners_text, got=got,
+    def wrong_count(self, got: int, expected: int, layers: str = "") -> str:
+        """The family's words for a wrong buffer count; ``layers`` names the stage's owning layers."""
+        text = self.count_message.format(label=self.label, owners=self.owners_text, got=got,
                                          expected=expected)
+        return f"{text} ({layers})" if layers else text
 
     def holds_none(self, empty: list[int]) -> str:
         return f"{self.none_name or self.label + ' pool'} must not contain None: buffer(s) {empty} are None"
@@ -109,6 +119,14 @@ class PoolKindSpec:
     def tensor_rows(self, units: int) -> int:
         """First dimension of sglang's tensor for ``units`` budget pages (or request slots)."""
         raise NotImplementedError
+
+    def host_units(self, device_units: int, ratio: float) -> int:
+        """Host pages (or slots) HiCache builds for ``device_units``: ``int(units x ratio)``
+        (sglang's DeepSeek V4 rule, default 2.0)."""
+        pages = int(device_units * host_ratio(ratio))
+        if pages < 1:
+            raise ConfigError(f"--hicache-ratio {ratio} x {device_units} device pages gives no host page")
+        return pages
 
     def to_dict(self) -> dict[str, Any]:
         k = self.kind
@@ -153,6 +171,24 @@ class StateRing(PoolKindSpec):
     def tensor_rows(self, units: int) -> int:
         rows = units * self.rows_per_page + self.rows_per_page + 1
         return -(-rows // self.ring_pad) * self.ring_pad
+
+
+@dataclass(frozen=True)
+class TokenRows(PoolKindSpec):
+    """Per-token KV rows (sglang's MHA pools): ``row_bytes`` is one token's K and V of one layer,
+    a page ``rows_per_page`` (= page size) tokens.  sglang's tensors are ``(size + page_size,
+    heads, dim)``: the budget plus one padding page.  HiCache's host pool holds
+    ``int(tokens x ratio)`` tokens floored to pages, plus its own padding page."""
+
+    @property
+    def tensor_row_bytes(self) -> int:
+        return self.row_bytes
+
+    def tensor_rows(self, units: int) -> int:
+        return (units + 1) * self.rows_per_page
+
+    def host_units(self, device_units: int, ratio: float) -> int:
+        return int(device_units * self.rows_per_page * host_ratio(ratio)) // self.rows_per_page + 1
 
 
 @dataclass(frozen=True)

@@ -120,6 +120,6 @@ def preflight(plan: RunPlan) -> StartupReport:
     name what sglang itself would do wrong with a stage (``Family.stage_problems``)."""
     family = plan.spec.family
     problems = {s.stage: [MappingError(s.stage, "partition", None, None, f"stage {s.stage}: {p}")
-                          for p in family.stage_problems(s.layer_map)] for s in plan.stages}
+                          for p in family.stage_problems(s.layer_map, plan.page_size)] for s in plan.stages}
     return deployment_report([stage_record(s) for s in plan.stages], tp_size=plan.tp_size,
                              page_size=plan.page_size, faults=plan.fault_names, extra=problems)
