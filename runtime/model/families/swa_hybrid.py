@@ -319,7 +319,12 @@ class SwaHybrid(Family):
         return KindTable(spec, page_size, kinds)
 
     def swa_floor_tokens(self, spec: SwaHybridSpec) -> int:  # type: ignore[override]
-        return spec.sliding_window if spec.hybrid else 0
+        """The window sglang's admission floor uses: gpt-oss and Gemma 4 models say
+        ``sliding_window - 1`` (their ``get_attention_sliding_window_size``), the others the
+        config's value."""
+        if not spec.hybrid:
+            return 0
+        return spec.sliding_window - 1 if spec.architecture in (*GPT_OSS, *GEMMA4) else spec.sliding_window
 
     def stage_problems(self, stage_map: StageLayerMap, page_size: int = 1) -> list[str]:
         kinds = {e.kind for e in stage_map.layers}
