@@ -29,6 +29,7 @@ from sglang_swa import (  # noqa: E402
     sub_pools,
 )
 from stagecache.runtime.cli.main import main  # noqa: E402
+from sglang_swa import ROOT  # noqa: E402
 
 MODEL = "gpt-oss-20b"
 TOKENS = 65_536
@@ -216,3 +217,41 @@ def test_a_sub_pool_sized_globally_is_what_sglang_builds_from_the_global_list(ca
             rank = rank_pools(sa, mc, ours["stage"], 2, layer_lists=lists)
             assert_device_pools(ours, rank)
             assert len(sub_pools(rank.kvcache)[kind].k_buffer) == 12
+
+
+DATA = ROOT / "tests" / "data" / "swa_hybrid"
+#: One test config per other architecture (shaped after the published ones): MiMo-V2 reads
+#: ``hybrid_layer_pattern`` and its own SWA shape, Gemma 4 a nested ``text_config`` with the full
+#: shape as ``global_head_dim`` / ``num_global_key_value_heads``, Step-3.5 ``layer_types`` (and
+#: runs as one MHA pool under HiCache).
+OTHERS = ("mimo-v2-flash", "gemma-4", "step-3.5-flash")
+
+
+@pytest.mark.parametrize("name", OTHERS)
+@pytest.mark.parametrize(("pp", "partition"), [(1, None), (2, None), (4, "uneven")], ids=["pp1", "pp2", "pp4-uneven"])
+def test_other_architectures_equal_sglangs_pools(capsys, tmp_path, name, pp, partition):
+    from stagecache.runtime.model.families import load_spec
+
+    config = json.loads((DATA / f"{name}.json").read_text())
+    folder = model_folder(tmp_path, name, config)
+    path = str(folder / "config.json")
+    layers = load_spec(path).num_layers
+    if partition == "uneven":
+        q = layers // 4
+        partition = (q - 1, q + 1, q, layers - 3 * q)
+    report = cli_json(capsys, "pools", pp, partition, 16, "--max-total-tokens", "8192", model=path)
+    checked = cli_json(capsys, "check", pp, partition, 16, model=path)
+    assert checked["ok"]
+    spec = load_spec(path)
+    with partition_env(partition), published(folder, pp_size=pp, page_size=16, max_total_tokens=8192) as (sa, mc):
+        if mc.is_hybrid_swa:  # the layer lists are sglang's
+            assert [i for i, k in enumerate(spec.layer_kinds) if k == "swa"] == mc.swa_attention_layer_ids
+            assert [i for i, k in enumerate(spec.layer_kinds) if k == "full"] == mc.full_attention_layer_ids
+            assert spec.family.swa_floor_tokens(spec) == sliding_window(mc)
+        else:
+            assert set(spec.layer_kinds) == {"kv"} and name == "step-3.5-flash"
+        for ours, mine in zip(report["stages"], checked["stages"], strict=True):
+            rank = rank_pools(sa, mc, ours["stage"], pp)
+            assert ours["full_tokens"] == rank.config.max_total_num_tokens
+            assert_device_pools(ours, rank)
+            assert_layer_map(mine, rank)
