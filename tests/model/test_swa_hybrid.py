@@ -116,3 +116,13 @@ def test_stage_problems_and_the_suggested_partition():
     assert "page_size == 1 (got 16)" in FAMILY.stage_problems(number_layers(spec, 0, 0, 1), 16)[0]
     part = partition_without_problems(spec, 3, page_size=16)
     assert part == (8, 8, 8)
+
+
+def test_check_at_pp8_is_well_under_50_ms():
+    """``check`` of the preset at pp 8 (the whole plan built and validated), median of 20 runs
+    (measured 0.8 ms on 2 cores; the bound leaves room for a loaded machine)."""
+    from stagecache.runtime.bench.check import run_bench
+
+    rows = run_bench("gpt-oss-20b", None, 8, 20, [])["results"]
+    pp8 = next(r for r in rows if r["pp_size"] == 8)
+    assert pp8["check_median_ms"] < 50.0
