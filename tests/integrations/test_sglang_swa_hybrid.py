@@ -23,6 +23,7 @@ if sglang.__version__ != "0.5.23":  # the release these pools are modelled on (0
 from sglang.srt.runtime_context import get_schedule  # noqa: E402
 from sglang_real import on_cpu, partition_env  # noqa: E402
 from sglang_swa import (  # noqa: E402
+    ROOT,  # noqa: E402
     host_stack,
     max_tokens_alone,
     model_folder,
@@ -32,7 +33,6 @@ from sglang_swa import (  # noqa: E402
     sub_pools,
 )
 from stagecache.runtime.cli.main import main  # noqa: E402
-from sglang_swa import ROOT  # noqa: E402
 
 MODEL = "gpt-oss-20b"
 TOKENS = 65_536

@@ -28,7 +28,9 @@ from sglang.srt.model_executor.model_runner_components.layer_setup import (
     ModelLayerInfo,
     _resolve_local_hybrid_swa_layer_ids,
 )
-from sglang.srt.model_executor.model_runner_components.load_model_utils import resolve_sliding_window_size
+from sglang.srt.model_executor.model_runner_components.load_model_utils import (
+    resolve_sliding_window_size,
+)
 from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
 from sglang.srt.runtime_context import get_schedule
 from sglang.srt.server_args import ServerArgs

@@ -40,7 +40,15 @@ from ...errors import ConfigError
 from ..family import Family, FaultKind, LayerKind, StageBudget, later_stages, sized_globally
 from ..layer_map import IdSpace, LayerEntry, StageLayerMap
 from ..pool_kinds import KindTable, PoolKind, TokenRows
-from ..spec import MAX_DIM, MAX_HEADS, MAX_LAYERS, MAX_SLIDING_WINDOW, ConfigFields, ModelSpec, shown
+from ..spec import (
+    MAX_DIM,
+    MAX_HEADS,
+    MAX_LAYERS,
+    MAX_SLIDING_WINDOW,
+    ConfigFields,
+    ModelSpec,
+    shown,
+)
 
 if TYPE_CHECKING:
     from ...plan.plan import Sizing
