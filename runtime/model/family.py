@@ -172,6 +172,8 @@ class Family:
     host_size_refused: str | None = None
     #: sglang's default SWA tokens / full tokens (``--swa-full-tokens-ratio``) for the family
     swa_full_tokens_ratio: float = 1.0
+    #: why ``--tp-size`` above 1 is refused, where the family's bytes per TP rank are not modelled
+    tp_refused: str | None = None
 
     def matches(self, cfg: dict[str, Any]) -> bool:
         """Whether ``cfg`` (a parsed config.json) is a model of this family."""

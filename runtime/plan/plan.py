@@ -360,6 +360,8 @@ def build_plan(spec: ModelSpec, pp_size: int = defaults.PP_SIZE, *, tp_size: int
 
     Every bad input is a ``ConfigError`` naming the flag: the page size, the partition, sizes.
     """
+    if tp_size > 1 and spec.family.tp_refused:
+        raise ConfigError(f"--tp-size {tp_size}: {spec.family.tp_refused}")
     refused = spec.family.refuses_pp(spec)
     if pp_size > 1 and refused:
         raise ConfigError(f"--pp-size {pp_size}: {spec.name}: {refused}")

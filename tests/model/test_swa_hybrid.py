@@ -126,3 +126,13 @@ def test_check_at_pp8_is_well_under_50_ms():
     rows = run_bench("gpt-oss-20b", None, 8, 20, [])["results"]
     pp8 = next(r for r in rows if r["pp_size"] == 8)
     assert pp8["check_median_ms"] < 50.0
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["check", "--tp-size", "2"], "--tp-size 2: SWA hybrids are modelled at one TP rank"),
+    (["pools", "--hicache-size-gb", "4"], "--hicache-size: a host size in bytes is not modelled for SWA hybrids"),
+])
+def test_what_is_not_modelled_is_refused_in_one_line(capsys, argv, words):
+    assert main([*argv, "--model", "gpt-oss-20b"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and words in err
