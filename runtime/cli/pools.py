@@ -184,8 +184,10 @@ def _title(report: dict[str, Any]) -> str:
     budget = f", budget {'/'.join(human(b) for b in budgets)} per stage" if budgets else ""
     return (f"{report['model']}: {report['num_layers']} layers, pp={report['pp_size']}, "
             f"page={report['page_size']}{budget}: full {s0['full_tokens']:,} tokens, swa {s0['swa_tokens']:,} "
-            f"(ratio {sz['swa_full_tokens_ratio']}), {s0['request_slots']} request slots, "
-            f"hicache_ratio={sz['hicache_ratio']}"
+            f"(ratio {sz['swa_full_tokens_ratio']}), "
+            + (f"{s0['request_slots']} request slots, " if any(k["budget"] == "request" for k in report["kinds"])
+               else "")
+            + f"hicache_ratio={sz['hicache_ratio']}"
             + (f", faults={','.join(report['faults'])}" if report["faults"] else ""))
 
 
