@@ -445,7 +445,10 @@ def _tokens_alone(spec: ModelSpec, table: KindTable, sizing: Sizing, counts: dic
                   budget_bytes: int, stage: int) -> int:
     """The tokens one stage's memory budget fits alone (what the PP ranks MIN-reduce): its
     family's rule (``Family.stage_budget``), else DeepSeek V4's."""
-    own = spec.family.stage_budget(table, counts, budget_bytes, sizing)
+    try:
+        own = spec.family.stage_budget(table, counts, budget_bytes, sizing)
+    except ConfigError as exc:
+        raise ConfigError(f"stage {stage}: {exc}") from None
     if own is not None:
         return own.units["full"] * table.page_size
     return sglang_full_tokens_for_bytes(table, counts, budget_bytes, sizing.swa_ratio,
