@@ -77,9 +77,13 @@ def sizing_of(args: argparse.Namespace, hicache_ratio: float | None = None) -> S
 
 
 def plan_of(args: argparse.Namespace) -> RunPlan:
-    """The plan sized the sglang way.  sglang runs DeepSeek-V4 with 256-token pages whatever
-    --page-size says; the plan takes that page size and the report says when it overrode the flag."""
-    return plan_from_args(args, sizing_of(args), page_size=defaults.PAGE_SIZE)
+    """The plan sized the sglang way.  sglang runs some families with a page size of its own
+    whatever --page-size says (DeepSeek-V4: 256, DSA: 64: ``Family.sglang_page_size``); the plan
+    takes that page size and the report says when it overrode the flag."""
+    from ..model.families import load_spec
+
+    family = load_spec(args.model).family
+    return plan_from_args(args, sizing_of(args), page_size=family.sglang_page_size(args.page_size))
 
 
 def accounting(args: argparse.Namespace) -> dict[str, Any]:
@@ -90,8 +94,10 @@ def accounting(args: argparse.Namespace) -> dict[str, Any]:
     plan = plan_of(args)
     report = plan.to_dict()
     report["requested_page_size"] = args.page_size
+    family = plan.spec.family
+    who = "DeepSeek-V4" if family.name == "deepseek_v4" else f"{family.label} models"
     report["notes"] = ([] if args.page_size == plan.page_size else
-                       [f"sglang 0.5.23 runs DeepSeek-V4 with page_size {plan.page_size} (it overrides "
+                       [f"sglang 0.5.23 runs {who} with page_size {plan.page_size} (it overrides "
                         f"--page-size {args.page_size})"])
     for stage, row in zip(plan.stages, report["stages"], strict=True):
         cached = [p for p in stage.pools if p.host_pages and p.present]

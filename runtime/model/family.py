@@ -73,6 +73,8 @@ class FaultKind:
     layer_map: Callable[[ModelSpec, StageLayerMap], StageLayerMap] | None = None
     count: Callable[[ModelSpec, StageLayerMap, PoolKind, int], int] | None = None
     present: Callable[[PoolKind, list[bool]], list[bool]] | None = None
+    #: pool kinds a hit stage leaves out of its HiCache host set (sglang #38031)
+    host_left_out: frozenset[str] = frozenset()
 
 
 def _sized_globally(pools: frozenset[str], spec: ModelSpec, stage_map: StageLayerMap, kind: PoolKind,
@@ -167,7 +169,12 @@ class Family:
         """Every pool kind sized for ``spec`` at ``page_size`` (the page size is checked here)."""
         raise NotImplementedError
 
-    def stage_problems(self, stage_map: StageLayerMap) -> list[str]:
+    def sglang_page_size(self, requested: int) -> int:
+        """The page size sglang 0.5.23 really uses for this family when asked for ``requested``
+        (``pools`` and the plan take it, with a one-line note when it overrides ``--page-size``)."""
+        return requested
+
+    def stage_problems(self, stage_map: StageLayerMap, page_size: int = 1) -> list[str]:
         """What sglang 0.5.23 itself does wrong with this (legal) stage, one line each -- an
         assertion it hits, a host pool it cannot allocate -- so ``check`` names it before any
         server starts.  None by default."""

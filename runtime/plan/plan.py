@@ -407,7 +407,8 @@ def _assemble(spec: ModelSpec, tp_size: int, page_size: int, partition: tuple[in
     host_full, host_swa = _host_space(sizing, budget)
     stages = []
     for i, (m, bufs) in enumerate(zip(maps, buffers, strict=True)):
-        pools = tuple(_pool_plan(table, sizing, budget, p, bufs.get(p, ())) for p in table.pools)
+        left_out = frozenset().union(*(f.kind.host_left_out for f in faults if f.hits(i, len(maps))))
+        pools = tuple(_pool_plan(table, sizing, budget, p, bufs.get(p, ()), p in left_out) for p in table.pools)
         cap = None
         if alone is not None:
             cap = Capacity(sizing.stage_budget_bytes(i, len(maps)) or 0, alone[i], budget.full_tokens,
@@ -445,12 +446,13 @@ def _host_space(sizing: Sizing, budget: TokenBudget) -> tuple[int, int]:
 
 
 def _pool_plan(table: KindTable, sizing: Sizing, budget: TokenBudget, pool: str,
-               buffers: tuple[bool, ...]) -> PoolPlan:
+               buffers: tuple[bool, ...], host_left_out: bool = False) -> PoolPlan:
+    """One kind's plan; ``host_left_out``: a fault leaves the kind out of the HiCache host set."""
     spec = table[pool]
     units = budget.units(spec.kind)
     host = 0
-    if spec.kind.host_cached:
-        host = sizing.host_pages if sizing.host_pages is not None else host_pages_for(units, sizing.hicache_ratio)
+    if spec.kind.host_cached and not host_left_out:
+        host = sizing.host_pages if sizing.host_pages is not None else spec.host_units(units, sizing.hicache_ratio)
     if sizing.mode == "sglang":
         rows, row_bytes = spec.tensor_rows(units), spec.tensor_row_bytes
     else:
