@@ -176,11 +176,12 @@ _INDEXER = PoolKind("indexer", "DSA indexer", frozenset({INDEXER}), INDEXER_IDS.
 @dataclass(frozen=True)
 class IndexerPages(KvPages):
     """The index-key pages: one page of ``page_size`` tokens per row of sglang's tensor, which holds
-    ``(tokens + page + 1) // page`` pages (one reserved); the host pool follows the MLA KV host
-    pool's slots (``DSAIndexerPoolHost`` takes its anchor's size)."""
+    ``(tokens + page + 1) // page`` pages (one reserved).  The host pool takes the MLA KV host
+    pool's token slots (``DSAIndexerPoolHost``: its anchor's size) and, as on device, one page
+    more: ``(host tokens + page + 1) // page``."""
 
     def host_units(self, device_units: int, ratio: float) -> int:
-        return token_host_pages(device_units, self.rows_per_page, ratio)
+        return token_host_pages(device_units, self.rows_per_page, ratio) + 1
 
 
 def _lose_topk(spec: ModelSpec, stage_map: StageLayerMap) -> StageLayerMap:
