@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 from stagecache.runtime.errors import ConfigError
-from stagecache.runtime.model.families import FAMILIES, load_spec, spec_from_config
-from stagecache.runtime.model.families import mha, mla
+from stagecache.runtime.model.families import FAMILIES, load_spec, mha, mla, spec_from_config
 from stagecache.runtime.model.layer_map import build_layout
 from stagecache.runtime.plan.plan import Sizing, build_plan
 

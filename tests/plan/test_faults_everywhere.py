@@ -10,8 +10,8 @@ import sys
 
 import pytest
 from stagecache.runtime.cli.main import main
-from stagecache.runtime.model.families.deepseek_v4 import POOLS
 from stagecache.runtime.model.families.deepseek_v4 import FAMILY as V4
+from stagecache.runtime.model.families.deepseek_v4 import POOLS
 from stagecache.runtime.plan.faults import GENERIC_FAULTS
 
 #: DeepSeek V4's faults and every family's (each other family tests its own with its presets).

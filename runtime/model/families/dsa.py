@@ -35,7 +35,14 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from ..family import Family, FaultKind, LayerKind, ids_counted_globally, later_stages, sized_globally
+from ..family import (
+    Family,
+    FaultKind,
+    LayerKind,
+    ids_counted_globally,
+    later_stages,
+    sized_globally,
+)
 from ..layer_map import IdSpace, LayerEntry, StageLayerMap
 from ..pool_kinds import LOCAL, KindTable, KvPages, PoolKind, TokenRows, token_host_pages
 from ..spec import MAX_DIM, ConfigFields, ModelSpec, shown
