@@ -102,3 +102,20 @@ def test_serve_refuses_at_startup(tmp_path, fault):
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "startup validation FAILED" in proc.stdout and "[stage 1] pool=indexer" in proc.stdout
     assert "not serving traffic" in proc.stdout
+
+
+@pytest.mark.parametrize("model", sorted(PRESETS))
+def test_check_at_pp_8_is_fast(model):
+    """``check`` of the preset at pp 8: the median of 20 runs well under 50 ms (bench check measures it)."""
+    import statistics
+    import time
+
+    from stagecache.runtime.plan.inputs import resolve_plan
+    from stagecache.runtime.validation.deployment import preflight
+
+    def once() -> float:
+        t0 = time.perf_counter()
+        assert preflight(resolve_plan(model, 8)).ok
+        return time.perf_counter() - t0
+
+    assert statistics.median(once() for _ in range(20)) < 0.050
