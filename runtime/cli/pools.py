@@ -166,9 +166,11 @@ def _title(report: dict[str, Any]) -> str:
     sz, s0 = report["sizing"], report["stages"][0]
     budgets = sz.get("mem_budget_bytes")
     budget = f", budget {'/'.join(human(b) for b in budgets)} per stage" if budgets else ""
+    budgets = {k["budget"] for k in report["kinds"]}  # a family's budgets: no SWA text without SWA pools
+    swa = f", swa {s0['swa_tokens']:,} (ratio {sz['swa_full_tokens_ratio']})" if "swa" in budgets else ""
+    slots = f", {s0['request_slots']} request slots" if "request" in budgets else ""
     return (f"{report['model']}: {report['num_layers']} layers, pp={report['pp_size']}, "
-            f"page={report['page_size']}{budget}: full {s0['full_tokens']:,} tokens, swa {s0['swa_tokens']:,} "
-            f"(ratio {sz['swa_full_tokens_ratio']}), {s0['request_slots']} request slots, "
+            f"page={report['page_size']}{budget}: full {s0['full_tokens']:,} tokens{swa}{slots}, "
             f"hicache_ratio={sz['hicache_ratio']}"
             + (f", faults={','.join(report['faults'])}" if report["faults"] else ""))
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal
 
+from ..errors import ConfigError
 from .layer_map import IdSpace, LayerEntry, ModelLayout, StageLayerMap
 from .pool_kinds import KindTable, PoolKind
 from .spec import ModelSpec
@@ -168,6 +169,14 @@ class Family:
     def kind_table(self, spec: ModelSpec, page_size: int) -> KindTable:
         """Every pool kind sized for ``spec`` at ``page_size`` (the page size is checked here)."""
         raise NotImplementedError
+
+    def with_kv_cache_dtype(self, spec: ModelSpec, dtype: str) -> ModelSpec:
+        """``spec`` with sglang's ``--kv-cache-dtype``; ``auto`` keeps the family's dtype, and a
+        family that models no other refuses the rest in one line."""
+        if dtype == "auto":
+            return spec
+        raise ConfigError(f"--kv-cache-dtype {dtype}: not modelled for {self.label} models "
+                          f"(their KV cache is {self.kv_dtype}); use auto")
 
     def sglang_page_size(self, requested: int) -> int:
         """The page size sglang 0.5.23 really uses for this family when asked for ``requested``

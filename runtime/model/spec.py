@@ -26,6 +26,8 @@ MAX_DIM = 1 << 16
 MAX_HEADS = 1 << 12
 MAX_SLIDING_WINDOW = 1 << 20
 MAX_MTP_LAYERS = 64
+#: sglang's ``--kv-cache-dtype`` values stagecache models (``auto``: the model's dtype).
+KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp8_e4m3")
 
 
 @dataclass(frozen=True)

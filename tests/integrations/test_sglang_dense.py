@@ -103,6 +103,19 @@ def test_host_pools_and_ids_are_sglangs(capsys, models, model, pp, partition):
             assert [entry.layer_mapper(i) for i in range(bound)] == list(range(layers))
 
 
+@pytest.mark.parametrize(("model", "row"), [("deepseek-v3", 576), ("llama-3.1-8b", 2048)])
+def test_fp8_rows_are_sglangs(capsys, models, model, row):
+    """``--kv-cache-dtype fp8_e4m3``: one byte per value, as sglang stores it (no scales here)."""
+    report = pools_json(capsys, model, 2, None, 64, "--kv-cache-dtype", "fp8_e4m3", "--max-total-tokens",
+                        str(TOKENS))
+    with published(models[model], pp_size=2, page_size=64, max_total_tokens=TOKENS,
+                   kv_cache_dtype="fp8_e4m3") as (sa, mc):
+        for ours in report["stages"]:
+            stage = build_family_stage(sa, mc, ours["stage"], 2)
+            assert {sum(t[0].nbytes for t in ts) for ts in layer_tensors(stage.kvcache)} == {row}
+            assert_stage_matches(ours, stage)
+
+
 def test_mem_budget_gives_sglangs_tokens_each_stage_and_the_minimum(capsys, models):
     budget = 2
     report = pools_json(capsys, "llama-3.1-8b", 3, (5, 13, 14), 64, "--mem-budget-gb", str(budget))

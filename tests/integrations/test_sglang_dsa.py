@@ -155,17 +155,12 @@ def test_mem_budget_gives_sglangs_tokens_each_stage_and_the_minimum(capsys, mode
     assert len(set(alone)) > 1  # the ranks do differ (21 vs 0 indexer layers)
 
 
-def test_fp8_rows_are_sglangs_scaled_layout(capsys, models, tmp_path):
-    """``kv_cache_dtype: fp8_e4m3`` in the config sizes sglang's scaled FP8 layout (656 B per token)."""
-    cfg = json.loads((models["deepseek-v3.2"] / "config.json").read_text())
-    folder = tmp_path / "v32-fp8"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({**cfg, "kv_cache_dtype": "fp8_e4m3"}))
-    assert main(["pools", "--model", str(folder / "config.json"), "--pp-size", "2", "--json",
-                 "--max-total-tokens", str(TOKENS)]) == 0
-    report = json.loads(capsys.readouterr().out)
-    layout = layout_of(str(folder / "config.json"), 2, None)
-    with on_h100(), published(folder, pp_size=2, page_size=64, max_total_tokens=TOKENS,
+def test_fp8_rows_are_sglangs_scaled_layout(capsys, models):
+    """``--kv-cache-dtype fp8_e4m3`` sizes sglang's scaled FP8 layout (656 B per token)."""
+    report = pools_json(capsys, "deepseek-v3.2", 2, None, 64, "--kv-cache-dtype", "fp8_e4m3",
+                        "--max-total-tokens", str(TOKENS))
+    layout = layout_of("deepseek-v3.2", 2, None)
+    with on_h100(), published(models["deepseek-v3.2"], pp_size=2, page_size=64, max_total_tokens=TOKENS,
                               kv_cache_dtype="fp8_e4m3") as (sa, mc):
         for ours, m in zip(report["stages"], layout.stages, strict=True):
             stage = build_family_stage(sa, mc, ours["stage"], 2)

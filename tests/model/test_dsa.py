@@ -58,7 +58,6 @@ def test_topk_rules_in_sglangs_order(rule, want):
     ("index_topk_pattern", "SF", "layer 0 shares the previous layer's top-k (index_topk_pattern)"),
     ("index_head_dim", 64, "index_head_dim 64 is not supported"),
     ("index_kpool", 2, "index_kpool 2 is not modelled"),
-    ("kv_cache_dtype", "fp4", "kv_cache_dtype must be one of bf16, fp8_e4m3"),
     ("kv_lora_rank", 0, "'kv_lora_rank' must be a positive integer"),
 ])
 def test_configs_sglang_would_reject_are_one_line(field, value, says):
@@ -73,8 +72,11 @@ def test_rows_and_pages_bf16_fp8():
     assert (table["kv"].row_bytes, table["kv"].page_bytes, table["kv"].tensor_rows(10)) == (1152, 64 * 1152, 11 * 64)
     assert (table["indexer"].row_bytes, table["indexer"].page_bytes, table["indexer"].tensor_rows(10)) == (
         132, 64 * 132, 11)
-    fp8 = spec_from_config({**preset_config("deepseek-v3.2"), "kv_cache_dtype": "fp8_e4m3"})
+    fp8 = FAMILY.with_kv_cache_dtype(spec_from_config(preset_config("deepseek-v3.2")), "fp8_e4m3")
     assert FAMILY.kind_table(fp8, 64)["kv"].row_bytes == 656
+    assert FAMILY.with_kv_cache_dtype(fp8, "bfloat16").kv_row_bytes == 1152
+    with pytest.raises(ConfigError, match="kv_lora_rank 500 must be a multiple of 128"):
+        FAMILY.with_kv_cache_dtype(spec_from_config({**BASE, "kv_lora_rank": 500}), "fp8_e4m3")
     assert FAMILY.sglang_page_size(256) == 64
 
 

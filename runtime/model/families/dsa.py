@@ -16,7 +16,8 @@ Pool kinds:
 
 * ``kv`` -- one latent row per token on every layer, local ids (``layer_id - start_layer``):
   ``kv_lora_rank + qk_rope_head_dim`` BF16 values (1,152 B), or the scaled FP8 layout
-  ``kv_lora_rank x (1 + 4/128) + 2 x qk_rope_head_dim`` bytes (656 B); tensor ``(size + page, 1, dim)``.
+  ``kv_lora_rank x (1 + 4/128) + 2 x qk_rope_head_dim`` bytes (656 B, ``--kv-cache-dtype
+  fp8_e4m3``); tensor ``(size + page, 1, dim)``.
 * ``indexer`` -- the FP8 index key plus one FP32 scale per 128 values (132 B per token), stored
   as pages of ``page_size`` tokens: ``(size + page + 1) // page`` pages per computing layer.
   Numbered among the stage's computing layers (``indexer_id``), as sglang's host indexer pool
@@ -35,6 +36,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from ...errors import ConfigError
 from ..family import (
     Family,
     FaultKind,
@@ -46,7 +48,7 @@ from ..family import (
 from ..layer_map import IdSpace, LayerEntry, StageLayerMap
 from ..pool_kinds import LOCAL, KindTable, KvPages, PoolKind, TokenRows, token_host_pages
 from ..spec import MAX_DIM, ConfigFields, ModelSpec, shown
-from .mha import BF16, check_page_size
+from .mha import BF16, check_page_size, kv_cache_dtype
 from .mla import mla_fields
 
 #: The architectures sglang's ``is_deepseek_dsa`` lists whose models split over PP stages.
@@ -60,8 +62,6 @@ DSA_PAGE = 64
 INDEX_HEAD_DIM = 128
 QUANT_BLOCK = 128
 FP32 = 4
-#: KV cache dtypes of the MLA latent row.
-KV_DTYPES = ("bf16", "fp8_e4m3")
 MAX_PATTERN = 4096
 
 
@@ -244,13 +244,16 @@ class DsaFamily(Family):
         if shared and shared[0]:
             raise f.error(f"layer 0 shares the previous layer's top-k ({rule}), but no layer comes before "
                           "it; sglang cannot serve this model")
-        dtype = cfg.get("kv_cache_dtype", "bf16")  # not a Hugging Face field: stagecache's, for FP8 layouts
-        if dtype not in KV_DTYPES:
-            raise f.error(f"kv_cache_dtype must be one of {', '.join(KV_DTYPES)}, got {shown(dtype)}")
-        if dtype == "fp8_e4m3" and rank % QUANT_BLOCK:
-            raise f.error(f"kv_lora_rank {rank} must be a multiple of {QUANT_BLOCK} for the FP8 layout")
         return DsaSpec(name=name, num_layers=layers, kv_lora_rank=rank, qk_rope_head_dim=rope,
-                       index_head_dim=index_dim, shared_topk=shared, topk_rule=rule, kv_cache_dtype=dtype)
+                       index_head_dim=index_dim, shared_topk=shared, topk_rule=rule)
+
+    def with_kv_cache_dtype(self, spec: DsaSpec, dtype: str) -> DsaSpec:  # type: ignore[override]
+        """sglang's ``--kv-cache-dtype``: ``fp8_e4m3`` is the scaled FP8 layout, which needs whole
+        128-value scale blocks (``auto``: BF16, sglang's default for DSA on an H100)."""
+        if dtype == "fp8_e4m3" and spec.kv_lora_rank % QUANT_BLOCK:
+            raise ConfigError(f"--kv-cache-dtype fp8_e4m3: {spec.name}: kv_lora_rank {spec.kv_lora_rank} must "
+                              f"be a multiple of {QUANT_BLOCK} for sglang's scaled FP8 layout")
+        return kv_cache_dtype(spec, dtype)
 
     def kind_table(self, spec: DsaSpec, page_size: int) -> KindTable:  # type: ignore[override]
         page = check_page_size(page_size)

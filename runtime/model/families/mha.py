@@ -2,7 +2,7 @@
 
 Every layer keeps K and V for every token in sglang 0.5.23's ``MHATokenToKVPool``: per stage
 layer a K tensor ``(size + page_size, kv_heads, head_dim)`` and a V tensor ``(..., v_head_dim)``
-(BF16, the model's dtype under ``--kv-cache-dtype auto``), indexed by the local layer id
+(BF16, the model's dtype under ``--kv-cache-dtype auto``; one byte per value under ``fp8_e4m3``), indexed by the local layer id
 (``layer_id - start_layer``).  One stagecache buffer is one layer's K and V together, as
 sglang's HiCache host pool (``MHATokenToKVPoolHost``, built by ``_PlainKvStrategy``) mirrors
 them: a row is ``kv_heads x (head_dim + v_head_dim) x 2`` bytes per token.
@@ -13,7 +13,7 @@ sglang derives the geometry as ``ModelConfig`` does: ``head_dim`` falls back to
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from pydantic import Field
@@ -30,6 +30,17 @@ BF16 = 2
 MHA = "mha"
 
 
+#: Bytes of one element of each KV cache dtype.
+ELEMENT_BYTES = {"bf16": 2, "fp8_e4m3": 1}
+
+
+def kv_cache_dtype(spec: Any, dtype: str) -> Any:
+    """``spec`` with sglang's ``--kv-cache-dtype`` (``auto``: BF16, the presets' dtype)."""
+    if dtype == "auto":
+        return spec
+    return replace(spec, kv_cache_dtype="bf16" if dtype in ("bf16", "bfloat16") else dtype)
+
+
 def check_page_size(page_size: object) -> int:
     """Any positive page size (sglang's MHA and MLA pools take any)."""
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
@@ -44,6 +55,7 @@ class MhaSpec(ModelSpec):
     num_kv_heads: int
     head_dim: int
     v_head_dim: int
+    kv_cache_dtype: Literal["bf16", "fp8_e4m3"] = "bf16"
 
     @property
     def family(self) -> MhaFamily:
@@ -55,7 +67,7 @@ class MhaSpec(ModelSpec):
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
-                "head_dim": self.head_dim, "v_head_dim": self.v_head_dim}
+                "head_dim": self.head_dim, "v_head_dim": self.v_head_dim, "kv_cache_dtype": self.kv_cache_dtype}
 
 
 class MhaLayer(LayerEntry):
@@ -116,9 +128,12 @@ class MhaFamily(Family):
         return MhaSpec(name=name, num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
                        v_head_dim=head_dim)
 
+    def with_kv_cache_dtype(self, spec: MhaSpec, dtype: str) -> MhaSpec:  # type: ignore[override]
+        return kv_cache_dtype(spec, dtype)
+
     def kind_table(self, spec: MhaSpec, page_size: int) -> KindTable:  # type: ignore[override]
         page = check_page_size(page_size)
-        row = spec.num_kv_heads * (spec.head_dim + spec.v_head_dim) * BF16
+        row = spec.num_kv_heads * (spec.head_dim + spec.v_head_dim) * ELEMENT_BYTES[spec.kv_cache_dtype]
         return KindTable(spec, page, {"kv": TokenRows(_KV, row, page)})
 
 

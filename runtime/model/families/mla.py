@@ -19,7 +19,7 @@ from ..family import Family, FaultKind, LayerKind, sized_globally
 from ..layer_map import LayerEntry
 from ..pool_kinds import LOCAL, KindTable, PoolKind, TokenRows
 from ..spec import MAX_DIM, MAX_LAYERS, ConfigFields, ModelSpec
-from .mha import BF16, check_page_size
+from .mha import ELEMENT_BYTES, check_page_size, kv_cache_dtype
 
 #: The layer kind of every dense MLA layer.
 MLA = "mla"
@@ -31,6 +31,7 @@ class MlaSpec(ModelSpec):
 
     kv_lora_rank: int
     qk_rope_head_dim: int
+    kv_cache_dtype: Literal["bf16", "fp8_e4m3"] = "bf16"
 
     @property
     def family(self) -> MlaFamily:
@@ -42,12 +43,12 @@ class MlaSpec(ModelSpec):
 
     @property
     def latent_row_bytes(self) -> int:
-        """One token's latent row in BF16."""
-        return (self.kv_lora_rank + self.qk_rope_head_dim) * BF16
+        """One token's latent row: BF16, or one byte per value in FP8 (dense MLA has no scales)."""
+        return (self.kv_lora_rank + self.qk_rope_head_dim) * ELEMENT_BYTES[self.kv_cache_dtype]
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "num_layers": self.num_layers, "kv_lora_rank": self.kv_lora_rank,
-                "qk_rope_head_dim": self.qk_rope_head_dim}
+                "qk_rope_head_dim": self.qk_rope_head_dim, "kv_cache_dtype": self.kv_cache_dtype}
 
 
 class MlaLayer(LayerEntry):
@@ -101,6 +102,9 @@ class MlaFamily(Family):
     def spec_from_config(self, cfg: dict[str, Any], name: str) -> MlaSpec:
         layers, rank, rope = mla_fields(ConfigFields(cfg, name))
         return MlaSpec(name=name, num_layers=layers, kv_lora_rank=rank, qk_rope_head_dim=rope)
+
+    def with_kv_cache_dtype(self, spec: MlaSpec, dtype: str) -> MlaSpec:  # type: ignore[override]
+        return kv_cache_dtype(spec, dtype)
 
     def kind_table(self, spec: MlaSpec, page_size: int) -> KindTable:  # type: ignore[override]
         page = check_page_size(page_size)
