@@ -56,6 +56,11 @@ class ModelSpec:
         """Why sglang 0.5.23 does not split this model over PP stages (None: it does)."""
         return None
 
+    def tp_refused(self, tp_size: int) -> str | None:
+        """Why stagecache's bytes for this model would be wrong at ``tp_size`` TP ranks (None: the
+        KV cache is the same on every TP rank, as MLA's and DeepSeek V4's are)."""
+        return None
+
 
 def shown(value: Any) -> str:
     """A value as an error shows it: ``repr``, cut to 60 characters."""

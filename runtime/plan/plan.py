@@ -361,6 +361,8 @@ def build_plan(spec: ModelSpec, pp_size: int = defaults.PP_SIZE, *, tp_size: int
     """
     if pp_size > 1 and spec.pp_refused:
         raise ConfigError(f"--pp-size {pp_size}: {spec.name}: {spec.pp_refused}")
+    if tp_size > 1 and (why := spec.tp_refused(tp_size)):
+        raise ConfigError(f"--tp-size {tp_size}: {spec.name}: {why}")
     table = spec.family.kind_table(spec, page_size)  # checks the page size
     explicit = tuple(partition) if partition is not None else None
     layout = build_layout(spec, pp_size, tp_size, explicit)

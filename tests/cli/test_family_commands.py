@@ -54,3 +54,23 @@ def test_serve_runs_each_family(tmp_path, model):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "startup ok: 2 stages validated" in proc.stdout
     assert "cache decisions identical on every stage" in proc.stdout
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["check", "--model", "llama-3.1-8b", "--tp-size", "2"],
+     "--tp-size 2: llama-3.1-8b: sglang splits MHA's 8 KV heads over the TP ranks"),
+    (["pools", "--model", "glm-5.2", "--hicache-size-gb", "64"],
+     "--hicache-size: not modelled for DeepSeek sparse attention models"),
+    (["pools", "--model", "deepseek-v4-flash", "--kv-cache-dtype", "fp8_e4m3"],
+     "--kv-cache-dtype fp8_e4m3: not modelled for DeepSeek V4 models"),
+])
+def test_what_is_not_modelled_is_refused_in_one_line(capsys, argv, says):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and len(err.splitlines()) == 1
+
+
+def test_mla_and_dsa_bytes_hold_at_any_tp_size(capsys):
+    one = run_json(capsys, "pools", "--model", "glm-5.2", "--pp-size", "2")
+    four = run_json(capsys, "pools", "--model", "glm-5.2", "--pp-size", "2", "--tp-size", "4")
+    assert [s["device_bytes"] for s in one["stages"]] == [s["device_bytes"] for s in four["stages"]]

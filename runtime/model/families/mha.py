@@ -65,6 +65,10 @@ class MhaSpec(ModelSpec):
     def layer_kinds(self) -> tuple[str, ...]:
         return (MHA,) * self.num_layers
 
+    def tp_refused(self, tp_size: int) -> str | None:
+        return (f"sglang splits MHA's {self.num_kv_heads} KV heads over the TP ranks; stagecache sizes "
+                "MHA pools at --tp-size 1 only")
+
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
                 "head_dim": self.head_dim, "v_head_dim": self.v_head_dim, "kv_cache_dtype": self.kv_cache_dtype}
