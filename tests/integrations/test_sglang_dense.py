@@ -83,9 +83,9 @@ def test_pools_json_equals_sglangs_pools(capsys, models, model, pp, partition, p
 def test_host_pools_and_ids_are_sglangs(capsys, models, model, pp, partition):
     """``_PlainKvStrategy`` on small real CPU pools: one host KV pool of the stage's layers, its
     pages and bytes, transfer ids ``{i: i}`` bounded by the stage's layer count."""
-    report = pools_json(capsys, model, pp, partition, 64, "--max-total-tokens", "8192",
+    report = pools_json(capsys, model, pp, partition, 64, "--max-total-tokens", "2048",
                         "--max-running-requests", "4")
-    with partition_env(partition), published(models[model], pp_size=pp, page_size=64, max_total_tokens=8192,
+    with partition_env(partition), published(models[model], pp_size=pp, page_size=64, max_total_tokens=2048,
                                              max_running_requests=4) as (sa, mc), on_cpu():
         for ours in report["stages"]:
             stage = build_family_stage(sa, mc, ours["stage"], pp, device="cpu")

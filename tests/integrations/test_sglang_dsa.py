@@ -105,7 +105,7 @@ def test_pools_json_equals_sglangs_pools(capsys, models, model, pp, partition, p
 def test_host_pools_and_id_spaces_are_sglangs(capsys, models, model, pp, partition):
     """The real assembler (``_DsaStrategy``) on small real CPU pools: which kinds it mirrors, their
     layers, pages and bytes, and the ids HiCache transfers and the host indexer pool use."""
-    tokens = "16384"
+    tokens = "4096"
     report = pools_json(capsys, model, pp, partition, 64, "--max-total-tokens", tokens,
                         "--max-running-requests", "4")
     layout = layout_of(model, pp, partition)

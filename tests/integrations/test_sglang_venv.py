@@ -76,6 +76,8 @@ LIVE_SUITES = ("tests/integrations/test_sglang_live.py", "tests/integrations/tes
 #: Its ranks are forked from the pytest process, so it runs in a pytest process of its own: sglang
 #: state the other suites publish in-process must not leak into the ranks.
 DEPLOYMENT_SUITE = "tests/integrations/test_sglang_live_deployment.py"
+#: One pytest run of a suite set (the families' suites take about 2.5 minutes on a loaded 2-core machine).
+SUITE_TIMEOUT_S = 900
 
 
 @pytest.mark.sglang_venv
@@ -90,7 +92,7 @@ def test_real_sglang_suite_in_its_venv(tmp_path, release):
     for suites, least in ((LIVE_SUITES, 50), ((DEPLOYMENT_SUITE,), 8)):
         proc = subprocess.run(
             [str(venv_py), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore", *suites],
-            capture_output=True, text=True, timeout=420, cwd=ROOT, env=env,
+            capture_output=True, text=True, timeout=SUITE_TIMEOUT_S, cwd=ROOT, env=env,
         )
         tail = proc.stdout[-4000:] + proc.stderr[-2000:]
         assert proc.returncode == 0, tail
