@@ -269,9 +269,3 @@ class DsaFamily(Family):
 
 FAMILY = DsaFamily()
 
-
-def stage_indexer_layers(stage_map: StageLayerMap) -> tuple[int, ...]:
-    """Global ids of the stage's top-k computing layers (its indexer buffers, in order)."""
-    return tuple(e.global_id for e in stage_map.layers if e.kind == INDEXER)
-
-
