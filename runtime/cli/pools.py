@@ -80,11 +80,11 @@ def sizing_of(args: argparse.Namespace, hicache_ratio: float | None = None) -> S
 
 
 def plan_of(args: argparse.Namespace) -> RunPlan:
-    """The plan sized the sglang way, at the page size sglang really runs the model's family with
-    (``Family.sglang_page_size``: DeepSeek-V4 256 whatever --page-size says); the report says when
-    it overrode the flag."""
-    page = load_spec(args.model).family.sglang_page_size(args.page_size)
-    return plan_from_args(args, sizing_of(args), page_size=page)
+    """The plan sized the sglang way.  sglang runs some families with a page size of its own
+    whatever --page-size says (DeepSeek-V4: 256, DSA: 64: ``Family.sglang_page_size``); the plan
+    takes that page size and the report says when it overrode the flag."""
+    family = load_spec(args.model).family
+    return plan_from_args(args, sizing_of(args), page_size=family.sglang_page_size(args.page_size))
 
 
 def stage_problems(plan: RunPlan) -> dict[str, Any]:
@@ -108,9 +108,10 @@ def accounting(args: argparse.Namespace) -> dict[str, Any]:
     plan = plan_of(args)
     report = plan.to_dict()
     report["requested_page_size"] = args.page_size
-    family = plan.spec.family.label.replace(" ", "-")
+    family = plan.spec.family
+    who = "DeepSeek-V4" if family.name == "deepseek_v4" else f"{family.label} models"
     report["notes"] = ([] if args.page_size == plan.page_size else
-                       [f"sglang 0.5.23 runs {family} with page_size {plan.page_size} (it overrides "
+                       [f"sglang 0.5.23 runs {who} with page_size {plan.page_size} (it overrides "
                         f"--page-size {args.page_size})"])
     problems = stage_problems(plan)
     if problems["stage_problems"]:
@@ -182,12 +183,12 @@ def _title(report: dict[str, Any]) -> str:
     sz, s0 = report["sizing"], report["stages"][0]
     budgets = sz.get("mem_budget_bytes")
     budget = f", budget {'/'.join(human(b) for b in budgets)} per stage" if budgets else ""
+    budgets = {k["budget"] for k in report["kinds"]}  # a family's budgets: no SWA text without SWA pools
+    swa = f", swa {s0['swa_tokens']:,} (ratio {sz['swa_full_tokens_ratio']})" if "swa" in budgets else ""
+    slots = f", {s0['request_slots']} request slots" if "request" in budgets else ""
     return (f"{report['model']}: {report['num_layers']} layers, pp={report['pp_size']}, "
-            f"page={report['page_size']}{budget}: full {s0['full_tokens']:,} tokens, swa {s0['swa_tokens']:,} "
-            f"(ratio {sz['swa_full_tokens_ratio']}), "
-            + (f"{s0['request_slots']} request slots, " if any(k["budget"] == "request" for k in report["kinds"])
-               else "")
-            + f"hicache_ratio={sz['hicache_ratio']}"
+            f"page={report['page_size']}{budget}: full {s0['full_tokens']:,} tokens{swa}{slots}, "
+            f"hicache_ratio={sz['hicache_ratio']}"
             + (f", faults={','.join(report['faults'])}" if report["faults"] else ""))
 
 

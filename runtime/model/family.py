@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
+from ..errors import ConfigError
 from .layer_map import IdSpace, LayerEntry, ModelLayout, StageLayerMap
 from .pool_kinds import KindTable, PoolKind
 from .spec import ModelSpec
@@ -76,7 +77,7 @@ class FaultKind:
     layer_map: Callable[[ModelSpec, StageLayerMap], StageLayerMap] | None = None
     count: Callable[[ModelSpec, StageLayerMap, PoolKind, int], int] | None = None
     present: Callable[[PoolKind, list[bool]], list[bool]] | None = None
-    #: pool kinds the fault leaves out of the HiCache host set (#38031)
+    #: pool kinds a hit stage leaves out of its HiCache host set (sglang #38031)
     host_left_out: frozenset[str] = frozenset()
 
 
@@ -172,8 +173,6 @@ class Family:
     host_size_refused: str | None = None
     #: sglang's default SWA tokens / full tokens (``--swa-full-tokens-ratio``) for the family
     swa_full_tokens_ratio: float = 1.0
-    #: why ``--tp-size`` above 1 is refused, where the family's bytes per TP rank are not modelled
-    tp_refused: str | None = None
 
     def matches(self, cfg: dict[str, Any]) -> bool:
         """Whether ``cfg`` (a parsed config.json) is a model of this family."""
@@ -187,15 +186,24 @@ class Family:
         """Every pool kind sized for ``spec`` at ``page_size`` (the page size is checked here)."""
         raise NotImplementedError
 
-    def stage_problems(self, stage_map: StageLayerMap, page_size: int = 1) -> list[str]:
-        """What sglang 0.5.23 itself does wrong with this (legal) stage at ``page_size``, one
-        line each -- an assertion it hits, a host pool it cannot allocate -- so ``check`` names it
-        before any server starts.  None by default."""
-        return []
+    def with_kv_cache_dtype(self, spec: ModelSpec, dtype: str) -> ModelSpec:
+        """``spec`` with sglang's ``--kv-cache-dtype``; ``auto`` keeps the family's dtype, and a
+        family that models no other refuses the rest in one line."""
+        if dtype == "auto":
+            return spec
+        raise ConfigError(f"--kv-cache-dtype {dtype}: not modelled for {self.label} models "
+                          f"(their KV cache is {self.kv_dtype}); use auto")
 
     def sglang_page_size(self, requested: int) -> int:
-        """The page size sglang really runs this family with (``--page-size`` by default)."""
+        """The page size sglang 0.5.23 really uses for this family when asked for ``requested``
+        (``pools`` and the plan take it, with a one-line note when it overrides ``--page-size``)."""
         return requested
+
+    def stage_problems(self, stage_map: StageLayerMap, page_size: int = 1) -> list[str]:
+        """What sglang 0.5.23 itself does wrong with this (legal) stage, one line each -- an
+        assertion it hits, a host pool it cannot allocate -- so ``check`` names it before any
+        server starts.  None by default."""
+        return []
 
     def refuses_pp(self, spec: ModelSpec) -> str | None:
         """One line when sglang 0.5.23 does not split this model over PP stages (None: it does)."""

@@ -69,6 +69,11 @@ class LayerEntry(BaseModel):
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json", by_alias=True)
 
+    def problem(self) -> tuple[str, str] | None:
+        """What is wrong with this layer on its own, as ``(pool, message)`` (a DSA layer that
+        reuses a top-k no one hands it); None by default."""
+        return None
+
     @classmethod
     def make(cls, local: int, global_id: int, kind: str, ids: dict[str, int | None]) -> LayerEntry:
         """The entry of a layer of ``kind`` with its ``ids`` (one per id space of the family)."""

@@ -23,6 +23,16 @@ if TYPE_CHECKING:
 
 Budget = Literal["full", "swa", "request"]
 
+
+def default_host_units(device_units: int, ratio: float) -> int:
+    """Host pages of one budget: ``int(device_units x ratio)`` (DeepSeek V4's HiCache rule)."""
+    if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not ratio > 0:
+        raise ConfigError(f"--hicache-ratio must be > 0, got {ratio!r}")
+    pages = int(device_units * ratio)
+    if pages < 1:
+        raise ConfigError(f"--hicache-ratio {ratio} x {device_units} device pages gives no host page")
+    return pages
+
 #: The id space of a pool kind whose buffers are indexed by the local layer id (every layer owns
 #: one): no numbering of its own.
 LOCAL = "local"
@@ -37,13 +47,6 @@ class LayerIds(Protocol):
     def kind(self) -> str: ...
 
     def id_in(self, space: str) -> int | None: ...
-
-
-def host_ratio(ratio: object) -> float:
-    """``--hicache-ratio``, checked: a positive number."""
-    if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not ratio > 0:
-        raise ConfigError(f"--hicache-ratio must be > 0, got {ratio!r}")
-    return float(ratio)
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,6 @@ class PoolKind:
         return entry.id_in(self.id_space)
 
     def wrong_count(self, got: int, expected: int, layers: str = "") -> str:
-        """The family's words for a wrong buffer count; ``layers`` names the stage's owning layers."""
         text = self.count_message.format(label=self.label, owners=self.owners_text, got=got,
                                          expected=expected)
         return f"{text} ({layers})" if layers else text
@@ -121,12 +123,8 @@ class PoolKindSpec:
         raise NotImplementedError
 
     def host_units(self, device_units: int, ratio: float) -> int:
-        """Host pages (or slots) HiCache builds for ``device_units``: ``int(units x ratio)``
-        (sglang's DeepSeek V4 rule, default 2.0)."""
-        pages = int(device_units * host_ratio(ratio))
-        if pages < 1:
-            raise ConfigError(f"--hicache-ratio {ratio} x {device_units} device pages gives no host page")
-        return pages
+        """Host pages (or slots) HiCache builds for this kind from its device units."""
+        return default_host_units(device_units, ratio)
 
     def to_dict(self) -> dict[str, Any]:
         k = self.kind
@@ -175,10 +173,10 @@ class StateRing(PoolKindSpec):
 
 @dataclass(frozen=True)
 class TokenRows(PoolKindSpec):
-    """Per-token KV rows (sglang's MHA pools): ``row_bytes`` is one token's K and V of one layer,
-    a page ``rows_per_page`` (= page size) tokens.  sglang's tensors are ``(size + page_size,
-    heads, dim)``: the budget plus one padding page.  HiCache's host pool holds
-    ``int(tokens x ratio)`` tokens floored to pages, plus its own padding page."""
+    """Per-token KV rows (MLA latent, MHA K and V): sglang's ``(size + page_size, heads, dim)``
+    tensors, one row per token, so a tensor holds the budget's tokens plus one page; its HiCache
+    host pool holds ``int(tokens x ratio)`` tokens rounded down to pages, plus one page
+    (``HostKVCache``)."""
 
     @property
     def tensor_row_bytes(self) -> int:
@@ -188,7 +186,14 @@ class TokenRows(PoolKindSpec):
         return (units + 1) * self.rows_per_page
 
     def host_units(self, device_units: int, ratio: float) -> int:
-        return int(device_units * self.rows_per_page * host_ratio(ratio)) // self.rows_per_page + 1
+        return token_host_pages(device_units, self.rows_per_page, ratio)
+
+
+def token_host_pages(device_pages: int, page_size: int, ratio: float) -> int:
+    """sglang's ``HostKVCache`` size for a device pool of ``device_pages`` token pages:
+    ``int(tokens x ratio) // page_size + 1`` pages."""
+    default_host_units(device_pages, ratio)  # the ratio's checks
+    return int(device_pages * page_size * ratio) // page_size + 1
 
 
 @dataclass(frozen=True)

@@ -111,6 +111,10 @@ class SwaHybridSpec(ModelSpec):
     def pp_refused(self) -> str | None:
         return self.no_pp or None
 
+    def tp_refused(self, tp_size: int) -> str | None:
+        return ("SWA hybrids are modelled at one TP rank (sglang splits their KV heads over TP ranks); "
+                "use --tp-size 1")
+
     @property
     def hybrid(self) -> bool:
         return not self.plain_reason
@@ -245,8 +249,6 @@ class SwaHybrid(Family):
     swa_full_tokens_ratio = SWA_FULL_TOKENS_RATIO
     host_size_refused = ("--hicache-size: a host size in bytes is not modelled for SWA hybrids "
                          "(sglang splits it by device bytes); size the host pools with --hicache-ratio")
-    tp_refused = ("SWA hybrids are modelled at one TP rank (sglang splits their KV heads over TP ranks); "
-                  "use --tp-size 1")
     faults = (
         FaultKind("global-swa-subpool", "SWA sub-pool sized by the model's global sliding-window layer "
                   "count", count=sized_globally("swa")),
