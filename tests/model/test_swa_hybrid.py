@@ -129,7 +129,7 @@ def test_check_at_pp8_is_well_under_50_ms():
 
 
 @pytest.mark.parametrize(("argv", "words"), [
-    (["check", "--tp-size", "2"], "--tp-size 2: SWA hybrids are modelled at one TP rank"),
+    (["check", "--tp-size", "2"], "--tp-size 2: gpt-oss-20b: SWA hybrids are modelled at one TP rank"),
     (["pools", "--hicache-size-gb", "4"], "--hicache-size: a host size in bytes is not modelled for SWA hybrids"),
 ])
 def test_what_is_not_modelled_is_refused_in_one_line(capsys, argv, words):
