@@ -175,3 +175,74 @@ def test_two_thousand_idle_sockets_do_not_starve_a_real_serve(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _fd_limit_1024() -> None:
+    """``ulimit -n 1024`` in the child (soft and hard, as the shell sets them)."""
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+
+
+def test_under_ulimit_1024_a_flood_of_2000_idle_sockets_never_delays_healthz_past_100_ms(tmp_path):
+    """The issue's measurement: a real ``stagecache dashboard`` in a shell with ``ulimit -n 1024``,
+    2,000 idle connections opened as fast as a client can (half with half-sent heads), and a
+    /healthz probe every 50 ms for 12 s; every probe from the first second on answers within
+    100 ms (the flood outnumbers the descriptors the process may open)."""
+    import subprocess
+    import sys
+    import threading
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2300:
+        pytest.skip(f"the fd hard limit ({hard}) is too low for 2,000 client sockets")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2300), hard))
+    out = tmp_path / "out.txt"
+    with open(out, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "stagecache.runtime", "dashboard", "--from-check",
+                                 "--model", "tiny-v4", "--pp-size", "2", "--port", "0"],
+                                stdout=f, stderr=subprocess.STDOUT, preexec_fn=_fd_limit_1024)
+    held: list[socket.socket] = []
+    try:
+        deadline = time.monotonic() + 60
+        while "http://" not in out.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, out.read_text()
+            time.sleep(0.05)
+        port = int(out.read_text().split("http://127.0.0.1:")[1].split("/")[0])
+        assert _healthz_ms(port) < 1000
+
+        def flood() -> None:
+            for i in range(2000):
+                s = socket.create_connection(("127.0.0.1", port), timeout=10)
+                if i % 2:
+                    s.sendall(HEAD)
+                held.append(s)
+
+        probes: list[tuple[float, float | None]] = []
+        t0 = time.monotonic()
+        flooding = threading.Thread(target=flood, daemon=True)
+        flooding.start()
+        while (at := time.monotonic() - t0) < 12:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3)
+            start_probe = time.perf_counter()
+            try:
+                conn.request("GET", "/healthz")
+                resp = conn.getresponse()
+                resp.read()
+                ms = (time.perf_counter() - start_probe) * 1e3 if resp.status == 200 else None
+            except OSError:
+                ms = None
+            finally:
+                conn.close()
+            probes.append((at, ms))
+            time.sleep(max(0.0, 0.05 - (time.monotonic() - t0 - at)))
+        flooding.join(30)
+        assert len(held) == 2000 and proc.poll() is None, out.read_text()[-2000:]
+        late = [(round(at, 2), ms) for at, ms in probes if at >= 1.0 and (ms is None or ms > 100)]
+        worst = max((ms or 3000.0) for at, ms in probes if at >= 1.0)
+        print(f"{len(probes)} probes; slowest from 1 s on: {worst:.1f} ms")
+        assert not late, f"{len(late)} probes from 1 s on failed or took > 100 ms: {late[:10]}"
+        assert "Too many open files" not in out.read_text()
+    finally:
+        for s in held:
+            s.close()
+        proc.terminate()
+        proc.wait(10)
