@@ -253,3 +253,91 @@ def test_under_ulimit_1024_a_flood_of_2000_idle_sockets_never_delays_healthz_pas
             flood.wait(10)
         proc.terminate()
         proc.wait(10)
+
+
+def _in_child(code: str) -> str:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
+def test_the_socket_budget_follows_the_descriptor_limit():
+    """``ulimit -n 1024``: the limit less what the process holds and the reserve; a high limit:
+    the connection cap plus the slack.  The connection cap is the slack below the budget."""
+    first = _in_child("""
+import resource
+resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+from stagecache.dashboard import guard
+held = guard.open_fds()
+print(guard.socket_budget(), held, guard.connection_cap(guard.socket_budget()))
+""")
+    budget, held, cap = map(int, first.split())
+    from stagecache.dashboard.guard import ACCEPT_SLACK, FD_RESERVE, MAX_CONNECTIONS
+
+    assert abs(budget - (1024 - held - FD_RESERVE)) <= 1 and cap == budget - ACCEPT_SLACK
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] >= 4096:  # room for the whole cap: all of it
+        second = _in_child("from stagecache.dashboard import guard; print(guard.socket_budget())")
+        assert int(second) == MAX_CONNECTIONS + ACCEPT_SLACK
+
+
+def test_the_gate_accepts_up_to_its_budget_and_a_closed_socket_makes_room():
+    from stagecache.dashboard.guard import GatedListener
+
+    shed: list[int] = []
+    with socket.create_server(("127.0.0.1", 0)) as sock:
+        gate = GatedListener(sock, 3, lambda: shed.append(1) or False)
+        gate.setblocking(False)
+        clients = [socket.create_connection(sock.getsockname()) for _ in range(5)]
+        time.sleep(0.1)  # every handshake done: the kernel's queue holds five
+        accepted = [gate.accept()[0] for _ in range(3)]
+        with pytest.raises(BlockingIOError):
+            gate.accept()  # the budget is spent: nothing accepted, an idle one asked to go
+        assert gate.accepted == 3 and shed == [1]
+        accepted.pop().close()
+        accepted.append(gate.accept()[0])  # room again
+        del accepted[0]  # dropped without close(): the garbage collector's close counts too
+        accepted.append(gate.accept()[0])
+        assert gate.accepted == 3
+        for s in accepted + clients:
+            s.close()
+        gate.close()
+        assert gate.accepted == 0
+
+
+def test_out_of_descriptors_the_gate_sheds_an_idle_connection_instead_of_pausing():
+    """``EMFILE`` on accept: one idle connection is shed and accepting goes on at the next loop
+    pass (``BlockingIOError``), where asyncio would stop accepting for a second; with nothing to
+    shed, asyncio's own handling (the ``OSError``).  In a child: its descriptor limit is lowered."""
+    out = _in_child("""
+import errno, os, resource, socket, time
+from stagecache.dashboard.guard import GatedListener
+sock = socket.create_server(("127.0.0.1", 0))
+accepted = []
+def shed():
+    if not accepted:
+        return False
+    accepted.pop(0).close()
+    return True
+gate = GatedListener(sock, 1000, shed)
+gate.setblocking(False)
+clients = [socket.create_connection(sock.getsockname()) for _ in range(12)]
+time.sleep(0.1)
+held = len(os.listdir("/proc/self/fd")) - 1  # less the listing's own
+resource.setrlimit(resource.RLIMIT_NOFILE, (held + 3, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+def step():
+    try:
+        accepted.append(gate.accept()[0])
+        return "accepted"
+    except BlockingIOError:
+        return "shed"
+    except OSError as exc:
+        return errno.errorcode[exc.errno]
+steps = [step() for _ in range(6)]
+gate.shed = lambda: False
+steps += [step() for _ in range(2)]
+print(" ".join(steps))
+""")
+    assert out == "accepted accepted accepted shed accepted shed accepted EMFILE", out
