@@ -289,7 +289,6 @@ def _run_l3(args: argparse.Namespace) -> int:
     from ..bench import l3 as bench_l3
     from ..errors import ConfigError
     from ..storage.base import StoreUnavailable
-
     from ..storage.mooncake import MOONCAKE_EXTRA, _import_store
 
     backends = ["file", "mooncake"] if args.backend == "all" else [args.backend]
