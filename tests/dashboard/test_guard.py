@@ -341,3 +341,36 @@ steps += [step() for _ in range(2)]
 print(" ".join(steps))
 """)
     assert out == "accepted accepted accepted shed accepted shed accepted EMFILE", out
+
+
+def test_every_way_of_serving_accepts_through_the_gate_on_asyncios_loop():
+    """``serve`` (``DashboardThread``: a pre-bound socket) and the sglang plugin
+    (``dashboard_in_thread``: the server binds) both listen on a ``GatedListener``, on asyncio's
+    own loop (uvloop accepts in C, around the gate)."""
+    import threading
+
+    from stagecache.dashboard.guard import GatedListener
+    from stagecache.dashboard.server import make_server
+
+    dash = _serving()
+    try:
+        assert dash.server.config.loop == "asyncio"
+        assert [type(s) for s in dash.server.servers[0]._sockets] == [GatedListener]
+    finally:
+        dash.stop()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = make_server(StaticSource(report("tiny-v4", 2)), "127.0.0.1", port)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline
+            time.sleep(0.02)
+        assert [type(s) for s in server.servers[0]._sockets] == [GatedListener]
+        assert _healthz_ms(port) < 5000
+    finally:
+        server.should_exit = True
+        thread.join(10)
