@@ -6,7 +6,10 @@
 # "# set-up: background" (the sglang environment, minutes on a fresh machine) runs alongside
 # the rest and the suite; the tests that need it run last and wait for it (bounded), reading
 # its exit status from $STAGECACHE_TEST_SETUP_DIR.  pytest runs on $STAGECACHE_TEST_WORKERS
-# processes (default 2; 1 runs it in one process).
+# processes (default 2; 1 runs it in one process).  A step that fails stops the run at once with
+# the end of its log and its exit code: a foreground one when it returns, a background one when
+# it is seen (after each set-up step, then every second while pytest runs: pytest is stopped).
+# Ctrl-C stops pytest (its own process group) and everything started here: exit 130.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . tests/setup.d/progress.bash
