@@ -3,7 +3,8 @@
 Per connection (``GuardedH11Protocol``, uvicorn's h11 protocol with two rules added):
 
 * a request head must arrive within ``HEADER_TIMEOUT_S`` of connecting, or of the previous
-  response; a socket that sends nothing, or half a request (slowloris), is closed then.
+  response; a socket that sends nothing, or half a request (slowloris), is closed then
+  (``CLOSE_PER_PASS`` per event-loop pass, so a flood's deadlines do not stall the loop).
   Between requests uvicorn's own keep-alive timeout (``server.KEEP_ALIVE_S``) applies too.
 * at most ``max_connections`` are open at once; one more evicts the connection that has
   waited longest without a request in flight, so sockets held open by one client cannot lock
@@ -37,7 +38,7 @@ import logging
 import os
 import resource
 import socket
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
@@ -58,6 +59,8 @@ FD_RESERVE = 256
 ACCEPT_SLACK = 64
 #: The fewest connections a server is given, whatever the descriptor limit says.
 MIN_CONNECTIONS = 16
+#: Connections past their head deadline closed per event-loop pass.
+CLOSE_PER_PASS = 32
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
@@ -165,6 +168,7 @@ class GuardedH11Protocol(H11Protocol):
     header_timeout_s = HEADER_TIMEOUT_S
     max_connections = MAX_CONNECTIONS
     waiting: ClassVar[OrderedDict[GuardedH11Protocol, None]] = OrderedDict()
+    expired: ClassVar[deque[GuardedH11Protocol]] = deque()  # past their head deadline, to close
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._head_deadline: asyncio.TimerHandle | None = None
@@ -209,8 +213,23 @@ class GuardedH11Protocol(H11Protocol):
     def _head_timeout(self) -> None:
         self._head_deadline = None
         self.waiting.pop(self, None)
-        if not self._in_flight() and not self.transport.is_closing():
-            self.transport.close()
+        expired = self.expired
+        expired.append(self)
+        if len(expired) == 1:
+            self.loop.call_soon(self._close_expired)
+
+    @classmethod
+    def _close_expired(cls) -> None:
+        """Close connections whose head deadline passed, ``CLOSE_PER_PASS`` per loop pass: a
+        flood's sockets reach their deadlines together, and closing hundreds in one pass would
+        hold every other connection's answer (/healthz's) for that long."""
+        expired = cls.expired
+        for _ in range(min(CLOSE_PER_PASS, len(expired))):
+            conn = expired.popleft()
+            if not conn._in_flight() and not conn.transport.is_closing():
+                conn.transport.abort()
+        if expired:
+            expired[0].loop.call_soon(cls._close_expired)
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -230,8 +249,8 @@ class GuardedH11Protocol(H11Protocol):
 def protocol_class(header_timeout_s: float = HEADER_TIMEOUT_S,
                    max_connections: int | None = None) -> type[GuardedH11Protocol]:
     """The protocol class for ``uvicorn.Config(http=...)`` with these limits (one per server)."""
-    limits = {"header_timeout_s": header_timeout_s,
-              "max_connections": max_connections or connection_cap(), "waiting": OrderedDict()}
+    limits = {"header_timeout_s": header_timeout_s, "max_connections": max_connections or connection_cap(),
+              "waiting": OrderedDict(), "expired": deque()}
     return type("DashboardH11Protocol", (GuardedH11Protocol,), limits)
 
 
