@@ -61,12 +61,17 @@ class LayerEntry(BaseModel):
         """The layer's id in numbering ``space`` (``LOCAL``: its local id)."""
         return self.local if space == LOCAL else getattr(self, space)
 
+    def transfer_ids(self) -> tuple[int | None, int | None] | None:
+        """(id HiCache signals the layer's transfer with, id the pool waits on); None: the family
+        has no such ids (``validation.checks.validate_transfer_ids``, sglang #38866)."""
+        return None
+
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json", by_alias=True)
 
-    def transfer_ids(self) -> tuple[int | None, int | None] | None:
-        """(the id HiCache signals this layer's completion with, the id its reader waits on);
-        None: the family has no such pair of ids."""
+    def problem(self) -> tuple[str, str] | None:
+        """What is wrong with this layer on its own, as ``(pool, message)`` (a DSA layer that
+        reuses a top-k no one hands it); None by default."""
         return None
 
     @classmethod

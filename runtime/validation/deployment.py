@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 
 from ..errors import MappingError
 from ..plan.plan import RunPlan
-from .checks import validate_host, validate_stage, validate_tiling, validate_transfer_ids
+from .checks import validate_host, validate_stage, validate_tiling
 from .record import StageRecord, stage_record
 from .report import StageReport, StartupReport
 
@@ -73,9 +73,7 @@ def capacity_errors(records: Sequence[StageRecord]) -> dict[int, list[MappingErr
 def stage_report(rec: StageRecord, extra: Sequence[MappingError] = ()) -> StageReport:
     """One stage's verdict: its record validated, its own findings and ``extra`` added."""
     m, inv = rec.layer_map, rec.pool_inventory()
-    present = {p: sum(v) for p, v in inv.buffers.items()}
-    errors = (*validate_stage(m, inv), *validate_transfer_ids(m), *validate_host(m, present, rec.host_buffers),
-              *rec.findings, *extra)
+    errors = (*validate_stage(m, inv), *validate_host(m, inv, rec.host_buffers), *rec.findings, *extra)
     return StageReport(
         stage=m.stage, start=m.start, end=m.end, layers=m.layers, kinds=m.kinds,
         buffers=inv.counts(m.pools), expected=m.expected_buffers(),

@@ -107,9 +107,9 @@ def test_bad_mamba_flags_are_one_line_exit_2(capsys):
 FAULTS = {  # fault -> (model, pp, the pool every error names, words of its message)
     "global-attention": ("qwen3.5-0.8b", 2, "attention", "got 6 buffers for 3 local attention layers"),
     "unsplit-mamba": ("qwen3.5-0.8b", 2, "mamba", "got 18 buffers for 9 local Mamba layers"),
-    "mamba-len-bound": ("nemotron-h-8b", 1, "mamba", "never signals global layer(s)"),
-    "mamba-transfer-ids": ("qwen3.5-0.8b", 2, "mamba", "while its reader waits on 0"),
-    "mamba-host-missing": ("nemotron-h-8b", 4, "mamba", "missing from the host set"),
+    "mamba-len-bound": ("nemotron-h-8b", 1, "mamba", "transfer as id None but the pool waits on id"),
+    "mamba-transfer-ids": ("qwen3.5-0.8b", 2, "mamba", "transfer as id 12 but the pool waits on id 0"),
+    "mamba-host-missing": ("nemotron-h-8b", 4, "mamba", "missing from the HiCache host set"),
 }
 
 
@@ -136,11 +136,11 @@ def test_stage_without_attention_named_by_check_and_pools_suggests_a_partition(c
     [error] = [e for s in report["stages"] for e in s["errors"]]
     assert error["stage"] == 0 and "no attention layer" in error["message"] and "Errno 22" in error["message"]
     _, pools = run_json(capsys, "pools", "--model", "qwen3.5-0.8b", "--pp-size", "4", "--pp-partition", "3,7,7,7")
-    assert "try --pp-partition 6,6,6,6" in pools["notes"]
+    assert pools["suggested_partition"] == [6, 6, 6, 6]
     code, report = run_json(capsys, "check", "--model", "nemotron-h-8b", "--pp-size", "8")
     assert code == 1 and [s["stage"] for s in report["stages"] if not s["ok"]] == [0, 2, 5, 7]
     _, pools = run_json(capsys, "pools", "--model", "nemotron-h-8b", "--pp-size", "8")
-    assert "no partition of 52 layers over 8 stages avoids it: lower --pp-size" in pools["notes"]
+    assert pools["suggested_partition"] is None and len(pools["stage_problems"]) == 4
 
 
 # -- pools: state per request, the ledger ----------------------------------------------------------

@@ -489,7 +489,7 @@ class LinearHybrid(Family):
         else:
             tokens = sizing.max_total_tokens or 0
         tokens = tokens // page * page
-        return StageBudget(units={"full": tokens, "state": slots},
+        return StageBudget(units={"full": tokens // page, "state": slots},
                            charged_bytes={"state": (slots + 1) * stage_per_req},
                            note=f"Mamba state charged as {most} of {len(mamba_layers)} Mamba layers per stage")
 
