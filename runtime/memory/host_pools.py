@@ -65,7 +65,8 @@ class HostPools(StageBuffers):
         #: Per mirrored kind, the present flag of each buffer (the device side's: a None device
         #: buffer has no host mirror); kinds the host tier does not hold map to () -- as do the
         #: kinds a fault leaves out of the host set (no host pages in the plan).
-        cached = {p.pool for p in self.plan.pools if p.kind.host_cached and p.host_pages}
+        # (stagecache's own host tier is page-addressed: per-request state stays on the device)
+        cached = {p.pool for p in self.plan.pools if p.kind.host_cached and p.host_pages and p.kind.paged}
         self.mirrored = {p: tuple(b is not None for b in dp.buffers[p]) if p in cached else ()
                          for p in dp.buffers}
         self.kind_pages = {p.pool: p.host_pages for p in self.plan.pools if p.pool in cached}
