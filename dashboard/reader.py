@@ -49,6 +49,28 @@ class Reader:
         #: the stages' gaps (unreachable, stale, crashed) seen by this dashboard's verdicts
         self.outages = Outages()
 
+    def watch(self, interval_s: float = 0.5) -> None:
+        """Judge the stages every ``interval_s`` in a daemon thread, so a gap is recorded (start
+        and end) even while nobody has the page open; ends when the reader is dropped."""
+        import threading
+        import weakref
+
+        ref = weakref.ref(self)
+
+        def loop() -> None:
+            while True:
+                time.sleep(interval_s)
+                reader = ref()
+                if reader is None:
+                    return
+                try:
+                    reader.outages.observe(liveness_of(reader.source, time.time()))
+                except Exception:  # noqa: BLE001 - a source mid-write; the next tick reads again
+                    pass
+                del reader
+
+        threading.Thread(target=loop, name="stagecache-outages", daemon=True).start()
+
     def optional_report(self) -> StartupReport | None:
         return self.source.startup()
 

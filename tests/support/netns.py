@@ -171,7 +171,7 @@ def three_hosts() -> Iterator[Hosts]:
         hosts.remove()
 
 
-def wait(pred, timeout: float, what: str, every: float = 0.2):
+def wait(pred, timeout: float, what: str, every: float = 0.2, show=None):
     """Poll ``pred`` until truthy; its value, or fail naming ``what`` and the last value."""
     deadline = time.monotonic() + timeout
     last = None
@@ -180,4 +180,4 @@ def wait(pred, timeout: float, what: str, every: float = 0.2):
         if last:
             return last
         time.sleep(every)
-    pytest.fail(f"timed out after {timeout} s waiting for {what} (last: {last!r})")
+    pytest.fail(f"timed out after {timeout} s waiting for {what} (last: {show() if show else last!r})")
