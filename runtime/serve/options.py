@@ -58,6 +58,24 @@ class ServeOptions:
     max_disagreements: int = 0  # more stage disagreements than this: not ready (agreement.py)
     l3: L3Options = L3Options()  # the storage tier behind the host tier (storage/options.py)
     trace_format: str = "auto"  # --trace's format: auto (detected from line 1), tokens, mooncake
+    # several hosts (nodes.py): torchrun's flags; one host keeps the defaults and is unchanged
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = ""
+    master_port: int = 29400
+    node_secret: bytes = b""  # --secret-file's bytes (never sent: keys are derived from it)
+    run_fingerprint: str = ""  # the options every node must share (refused by the hub otherwise)
+    allow_hosts: tuple[str, ...] = ()  # --allow-host: more Host names the dashboard answers
+
+    @property
+    def local_ranks(self) -> range:
+        """The stages this node runs (all of them on one host)."""
+        per = self.plan.pp_size // self.nnodes
+        return range(self.node_rank * per, (self.node_rank + 1) * per)
+
+    @property
+    def hub_address(self) -> tuple[str, int]:
+        return self.master_addr, self.master_port
 
     # -- what the plan holds, read from it (never a second copy) --------------------------------
     @property

@@ -99,6 +99,9 @@ class Supervisor:
         self.started_at = time.time()
         self.url = url  # the dashboard's, for run.json
         self.exit_codes: dict[int, int | None] = {}
+        #: stages of other nodes (several hosts): their pids and exit codes as the hub last heard
+        self.remote_pids: dict[int, int | None] = {}
+        self.remote_exit_codes: dict[int, int | None] = {}
         #: Why the run dir can no longer be trusted (``RunDirLock.replaced``); None: it can.
         self.guard: Callable[[], str | None] = guard or (lambda: None)
         self._write_failing = False
@@ -109,8 +112,8 @@ class Supervisor:
             phase=self.phase, failure=self.failure, failed_stage=self.failed_stage,
             failed_at=self.failed_at, finished_at=self.finished_at, pp_size=self.opts.pp_size, model=self.opts.plan.spec.name,
             device=self.opts.device, url=self.url, parent_pid=os.getpid(),
-            pids={p.rank: p.pid for p in self.procs},
-            exit_codes={p.rank: p.exitcode for p in self.procs},
+            pids={**self.remote_pids, **{p.rank: p.pid for p in self.procs}},
+            exit_codes={**self.remote_exit_codes, **{p.rank: p.exitcode for p in self.procs}},
             heartbeat_timeout_s=self.opts.heartbeat_timeout, started_at=self.started_at,
             max_disagreements=self.opts.max_disagreements,
             time=time.time(),
@@ -172,8 +175,12 @@ class Supervisor:
         if method == "forkserver":
             ctx.set_forkserver_preload(list(STAGE_PRELOAD))
         secret = secrets.token_bytes(32)  # seals the startup exchange (exchange.py)
+        if self.opts.nnodes > 1:  # every node's stages share it: derived from --secret-file
+            from .nodes import derive
+
+            secret = derive(self.opts.node_secret, "exchange")
         store = new_store_path(self.run_dir)  # the rendezvous, private to the run dir
-        for rank in range(self.opts.pp_size):
+        for rank in self.opts.local_ranks:
             cfg = StageConfig(rank, self.opts, self.run_dir, os.getpid(), secret, store)
             proc = ctx.Process(target=stage_main, args=(cfg,), name=f"stagecache-stage-{rank}", daemon=False)
             proc.start()
@@ -212,6 +219,10 @@ class Supervisor:
         from .stage_worker import EXIT_OK, EXIT_PEER_LOST
 
         now = time.monotonic()
+        for k, code in sorted(self.remote_exit_codes.items()):  # a stage of another node
+            if code is not None and code != EXIT_OK and code != EXIT_PEER_LOST:
+                how = f" (was killed by {signal.Signals(-code).name})" if code < 0 else ""
+                return f"stage {k} (pid {self.remote_pids.get(k)}, another node) exited with code {code}{how}", k
         failed = []
         for p in self.procs:
             code = p.exitcode
