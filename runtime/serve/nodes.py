@@ -147,7 +147,12 @@ def connect(address: tuple[str, int], secret: bytes, fingerprint: str,
         hub_nonce = _recv_exact(sock, NONCE)
         mine = secrets.token_bytes(NONCE)
         sock.sendall(mine + _proof(key, b"node", hub_nonce, mine, fingerprint))
-        answer = _recv_exact(sock, MAC)
+        try:
+            answer = _recv_exact(sock, MAC)
+        except ConnectionError:
+            raise HubRefused(f"the hub at {address[0]}:{address[1]} refused this node: another secret, or "
+                             "another run's options (every node must run the same command but for "
+                             "--node-rank and --dist-host)") from None
         if not hmac.compare_digest(answer, _proof(key, b"hub", mine, hub_nonce, fingerprint)):
             raise HubRefused("the hub did not prove the deployment's secret; not this run's hub")
         sock.settimeout(IO_TIMEOUT_S)
@@ -368,15 +373,25 @@ class NodeLink:
         return self
 
     def stop(self) -> None:
+        """Stop reporting, after one last report: the hub hears this node's exit codes (a stage
+        killed here is then named crashed on node 0, not unreachable)."""
         self._stop.set()
         self._thread.join(IO_TIMEOUT_S)
+        with contextlib.suppress(HubRefused, OSError, ConnectionError, ValueError):
+            ch = connect(self._address, self._secret, self._fp, timeout=2.0)
+            try:
+                ch.sock.settimeout(2.0)
+                ch.send({"op": "report", "node": self._node, "sent_at": time.time(), **self._report()})
+                ch.recv()
+            finally:
+                ch.sock.close()
 
     def _run(self) -> None:
         ch: Channel | None = None
         while not self._stop.wait(REPORT_INTERVAL_S):
             try:
-                if ch is None:
-                    ch = connect(self._address, self._secret, self._fp)
+                if ch is None:  # short: a SYN lost on a cut link is retried at the next tick
+                    ch = connect(self._address, self._secret, self._fp, timeout=1.5)
                     ch.sock.settimeout(2.0)
                 ch.send({"op": "report", "node": self._node, "sent_at": time.time(), **self._report()})
                 self._on_reply(ch.recv())

@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 SUPERVISE_INTERVAL_S = 0.2
 STOP_GRACE_S = 3.0
 PEER_LOST_GRACE_S = 1.5
+REMOTE_GRACE_S = 3.0  # several hosts: how long a lost peer may wait for the other node's report
 
 #: Imported once by the forkserver that forks the stage processes.
 STAGE_PRELOAD = (
@@ -236,9 +237,10 @@ class Supervisor:
         if real:
             first = min(real, key=lambda p: (first_seen[p.rank], p.rank))
             return self.failure_message(first), first.rank
-        if now - min(first_seen[p.rank] for p in failed) < PEER_LOST_GRACE_S and not all(
-            p.exitcode is not None for p in self.procs
-        ):
+        # several hosts: the stage that died may be another node's, heard at its next report
+        grace = PEER_LOST_GRACE_S + (REMOTE_GRACE_S if self.opts.nnodes > 1 else 0.0)
+        if now - min(first_seen[p.rank] for p in failed) < grace and (
+                self.opts.nnodes > 1 or not all(p.exitcode is not None for p in self.procs)):
             return None
         stuck = [p for p in self.procs if p.exitcode is None]
         if stuck:
