@@ -49,6 +49,7 @@ MAX_CONNECTIONS = 64
 IO_TIMEOUT_S = 10.0
 HANDSHAKE_TIMEOUT_S = 5.0
 REPORT_INTERVAL_S = 0.5
+STALE_NODE_S = 3 * REPORT_INTERVAL_S  # a node connection silent this long may be replaced
 NONCE = 32
 MAC = hashlib.sha256().digest_size
 MAX_SECRET_BYTES = 4096
@@ -186,7 +187,8 @@ class Hub:
         self._kv: dict[str, bytes] = {}
         self._cv = threading.Condition()
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        self._nodes: set[int] = set()
+        #: node rank -> (its connection, when it last reported: monotonic)
+        self._nodes: dict[int, tuple[socket.socket, float]] = {}
         self._nodes_lock = threading.Lock()
         self.refused = 0
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -234,7 +236,9 @@ class Hub:
                     raise HubRefused("a frame that is not a JSON object")
                 if msg.get("op") == "report":
                     if node is None:
-                        node = self._claim(msg.get("node"))
+                        node = self._claim(msg.get("node"), conn)
+                    with self._nodes_lock:
+                        self._nodes[node] = (conn, time.monotonic())
                     ch.send(self._on_report(msg))
                 else:
                     ch.send(self._store_op(msg))
@@ -243,18 +247,26 @@ class Hub:
         finally:
             if node is not None:
                 with self._nodes_lock:
-                    self._nodes.discard(node)
+                    if self._nodes.get(node, (None,))[0] is conn:
+                        del self._nodes[node]
             conn.close()
             self._slots.release()
 
-    def _claim(self, node: Any) -> int:
+    def _claim(self, node: Any, conn: socket.socket) -> int:
+        """Node rank ``node`` for this connection.  While another connection of that rank reports
+        (within ``STALE_NODE_S``) the newcomer is refused (two nodes with one --node-rank); a
+        silent one is a connection a cut link left behind: it is closed and replaced."""
         if not isinstance(node, int) or node < 1:
             raise HubRefused(f"a report from node {node!r}")
         with self._nodes_lock:
-            if node in self._nodes:
-                raise HubRefused(f"node rank {node} is already connected (two nodes started with "
-                                 f"--node-rank {node}?)")
-            self._nodes.add(node)
+            old = self._nodes.get(node)
+            if old is not None and time.monotonic() - old[1] < STALE_NODE_S:
+                raise HubRefused(f"node rank {node} is already connected and reporting (two nodes "
+                                 f"started with --node-rank {node}?)")
+            if old is not None:
+                with contextlib.suppress(OSError):
+                    old[0].shutdown(socket.SHUT_RDWR)
+            self._nodes[node] = (conn, time.monotonic())
         return node
 
     def _store_op(self, msg: dict[str, Any]) -> dict[str, Any]:
