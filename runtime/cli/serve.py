@@ -25,7 +25,7 @@ from ..errors import ConfigError
 from ..live.numbers import Phase
 from ..live.run_dir import RunDirSource
 from ..net import exposure_warning
-from ..serve.nodes import MASTER_PORT
+from ..serve.nodes import MASTER_PORT, local_ranks
 from ..serve.options import (
     CPU_HIDDEN_CAP,
     DEFAULT_HIDDEN,
@@ -241,7 +241,8 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         )
     device = resolve_device(args.device, args.pp_size)
     check_host_memory(plan, device, min_device_pages=trace_device_pages(trace, plan.page_size, args.micro_batch),
-                      pages_flag="--device-pages" if args.max_total_tokens is None else "--max-total-tokens")
+                      pages_flag="--device-pages" if args.max_total_tokens is None else "--max-total-tokens",
+                      stages=local_ranks(args.pp_size, args.nnodes, args.node_rank) if nodes else None)
     hidden = args.hidden_size or model_hidden_size(args.model) or DEFAULT_HIDDEN
     if not args.hidden_size and device == "cpu":
         hidden = min(hidden, CPU_HIDDEN_CAP)  # a 4096-wide stand-in compute would dominate on CPU
