@@ -389,18 +389,12 @@ class NodeLink:
         killed here is then named crashed on node 0, not unreachable)."""
         self._stop.set()
         self._thread.join(IO_TIMEOUT_S)
-        with contextlib.suppress(HubRefused, OSError, ConnectionError, ValueError):
-            ch = connect(self._address, self._secret, self._fp, timeout=2.0)
-            try:
-                ch.sock.settimeout(2.0)
-                ch.send({"op": "report", "node": self._node, "sent_at": time.time(), **self._report()})
-                ch.recv()
-            finally:
-                ch.sock.close()
 
     def _run(self) -> None:
         ch: Channel | None = None
-        while not self._stop.wait(REPORT_INTERVAL_S):
+        last = False
+        while not last:
+            last = self._stop.wait(REPORT_INTERVAL_S)  # when stopping: one more report, the last
             try:
                 if ch is None:  # short: a SYN lost on a cut link is retried at the next tick
                     ch = connect(self._address, self._secret, self._fp, timeout=1.5)
@@ -466,8 +460,11 @@ def attach(sup: Any, opts: Any, run_dir: str) -> Callable[[], None]:
                 if beat:  # the stage's own heartbeat, on this clock: a stopped stage still ages
                     live.heartbeat_at = min(now, beat + live.clock_offset_s)
                 rd.write_json_atomic(rd.stage_file(run_dir, k), live.model_dump(mode="json"))
+            before = dict(sup.remote_exit_codes)
             for key, code in (msg.get("exit_codes") or {}).items():
                 sup.remote_exit_codes[int(key)] = code if isinstance(code, int) else None
+            if sup.remote_exit_codes != before:  # also after node 0's own loop ended
+                sup.write_run_file()
             for key, pid in (msg.get("pids") or {}).items():
                 sup.remote_pids[int(key)] = pid if isinstance(pid, int) else None
             report = sup.source.startup()

@@ -299,6 +299,8 @@ class Supervisor:
         if dead is not None:
             self.fail(*dead)
             return True
+        if self.opts.nnodes > 1 and any(p.exitcode not in (None, 0) for p in self.procs):
+            return False  # a lost peer: wait for the other node's report to name the stage (_dead_stage)
         if all(p.exitcode is not None for p in self.procs):
             if self.phase == Phase.STARTING:
                 self.fail("every stage exited before startup validation was reported", None)
