@@ -121,10 +121,17 @@ class Channel:
         mac = hmac.new(self._key, self._out + struct.pack(">Q", self._sent) + payload, hashlib.sha256).digest()
         self.sock.sendall(struct.pack(">I", len(payload)) + mac + payload)
 
-    def recv(self) -> Any:
+    def recv(self, idle: bool = False) -> Any:
+        """The next frame.  ``idle``: wait for it to start as long as it takes (the hub, on a
+        stage's store connection), then the rest must arrive within ``IO_TIMEOUT_S``; otherwise
+        the socket's own timeout bounds every read."""
+        if idle:
+            self.sock.settimeout(None)
         (n,) = struct.unpack(">I", _recv_exact(self.sock, 4))
         if n > MAX_FRAME:
             raise HubRefused(f"a frame of {n} bytes announced; at most {MAX_FRAME}")
+        if idle:
+            self.sock.settimeout(IO_TIMEOUT_S)
         mac = _recv_exact(self.sock, MAC)
         payload = _recv_exact(self.sock, n)
         self._got += 1
@@ -230,8 +237,7 @@ class Hub:
                 log.warning("hub: refused a connection: %s", exc)
                 return
             while True:
-                conn.settimeout(None)
-                msg = ch.recv()
+                msg = ch.recv(idle=True)  # a stage's store connection idles for its life
                 if not isinstance(msg, dict):
                     raise HubRefused("a frame that is not a JSON object")
                 if msg.get("op") == "report":
@@ -242,7 +248,7 @@ class Hub:
                     ch.send(self._on_report(msg))
                 else:
                     ch.send(self._store_op(msg))
-        except (HubRefused, OSError, ConnectionError, ValueError) as exc:
+        except (HubRefused, OSError, ConnectionError, ValueError, TypeError, KeyError) as exc:
             log.debug("hub: connection closed: %s", exc)
         finally:
             if node is not None:
