@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -236,3 +237,49 @@ def test_a_second_node_with_other_options_or_rank_is_refused(tmp_path):
         second.stop()
     finally:
         hub.close()
+
+
+def test_hub_frames_cannot_be_altered_replayed_or_reflected():
+    from stagecache.runtime.serve.nodes import Channel, HubRefused
+
+    def pair():
+        a, b = socket.socketpair()
+        a.settimeout(2)
+        b.settimeout(2)
+        return Channel(a, b"k" * 32, is_hub=False), Channel(b, b"k" * 32, is_hub=True), a, b
+
+    node, hub, a, b = pair()
+    node.send({"op": "num_keys"})
+    assert hub.recv() == {"op": "num_keys"}
+    # captured bytes of the next frame, sent twice: the copy is refused (sequence number)
+    node.send({"op": "get", "key": "x"})
+    frame = b.recv(1 << 16)
+    a2, b2 = socket.socketpair()
+    b2.settimeout(2)
+    fresh = Channel(b2, b"k" * 32, is_hub=True)
+    fresh._got = hub._got  # the hub as it stood
+    a2.sendall(frame + frame)
+    assert fresh.recv() == {"op": "get", "key": "x"}
+    with pytest.raises(HubRefused):
+        fresh.recv()
+    # one byte altered
+    node2, hub2, a3, _ = pair()
+    node2.send({"op": "set", "key": "x", "value": "00"})
+    data = bytearray(hub2.sock.recv(1 << 16))
+    data[-3] ^= 1
+    c, d = socket.socketpair()
+    d.settimeout(2)
+    c.sendall(bytes(data))
+    with pytest.raises(HubRefused):
+        Channel(d, b"k" * 32, is_hub=True).recv()
+    # the hub's own frame sent back to it (reflection): another direction, refused
+    node3, hub3, e, f = pair()
+    hub3.send({"ok": True})
+    reflected = e.recv(1 << 16)
+    g, h = socket.socketpair()
+    h.settimeout(2)
+    g.sendall(reflected)
+    with pytest.raises(HubRefused):
+        Channel(h, b"k" * 32, is_hub=True).recv()
+    for s in (a, b, a2, b2, a3, c, d, e, f, g, h):
+        s.close()
