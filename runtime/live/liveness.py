@@ -130,7 +130,7 @@ def stage_health(stage: int, live: StageLive | None, exit_code: int | None, now:
     if live.phase in (Phase.FAILED, Phase.DONE, Phase.REFUSED):
         why = f"failed: {live.error}" if live.phase == Phase.FAILED else f"phase {live.phase.value}"
         return StageHealth(**base, up=False, state=live.phase.value, reason=why)
-    if seen_gone is not None and (age is None or age > 0.0):
+    if seen_gone is not None:
         return StageHealth(**base, up=False, state="crashed", reason=f"crashed: {seen_gone}")
     if starting_is_down and live.phase == Phase.STARTING:
         return StageHealth(**base, up=False, state="starting", reason="still starting")

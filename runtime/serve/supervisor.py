@@ -272,10 +272,11 @@ class Supervisor:
             return
         verdict = assess(self.run_info(), None, stages, time.time())
         for h in verdict.stages:
-            stale = h.exit_code is None and h.reason is not None and h.reason.startswith("no heartbeat")
+            stale = h.exit_code is None and h.state in ("stale", "unreachable")
             if stale and h.stage not in self.stale:
                 self.stale.add(h.stage)
-                self.log(f"stage {h.stage} (pid {h.pid}): {h.reason}; not ready (stopped or stuck?)")
+                why = "(stopped or stuck?)" if h.state == "stale" else "(another host: link or host down?)"
+                self.log(f"stage {h.stage} (pid {h.pid}): {h.reason}; not ready {why}")
             elif not stale and h.stage in self.stale and h.up:
                 self.stale.discard(h.stage)
                 self.log(f"stage {h.stage} (pid {h.pid}): heartbeat again")
