@@ -16,14 +16,18 @@ each and the plan (``plan/faults.py``) applies them to every family alike.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
+from ..errors import ConfigError
 from .layer_map import IdSpace, LayerEntry, ModelLayout, StageLayerMap
 from .pool_kinds import KindTable, PoolKind
 from .spec import ModelSpec
+
+if TYPE_CHECKING:
+    from ..plan.plan import Sizing
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,21 @@ class FaultKind:
     layer_map: Callable[[ModelSpec, StageLayerMap], StageLayerMap] | None = None
     count: Callable[[ModelSpec, StageLayerMap, PoolKind, int], int] | None = None
     present: Callable[[PoolKind, list[bool]], list[bool]] | None = None
+    #: pool kinds a hit stage leaves out of its HiCache host set (sglang #38031)
+    host_left_out: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class StageBudget:
+    """How sglang turns one stage's memory budget into units of each pool budget.
+
+    ``units``: budget name (``full``, ``swa``, ...) -> pages (rows, slots) the stage's budget
+    fits alone; ``full`` is what the PP ranks MIN-all-reduce.  ``charged_bytes``: bytes sglang
+    charges the stage per budget beyond its own pools."""
+
+    units: Mapping[str, int]
+    charged_bytes: Mapping[str, int] = field(default_factory=dict)
+    note: str = ""
 
 
 def _sized_globally(pools: frozenset[str], spec: ModelSpec, stage_map: StageLayerMap, kind: PoolKind,
@@ -167,11 +186,39 @@ class Family:
         """Every pool kind sized for ``spec`` at ``page_size`` (the page size is checked here)."""
         raise NotImplementedError
 
-    def stage_problems(self, stage_map: StageLayerMap) -> list[str]:
+    def with_kv_cache_dtype(self, spec: ModelSpec, dtype: str) -> ModelSpec:
+        """``spec`` with sglang's ``--kv-cache-dtype``; ``auto`` keeps the family's dtype, and a
+        family that models no other refuses the rest in one line."""
+        if dtype == "auto":
+            return spec
+        raise ConfigError(f"--kv-cache-dtype {dtype}: not modelled for {self.label} models "
+                          f"(their KV cache is {self.kv_dtype}); use auto")
+
+    def sglang_page_size(self, requested: int) -> int:
+        """The page size sglang 0.5.23 really uses for this family when asked for ``requested``
+        (``pools`` and the plan take it, with a one-line note when it overrides ``--page-size``)."""
+        return requested
+
+    def stage_problems(self, stage_map: StageLayerMap, page_size: int = 1) -> list[str]:
         """What sglang 0.5.23 itself does wrong with this (legal) stage, one line each -- an
         assertion it hits, a host pool it cannot allocate -- so ``check`` names it before any
         server starts.  None by default."""
         return []
+
+    def refuses_pp(self, spec: ModelSpec) -> str | None:
+        """One line when sglang 0.5.23 does not split this model over PP stages (None: it does)."""
+        return spec.pp_refused
+
+    def stage_budget(self, table: KindTable, counts: Mapping[str, int], budget_bytes: int,
+                     sizing: Sizing) -> StageBudget | None:
+        """How sglang sizes one stage with ``counts`` buffers per pool kind from
+        ``budget_bytes``; None: the DeepSeek V4 rule (``plan.sizing``)."""
+        return None
+
+    def stage_units(self, counts: Mapping[str, int], full_tokens: int, page_size: int) -> Mapping[str, int] | None:
+        """Units per budget of one stage where sglang sizes that stage unlike the others, given
+        the deployment's (MIN-reduced) token count; None: the deployment's budget."""
+        return None
 
     def swa_floor_tokens(self, spec: ModelSpec) -> int:
         """Tokens an SWA pool must hold beyond one page to admit one request (sglang's

@@ -23,6 +23,22 @@ if TYPE_CHECKING:
 
 Budget = Literal["full", "swa", "request"]
 
+
+def check_host_ratio(ratio: object) -> float:
+    """``--hicache-ratio``: a number > 0."""
+    if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not ratio > 0:
+        raise ConfigError(f"--hicache-ratio must be > 0, got {ratio!r}")
+    return ratio
+
+
+def default_host_units(device_units: int, ratio: float) -> int:
+    """Host pages of one budget: ``int(device_units x ratio)`` (DeepSeek V4's HiCache rule)."""
+    check_host_ratio(ratio)
+    pages = int(device_units * ratio)
+    if pages < 1:
+        raise ConfigError(f"--hicache-ratio {ratio} x {device_units} device pages gives no host page")
+    return pages
+
 #: The id space of a pool kind whose buffers are indexed by the local layer id (every layer owns
 #: one): no numbering of its own.
 LOCAL = "local"
@@ -58,6 +74,7 @@ class PoolKind:
     owners_text: str = ""  # the owning layers in a message ("ratio-4")
     none_name: str = ""  # how a pool holding None is named ("" -> "<label> pool")
     owner_ratio: int | None = None  # DeepSeek V4: the compress ratio owning it (``pools --json``)
+    name_layers: bool = False  # a wrong-count message lists the stage's owning layers
 
     @property
     def paged(self) -> bool:
@@ -71,9 +88,10 @@ class PoolKind:
         """The buffer index of a layer entry in this kind."""
         return entry.id_in(self.id_space)
 
-    def wrong_count(self, got: int, expected: int) -> str:
-        return self.count_message.format(label=self.label, owners=self.owners_text, got=got,
+    def wrong_count(self, got: int, expected: int, layers: str = "") -> str:
+        text = self.count_message.format(label=self.label, owners=self.owners_text, got=got,
                                          expected=expected)
+        return f"{text} ({layers})" if layers else text
 
     def holds_none(self, empty: list[int]) -> str:
         return f"{self.none_name or self.label + ' pool'} must not contain None: buffer(s) {empty} are None"
@@ -109,6 +127,10 @@ class PoolKindSpec:
     def tensor_rows(self, units: int) -> int:
         """First dimension of sglang's tensor for ``units`` budget pages (or request slots)."""
         raise NotImplementedError
+
+    def host_units(self, device_units: int, ratio: float) -> int:
+        """Host pages (or slots) HiCache builds for this kind from its device units."""
+        return default_host_units(device_units, ratio)
 
     def to_dict(self) -> dict[str, Any]:
         k = self.kind
@@ -153,6 +175,32 @@ class StateRing(PoolKindSpec):
     def tensor_rows(self, units: int) -> int:
         rows = units * self.rows_per_page + self.rows_per_page + 1
         return -(-rows // self.ring_pad) * self.ring_pad
+
+
+@dataclass(frozen=True)
+class TokenRows(PoolKindSpec):
+    """Per-token KV rows (MLA latent, MHA K and V): sglang's ``(size + page_size, heads, dim)``
+    tensors, one row per token, so a tensor holds the budget's tokens plus one page; its HiCache
+    host pool holds ``int(tokens x ratio)`` tokens rounded down to pages, plus one page
+    (``HostKVCache``)."""
+
+    @property
+    def tensor_row_bytes(self) -> int:
+        return self.row_bytes
+
+    def tensor_rows(self, units: int) -> int:
+        return (units + 1) * self.rows_per_page
+
+    def host_units(self, device_units: int, ratio: float) -> int:
+        return token_host_pages(device_units, self.rows_per_page, ratio)
+
+
+def token_host_pages(device_pages: int, page_size: int, ratio: float) -> int:
+    """sglang's ``HostKVCache`` size for a device pool of ``device_pages`` token pages:
+    ``int(tokens x ratio) // page_size + 1`` pages (at least its padding page: a pool of no
+    pages, such as the full sub-pool of a stage of SWA layers only, still gets one)."""
+    check_host_ratio(ratio)
+    return int(device_pages * page_size * ratio) // page_size + 1
 
 
 @dataclass(frozen=True)

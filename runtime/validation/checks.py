@@ -8,7 +8,7 @@ plan's (``StagePlan.inventory``: what a constructor will build) or real pools'.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from ..errors import MappingError
 from ..model.layer_map import StageLayerMap
@@ -36,6 +36,9 @@ def validate_stage(stage_map: StageLayerMap, inventory: PoolInventory) -> list[M
                 s, "layer_map", None, e.id_in(stray[0]),
                 f"global layer {e.global_id} has {e.describe()} but an id in {', '.join(stray)}",
             ))
+        problem = e.problem()
+        if problem is not None:
+            errors.append(MappingError(s, problem[0], None, e.global_id, problem[1]))
     # Each numbering once per owner set, checked against the first pool kind indexed by it (DeepSeek
     # V4: c4, c128, c4_state): the kinds sharing a numbering would only repeat the same error.
     checked: set[tuple[frozenset[str] | None, str]] = set()
@@ -43,6 +46,26 @@ def validate_stage(stage_map: StageLayerMap, inventory: PoolInventory) -> list[M
         if k.id_space != LOCAL and (k.owners, k.id_space) not in checked:
             checked.add((k.owners, k.id_space))
             errors += _check_ids(stage_map, k, inventory)
+    return errors + validate_transfer_ids(stage_map)
+
+
+def validate_transfer_ids(stage_map: StageLayerMap) -> list[MappingError]:
+    """One error per pool kind whose layers' HiCache transfers signal completion with an id the
+    pool does not wait on (sglang #38866: the two in different id spaces); nothing for a family
+    without transfer ids (``LayerEntry.transfer_ids``)."""
+    errors: list[MappingError] = []
+    for k in stage_map.kinds:
+        if not k.host_cached:
+            continue
+        wrong = [(e, ids) for e in stage_map.pool_layers(k.name)
+                 if (ids := e.transfer_ids()) is not None and ids[0] != ids[1]]
+        if wrong:
+            e, (signalled, awaited) = wrong[0]
+            errors.append(MappingError(
+                stage_map.stage, k.name, awaited, signalled,
+                f"{k.label}: HiCache signals global layer {e.global_id}'s transfer as id {signalled} "
+                f"but the pool waits on id {awaited} ({len(wrong)} of the stage's "
+                f"{len(stage_map.pool_layers(k.name))} layers)"))
     return errors
 
 
@@ -59,11 +82,21 @@ def _pool_errors(stage_map: StageLayerMap, inventory: PoolInventory) -> list[Map
                 ))
             continue
         if len(slots) != want:
-            errors.append(MappingError(s, k.name, want, len(slots), k.wrong_count(len(slots), want)))
+            layers = ""
+            if k.name_layers:
+                ids = [e.global_id for e in stage_map.pool_layers(k.name)]
+                layers = f"its layers {_ranges(ids)}" if ids else "no layer of the stage"
+            errors.append(MappingError(s, k.name, want, len(slots), k.wrong_count(len(slots), want, layers)))
         empty = [i for i, present in enumerate(slots) if not present]
         if empty:
             errors.append(MappingError(s, k.name, "no None buffers", f"None at {empty}", k.holds_none(empty)))
     return errors
+
+
+def _ranges(ids: Sequence[int]) -> str:
+    """Global layer ids as a short list: ``1, 3, 5`` (at most 8 shown)."""
+    shown = ", ".join(map(str, ids[:8]))
+    return shown + (f", ... ({len(ids)} layers)" if len(ids) > 8 else "")
 
 
 def _check_ids(stage_map: StageLayerMap, kind: PoolKind, inventory: PoolInventory) -> list[MappingError]:
@@ -93,6 +126,29 @@ def _check_ids(stage_map: StageLayerMap, kind: PoolKind, inventory: PoolInventor
             ))
         else:
             seen[cid] = e.global_id
+    return errors
+
+
+def validate_host(stage_map: StageLayerMap, inventory: PoolInventory,
+                  host_buffers: Mapping[str, int]) -> list[MappingError]:
+    """Per host-cached kind, the HiCache host set must hold one buffer per present device buffer
+    (sglang #38031: the DSA indexer left out, so a load-back leaves it stale); one error per pool.
+    A kind ``host_buffers`` does not name is not known (a live pool that reports no host side)."""
+    errors: list[MappingError] = []
+    for k in stage_map.kinds:
+        if not k.host_cached or k.name not in host_buffers:
+            continue
+        device = sum(inventory.buffers.get(k.name, ()))
+        got = host_buffers[k.name]
+        if device and got != device:
+            layers = [e.global_id for e in stage_map.pool_layers(k.name)]
+            shown = ", ".join(map(str, layers[:6])) + (", ..." if len(layers) > 6 else "")
+            errors.append(MappingError(
+                stage_map.stage, k.name, device, got,
+                f"stage {stage_map.stage}: {k.label} pool is missing from the HiCache host set: "
+                f"{got} host buffers for {device} device buffers (layers {shown}); a load-back "
+                "leaves those layers' device pages stale",
+            ))
     return errors
 
 
