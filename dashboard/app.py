@@ -287,6 +287,7 @@ def create_app(source: SnapshotSource, *, title: str = "stagecache",
     add_docs_policy(app)
     app.mount("/static", StaticFiles(directory=str(HERE / "static")), name="static")
     reader = Reader(source)
+    reader.watch()
     app.state.source = source
     app.state.reader = reader
     @app.exception_handler(NotReady)

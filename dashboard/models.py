@@ -13,6 +13,7 @@ from stagecache.runtime.errors import MappingError
 from stagecache.runtime.live.liveness import Liveness
 from stagecache.runtime.live.numbers import StageLive
 
+from .outages import Outage
 from .rates import StageRates
 
 # -- dashboard views ----------------------------------------------------------------------
@@ -110,6 +111,8 @@ class MetricsSummary(BaseModel):
     stages: list[StageLive]
     liveness: Liveness | None = Field(
         None, description="readiness verdict: stages up/down, the run's failure and its time")
+    outages: list[Outage] = Field(default_factory=list, description="each stage's gaps (unreachable, "
+                                  "stale, crashed), start and end on this server's clock")
 
 
 # -- probes and errors ------------------------------------------------------------------------

@@ -19,7 +19,8 @@ from stagecache.runtime.validation.report import StartupReport
 
 from .caching import PerReport
 from .models import MetricsSummary, RunState
-from .rates import DEFAULT_WINDOW_S, History
+from .outages import Outages
+from .rates import DEFAULT_WINDOW_S, History, StageRates
 from .view import run_state
 
 
@@ -45,6 +46,30 @@ class Reader:
         #: values derived from one report object (the parse, the layer maps), kept while the
         #: source hands out that same object
         self.derived = PerReport()
+        #: the stages' gaps (unreachable, stale, crashed) seen by this dashboard's verdicts
+        self.outages = Outages()
+
+    def watch(self, interval_s: float = 0.5) -> None:
+        """Judge the stages every ``interval_s`` in a daemon thread, so a gap is recorded (start
+        and end) even while nobody has the page open; ends when the reader is dropped."""
+        import threading
+        import weakref
+
+        ref = weakref.ref(self)
+
+        def loop() -> None:
+            while True:
+                time.sleep(interval_s)
+                reader = ref()
+                if reader is None:
+                    return
+                try:
+                    reader.outages.observe(liveness_of(reader.source, time.time()))
+                except Exception:  # noqa: BLE001 - a source mid-write; the next tick reads again
+                    pass
+                del reader
+
+        threading.Thread(target=loop, name="stagecache-outages", daemon=True).start()
 
     def optional_report(self) -> StartupReport | None:
         return self.source.startup()
@@ -58,7 +83,10 @@ class Reader:
     def stages(self) -> list[StageLive]:
         """Every stage's numbers now; recorded in the rate history as a sample."""
         live = [s for _, s in sorted(self.source.stages().items())]
-        self.history.observe(live, time.time())
+        now = time.time()
+        self.outages.observe(liveness_of(self.source, now))
+        out = self.outages.out_now()  # an unreachable stage's counters are not arriving: no sample
+        self.history.observe([s for s in live if s.stage not in out], now)
         return live
 
     def run(self) -> Mapping[str, Any] | None:
@@ -73,9 +101,13 @@ class Reader:
         rep = self.optional_report()
         live = self.stages()
         now = time.time()
+        verdict = liveness_of(self.source, now)
+        self.outages.observe(verdict)
+        out = self.outages.out_now()
         return MetricsSummary(
             status=status_of(rep), has_live_numbers=bool(live), time=now,
             run=self.run_state(rep, live), window_s=window_s,
-            rates=self.history.rates(window_s), stages=live,
-            liveness=liveness_of(self.source, now),
+            rates=[r if r.stage not in out else StageRates(stage=r.stage, time=r.time, window_s=0.0)
+                   for r in self.history.rates(window_s)], stages=live,
+            liveness=verdict, outages=self.outages.all(),
         )

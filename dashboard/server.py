@@ -51,12 +51,13 @@ class DashboardThread:
     """The dashboard app (with /metrics) on a pre-bound socket, in a daemon thread of the parent."""
 
     def __init__(self, source: Any, sock: socket.socket, title: str,
-                 keep_alive_s: float = KEEP_ALIVE_S, header_timeout_s: float = HEADER_TIMEOUT_S):
+                 keep_alive_s: float = KEEP_ALIVE_S, header_timeout_s: float = HEADER_TIMEOUT_S,
+                 extra_hosts: Iterable[str] = ()):
         host, port = sock.getsockname()[:2]
         self.sock = sock
         self.url = f"http://{f'[{host}]' if ':' in host else host}:{port}/"
         self.server = make_server(source, host, port, title=title, keep_alive_s=keep_alive_s,
-                                  header_timeout_s=header_timeout_s)
+                                  header_timeout_s=header_timeout_s, extra_hosts=extra_hosts)
         self.thread = threading.Thread(target=self._run, name="dashboard", daemon=True)
         self.error: BaseException | None = None
 

@@ -117,6 +117,25 @@
     Plotly.react(gd, data, gd.layout, plotConfig);
   }
 
+  // a stage's gaps (unreachable, stale, crashed: summary.outages) shaded on the rate charts and
+  // the timeline; while a stage is unreachable its rates are null, so its lines break there
+  function outageShapes(outages, now) {
+    return (outages || []).map(function (o) {
+      return { type: "rect", xref: "x", yref: "paper", y0: 0, y1: 1, layer: "below", line: { width: 0 },
+               x0: o.start * 1000, x1: (o.end || now) * 1000, name: "stage " + o.stage + " " + o.state,
+               fillcolor: o.state === "crashed" ? "rgba(200,40,40,0.15)" : "rgba(230,150,0,0.18)" };
+    });
+  }
+
+  function shadeOutages(summary) {
+    var shapes = outageShapes(summary.outages, summary.time);
+    RATE_CHARTS.concat(["chart-timeline"]).forEach(function (id) {
+      var gd = chart(id);
+      if (!gd || (!shapes.length && !(gd.layout.shapes || []).length)) return;
+      Plotly.relayout(gd, { shapes: shapes });
+    });
+  }
+
   function updateRun(run) {
     state.phase = run.phase;
     var badge = document.getElementById("live-state");
@@ -170,6 +189,7 @@
     updateBars("chart-tokens", byStage);
     updateBars("chart-transfer-split", byStage);
     updateTimeline(summary.stages);
+    shadeOutages(summary);
   }
 
   function setPollState(text, bad) {

@@ -25,6 +25,7 @@ from ..errors import ConfigError
 from ..live.numbers import Phase
 from ..live.run_dir import RunDirSource
 from ..net import exposure_warning
+from ..serve.nodes import MASTER_PORT, local_ranks
 from ..serve.options import (
     CPU_HIDDEN_CAP,
     DEFAULT_HIDDEN,
@@ -151,6 +152,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dist-host", default=defaults.DIST_HOST, metavar="ADDR",
                    help="address the stages' gloo/nccl data plane binds (default %(default)s; any "
                    "other address is warned about; the rendezvous is a file in the private run dir)")
+    nodes = p.add_argument_group("several hosts", "every host runs the same command except --node-rank "
+                                 "and --dist-host (torchrun's flags); docs/serve.md#several-hosts")
+    nodes.add_argument("--nnodes", type=positive_int, default=1, metavar="N",
+                       help="hosts the stages are spread over, --pp-size / N stages each (default 1)")
+    nodes.add_argument("--node-rank", type=nonneg_int, default=0, metavar="R",
+                       help="this host's place: node 0 runs stages 0..pp/N-1, the hub and the dashboard")
+    nodes.add_argument("--master-addr", default=None, metavar="ADDR",
+                       help="node 0's address (or name) the hub listens on and the other nodes reach")
+    nodes.add_argument("--master-port", type=port_number, default=MASTER_PORT, metavar="P",
+                       help="the hub's port on node 0 (default %(default)s)")
+    nodes.add_argument("--secret-file", default=None, metavar="FILE",
+                       help="the deployment's secret (16-4096 random bytes, your file, mode 600, the same "
+                       "file on every node; never sent over the network)")
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="one more Host name the dashboard answers to (the name other hosts or "
+                   "Prometheus reach it by); repeatable")
     p.add_argument("--run-dir", default=None,
                    help="directory for the stages' snapshot files (default: a temporary one, removed at exit)")
     p.add_argument("--heartbeat-timeout", type=float_range(2 * defaults.HEARTBEAT_INTERVAL_S, 3600.0),
@@ -211,6 +228,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
     plan = plan_from_args(args, Sizing.runtime(device_pages, request_slots=args.micro_batch,
                                                hicache_ratio=args.hicache_ratio))
     dist_host, dist_interface = resolve_dist_host(args.dist_host)
+    nodes = nodes_from_args(args)
     requests = args.requests or (0 if args.trace else defaults.REQUESTS)
     trace = build_trace(args.trace, requests, args.seed, args.trace_format)  # TraceError (exit 2) lists bad lines
     check_trace_fits(trace, plan.page_size, device_pages, args.micro_batch)
@@ -223,7 +241,8 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         )
     device = resolve_device(args.device, args.pp_size)
     check_host_memory(plan, device, min_device_pages=trace_device_pages(trace, plan.page_size, args.micro_batch),
-                      pages_flag="--device-pages" if args.max_total_tokens is None else "--max-total-tokens")
+                      pages_flag="--device-pages" if args.max_total_tokens is None else "--max-total-tokens",
+                      stages=local_ranks(args.pp_size, args.nnodes, args.node_rank) if nodes else None)
     hidden = args.hidden_size or model_hidden_size(args.model) or DEFAULT_HIDDEN
     if not args.hidden_size and device == "cpu":
         hidden = min(hidden, CPU_HIDDEN_CAP)  # a 4096-wide stand-in compute would dominate on CPU
@@ -238,7 +257,41 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         dist_timeout=args.dist_timeout, json=args.json, dist_host=dist_host,
         dist_interface=dist_interface, heartbeat_timeout=args.heartbeat_timeout,
         max_disagreements=args.max_disagreements, l3=l3_options(args), trace_format=args.trace_format,
+        allow_hosts=tuple(args.allow_host), **nodes,
     )
+
+
+#: Flags that differ from node to node; every other flag must be the same on every node.
+NODE_LOCAL_FLAGS = frozenset({"node_rank", "dist_host", "host", "port", "no_dashboard", "run_dir", "json",
+                              "allow_host", "secret_file", "func", "hold_seconds", "exit_after_run",
+                              "exit_on_error", "command"})
+
+
+def nodes_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """--nnodes and its flags, checked (exit 2 naming the flag); {} on one host."""
+    import hashlib
+    import json
+
+    from ..serve.nodes import read_secret
+
+    if args.nnodes == 1:
+        if args.node_rank != 0:
+            raise ConfigError(f"--node-rank {args.node_rank} without --nnodes; expected --node-rank 0 on one host")
+        return {}
+    if args.pp_size % args.nnodes:
+        raise ConfigError(f"--pp-size {args.pp_size} over --nnodes {args.nnodes}: expected a pp size that "
+                          "divides evenly over the nodes")
+    if args.node_rank >= args.nnodes:
+        raise ConfigError(f"--node-rank {args.node_rank}: expected 0..{args.nnodes - 1} for --nnodes {args.nnodes}")
+    if not args.master_addr:
+        raise ConfigError("--nnodes needs --master-addr: node 0's address, the same on every node")
+    if not args.secret_file:
+        raise ConfigError("--nnodes needs --secret-file: the deployment's secret, the same file on every node")
+    secret = read_secret(args.secret_file)
+    shared = {k: v for k, v in sorted(vars(args).items()) if k not in NODE_LOCAL_FLAGS}
+    fingerprint = hashlib.sha256(json.dumps(shared, sort_keys=True, default=str).encode()).hexdigest()
+    return {"nnodes": args.nnodes, "node_rank": args.node_rank, "master_addr": args.master_addr,
+            "master_port": args.master_port, "node_secret": secret, "run_fingerprint": fingerprint}
 
 
 def exposure_warnings(opts: ServeOptions) -> list[str]:
@@ -286,6 +339,7 @@ class _Run:
     master: MooncakeMaster | None = None  # the local mooncake_master serve started
     summary: dict[str, Any] | None = None
     code: int = 1
+    detach: Any = None  # several hosts: stops the hub or the node link
 
 
 def _prepare_run_dir(opts: ServeOptions, console: Console) -> tuple[str, bool, RunDirLock]:
@@ -304,7 +358,8 @@ def _start_dashboard(r: _Run) -> None:
 
     opts = r.opts
     sock = bind_dashboard_socket(opts.host, opts.port)
-    r.dash = DashboardThread(r.source, sock, title=f"stagecache {opts.plan.spec.name} pp={opts.pp_size}")
+    r.dash = DashboardThread(r.source, sock, title=f"stagecache {opts.plan.spec.name} pp={opts.pp_size}",
+                             extra_hosts=opts.allow_hosts)
     r.dash.start()
     if not r.dash.server.started:
         raise ConfigError(f"the dashboard did not start on {r.dash.url}: "
@@ -368,6 +423,8 @@ def _start_master(r: _Run) -> None:
 def _close(r: _Run, old_handlers: dict[int, Any]) -> None:
     if r.sup is not None:
         r.sup.stop()
+    if r.detach is not None:
+        r.detach()
     if r.master is not None:
         r.master.stop()
     if r.dash is not None:
@@ -404,6 +461,10 @@ def serve(opts: ServeOptions) -> int:
         sup = r.sup = Supervisor(r.opts, run_dir, source=r.source, url=r.dash.url if r.dash else None,
                                  guard=lock.replaced, log=lambda text: console.print(text, markup=False))
         try:
+            if opts.nnodes > 1:  # node 0: the hub; the others: the link to it (nodes.py)
+                from ..serve.nodes import attach
+
+                r.detach = attach(sup, opts, run_dir)
             sup.start()
             with Progress(opts, console) as progress:
                 phase = sup.supervise(progress)

@@ -51,6 +51,12 @@ class StageHealth(BaseModel):
 
     stage: int
     up: bool
+    state: str = Field("up", description="up; starting; stale (a local heartbeat stopped); "
+                       "unreachable (numbers over the network stopped: the process may still run); "
+                       "crashed (its exit code is known, or a stage on its host saw its process gone); "
+                       "failed, done or refused (its own phase)")
+    host: str | None = Field(None, description="the host the stage runs on, when known")
+    remote: bool = Field(False, description="its numbers come over the network")
     pid: int | None = None
     phase: str = "unknown"
     exit_code: int | None = None
@@ -89,18 +95,24 @@ class Liveness(BaseModel):
 
 
 def last_beat(live: StageLive) -> float | None:
-    """The newest sign of life: the heartbeat, or a report (sources without a heartbeat thread)."""
+    """The newest sign of life: the heartbeat, or a report (sources without a heartbeat thread).
+
+    A remote stage's sign of life is its numbers' arrival, on the receiver's clock
+    (``remote.Arrivals``): its own ``time`` is another host's wall clock."""
+    if live.remote:
+        return live.heartbeat_at
     times = [t for t in (live.heartbeat_at, live.time) if t]
     return max(times) if times else None
 
 
 def stage_health(stage: int, live: StageLive | None, exit_code: int | None, now: float,
-                 timeout: float, starting_is_down: bool = False) -> StageHealth:
+                 timeout: float, starting_is_down: bool = False, seen_gone: str | None = None) -> StageHealth:
     """One stage's verdict: exited, failed, still starting, never beat, stale heartbeat, or up.
 
     ``starting_is_down``: a stage that says it is still starting is not up (``serve``'s
     stages say "serving" once they have the startup verdict; an sglang process has no
-    such phase, so there it stays off).
+    such phase, so there it stays off).  ``seen_gone``: a stage on the same host saw its
+    process gone (``remote.gone``), so silence is a crash, not a cut link.
     """
     beat = last_beat(live) if live is not None else None
     age = max(0.0, now - beat) if beat is not None else None
@@ -108,20 +120,29 @@ def stage_health(stage: int, live: StageLive | None, exit_code: int | None, now:
             "phase": live.phase.value if live else "unknown", "exit_code": exit_code,
             "heartbeat_at": beat, "heartbeat_age_s": age, "error": live.error if live else None,
             "host_tier": list(live.host_tier.status) if live else [],
-            "l3": _l3_state(live), "l3_reason": live.l3.down_reason if live else None}
+            "l3": _l3_state(live), "l3_reason": live.l3.down_reason if live else None,
+            "host": live.host if live else None, "remote": bool(live and live.remote)}
     if exit_code is not None:
-        return StageHealth(**base, up=False, reason=f"process exited with code {exit_code}")
+        return StageHealth(**base, up=False, state="crashed",
+                           reason=f"process exited with code {exit_code}")
     if live is None:
-        return StageHealth(**base, up=False, reason="has not reported yet")
+        return StageHealth(**base, up=False, state="starting", reason="has not reported yet")
     if live.phase in (Phase.FAILED, Phase.DONE, Phase.REFUSED):
         why = f"failed: {live.error}" if live.phase == Phase.FAILED else f"phase {live.phase.value}"
-        return StageHealth(**base, up=False, reason=why)
+        return StageHealth(**base, up=False, state=live.phase.value, reason=why)
+    if seen_gone is not None:
+        return StageHealth(**base, up=False, state="crashed", reason=f"crashed: {seen_gone}")
     if starting_is_down and live.phase == Phase.STARTING:
-        return StageHealth(**base, up=False, reason="still starting")
+        return StageHealth(**base, up=False, state="starting", reason="still starting")
     if age is None:
-        return StageHealth(**base, up=False, reason="no heartbeat yet")
+        return StageHealth(**base, up=False, state="starting", reason="no heartbeat yet")
     if age > timeout:
-        return StageHealth(**base, up=False,
+        if live.remote:
+            where = f" from {live.host}" if live.host else ""
+            return StageHealth(**base, up=False, state="unreachable", reason=(
+                f"unreachable: no numbers over the network{where} for {age:.1f} s (limit {timeout:g} s); "
+                "the link or the host may be down, the process may still run"))
+        return StageHealth(**base, up=False, state="stale",
                            reason=f"no heartbeat for {age:.1f} s (limit {timeout:g} s)")
     return StageHealth(**base, up=True)
 
@@ -143,10 +164,11 @@ def assess(run: RunInfo | None, startup: StartupReport | None,
     timeout = heartbeat_timeout or (run.heartbeat_timeout_s if run else HEARTBEAT_TIMEOUT_S)
     ids = sorted(set(range(run.pp_size)) | set(stages)) if run and run.pp_size else sorted(stages)
     health = []
+    seen = seen_gone(stages)
     for k in ids:
         code = run.exit_codes.get(k) if run else None
         health.append(stage_health(k, stages.get(k), code, now, timeout,
-                                   starting_is_down=run is not None))
+                                   starting_is_down=run is not None, seen_gone=seen.get(k)))
     ok = None if startup is None else startup.ok
     reasons = []
     if run is not None and run.phase == Phase.DONE:
@@ -174,6 +196,15 @@ def assess(run: RunInfo | None, startup: StartupReport | None,
         failed_stage=run.failed_stage if run else None, failed_at=run.failed_at if run else None,
         finished_at=run.finished_at if run else None, stages=health, reasons=reasons, time=now, disagreements=total, max_disagreements=limit,
     )
+
+
+def seen_gone(stages: Mapping[int, StageLive]) -> dict[int, str]:
+    """Stage -> who saw its process gone and how (``StageLive.gone`` of the stages on its host)."""
+    out: dict[int, str] = {}
+    for k, live in sorted(stages.items()):
+        for other, how in live.gone.items():
+            out.setdefault(other, f"{how} (seen by stage {k} on the same host)")
+    return out
 
 
 def utc_text(t: float) -> str:

@@ -264,6 +264,14 @@ class StageLive(CacheLive, TransferLive):
     l3: L3Live = Field(default_factory=L3Live)
     # what the deployment's minimum token capacity leaves stranded on this stage
     capacity: CapacityLive = Field(default_factory=CapacityLive)
+    # a stage on another host: its numbers came over the network (several hosts)
+    remote: bool = Field(False, description="the numbers came over the network from another host: "
+                         "silence means unreachable, not stopped")
+    host: str | None = Field(None, description="the host the stage runs on (several hosts)")
+    clock_offset_s: float = Field(0.0, description="receiver's wall clock minus the sender's at the "
+                                  "last receipt (its times are shown moved onto the receiver's clock)")
+    gone: dict[int, str] = Field(default_factory=dict, description="stages on this stage's host "
+                                 "whose process it saw gone (pid no longer alive), and how")
 
     @property
     def bubble_fraction(self) -> float:

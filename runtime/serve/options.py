@@ -58,6 +58,24 @@ class ServeOptions:
     max_disagreements: int = 0  # more stage disagreements than this: not ready (agreement.py)
     l3: L3Options = L3Options()  # the storage tier behind the host tier (storage/options.py)
     trace_format: str = "auto"  # --trace's format: auto (detected from line 1), tokens, mooncake
+    # several hosts (nodes.py): torchrun's flags; one host keeps the defaults and is unchanged
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = ""
+    master_port: int = 29400
+    node_secret: bytes = b""  # --secret-file's bytes (never sent: keys are derived from it)
+    run_fingerprint: str = ""  # the options every node must share (refused by the hub otherwise)
+    allow_hosts: tuple[str, ...] = ()  # --allow-host: more Host names the dashboard answers
+
+    @property
+    def local_ranks(self) -> range:
+        """The stages this node runs (all of them on one host)."""
+        per = self.plan.pp_size // self.nnodes
+        return range(self.node_rank * per, (self.node_rank + 1) * per)
+
+    @property
+    def hub_address(self) -> tuple[str, int]:
+        return self.master_addr, self.master_port
 
     # -- what the plan holds, read from it (never a second copy) --------------------------------
     @property
@@ -137,7 +155,8 @@ def resolve_device(choice: str, pp_size: int) -> str:
 
 
 def check_host_memory(plan: RunPlan, device: str, min_device_pages: int = 1,
-                      pages_flag: str = "--device-pages", mem: MemInfo | None = None) -> int:
+                      pages_flag: str = "--device-pages", mem: MemInfo | None = None,
+                      stages: range | None = None) -> int:
     """All stages share this host's RAM: their pools together must fit (a per-stage check cannot see it).
 
     Runs before any process starts or any pool exists, on the plan (faults included: a faulty
@@ -146,13 +165,15 @@ def check_host_memory(plan: RunPlan, device: str, min_device_pages: int = 1,
     user gave (``pages_flag``: ``--device-pages`` or ``--max-total-tokens``) with the largest
     values that fit, never fewer device pages than the trace needs (``min_device_pages``).
     ``mem``: a ``MemInfo`` to check against (default: this host's /proc/meminfo now).
+    ``stages``: the stages this host runs (several hosts: this node's share); default all.
     Returns the bytes needed.
     """
     from ..memory.ram_check import check_ram, stages_ram_need
 
-    need = stages_ram_need(plan, device_in_ram=device == "cpu")
+    need = stages_ram_need(plan, device_in_ram=device == "cpu", stages=stages)
     where = "device + host pools" if device == "cpu" else "host pools"
     scale = plan.page_size if pages_flag == "--max-total-tokens" else 1
     return check_ram(need, plan.stage(0).device_pages, plan.sizing.hicache_ratio,
-                     f"the {plan.pp_size} stages' {where} together", min_pages=min_device_pages,
+                     f"the {plan.pp_size} stages' {where} together" if stages is None or len(stages) == plan.pp_size
+                     else f"this node's {len(stages)} stages' {where} together", min_pages=min_device_pages,
                      pages_flag=pages_flag, pages_scale=scale, mem=mem)

@@ -244,7 +244,13 @@ class StageWorker:
             torch.cuda.set_device(self.rank)
         os.environ.update(data_plane_env(cfg.opts.dist_interface))
         timeout = datetime.timedelta(seconds=cfg.opts.dist_timeout)
-        store = self._call(lambda: make_store(cfg.store_path, cfg.opts.pp_size, cfg.opts.dist_timeout))
+        if cfg.opts.nnodes > 1:  # several hosts: the keys live in node 0's hub (nodes.py)
+            from .nodes import hub_store
+
+            store = self._call(lambda: hub_store(cfg.opts.hub_address, cfg.opts.node_secret,
+                                                 cfg.opts.run_fingerprint, cfg.opts.dist_timeout))
+        else:
+            store = self._call(lambda: make_store(cfg.store_path, cfg.opts.pp_size, cfg.opts.dist_timeout))
         self._call(lambda: dist.init_process_group(
             cfg.backend, store=store, rank=self.rank, world_size=cfg.opts.pp_size, timeout=timeout,
         ))

@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 SUPERVISE_INTERVAL_S = 0.2
 STOP_GRACE_S = 3.0
 PEER_LOST_GRACE_S = 1.5
+REMOTE_GRACE_S = 3.0  # several hosts: how long a lost peer may wait for the other node's report
 
 #: Imported once by the forkserver that forks the stage processes.
 STAGE_PRELOAD = (
@@ -99,6 +100,9 @@ class Supervisor:
         self.started_at = time.time()
         self.url = url  # the dashboard's, for run.json
         self.exit_codes: dict[int, int | None] = {}
+        #: stages of other nodes (several hosts): their pids and exit codes as the hub last heard
+        self.remote_pids: dict[int, int | None] = {}
+        self.remote_exit_codes: dict[int, int | None] = {}
         #: Why the run dir can no longer be trusted (``RunDirLock.replaced``); None: it can.
         self.guard: Callable[[], str | None] = guard or (lambda: None)
         self._write_failing = False
@@ -109,8 +113,8 @@ class Supervisor:
             phase=self.phase, failure=self.failure, failed_stage=self.failed_stage,
             failed_at=self.failed_at, finished_at=self.finished_at, pp_size=self.opts.pp_size, model=self.opts.plan.spec.name,
             device=self.opts.device, url=self.url, parent_pid=os.getpid(),
-            pids={p.rank: p.pid for p in self.procs},
-            exit_codes={p.rank: p.exitcode for p in self.procs},
+            pids={**self.remote_pids, **{p.rank: p.pid for p in self.procs}},
+            exit_codes={**self.remote_exit_codes, **{p.rank: p.exitcode for p in self.procs}},
             heartbeat_timeout_s=self.opts.heartbeat_timeout, started_at=self.started_at,
             max_disagreements=self.opts.max_disagreements,
             time=time.time(),
@@ -172,8 +176,12 @@ class Supervisor:
         if method == "forkserver":
             ctx.set_forkserver_preload(list(STAGE_PRELOAD))
         secret = secrets.token_bytes(32)  # seals the startup exchange (exchange.py)
+        if self.opts.nnodes > 1:  # every node's stages share it: derived from --secret-file
+            from .nodes import derive
+
+            secret = derive(self.opts.node_secret, "exchange")
         store = new_store_path(self.run_dir)  # the rendezvous, private to the run dir
-        for rank in range(self.opts.pp_size):
+        for rank in self.opts.local_ranks:
             cfg = StageConfig(rank, self.opts, self.run_dir, os.getpid(), secret, store)
             proc = ctx.Process(target=stage_main, args=(cfg,), name=f"stagecache-stage-{rank}", daemon=False)
             proc.start()
@@ -212,6 +220,10 @@ class Supervisor:
         from .stage_worker import EXIT_OK, EXIT_PEER_LOST
 
         now = time.monotonic()
+        for k, code in sorted(self.remote_exit_codes.items()):  # a stage of another node
+            if code is not None and code != EXIT_OK and code != EXIT_PEER_LOST:
+                how = f" (was killed by {signal.Signals(-code).name})" if code < 0 else ""
+                return f"stage {k} (pid {self.remote_pids.get(k)}, another node) exited with code {code}{how}", k
         failed = []
         for p in self.procs:
             code = p.exitcode
@@ -225,9 +237,10 @@ class Supervisor:
         if real:
             first = min(real, key=lambda p: (first_seen[p.rank], p.rank))
             return self.failure_message(first), first.rank
-        if now - min(first_seen[p.rank] for p in failed) < PEER_LOST_GRACE_S and not all(
-            p.exitcode is not None for p in self.procs
-        ):
+        # several hosts: the stage that died may be another node's, heard at its next report
+        grace = PEER_LOST_GRACE_S + (REMOTE_GRACE_S if self.opts.nnodes > 1 else 0.0)
+        if now - min(first_seen[p.rank] for p in failed) < grace and (
+                self.opts.nnodes > 1 or not all(p.exitcode is not None for p in self.procs)):
             return None
         stuck = [p for p in self.procs if p.exitcode is None]
         if stuck:
@@ -259,10 +272,11 @@ class Supervisor:
             return
         verdict = assess(self.run_info(), None, stages, time.time())
         for h in verdict.stages:
-            stale = h.exit_code is None and h.reason is not None and h.reason.startswith("no heartbeat")
+            stale = h.exit_code is None and h.state in ("stale", "unreachable")
             if stale and h.stage not in self.stale:
                 self.stale.add(h.stage)
-                self.log(f"stage {h.stage} (pid {h.pid}): {h.reason}; not ready (stopped or stuck?)")
+                why = "(stopped or stuck?)" if h.state == "stale" else "(another host: link or host down?)"
+                self.log(f"stage {h.stage} (pid {h.pid}): {h.reason}; not ready {why}")
             elif not stale and h.stage in self.stale and h.up:
                 self.stale.discard(h.stage)
                 self.log(f"stage {h.stage} (pid {h.pid}): heartbeat again")
@@ -286,6 +300,8 @@ class Supervisor:
         if dead is not None:
             self.fail(*dead)
             return True
+        if self.opts.nnodes > 1 and any(p.exitcode not in (None, 0) for p in self.procs):
+            return False  # a lost peer: wait for the other node's report to name the stage (_dead_stage)
         if all(p.exitcode is not None for p in self.procs):
             if self.phase == Phase.STARTING:
                 self.fail("every stage exited before startup validation was reported", None)

@@ -283,7 +283,7 @@ def test_d_a_killed_rank_turns_readyz_503_naming_it_within_10_s(tmp_path):
     kill = run.results[0]["kill"]
     print(f"readyz 503 after {kill.get('seconds')} s")
     assert kill.get("seconds") is not None and kill["seconds"] < 10, kill
-    assert any(r.startswith("stage 2: no heartbeat for") for r in kill["reasons"]), kill
+    assert any(r.startswith("stage 2: crashed: pid ") for r in kill["reasons"]), kill  # seen gone by a rank on its host
     assert not any(r.startswith(("stage 0", "stage 1", "stage 3")) for r in kill["reasons"]), kill
     assert run.exit_codes[2] == -signal.SIGKILL
 

@@ -220,3 +220,15 @@ def test_readyz_fails_on_exceeds_ram_and_warns_on_the_others():
     stages[2] = _stage(2, ["exceeds_ram"], ["stage 2 host tier: host RAM short"], False)
     v = assess(RunInfo(**run), ok, stages, time.time())
     assert not v.ready and v.reasons == ["stage 2 host tier: host RAM short"]
+
+
+def test_a_node_of_several_hosts_counts_only_its_own_stages():
+    """serve --nnodes: each host's RAM holds its own stages' pools, not every stage's."""
+    mem = MemInfo(available=1 << 62, total=1 << 62)
+    plan = _plan(4000, 2.0)
+    everything = check_host_memory(plan, "cuda", mem=mem)
+    half = check_host_memory(plan, "cuda", mem=mem, stages=range(2, 4))
+    assert 0 < half < everything
+    with pytest.raises(ConfigError) as e:
+        check_host_memory(plan, "cuda", mem=MemInfo(available=half // 2, total=half), stages=range(2, 4))
+    assert str(e.value).startswith("this node's 2 stages' host pools together need")

@@ -44,6 +44,7 @@ from ...defaults import (
 )
 from ...errors import ConfigError, StageMappingInvalid
 from ...live.numbers import CapacityLive, PageSpace, PoolBytes, StageLive
+from ...live.remote import host_id, start_ticks
 from ...validation.deployment import deployment_report
 from ...validation.record import StageRecord
 from ...validation.report import StartupReport
@@ -224,8 +225,26 @@ class Endpoint:
 
 
 def _exchanged(record: StageRecord, endpoint: Endpoint | None) -> dict[str, Any]:
+    pid = os.getpid()
     return {"record": record.to_json(), "push_url": endpoint.url if endpoint else None,
-            "push_secret": endpoint.secret.hex() if endpoint else None}
+            "push_secret": endpoint.secret.hex() if endpoint else None,
+            "process": {"pid": pid, "ticks": start_ticks(pid), "host": host_id()}}
+
+
+def same_host_peers(raw: list[Any], own: int) -> dict[int, tuple[int, int | None]]:
+    """The other ranks on this rank's host (pid, start ticks), from the exchanged ``process``
+    entries: this rank can see their processes go (``remote.gone``); over the network a rank
+    can only fall silent."""
+    here = host_id()
+    peers: dict[int, tuple[int, int | None]] = {}
+    for rank, item in enumerate(raw):
+        proc = item.get("process") if isinstance(item, dict) else None
+        if rank == own or not isinstance(proc, dict) or proc.get("host") != here:
+            continue
+        pid, ticks = proc.get("pid"), proc.get("ticks")
+        if isinstance(pid, int) and pid > 0 and (ticks is None or isinstance(ticks, int)):
+            peers[rank] = (pid, ticks)
+    return peers
 
 
 def parse_exchanged(raw: list[Any], pp_size: int) -> tuple[list[StageRecord], Endpoint | None]:
@@ -413,6 +432,7 @@ class Deployment:
         else:
             raw = exchange_records(_exchanged(record, endpoint), _pp_cpu_group(), self.options.exchange_timeout_s)
             records, endpoint = parse_exchanged(raw, rank.pp_size)
+            self.source.watch_peers(same_host_peers(raw, rank.pp_rank))
         report = self.report = deployment_report(records, tp_size=rank.tp_size, page_size=page_size,
                                                  pp_size=rank.pp_size)
         self.source.publish(report, {r.stage: stage_live(r, self.options.model_name) for r in records},

@@ -10,7 +10,9 @@ push secret (32 random bytes rank 0 made and sent in its plan record) -- of
 ``{"stage", "seq", "live"}``.  Rank 0 refuses, unread, a body over ``MAX_PUSH_BYTES`` or
 one whose MAC does not verify (403), and a sequence number not above the stage's last
 (409: a replayed push cannot bring a dead rank back).  The push time rank 0 records is
-its own clock, so clock skew between hosts cannot make a silent rank look alive.
+its own clock, so clock skew between hosts cannot make a silent rank look alive: every time
+the push carries is moved onto rank 0's wall clock by the offset measured at receipt
+(``live.remote.on_receiver_clock``), and silence is measured on rank 0's monotonic clock.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from fastapi import Request, Response
 
 from ...errors import StageCacheError
 from ...live.numbers import StageLive
+from ...live.remote import on_receiver_clock
 from ...serve.exchange import seal, unseal
 
 log = logging.getLogger(__name__)
@@ -57,7 +60,7 @@ class PushReceiver:
         self._seq: dict[int, int] = {}
         self._lock = threading.Lock()
 
-    def take(self, body: bytes, now: float) -> int:
+    def take(self, body: bytes, now: float, host: str | None = None) -> int:
         """Verify one push body and store it; the stage it came from.  ``PushRefused`` else."""
         if len(body) > MAX_PUSH_BYTES:
             raise PushRefused(413, f"push of {len(body)} bytes; at most {MAX_PUSH_BYTES} are taken")
@@ -78,8 +81,8 @@ class PushReceiver:
             if seq <= self._seq.get(stage, -1):
                 raise PushRefused(409, f"stage {stage}: push {seq} is not newer than {self._seq[stage]}")
             self._seq[stage] = seq
-        live.stage, live.heartbeat_at = stage, now
-        self._store(stage, live)
+        live.stage = stage
+        self._store(stage, on_receiver_clock(live, live.time or now, now, host))
         return stage
 
     def add_route(self, app: Any) -> None:
@@ -95,7 +98,7 @@ class PushReceiver:
                 if len(body) > MAX_PUSH_BYTES:
                     return Response("push too large\n", status_code=413, media_type="text/plain")
             try:
-                self.take(body, time.time())
+                self.take(body, time.time(), request.client.host if request.client else None)
             except PushRefused as exc:
                 return Response(f"{exc}\n", status_code=exc.status, media_type="text/plain")
             return Response(status_code=204)

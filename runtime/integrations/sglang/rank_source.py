@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ...live.numbers import PageSpace, Phase, RunInfo, StageLive
+from ...live.remote import Arrivals, gone
 from ...validation.report import StartupReport
 
 
@@ -72,6 +73,10 @@ class SglangSource:
         self._own: int | None = None  # the stage of this process, once the deployment is known
         #: called before the stages are read (the deployment refreshes its host use on demand)
         self.on_read: Callable[[], None] | None = None
+        #: when each pushed stage's numbers last arrived (this process's monotonic clock)
+        self.arrivals = Arrivals()
+        #: the other ranks on this host: stage -> (pid, start ticks), watched for a crash
+        self._peers: dict[int, tuple[int, int | None]] = {}
 
     # -- feeding ---------------------------------------------------------------------------
     def counters(self, stage: int) -> StageCounters:
@@ -93,10 +98,23 @@ class SglangSource:
                 self._live[stage] = live.model_copy(update={"phase": phase})
 
     def put_remote(self, stage: int, live: StageLive) -> None:
-        """Another rank's numbers, pushed to this (rank 0's) endpoint."""
+        """Another rank's numbers, pushed to this (rank 0's) endpoint (already on this
+        process's clock: ``remote.on_receiver_clock``)."""
         with self._lock:
             live.model_name = live.model_name or self.model_name
             self._live[stage] = live
+        self.arrivals.arrived(stage)
+
+    def watch_peers(self, peers: dict[int, tuple[int, int | None]]) -> None:
+        """The ranks on this host (stage -> pid, start ticks) whose processes this rank watches."""
+        with self._lock:
+            self._peers = dict(peers)
+
+    def gone_peers(self) -> dict[int, str]:
+        """The watched ranks whose process is gone, and how (reported with this rank's numbers)."""
+        with self._lock:
+            peers = dict(self._peers)
+        return {k: why for k, (pid, ticks) in peers.items() if (why := gone(pid, ticks)) is not None}
 
     def set_host_used(self, stage: int, used: int, total: int) -> None:
         """Host tokens in use of the full-KV host pool (sglang's ``logical_size - available_size()``;
@@ -113,6 +131,7 @@ class SglangSource:
             live = self._folded(stage)
         live.time = live.heartbeat_at = time.time()
         live.pid = os.getpid()
+        live.gone = self.gone_peers()
         return live
 
     def _stage(self, stage: int) -> StageLive:
@@ -141,6 +160,9 @@ class SglangSource:
         if self._own is not None and self._own in out:  # this process answers: its stage is alive
             out[self._own].heartbeat_at = now
             out[self._own].pid = os.getpid()
+            out[self._own].gone = self.gone_peers()
+        for k, live in out.items():
+            self.arrivals.stamp(k, live)
         return out
 
     def run(self) -> RunInfo | None:

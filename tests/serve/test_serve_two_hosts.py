@@ -1,0 +1,214 @@
+"""``stagecache serve`` over two hosts: the real CLI on two nodes, link cut and restored, a stage
+killed, host B's clock 30 s ahead or behind.
+
+Hosts are network namespaces joined by a veth pair (tests/support/netns.py); C is an outsider
+on host A's network.  Both nodes run the same command except ``--node-rank`` and
+``--dist-host``: stages 0-1 on A (node 0: the hub, the dashboard), 2-3 on B (under libfaketime).
+Debian's Prometheus on A scrapes the dashboard by the name ``stagecache-host-a``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from netns import FAKETIME_LIB, NAMES, three_hosts, wait
+from prometheus_client.parser import text_string_to_metric_families
+
+PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
+PORT, PROM_PORT, HUB_PORT = 18000, 19090, 29400
+CUT_S = 20.0
+
+pytestmark = [pytest.mark.timeout(400), pytest.mark.skipif(
+    not os.path.exists(FAKETIME_LIB), reason=f"no {FAKETIME_LIB} (Debian package libfaketime)")]
+
+
+def _counters(text: str) -> dict[tuple, float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) if f.type == "counter"
+            for s in f.samples if s.name.endswith("_total")}
+
+
+def _states(body: dict) -> dict[int, str]:
+    return {s["stage"]: s.get("state") for s in body.get("stages", [])}
+
+
+class Watch:
+    def __init__(self, hosts, base: str):
+        self.hosts, self.base = hosts, base
+        self.last: dict[tuple, float] = {}
+        self.backwards: list[str] = []
+        self.last_ready: tuple = (0, {})
+
+    def get(self, path: str):
+        return self.hosts.http("a", self.base + path, headers={"Host": f"{NAMES['a']}:{PORT}"})
+
+    def ready(self) -> tuple[int, dict]:
+        status, body = self.get("/readyz")
+        s2, metrics = self.get("/metrics")
+        if s2 == 200:
+            for key, value in _counters(metrics.decode()).items():
+                if value < self.last.get(key, 0.0):
+                    self.backwards.append(f"{key}: {self.last[key]} -> {value}")
+                self.last[key] = max(value, self.last.get(key, 0.0))
+        try:
+            self.last_ready = (status, json.loads(body))
+        except ValueError:
+            self.last_ready = (status, {"raw": body[:300]})
+        return self.last_ready
+
+
+@pytest.mark.parametrize("skew", ["+30s", "-30s"], ids=["B-ahead-30s", "B-behind-30s"])
+def test_serve_pp4_over_two_hosts(tmp_path, skew):
+    with three_hosts() as hosts:
+        secret = tmp_path / "secret"
+        secret.write_bytes(os.urandom(32))
+        secret.chmod(0o600)
+        ab, _ = hosts.link
+        common = ["--model", "tiny-v4", "--pp-size", "4", "--rate", "2", "--requests", "400",
+                  "--micro-batch", "2", "--device-pages", "24", "--nnodes", "2", "--master-addr", NAMES["a"],
+                  "--master-port", str(HUB_PORT), "--secret-file", str(secret),
+                  "--dist-timeout", "90"]
+        node = {0: common + ["--node-rank", "0", "--dist-host", hosts.addr["a"], "--host", hosts.addr["a"],
+                             "--port", str(PORT), "--allow-host", NAMES["a"]],
+                1: common + ["--node-rank", "1", "--dist-host", hosts.addr["b"], "--no-dashboard"]}
+        procs: dict[int, subprocess.Popen] = {}
+        logs = {n: tmp_path / f"node{n}.log" for n in node}
+        prom = None
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        try:
+            for n, args in node.items():
+                with logs[n].open("w") as out:
+                    procs[n] = subprocess.Popen(
+                        hosts.argv("a" if n == 0 else "b", [sys.executable, "-m", "stagecache.runtime", "serve", *args],
+                                   faketime=skew if n == 1 else None),
+                        stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+            def tails() -> str:
+                return "\n".join(f"--- node {n}:\n{logs[n].read_text(errors='replace')[-3000:]}" for n in logs)
+
+            watch = Watch(hosts, f"http://{hosts.addr['a']}:{PORT}")
+
+            def ready():
+                for n, p in procs.items():
+                    if p.poll() is not None:
+                        pytest.fail(f"node {n} exited {p.returncode}:\n{tails()}")
+                r = watch.ready()
+                return r if r[0] == 200 else None
+
+            status, body = wait(ready, 180, "/readyz 200 with both nodes", show=lambda: (watch.last_ready, tails()))
+            st = {s["stage"]: s for s in body["stages"]}
+            assert [st[k]["remote"] for k in range(4)] == [False, False, True, True], body
+            pids = {k: st[k]["pid"] for k in range(4)}
+            summary = json.loads(watch.get("/api/metrics/summary")[1])
+            expect = -30.0 if skew.startswith("+") else 30.0
+            for s in summary["stages"]:
+                assert abs(s["heartbeat_at"] - time.time()) < 5, (s["stage"], s["heartbeat_at"])
+                if s["remote"]:
+                    assert abs(s["clock_offset_s"] - expect) < 3, s["clock_offset_s"]
+                    assert abs(s["time"] - time.time()) < 5
+
+            # Prometheus on A, by the advertised name
+            prom_dir = tmp_path / "prom"
+            prom_dir.mkdir()
+            (prom_dir / "prometheus.yml").write_text(
+                "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+                f"scrape_configs: [{{job_name: stagecache, static_configs: [{{targets: ['{NAMES['a']}:{PORT}']}}]}}]\n")
+            prom = subprocess.Popen(hosts.argv("a", [PROMETHEUS, f"--config.file={prom_dir / 'prometheus.yml'}",
+                                                     f"--storage.tsdb.path={prom_dir / 'data'}",
+                                                     f"--web.listen-address={hosts.addr['a']}:{PROM_PORT}"]),
+                                    stdout=(prom_dir / "log").open("w"), stderr=subprocess.STDOUT,
+                                    start_new_session=True, cwd=prom_dir)
+
+            def query(q: str) -> list:
+                from urllib.parse import quote
+                status, body = hosts.http("a", f"http://{hosts.addr['a']}:{PROM_PORT}/api/v1/query?query={quote(q)}")
+                return json.loads(body)["data"]["result"] if status == 200 else []
+
+            up = wait(lambda: (lambda r: r if len(r) == 4 else None)(query("stagecache_stage_up == 1")), 60,
+                      "Prometheus on A sees 4 stages up")
+            assert sorted(x["metric"]["pp_rank"] for x in up) == ["0", "1", "2", "3"]
+
+            # refusals from C: the hub without the secret, junk to its port, a foreign Host
+            from stagecache.runtime.serve.nodes import HubRefused, connect
+
+            def join(secret_bytes: bytes, fp: str) -> str:
+                def go():
+                    try:
+                        connect((hosts.addr["a"], HUB_PORT), secret_bytes, fp, timeout=5).sock.close()
+                        return "joined"
+                    except HubRefused as exc:
+                        return f"refused: {exc}"
+                    except (OSError, ConnectionError) as exc:
+                        return f"closed: {exc}"
+                return hosts._pool("c").submit(go).result(20)
+
+            assert not join(os.urandom(32), "x").startswith("joined")
+            junk = hosts.connect("c", (hosts.addr["a"], HUB_PORT))
+            junk.settimeout(8)
+            try:
+                junk.recv(64)  # the hub's nonce
+                junk.sendall(b"GET / HTTP/1.0\r\n\r\n" + os.urandom(100))
+                assert junk.recv(64) == b""  # closed, nothing answered
+            except (TimeoutError, ConnectionResetError):
+                pass
+            finally:
+                junk.close()
+            assert hosts.http("c", f"http://{hosts.addr['a']}:{PORT}/readyz", headers={"Host": "evil.example"})[0] == 400
+
+            # the link cut for 20 s, then restored
+            hosts.set_link(False)
+            cut = time.monotonic()
+            status, body = wait(lambda: (lambda r: r if r[0] == 503 and {2, 3} <= {
+                k for k, v in _states(r[1]).items() if v == "unreachable"} else None)(watch.ready()), 10,
+                "/readyz 503 naming stages 2 and 3 unreachable", show=lambda: watch.last_ready)
+            unreachable_after = time.monotonic() - cut
+            assert _states(body)[2] == _states(body)[3] == "unreachable", body
+            assert any(r.startswith("stage 2: unreachable") for r in body["reasons"]), body["reasons"]
+            while time.monotonic() - cut < CUT_S:
+                status, body = watch.ready()
+                assert status == 503 and "crashed" not in _states(body).values(), body
+                time.sleep(0.5)
+            hosts.set_link(True)
+            back = time.monotonic()
+            status, body = wait(lambda: (lambda r: r if r[0] == 200 else None)(watch.ready()), 30,
+                                "/readyz 200 after the link is back", show=lambda: (watch.last_ready, tails()))
+            ready_after = time.monotonic() - back
+            assert {s["stage"]: s["pid"] for s in body["stages"]} == pids  # nothing restarted
+            for _ in range(6):
+                watch.ready()
+                time.sleep(0.5)
+            assert not watch.backwards, watch.backwards
+            summary = json.loads(watch.get("/api/metrics/summary")[1])
+            gaps = {o["stage"]: o for o in summary["outages"]}
+            assert {2, 3} <= set(gaps) and gaps[2]["state"] == "unreachable" and gaps[2]["end"], summary["outages"]
+            assert query("min_over_time(stagecache_stage_up{pp_rank=\"2\"}[3m]) == 0")
+            assert not query("resets(stagecache_requests_total[5m]) > 0")
+
+            # a stage killed on host B is named as such
+            os.kill(pids[2], signal.SIGKILL)
+            killed = time.monotonic()
+            status, body = wait(lambda: (lambda r: r if _states(r[1]).get(2) == "crashed" else None)(watch.ready()),
+                                10, "stage 2 named crashed", show=lambda: watch.last_ready)
+            crashed_after = time.monotonic() - killed
+            reason = next(r for r in body["reasons"] if r.startswith("stage 2"))
+            assert "exited with code -9" in reason, reason
+            print(f"\nserve two hosts, B {skew}: unreachable after {unreachable_after:.1f} s, "
+                  f"ready after restore {ready_after:.1f} s, kill named after {crashed_after:.1f} s")
+        finally:
+            for p in [*procs.values(), prom]:
+                if p is not None and p.poll() is None:
+                    with_group = p.pid
+                    os.killpg(with_group, signal.SIGTERM)
+                    try:
+                        p.wait(15)
+                    except subprocess.TimeoutExpired:
+                        os.killpg(with_group, signal.SIGKILL)
+                        p.wait(5)
+
