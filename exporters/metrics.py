@@ -93,8 +93,8 @@ class StageCollector(Collector):
         verdict = liveness_of(self.source, time.time()) if live else None
         metrics = {fam.name: new_family(scope, fam) for scope, fam in all_families()}
         for scope, fam in all_families():
-            inputs = self._parent() if scope == "parent" else \
-                self._inputs(scope, report, live, model, verdict)
+            inputs = self._parent() if scope == "parent" else self._deployment() if scope == "deployment" \
+                else self._inputs(scope, report, live, model, verdict)
             for prefix, item in inputs:
                 for values, value in fam.samples(item):
                     add_sample(metrics[fam.name], scope, fam, prefix, values, value)
@@ -105,6 +105,12 @@ class StageCollector(Collector):
         """The serving parent's counters, when the source has a parent (``RunDirSource``)."""
         failures = self.source.write_failures
         return [((), failures)] if failures is not None else []
+
+    def _deployment(self) -> list[tuple[tuple[str, ...], Any]]:
+        """The PP ranks' agreement, where the source compares them (the sglang endpoint)."""
+        divergence = getattr(self.source, "divergence", None)
+        d = divergence() if callable(divergence) else None
+        return [((), d)] if d is not None else []
 
     @staticmethod
     def _inputs(scope: str, report: StartupReport | None, live: Mapping[int, StageLive],
