@@ -81,7 +81,21 @@ def scrape(source) -> str:
 def full_scrape() -> dict[str, list]:
     source = source_of(report(), {s: live(s) for s in range(4)})
     source.write_failures = 2  # what a serving parent's source (RunDirSource) also counts
+    source.divergence = _diverged  # what the sglang endpoint's source also compares
     return series_by_name(scrape(source))
+
+
+def _diverged():
+    """Two ranks' records, one request on which rank 1 found less on the host, one backup without
+    its indexer."""
+    from stagecache.runtime.live.divergence import DivergenceTracker, IncompleteBackup, RankBatch
+
+    t = DivergenceTracker(2)
+    t.add(0, RankBatch(requests=[("r1", 256, 256)], steps=[(1, 1, 0, 1, 0)]))
+    bad = IncompleteBackup(time=1.0, stage=1, direction="d2h", page=3, pages=1, missing=["indexer"],
+                           expected_bytes=10, got_bytes=8)
+    t.add(1, RankBatch(requests=[("r1", 256, 0)], steps=[(1, 1, 0, 1, 0)], backups=[bad]))
+    return t.live()
 
 
 def test_every_family_is_exposed_with_sglang_stage_labels():
@@ -116,7 +130,9 @@ def test_every_label_has_one_documented_meaning_and_closed_values():
 
 
 def test_the_registry_matches_the_family_table():
-    text = generate_openmetrics(make_registry(source_of(report(), {s: live(s) for s in range(4)})))
+    source = source_of(report(), {s: live(s) for s in range(4)})
+    source.divergence = _diverged
+    text = generate_openmetrics(make_registry(source))
     from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_parse
 
     got = {f.name: f for f in om_parse(text.decode())}
