@@ -71,6 +71,9 @@ TARGETS = {
     "write_check": "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.writing_check",
     "load_check": "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.loading_check",
     "prefetch": "sglang.srt.managers.cache_controller.HiCacheController._sync_prefetch_hit_query",
+    # the hybrid controller (DeepSeek V4's) overrides it without calling the base: hooked too
+    "prefetch_hybrid": "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller.HybridCacheController."
+                       "_sync_prefetch_hit_query",
 }
 #: The leading parameters each hook relies on, as the tested releases have them.
 TARGET_PARAMS = {
@@ -78,6 +81,7 @@ TARGET_PARAMS = {
     "match": ("self", "params"), "write": ("self",), "load": ("self",),
     "step": ("self",), "write_check": ("self",), "load_check": ("self",),
     "prefetch": ("self", "operation", "storage_hit_count"),
+    "prefetch_hybrid": ("self", "operation", "storage_hit_count"),
 }
 
 
@@ -296,7 +300,8 @@ class Deployment:
                                  ("step", self.agreement.around_check_hicache_events, HookType.AROUND),
                                  ("write_check", self.agreement.around_writing_check, HookType.AROUND),
                                  ("load_check", self.agreement.around_loading_check, HookType.AROUND),
-                                 ("prefetch", self.agreement.around_prefetch_hit_query, HookType.AROUND)):
+                                 ("prefetch", self.agreement.around_prefetch_hit_query, HookType.AROUND),
+                                 ("prefetch_hybrid", self.agreement.around_prefetch_hit_query, HookType.AROUND)):
             HookRegistry.register(TARGETS[name], hook, kind)
         return self
 
