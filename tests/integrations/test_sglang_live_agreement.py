@@ -25,6 +25,8 @@ from sglang_ranks import free_port, launch  # noqa: E402
 pytestmark = pytest.mark.timeout(300)
 
 PUSH = {"STAGECACHE_SGLANG_PUSH_INTERVAL_S": "0.2"}
+#: the ranks left waiting on a crashed rank give up after this long (sglang's own: 60 s here)
+SHORT_GLOO = {"STAGECACHE_TEST_GLOO_TIMEOUT_S": "5"}
 
 
 def _drive(requests: int, look_for: Any = None):
@@ -36,12 +38,7 @@ def _drive(requests: int, look_for: Any = None):
         if "stack" not in ctx:
             return {}
         dep = ctx["deployment"]
-        traffic = Traffic(rank, 4, ctx["stack"])
-        try:
-            out: dict[str, Any] = {"traffic": traffic.run(requests)}
-        except Exception as exc:  # the case decides whether this is expected
-            out = {"traffic_error": f"{type(exc).__name__}: {exc}",
-                   "traffic": {"steps": traffic.step_no, "matches": traffic.matches}}
+        out: dict[str, Any] = {"traffic": Traffic(rank, 4, ctx["stack"]).run(requests)}
         if rank != 0:
             time.sleep(4 * dep.options.push_interval_s)  # the last records leave with the next push
             return out
@@ -85,8 +82,7 @@ def test_a_healthy_pp4_agrees_on_every_one_of_1000_requests(tmp_path):
         return d.compared["device_prefix_len"] == 1000 and d.compared["load_acks"] == 250
     run = _run(tmp_path, 1000, complete)
     for rank, res in run.results.items():
-        assert "traffic_error" not in res, (rank, res)
-        assert res["traffic"]["steps"] == 250
+        assert res["traffic"]["error"] is None and res["traffic"]["steps"] == 250, (rank, res["traffic"]["error"])
     look = run.results[0]["look"]
     d = look["divergence"]
     assert d["compared"]["device_prefix_len"] == 1000 and d["compared"]["host_hit_length"] == 1000
@@ -104,20 +100,24 @@ def test_a_healthy_pp4_agrees_on_every_one_of_1000_requests(tmp_path):
 
 
 def test_a_rank_with_a_smaller_host_pool_is_named_at_the_first_request_it_matches_differently(tmp_path):
-    run = _run(tmp_path, 400, lambda d: d.first is not None and d.compared["device_prefix_len"] >= 400,
-               env={2: {"STAGECACHE_TEST_HICACHE_RATIO": "1.2"}})
+    """Rank 2's host pool is smaller (``--hicache-ratio 1.2``), so it evicts other pages, finds less
+    on the host and loads less: in that very step sglang's ``_pp_sync`` tells it to consume PP rank
+    0's count of load acks, one more than it queued -- the crash of sglang #22607.  The request is
+    named first, in the step of the crash."""
+    run = _run(tmp_path, 400, lambda d: d.first is not None, env={2: {"STAGECACHE_TEST_HICACHE_RATIO": "1.2"}},
+               common=SHORT_GLOO)
     t = {r: run.results[r]["traffic"] for r in range(4)}
     assert t[2]["host_tokens"] < t[0]["host_tokens"] == t[1]["host_tokens"]
     # where the ranks' own match results first differ (each rank's record of its sglang traffic)
-    first = next(i for i, (a, b) in enumerate(zip(t[0]["matches"], t[2]["matches"], strict=True)) if a != b)
+    first = next(i for i, (a, b) in enumerate(zip(t[0]["matches"], t[2]["matches"], strict=False)) if a != b)
     rid, host0, host2 = t[0]["matches"][first][0], t[0]["matches"][first][2], t[2]["matches"][first][2]
+    assert t[2]["error"].startswith("IndexError") and t[2]["steps"] == first // 4 + 1, t[2]
     look = run.results[0]["look"]
     d = look["divergence"]["first"]
     assert (d["request"], d["quantity"], d["ranks"]) == (rid, "host_hit_length", [2]), d
     assert d["values"] == [host0, host0, host2, host0] and d["agreed"] == host0
     warning = next(w for w in look["readyz"]["warnings"] if w.startswith("PP ranks diverged"))
     assert f"first at request {rid}: host_hit_length differs across PP ranks: rank 2 = {host2}" in warning
-    assert look["readyz_status"] == 200  # a warning unless the operator asked for strict
     assert _samples(look["metrics"], "stagecache_pp_divergence_total")["host_hit_length"] >= 1
     page = look["page"]
     assert 'id="pp-divergence"' in page and f"first at request {rid}" in page
@@ -126,20 +126,21 @@ def test_a_rank_with_a_smaller_host_pool_is_named_at_the_first_request_it_matche
 
 
 def test_strict_agreement_turns_the_deployment_not_ready(tmp_path):
-    run = _run(tmp_path, 400, lambda d: d.first is not None,
-               env={2: {"STAGECACHE_TEST_HICACHE_RATIO": "1.2"}},
+    run = _run(tmp_path, 40, lambda d: d.first_incomplete is not None,
+               env={1: {"STAGECACHE_TEST_FAULT": "backup-without-indexer"}},
                common={"STAGECACHE_SGLANG_STRICT_AGREEMENT": "1"})
     look = run.results[0]["look"]
     assert look["readyz_status"] == 503
-    assert any(r.startswith("PP ranks diverged") for r in look["readyz"]["reasons"]), look["readyz"]
+    assert any("incomplete HiCache transfer" in r for r in look["readyz"]["reasons"]), look["readyz"]
 
 
 def test_a_load_ack_one_step_late_on_rank_2_is_named_at_that_step(tmp_path):
     """Rank 2 submits step 40's load after the step's event check: sglang's ``_pp_sync`` tells it to
     consume PP rank 0's count of load acks from a queue that lacks one -- the #22607 crash.  The
     step is named before it."""
-    run = _run(tmp_path, 160, lambda d: d.first is not None, env={2: {"STAGECACHE_TEST_DELAY_LOAD_AT": "40"}})
-    assert run.results[2]["traffic_error"].startswith("IndexError"), run.results[2]
+    run = _run(tmp_path, 160, lambda d: d.first is not None, env={2: {"STAGECACHE_TEST_DELAY_LOAD_AT": "40"}},
+               common=SHORT_GLOO)
+    assert run.results[2]["traffic"]["error"].startswith("IndexError"), run.results[2]["traffic"]
     look = run.results[0]["look"]
     d = look["divergence"]["first"]
     assert (d["step"], d["quantity"], d["ranks"]) == (40, "load_pending", [2]), d
@@ -163,11 +164,13 @@ def test_a_backup_without_its_indexer_pool_is_flagged_with_the_kind_and_page(tmp
     look = run.results[0]["look"]
     d = look["divergence"]
     bad = d["first_incomplete"]
-    assert (bad["stage"], bad["direction"], bad["missing"], bad["pages"]) == (1, "d2h", ["indexer"], 1), bad
-    assert bad["page"] >= 0 and bad["got_bytes"] < bad["expected_bytes"]
+    # the step's four new pages go in one submission (sglang merges the queued writes): host pages 0-3
+    assert (bad["stage"], bad["direction"], bad["missing"], bad["page"], bad["pages"]) == (
+        1, "d2h", ["indexer"], 0, 4), bad
+    assert bad["got_bytes"] < bad["expected_bytes"]
     assert d["incomplete"]["indexer"] >= 1 and set(d["incomplete"]) == {"indexer"}
     line = next(w for w in look["readyz"]["warnings"] if "incomplete HiCache transfer" in w)
-    assert f"stage 1: backup of host page {bad['page']} (1 page(s)) lacks pool kind(s) indexer" in line
+    assert "stage 1: backup of host page 0 (4 page(s)) lacks pool kind(s) indexer" in line
     inc = _samples(look["metrics"], "stagecache_hicache_incomplete_transfers_total")
     assert inc["indexer"] >= 1
     assert sum(d["divergent"].values()) == 0  # every rank still agrees on what it did

@@ -148,8 +148,8 @@ class Traffic:
             raise RuntimeError(f"rank {self.rank}: sglang could not load page {page}")
 
     def _probe_l3(self, rid: str, turn: int) -> None:
-        from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import PrefetchOperation
         from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+        from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import PrefetchOperation
 
         held = (turn - 1) * PAGE - (PAGE if rid == self.short_l3 else 0)
         op = PrefetchOperation(CacheRequestHandle(rid, 0), list(range(turn * PAGE)))
@@ -183,10 +183,16 @@ class Traffic:
                 self.ctl.start_loading()
 
     def run(self, n: int, per_step: int = 4) -> dict[str, Any]:
-        """``n`` requests, ``per_step`` per scheduler step; what this rank saw."""
+        """``n`` requests, ``per_step`` per scheduler step; what this rank saw, and the error that
+        stopped it (a rank told to consume an ack it never queued: sglang's IndexError; the ranks
+        waiting on it: gloo's timeout)."""
         stream = requests(n)
+        error = None
         with no_copies():
-            for i in range(0, n, per_step):
-                self.step(stream[i:i + per_step])
+            try:
+                for i in range(0, n, per_step):
+                    self.step(stream[i:i + per_step])
+            except Exception as exc:  # the case decides whether this is expected
+                error = f"{type(exc).__name__}: {exc}"[:300]
         return {"steps": self.step_no, "matches": self.matches, "prefetch": self.prefetch,
-                "host_tokens": int(self.group.logical_size)}
+                "host_tokens": int(self.group.logical_size), "error": error}

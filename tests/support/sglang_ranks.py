@@ -132,7 +132,8 @@ def _rank_main(rank: int, pp: int, dist_port: int, folder: str, env: dict[str, s
         sa = ServerArgs(model_path=folder, tp_size=1, pp_size=pp, device="cpu", **server)
         publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=rank))
         init_distributed_environment(world_size=pp, rank=rank, distributed_init_method=f"tcp://127.0.0.1:{dist_port}",
-                                     local_rank=rank, backend="gloo", timeout=60)
+                                     local_rank=rank, backend="gloo",
+                                     timeout=int(os.environ.get("STAGECACHE_TEST_GLOO_TIMEOUT_S", "60")))
         initialize_model_parallel(backend="gloo")
         load_plugins()  # sglang's own: the stagecache entry point registers, sglang applies
         cpu = on_cpu()
