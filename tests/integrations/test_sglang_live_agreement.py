@@ -69,6 +69,7 @@ def _run(tmp_path, requests: int, look_for: Any, env: dict[int, dict[str, str]] 
          common: dict[str, str] | None = None):
     port = free_port()
     run = launch(tmp_path, 4, env=env, common_env={"STAGECACHE_SGLANG_DASHBOARD_PORT": str(port), **PUSH,
+                                                   "STAGECACHE_TEST_STOP_FILE": str(tmp_path / "stop"),
                                                    **(common or {})},
                  after=_drive(requests, look_for), timeout=240)
     assert sorted(run.results) == [0, 1, 2, 3], run.results

@@ -75,6 +75,8 @@ LIVE_SUITES = ("tests/integrations/test_sglang_live.py", "tests/integrations/tes
 #: Its ranks are forked from the pytest process, so it runs in a pytest process of its own: sglang
 #: state the other suites publish in-process must not leak into the ranks.
 DEPLOYMENT_SUITE = "tests/integrations/test_sglang_live_deployment.py"
+#: The ranks that stop agreeing (its own process too, for the same reason).
+AGREEMENT_SUITE = "tests/integrations/test_sglang_live_agreement.py"
 
 
 @pytest.mark.sglang_venv
@@ -86,7 +88,7 @@ def test_real_sglang_suite_in_its_venv(tmp_path, release):
     tested with)."""
     venv_py = sglang_python(release)
     env = {**os.environ, "PYTHONPATH": str(checkout_on_path(tmp_path))}
-    for suites, least in ((LIVE_SUITES, 50), ((DEPLOYMENT_SUITE,), 8)):
+    for suites, least in ((LIVE_SUITES, 50), ((DEPLOYMENT_SUITE,), 8), ((AGREEMENT_SUITE,), 6)):
         proc = subprocess.run(
             [str(venv_py), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore", *suites],
             capture_output=True, text=True, timeout=420, cwd=ROOT, env=env,

@@ -22,7 +22,9 @@ Injections (environment of one rank): ``STAGECACHE_TEST_DELAY_LOAD_AT=s`` submit
 loads (``start_loading``) after the step's event check -- the ack one step late;
 ``STAGECACHE_TEST_SHORT_L3=rid`` makes this rank's L3 hold one page less of ``rid``;
 ``STAGECACHE_TEST_FAULT=backup-without-indexer`` backs pages up without the indexer pool (sglang
-#38031's layout).  A smaller host pool is a server argument (``STAGECACHE_TEST_HICACHE_RATIO``).
+#38031's layout).  A smaller host pool is a server argument (``STAGECACHE_TEST_HICACHE_RATIO``).  A rank whose traffic
+fails writes ``STAGECACHE_TEST_STOP_FILE``, and the others stop at their next step instead of
+waiting on it in sglang's PP sync.
 The page copies themselves are skipped (``no_copies``): agreement is about which transfers each
 rank makes and consumes, and the bytes are the acks' own.
 """
@@ -188,11 +190,17 @@ class Traffic:
         waiting on it: gloo's timeout)."""
         stream = requests(n)
         error = None
+        stop = os.environ.get("STAGECACHE_TEST_STOP_FILE")  # a rank that failed tells the others
         with no_copies():
             try:
                 for i in range(0, n, per_step):
+                    if stop and os.path.exists(stop):
+                        break  # the pipeline cannot go on without the failed rank
                     self.step(stream[i:i + per_step])
             except Exception as exc:  # the case decides whether this is expected
                 error = f"{type(exc).__name__}: {exc}"[:300]
+                if stop:
+                    with open(stop, "w") as f:
+                        f.write(f"rank {self.rank}: {error}\n")
         return {"steps": self.step_no, "matches": self.matches, "prefetch": self.prefetch,
                 "host_tokens": int(self.group.logical_size), "error": error}

@@ -107,6 +107,7 @@ class RankAgreement:
         self.step = 0
         self._consumed = [0, 0]  # write, load acks popped in the current step
         self.plan: TransferPlan | None = None
+        self._inflight: RankBatch | None = None  # the pusher's thread only
         self.stage = 0
         #: called after a step in which sglang raised: push now, the process may be going
         self.on_fatal: Callable[[], None] | None = None
@@ -193,10 +194,31 @@ class RankAgreement:
 
     # -- leaving the rank ---------------------------------------------------------------------
     def drain(self) -> RankBatch:
-        """Everything recorded since the last drain (the pusher's thread, or rank 0's own sink)."""
+        """Everything recorded since the last drain (rank 0 takes its own this way)."""
         with self._lock:
             batch = RankBatch(requests=self._requests, prefetch=self._prefetch, steps=self._steps,
                               backups=self._backups, dropped=self._dropped)
             self._requests, self._prefetch, self._steps, self._backups = [], [], [], []
             self._dropped = 0
         return batch
+
+    def take(self) -> dict[str, Any]:
+        """What the next push carries: the records of a push that did not go through (rank 0 may or
+        may not have them: it takes a record of a rank once), then the new ones, within
+        ``MAX_BATCH`` per kind.  ``sent()`` once rank 0 took it."""
+        new = self.drain()
+        old = self._inflight
+        if old is not None:
+            room = {k: max(0, MAX_BATCH - len(getattr(old, k))) for k in ("requests", "prefetch", "steps")}
+            dropped = sum(len(getattr(new, k)) - room[k] for k in room if len(getattr(new, k)) > room[k])
+            new = RankBatch(requests=old.requests + new.requests[:room["requests"]],
+                            prefetch=old.prefetch + new.prefetch[:room["prefetch"]],
+                            steps=old.steps + new.steps[:room["steps"]],
+                            backups=(old.backups + new.backups)[:RECENT],
+                            dropped=old.dropped + new.dropped + dropped)
+        self._inflight = new
+        return new.wire()
+
+    def sent(self) -> None:
+        """Rank 0 took the last push."""
+        self._inflight = None

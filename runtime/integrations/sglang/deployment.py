@@ -489,7 +489,8 @@ class Deployment:
                 extra_hosts=extra))
         elif endpoint is not None:
             self.pusher = Pusher(endpoint.url, endpoint.secret, rank.pp_rank, self.snapshot,
-                                 opts.push_interval_s, extra=lambda: self.agreement.drain().wire()).start()
+                                 opts.push_interval_s, extra=self.agreement.take,
+                                 sent=self.agreement.sent).start()
             self.agreement.on_fatal = self._push_now
             self._stack.callback(self.pusher.stop)
         log.info("stagecache: PP rank %d %s", rank.pp_rank,

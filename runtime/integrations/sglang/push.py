@@ -113,7 +113,8 @@ class Pusher:
     """A rank's side: a daemon thread that pushes ``snapshot()`` to rank 0 every ``interval_s``."""
 
     def __init__(self, url: str, secret: bytes, stage: int, snapshot: Callable[[], StageLive],
-                 interval_s: float, extra: Callable[[], dict[str, Any]] | None = None):
+                 interval_s: float, extra: Callable[[], dict[str, Any]] | None = None,
+                 sent: Callable[[], None] | None = None):
         self.url = url.rstrip("/") + PUSH_PATH
         self._secret = secret
         self._stage = stage
@@ -121,6 +122,7 @@ class Pusher:
         self._interval = interval_s
         #: what else rides on each push (the rank's agreement records), under ``agreement``
         self._extra = extra
+        self._sent = sent  # rank 0 took a push: what ``extra`` gave it need not be sent again
         self._push_lock = threading.Lock()
         self._seq = 0
         self._stop = threading.Event()
@@ -142,8 +144,15 @@ class Pusher:
             body = seal(self._secret, msg)
             req = urllib.request.Request(self.url, data=body, method="POST",
                                          headers={"Content-Type": "application/octet-stream"})
-            with urllib.request.urlopen(req, timeout=PUSH_HTTP_TIMEOUT_S) as resp:  # noqa: S310 (http only)
-                resp.read()
+            try:
+                with urllib.request.urlopen(req, timeout=PUSH_HTTP_TIMEOUT_S) as resp:  # noqa: S310 (http only)
+                    resp.read()
+            except urllib.error.HTTPError as exc:
+                if 400 <= exc.code < 500 and self._sent is not None:
+                    self._sent()  # refused as it is: sending it again would be refused again
+                raise
+            if self._sent is not None:
+                self._sent()
 
     def _run(self) -> None:
         # rank 0 starts its endpoint once the exchange is over, as the others start pushing
