@@ -340,13 +340,15 @@ class Deployment:
 
     def around_start_writing(self, original: Callable[..., Any], controller: Any, *a: Any, **k: Any) -> Any:
         """A backup submission: count the acks it queued (bytes, seconds)."""
-        return self._count(original, controller, controller.ack_write_queue, controller.write_queue, "d2h", a, k)
+        return self._count(original, controller, controller.ack_write_queue,
+                           getattr(controller, "write_queue", ()), "d2h", a, k)
 
     def around_start_loading(self, original: Callable[..., Any], controller: Any, *a: Any, **k: Any) -> Any:
         """A load submission: count the acks it queued (bytes, seconds)."""
-        return self._count(original, controller, controller.ack_load_queue, controller.load_queue, "h2d", a, k)
+        return self._count(original, controller, controller.ack_load_queue,
+                           getattr(controller, "load_queue", ()), "h2d", a, k)
 
-    def _count(self, original: Callable[..., Any], controller: Any, queue: list[Any], ops: list[Any],
+    def _count(self, original: Callable[..., Any], controller: Any, queue: list[Any], ops: Any,
                direction: str, a: tuple[Any, ...], k: dict[str, Any]) -> Any:
         """On sglang's scheduler thread at every call, most of which queue nothing: kept lean.
 
