@@ -85,19 +85,20 @@ def test_a_pushed_batch_is_validated_with_size_limits():
 
 
 def test_a_compare_is_linear():
-    """10 x the records take about 10 x the time (a quadratic compare would take 100 x)."""
+    """10 x the records take about 10 x the CPU time (a quadratic compare would take 100 x; the
+    bound leaves room for a loaded machine)."""
     def run(n: int) -> float:
         t = DivergenceTracker(4, window=n)
         batches = [_batch([(f"r{i}", i, 0) for i in range(n)], [(i, 0, 0, 0, 0) for i in range(n)])
                    for _ in range(4)]
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         for rank, b in enumerate(batches):
             t.add(rank, b)
-        return time.perf_counter() - t0
+        return time.process_time() - t0
 
-    small = min(run(400) for _ in range(3))
-    big = min(run(4000) for _ in range(3))
-    assert big < 30 * small, (small, big)
+    small = min(run(400) for _ in range(5))
+    big = min(run(4000) for _ in range(5))
+    assert big < 40 * small, (small, big)
 
 
 def test_readyz_warns_and_strict_makes_the_deployment_not_ready():

@@ -72,6 +72,10 @@ def requests(n: int, sessions: int = 12, turns: int = 8) -> list[tuple[str, int,
     return out[:n]
 
 
+class _Stopped(Exception):
+    """Another rank failed: this one stops before a PP sync that rank would never join."""
+
+
 class Traffic:
     """One rank's driver (see the module docstring)."""
 
@@ -175,6 +179,9 @@ class Traffic:
             if turn > 1 and turn % 4 == 0:
                 self._probe_l3(rid, turn)
         self.ctl.start_writing()
+        stop = os.environ.get("STAGECACHE_TEST_STOP_FILE")
+        if stop and os.path.exists(stop):  # checked last: a rank that failed in the step before has
+            raise _Stopped                 # written it by now, and its PP sync would never come
         late = self.step_no == self.delay_at
         if not late:
             self.ctl.start_loading()
@@ -197,6 +204,8 @@ class Traffic:
                     if stop and os.path.exists(stop):
                         break  # the pipeline cannot go on without the failed rank
                     self.step(stream[i:i + per_step])
+            except _Stopped:
+                pass
             except Exception as exc:  # the case decides whether this is expected
                 error = f"{type(exc).__name__}: {exc}"[:300]
                 if stop:
