@@ -99,7 +99,9 @@ class StageCollector(Collector):
                 for values, value in fam.samples(item):
                     add_sample(metrics[fam.name], scope, fam, prefix, values, value)
         metrics["stagecache_build_info"].add_metric([], {"version": _version()})
-        yield from metrics.values()
+        # the PP ranks' agreement exists only where the source compares ranks (the sglang endpoint)
+        absent = {f.name for scope, f in all_families() if scope == "deployment"} if not self._deployment() else set()
+        yield from (m for name, m in metrics.items() if name not in absent)
 
     def _parent(self) -> list[tuple[tuple[str, ...], Any]]:
         """The serving parent's counters, when the source has a parent (``RunDirSource``)."""

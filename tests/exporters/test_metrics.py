@@ -112,6 +112,18 @@ def test_every_family_is_exposed_with_sglang_stage_labels():
     assert not any("stage" in s.labels for samples in smp.values() for s in samples)
 
 
+def test_the_pp_agreement_families_exist_only_where_ranks_are_compared():
+    """A ``serve`` run (its own per-request agreement) exposes none of them, not even empty."""
+    plain = series_by_name(scrape(source_of(report(), {s: live(s) for s in range(2)})))
+    assert not any(n.startswith(("stagecache_pp_", "stagecache_hicache_incomplete")) for n in plain)
+    smp = full_scrape()
+    div = {s.labels["quantity"]: s.value for s in smp["stagecache_pp_divergence_total"]}
+    agree = {s.labels["quantity"]: s.value for s in smp["stagecache_pp_agreement_total"]}
+    assert div["host_hit_length"] == 1 and div["device_prefix_len"] == 0 and agree["device_prefix_len"] == 1
+    assert agree["load_acks"] == 1 and div["load_acks"] == 0
+    assert {s.labels["pool"]: s.value for s in smp["stagecache_hicache_incomplete_transfers_total"]} == {"indexer": 1}
+
+
 def test_every_label_has_one_documented_meaning_and_closed_values():
     smp = full_scrape()
     for name, samples in smp.items():
@@ -146,7 +158,9 @@ def test_the_registry_matches_the_family_table():
 
 
 def test_counters_for_everything_cumulative_gauges_for_states():
-    text = scrape(source_of(report(), {0: live(0)}))
+    source = source_of(report(), {0: live(0)})
+    source.divergence = _diverged  # the sglang endpoint's families too
+    text = scrape(source)
     types = {f.name: f.type for f in text_string_to_metric_families(text)}
     for name in METRIC_NAMES:
         if name.endswith("_total"):
