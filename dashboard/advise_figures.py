@@ -118,6 +118,63 @@ def advise_figure(report: AdviseReport) -> go.Figure:
     return fig
 
 
+POLICY_SYMBOLS = ("circle", "square", "triangle-up", "x", "cross", "pentagon", "star-triangle-up")
+
+
+def policy_figure(report: AdviseReport) -> go.Figure | None:
+    """sglang's eviction policies (``advise --policies``): per tier, each policy's hit rate at the
+    marked sizes (pages, log axis), the LRU curve's value there and Belady's bound; ``None``
+    for a report without policies.  Pages, not bytes: every stage needs the same pages (the
+    tables give each stage's bytes)."""
+    pol = report.policies
+    if pol is None:
+        return None
+    titles = tuple(("device tier alone (--max-total-tokens)" if t.tier == "device"
+                    else "device + host, host pages (--hicache-ratio)") for t in pol.tiers)
+    fig = make_subplots(rows=1, cols=len(pol.tiers), horizontal_spacing=0.08, subplot_titles=titles)
+    for col, tier in enumerate(pol.tiers, start=1):
+        sizes = sorted(tier.sizes, key=lambda r: r.pages)
+        xs = [r.pages for r in sizes]
+        for i, p in enumerate(pol.policies):
+            fig.add_trace(go.Scatter(
+                x=xs, y=[_pct(r.hit_rate.get(p.label, 0.0)) for r in sizes], mode="lines+markers",
+                name=escape(p.label), legendgroup=p.label, showlegend=col == 1,
+                line=dict(color=COLOURS[i % len(COLOURS)]),
+                marker=dict(symbol=POLICY_SYMBOLS[i % len(POLICY_SYMBOLS)], size=8),
+                hovertemplate=f"{escape(p.label)}<br>%{{x:,}} pages: %{{y:.2f}}%<extra></extra>"),
+                row=1, col=col)
+        bel = [r for r in sizes if r.belady_hit_rate is not None]
+        fig.add_trace(go.Scatter(
+            x=[r.pages for r in bel], y=[_pct(r.belady_hit_rate or 0.0) for r in bel], mode="markers",
+            name="Belady (offline optimum)", legendgroup="belady", showlegend=col == 1,
+            marker=dict(symbol="diamond-open", size=11, color="#222"),
+            hovertemplate="Belady<br>%{x:,} pages: %{y:.2f}%<extra></extra>"), row=1, col=col)
+        fig.add_trace(go.Scatter(
+            x=xs, y=[_pct(r.lru_curve_hit_rate) for r in sizes], mode="markers",
+            name="LRU curve (one pass)", legendgroup="curve", showlegend=col == 1,
+            marker=dict(symbol="line-ew-open", size=14, color="#888"),
+            hovertemplate="LRU curve<br>%{x:,} pages: %{y:.2f}%<extra></extra>"), row=1, col=col)
+        fig.add_hline(y=_pct(tier.ceiling_hit_rate), line=dict(dash="dash", color="#888"), row=1, col=col)
+        fig.update_xaxes(type="log", title_text="pages (log)", row=1, col=col)
+        fig.update_yaxes(rangemode="tozero", row=1, col=col)
+    fig.update_yaxes(title_text="hit rate (% of prompt tokens)", row=1, col=1)
+    fig.update_layout(
+        title=dict(text=f"sglang radix eviction policies at the marked sizes (order: {escape(pol.source)})",
+                   font=dict(size=14)),
+        height=460, margin=dict(l=50, r=20, t=80, b=50), hovermode="closest",
+        legend=dict(orientation="h", y=-0.2),
+        meta={"policies": [p.label for p in pol.policies], "tiers": [t.tier for t in pol.tiers]})
+    return fig
+
+
+def policy_figure_json(report: AdviseReport) -> dict[str, Any] | None:
+    """The policy figure as plain JSON, or ``None`` (``/api/advise``'s ``policy_figure``)."""
+    from .figures import to_json_dict
+
+    fig = policy_figure(report)
+    return to_json_dict(fig) if fig is not None else None
+
+
 def figure_json(report: AdviseReport) -> dict[str, Any]:
     """The figure as plain JSON (``/api/advise``, the page)."""
     from .figures import to_json_dict

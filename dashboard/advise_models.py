@@ -120,6 +120,70 @@ class PlanSummary(_Model):
     sizing: dict[str, Any]
 
 
+Label = Annotated[str, Field(max_length=512)]
+MAX_POLICIES = 16
+
+
+class PolicyInfo(_Model):
+    name: str = Field(max_length=32)
+    label: Label
+    config: dict[str, int] = Field(default={}, max_length=8)
+    flags: str = Field(max_length=1024)
+
+
+class PolicySize(_Model):
+    mark: str = Field(max_length=32)
+    pages: int = Field(ge=0)
+    lru_curve_hit_rate: Rate
+    belady_hit_rate: Rate | None = None
+    hit_rate: dict[Label, Rate] = Field(max_length=MAX_POLICIES)
+    best: Label
+
+
+class PolicyTarget(_Model):
+    share: float = Field(gt=0.0, le=1.0)
+    pages: dict[Label, int | None] = Field(max_length=MAX_POLICIES)
+    best: Label | None = None
+    best_pages: int | None = Field(default=None, ge=0)
+    lru_pages: int | None = Field(default=None, ge=0)
+    pages_saved_vs_lru: int | None = None
+    flags: str | None = Field(default=None, max_length=2048)
+
+
+class PolicyTier(_Model):
+    tier: str = Field(pattern="^(device|host)$")
+    ceiling_hit_rate: Rate
+    sizes: list[PolicySize] = Field(max_length=64)
+    targets: list[PolicyTarget] = Field(max_length=16)
+
+
+class PolicyStageTarget(_Model):
+    tier: str = Field(pattern="^(device|host)$")
+    share: float = Field(gt=0.0, le=1.0)
+    best: Label | None = None
+    bytes: int | None = Field(default=None, ge=0)
+    lru_bytes: int | None = Field(default=None, ge=0)
+    saved_bytes: int | None = None
+
+
+class PolicyStage(_Model):
+    stage: int = Field(ge=0)
+    device_page_bytes: int = Field(ge=0)
+    host_page_bytes: int = Field(ge=0)
+    targets: list[PolicyStageTarget] = Field(max_length=64)
+
+
+class PoliciesReport(_Model):
+    """``advise --policies``: sglang's eviction policies at the marked sizes, per tier and stage."""
+
+    source: str = Field(max_length=128)
+    policies: list[PolicyInfo] = Field(min_length=1, max_length=MAX_POLICIES)
+    tiers: list[PolicyTier] = Field(min_length=1, max_length=2)
+    stages: list[PolicyStage] = Field(min_length=1, max_length=MAX_STAGES)
+    unreduced_pools: list[Annotated[str, Field(max_length=128)]] = Field(default=[], max_length=256)
+    notes: list[Annotated[str, Field(max_length=4096)]] = Field(default=[], max_length=64)
+
+
 class AdviseReport(_Model):
     """What ``stagecache advise --json`` prints (the fields the dashboard reads, checked)."""
 
@@ -136,6 +200,7 @@ class AdviseReport(_Model):
     notes: list[Annotated[str, Field(max_length=4096)]] = Field(default=[], max_length=64)
     full_pages: dict[str, int] | None = None
     seconds: dict[str, float] | None = None
+    policies: PoliciesReport | None = None
 
 
 class AdviseResponse(BaseModel):
@@ -143,3 +208,6 @@ class AdviseResponse(BaseModel):
 
     report: AdviseReport
     figure: dict[str, Any] = Field(description="Plotly figure JSON (hit rate vs host GiB per stage)")
+    policy_figure: dict[str, Any] | None = Field(
+        default=None, description="Plotly figure JSON of the eviction policies per tier (a report "
+                                  "made with --policies), else null")

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from stagecache.runtime.bounded_io import read_bounded_json
 from stagecache.runtime.errors import ConfigError
 
-from .advise_figures import GIB, figure_json
+from .advise_figures import GIB, figure_json, policy_figure_json
 from .advise_models import AdviseReport, AdviseResponse
 from .models import ErrorMessage
 
@@ -54,6 +54,7 @@ def page_rows(report: AdviseReport) -> list[dict[str, Any]]:
 def add_advise_routes(app: FastAPI, report: AdviseReport | None, title: str) -> None:
     templates = Jinja2Templates(directory=str(HERE / "templates"))
     figure = figure_json(report) if report is not None else None
+    pfigure = policy_figure_json(report) if report is not None else None
     missing = {404: {"model": ErrorMessage, "description": "the dashboard was started without --advise"}}
 
     @app.get("/api/advise", response_model=AdviseResponse, responses=missing,
@@ -62,13 +63,14 @@ def add_advise_routes(app: FastAPI, report: AdviseReport | None, title: str) -> 
     async def api_advise():
         if report is None:
             return JSONResponse({"detail": NO_REPORT}, status_code=404)
-        return AdviseResponse(report=report, figure=figure)
+        return AdviseResponse(report=report, figure=figure, policy_figure=pfigure)
 
     @app.get("/advise", response_class=HTMLResponse, summary="advise page: memory per stage",
              responses={404: {"content": {"text/html": {}},
                               "description": "the dashboard was started without --advise"}})
     def advise_page(request: Request) -> HTMLResponse:
         context = {"title": title, "report": report, "figure": figure, "missing": NO_REPORT,
-                   "rows": page_rows(report) if report is not None else []}
+                   "rows": page_rows(report) if report is not None else [],
+                   "policy_figure": pfigure, "gib": GIB}
         return templates.TemplateResponse(request, "advise.html", context,
                                           status_code=200 if report is not None else 404)

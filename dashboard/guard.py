@@ -3,11 +3,23 @@
 Per connection (``GuardedH11Protocol``, uvicorn's h11 protocol with two rules added):
 
 * a request head must arrive within ``HEADER_TIMEOUT_S`` of connecting, or of the previous
-  response; a socket that sends nothing, or half a request (slowloris), is closed then.
+  response; a socket that sends nothing, or half a request (slowloris), is closed then
+  (``CLOSE_PER_PASS`` per event-loop pass, so a flood's deadlines do not stall the loop).
   Between requests uvicorn's own keep-alive timeout (``server.KEEP_ALIVE_S``) applies too.
 * at most ``max_connections`` are open at once; one more evicts the connection that has
   waited longest without a request in flight, so sockets held open by one client cannot lock
-  everyone else out (and never exhaust the process's file descriptors: ``raise_fd_limit``).
+  everyone else out.  Evicted connections are aborted, not closed: the descriptor is free on
+  the next loop pass, not after a goodbye the client may never read.
+
+Per listening socket (``GatedListener``, the socket asyncio accepts on):
+
+* the sockets accepted and not yet closed are counted, and accepting stops at a ceiling that
+  the process's real file-descriptor limit leaves room for (``socket_budget``).  asyncio
+  accepts a whole burst (up to the backlog) before any protocol sees a connection, so a cap on
+  connections alone cannot keep a flood from running the process out of descriptors;
+* out of descriptors anyway (``EMFILE``: something else opened files), the oldest idle
+  connection is dropped and accepting resumes on the next loop pass, instead of asyncio's
+  one-second pause during which nothing, /healthz included, is answered.
 
 Per request (``RequestGuard``, plain ASGI middleware in front of the app):
 
@@ -21,9 +33,12 @@ Per request (``RequestGuard``, plain ASGI middleware in front of the app):
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import os
 import resource
-from collections import OrderedDict
+import socket
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
@@ -39,6 +54,13 @@ MAX_CONNECTIONS = 1000
 MAX_IN_FLIGHT = 64
 #: File descriptors kept for everything else the process opens (run-dir files, logs, pipes).
 FD_RESERVE = 256
+#: Accepted sockets allowed above the connection cap: a burst accepted in one loop pass is
+#: counted before eviction brings it back under the cap.
+ACCEPT_SLACK = 64
+#: The fewest connections a server is given, whatever the descriptor limit says.
+MIN_CONNECTIONS = 16
+#: Connections past their head deadline closed per event-loop pass.
+CLOSE_PER_PASS = 32
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
@@ -56,12 +78,83 @@ def raise_fd_limit(wanted: int = MAX_CONNECTIONS + 4 * FD_RESERVE) -> int:
     return soft
 
 
-def connection_cap() -> int:
-    """``MAX_CONNECTIONS``, or fewer when the file-descriptor limit leaves less room."""
+def open_fds() -> int:
+    """Descriptors this process holds now (``/proc/self/fd``; 0 where there is none)."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 0
+
+
+def socket_budget() -> int:
+    """Accepted sockets one listener may hold open: the descriptor limit (raised first), less
+    what the process already holds and ``FD_RESERVE``; at most ``MAX_CONNECTIONS`` plus
+    ``ACCEPT_SLACK``."""
     soft = raise_fd_limit()
+    most = MAX_CONNECTIONS + ACCEPT_SLACK
     if soft == resource.RLIM_INFINITY:
-        return MAX_CONNECTIONS
-    return max(16, min(MAX_CONNECTIONS, soft - FD_RESERVE))
+        return most
+    return max(MIN_CONNECTIONS + ACCEPT_SLACK, min(most, soft - open_fds() - FD_RESERVE))
+
+
+def connection_cap(budget: int | None = None) -> int:
+    """Open connections at most: ``ACCEPT_SLACK`` below the socket budget."""
+    return max(MIN_CONNECTIONS, (socket_budget() if budget is None else budget) - ACCEPT_SLACK)
+
+
+class GatedListener(socket.socket):
+    """A listening socket that accepts no more sockets than ``budget`` at once.
+
+    asyncio calls ``accept()`` in a loop until it raises ``BlockingIOError``; at the budget
+    this one raises it (after shedding an idle connection, so the budget frees up), and on
+    ``EMFILE`` it sheds one and does the same, so accepting goes on next loop pass.  The
+    sockets it hands out count themselves off when closed (``_Accepted``).
+    """
+
+    def __init__(self, sock: socket.socket, budget: int, shed: Any) -> None:
+        """Listen on a duplicate of ``sock``'s descriptor (its owner still closes ``sock``);
+        ``shed()`` drops the oldest idle connection and says whether there was one."""
+        super().__init__(sock.family, sock.type, sock.proto, fileno=os.dup(sock.fileno()))
+        self.budget = budget
+        self.accepted = 0
+        self.shed = shed
+
+    def accept(self) -> tuple[socket.socket, Any]:  # type: ignore[override]
+        if self.accepted >= self.budget:
+            self.shed()
+            raise BlockingIOError(errno.EAGAIN, "accepted-socket budget reached")
+        try:
+            fd, addr = self._accept()  # type: ignore[attr-defined]
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE) and self.shed():
+                raise BlockingIOError(errno.EAGAIN, "out of descriptors; an idle one was shed") from None
+            raise  # asyncio pauses accepting for a second: nothing could be freed
+        self.accepted += 1
+        return _Accepted(self, fd), addr
+
+
+class _Accepted(socket.socket):
+    """An accepted socket that gives its place in the listener's budget back when closed."""
+
+    def __init__(self, listener: GatedListener, fd: int) -> None:
+        super().__init__(listener.family, listener.type, listener.proto, fileno=fd)
+        self._listener: GatedListener | None = listener
+
+    def _release(self) -> None:
+        if self._listener is not None:
+            self._listener.accepted -= 1
+            self._listener = None
+
+    def close(self) -> None:
+        self._release()
+        super().close()
+
+    def detach(self) -> int:
+        self._release()
+        return super().detach()
+
+    def __del__(self) -> None:  # closed by the garbage collector, not by close()
+        self._release()
 
 
 class GuardedH11Protocol(H11Protocol):
@@ -75,6 +168,7 @@ class GuardedH11Protocol(H11Protocol):
     header_timeout_s = HEADER_TIMEOUT_S
     max_connections = MAX_CONNECTIONS
     waiting: ClassVar[OrderedDict[GuardedH11Protocol, None]] = OrderedDict()
+    expired: ClassVar[deque[GuardedH11Protocol]] = deque()  # past their head deadline, to close
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._head_deadline: asyncio.TimerHandle | None = None
@@ -88,15 +182,21 @@ class GuardedH11Protocol(H11Protocol):
         return self.cycle is not None and not self.cycle.response_complete
 
     def _evict(self) -> None:
-        """Close the connection that has waited longest for a request head (never one that is
+        """Drop the connection that has waited longest for a request head (never one that is
         being answered); this new one when every other is busy."""
-        while self.waiting:
-            victim, _ = self.waiting.popitem(last=False)
+        if not self.shed_one():
+            self.transport.abort()
+
+    @classmethod
+    def shed_one(cls) -> bool:
+        """Abort the oldest connection waiting for a request head; False when there is none."""
+        while cls.waiting:
+            victim, _ = cls.waiting.popitem(last=False)
             if not victim._in_flight() and not victim.transport.is_closing():
                 victim._disarm()
-                victim.transport.close()
-                return
-        self.transport.close()
+                victim.transport.abort()  # the descriptor is free on the next loop pass
+                return True
+        return False
 
     def _arm(self) -> None:
         """Start waiting for a request head: the deadline, and the back of the eviction line."""
@@ -113,8 +213,23 @@ class GuardedH11Protocol(H11Protocol):
     def _head_timeout(self) -> None:
         self._head_deadline = None
         self.waiting.pop(self, None)
-        if not self._in_flight() and not self.transport.is_closing():
-            self.transport.close()
+        expired = self.expired
+        expired.append(self)
+        if len(expired) == 1:
+            self.loop.call_soon(self._close_expired)
+
+    @classmethod
+    def _close_expired(cls) -> None:
+        """Close connections whose head deadline passed, ``CLOSE_PER_PASS`` per loop pass: a
+        flood's sockets reach their deadlines together, and closing hundreds in one pass would
+        hold every other connection's answer (/healthz's) for that long."""
+        expired = cls.expired
+        for _ in range(min(CLOSE_PER_PASS, len(expired))):
+            conn = expired.popleft()
+            if not conn._in_flight() and not conn.transport.is_closing():
+                conn.transport.abort()
+        if expired:
+            expired[0].loop.call_soon(cls._close_expired)
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -134,9 +249,16 @@ class GuardedH11Protocol(H11Protocol):
 def protocol_class(header_timeout_s: float = HEADER_TIMEOUT_S,
                    max_connections: int | None = None) -> type[GuardedH11Protocol]:
     """The protocol class for ``uvicorn.Config(http=...)`` with these limits (one per server)."""
-    limits = {"header_timeout_s": header_timeout_s,
-              "max_connections": max_connections or connection_cap(), "waiting": OrderedDict()}
+    limits = {"header_timeout_s": header_timeout_s, "max_connections": max_connections or connection_cap(),
+              "waiting": OrderedDict(), "expired": deque()}
     return type("DashboardH11Protocol", (GuardedH11Protocol,), limits)
+
+
+def gate(sock: socket.socket, protocol: type[GuardedH11Protocol]) -> GatedListener:
+    """``sock`` as a listener whose accepted sockets fit the descriptors left: ``ACCEPT_SLACK``
+    above the protocol's connection cap, shedding that protocol's idle connections."""
+    budget = min(protocol.max_connections + ACCEPT_SLACK, socket_budget())
+    return GatedListener(sock, budget, protocol.shed_one)
 
 
 def allowed_hosts(host: str | None) -> frozenset[str]:

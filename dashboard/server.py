@@ -19,13 +19,14 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import uvicorn
 from stagecache.runtime.errors import ConfigError
 from stagecache.runtime.live.source import SnapshotSource
 from stagecache.runtime.net import bind_listener
 
 from .advise_models import AdviseReport
 from .app import create_app
-from .guard import HEADER_TIMEOUT_S, RequestGuard, allowed_hosts, protocol_class
+from .guard import HEADER_TIMEOUT_S, RequestGuard, allowed_hosts, gate, protocol_class
 
 #: Seconds an idle keep-alive connection stays open (uvicorn's ``timeout_keep_alive``).
 KEEP_ALIVE_S = 5.0
@@ -94,17 +95,34 @@ def make_server(
     (the sglang deployment's push route); ``extra_hosts``: more ``Host`` names answered (the
     address other hosts reach this one by).
     """
-    import uvicorn
-
     inner = create_app(source, title=title, advise=advise)
     if configure is not None:
         configure(inner)
     hosts = allowed_hosts(host) | {h.strip("[]").lower() for h in extra_hosts}
     app = RequestGuard(inner, hosts)
+    # asyncio's own loop: uvloop (installed wherever sglang is) accepts in C, past ``gate``
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                            timeout_keep_alive=keep_alive_s, backlog=BACKLOG,
+                            timeout_keep_alive=keep_alive_s, backlog=BACKLOG, loop="asyncio",
                             http=protocol_class(header_timeout_s))
-    return uvicorn.Server(config)
+    return GatedServer(config)
+
+
+class GatedServer(uvicorn.Server):
+    """``uvicorn.Server`` that accepts only through ``guard.gate``, on the sockets it is given
+    or (none given) on ``config.host:port``, bound here as uvicorn would and failing the same way."""
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        own = sockets is None
+        if own:
+            try:
+                sockets = [bind_listener(self.config.host, self.config.port, backlog=BACKLOG)]
+            except OSError as exc:
+                raise SystemExit(f"cannot bind {self.config.host}:{self.config.port}: {exc}") from None
+        gated = [gate(s, self.config.http_protocol_class) for s in sockets]
+        if own:
+            for s in sockets:
+                s.close()  # the gate listens on its own duplicate
+        await super().startup(sockets=gated)
 
 
 def serve_dashboard(

@@ -47,10 +47,12 @@ def user_state_base(name: str) -> Path:
     return Path(tempfile.gettempdir()) / f"{name}-{os.geteuid()}"
 
 
-def check_private_dir(path: Path, what: str, fix: str = "") -> None:
-    """Refuse ``path`` unless it is a real directory of ours that only we can write."""
+def check_private_dir(path: Path, what: str, fix: str = "", closed: bool = False) -> None:
+    """Refuse ``path`` unless it is a real directory of ours that only we can write (``closed``:
+    that nobody else can even enter, as a store of cached KV bytes must be)."""
     hint = f"; {fix}" if fix else ""
-    expected = f"expected a directory owned by {_owner(os.geteuid())} that only it can write{hint}"
+    verb = "enter" if closed else "write"
+    expected = f"expected a directory owned by {_owner(os.geteuid())} that only it can {verb}{hint}"
     try:
         st = os.lstat(path)
     except OSError as exc:
@@ -64,8 +66,9 @@ def check_private_dir(path: Path, what: str, fix: str = "") -> None:
     if st.st_uid != os.geteuid():
         raise ConfigError(f"{what} {str(path)!r} is owned by {_owner(st.st_uid)}, not by you; "
                           f"{expected}")
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise ConfigError(f"{what} {str(path)!r} (owner {_owner(st.st_uid)}) is writable by others "
+    if st.st_mode & (0o077 if closed else stat.S_IWGRP | stat.S_IWOTH):
+        others = "lets other users in" if closed else "is writable by others"
+        raise ConfigError(f"{what} {str(path)!r} (owner {_owner(st.st_uid)}) {others} "
                           f"(mode {stat.S_IMODE(st.st_mode):04o}); {expected}")
 
 
@@ -92,7 +95,8 @@ def _check_ancestor(parent: Path, me: int, what: str, path: Path) -> None:
             "parents are yours or root's and, where others can write them, sticky (like /tmp)")
 
 
-def ensure_private_dir(path: Path, what: str, fix: str = "", parents: bool = False) -> Path:
+def ensure_private_dir(path: Path, what: str, fix: str = "", parents: bool = False,
+                       closed: bool = False) -> Path:
     """``path`` created 0700, or checked when it exists (see the module doc); returns it."""
     if parents:
         try:
@@ -108,7 +112,7 @@ def ensure_private_dir(path: Path, what: str, fix: str = "", parents: bool = Fal
         raise ConfigError(f"{what} {str(path)!r}: cannot create: {exc.strerror or exc}; "
                           "expected a writable location") from None
     check_ancestors(path, what)
-    check_private_dir(path, what, fix)
+    check_private_dir(path, what, fix, closed)
     return path
 
 

@@ -6,7 +6,10 @@
 # "# set-up: background" (the sglang environment, minutes on a fresh machine) runs alongside
 # the rest and the suite; the tests that need it run last and wait for it (bounded), reading
 # its exit status from $STAGECACHE_TEST_SETUP_DIR.  pytest runs on $STAGECACHE_TEST_WORKERS
-# processes (default 2; 1 runs it in one process).
+# processes (default 2; 1 runs it in one process).  A step that fails stops the run at once with
+# the end of its log and its exit code: a foreground one when it returns, a background one when
+# it is seen (after each set-up step, then every second while pytest runs: pytest is stopped).
+# Ctrl-C stops pytest (its own process group) and everything started here: exit 130.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . tests/setup.d/progress.bash
@@ -16,14 +19,71 @@ PY=${PYTHON:-python3}
 STAGECACHE_TEST_SETUP_DIR=$(mktemp -d -t stagecache-setup-XXXXXX)  # 0700
 export STAGECACHE_TEST_SETUP_DIR
 background=()
+pytest_pid=
+main_pid=$$
 stop_background() {  # on any exit: a background step still running is stopped, by its group
-    local entry
+    # Only the main shell cleans up.  A subshell (a progress ticker, the background launcher)
+    # killed right after its fork may still run this inherited trap, with $BASHPID not yet its
+    # own: the kernel's answer, the pid of whoever reads its own /proc/self/stat, is the truth.
+    local me entry
+    read -r me _ </proc/self/stat
+    [ "$me" = "$main_pid" ] || return 0
     for entry in "${background[@]}"; do
-        kill -- "-${entry##*:}" 2>/dev/null || true
+        # its group; or, not yet in a group of its own (setsid not run yet), the process alone
+        kill -- "-${entry##*:}" 2>/dev/null || kill "${entry##*:}" 2>/dev/null || true
     done
     rm -rf "$STAGECACHE_TEST_SETUP_DIR"
 }
 trap stop_background EXIT
+stop_pytest() {  # pytest runs in its own process group: $1 (TERM) to all of it, SIGKILL after 5 s
+    [ -n "$pytest_pid" ] || return 0
+    kill -"$1" -- "-$pytest_pid" 2>/dev/null || true
+    local waited=0
+    while kill -0 "$pytest_pid" 2>/dev/null && [ "$waited" -lt 50 ]; do
+        sleep 0.1
+        waited=$(( waited + 1 ))
+    done
+    kill -KILL -- "-$pytest_pid" 2>/dev/null || true
+    wait "$pytest_pid" 2>/dev/null || true
+    pytest_pid=
+}
+kill_tree() {  # $1 and everything it started, children first
+    local child
+    for child in $(ps -o pid= --ppid "$1" 2>/dev/null); do
+        kill_tree "$child"
+    done
+    kill -TERM "$1" 2>/dev/null || true
+}
+interrupted() {  # Ctrl-C (SIGINT) or SIGTERM: pytest's group gets it too; exit 130 or 143
+    trap - INT TERM
+    echo "== tests/run.sh: interrupted" >&2
+    stop_pytest "$1"
+    local job  # a set-up step runs as a job (with_progress), where SIGINT is ignored: stop it
+    for job in $(jobs -p); do
+        kill_tree "$job"
+    done
+    exit "$2"
+}
+trap 'interrupted INT 130' INT
+trap 'interrupted TERM 143' TERM
+# A background step that failed ends the run at once: its last line and the end of its log,
+# pytest stopped, and the step's exit code.  Looked at after each set-up step and every second
+# while pytest runs.
+check_background() {
+    local entry name step_rc log
+    for entry in "${background[@]}"; do
+        name=${entry%%:*}
+        step_rc=$(cat "$STAGECACHE_TEST_SETUP_DIR/$name.rc" 2>/dev/null) || continue
+        [ "$step_rc" = 0 ] && continue
+        log=$STAGECACHE_TEST_SETUP_DIR/$name.log
+        echo "== set-up $name failed (exit $step_rc): $(tail -n 1 "$log" 2>/dev/null)" >&2
+        echo "== the end of its log ($log):" >&2
+        tail -n 30 "$log" >&2 || true
+        stop_pytest TERM
+        echo "== tests/run.sh: exit $step_rc after $(( SECONDS - started )) s (set-up $name failed)" >&2
+        exit "$step_rc"
+    done
+}
 for step in tests/setup.d/*.sh; do
     [ -e "$step" ] || continue
     if grep -q '^# set-up: background' "$step"; then
@@ -35,6 +95,18 @@ for step in tests/setup.d/*.sh; do
         background+=("$name:$!")
     fi
 done
+# A foreground step that fails ends the run at once with its exit code (its output is above).
+foreground() {
+    local label=$1 step_rc=0
+    shift
+    with_progress "$label" "$@" || step_rc=$?
+    if [ "$step_rc" != 0 ]; then
+        echo "== set-up failed: $label (exit $step_rc)" >&2
+        echo "== tests/run.sh: exit $step_rc after $(( SECONDS - started )) s" >&2
+        exit "$step_rc"
+    fi
+    check_background
+}
 
 pip_install() {
     $PY -m pip install -q --disable-pip-version-check "$@" 2>&1 \
@@ -42,14 +114,14 @@ pip_install() {
 }
 echo "== set-up: the test environment"
 # The CPU build of torch lies on local disk; a plain `torch` would pull a multi-GB CUDA build.
-with_progress "torch 2.13.0 (CPU)" pip_install "torch==2.13.0"
-with_progress "stagecache and its test tools" pip_install -e ".[test]"
+foreground "torch 2.13.0 (CPU)" pip_install "torch==2.13.0"
+foreground "stagecache and its test tools" pip_install -e ".[test]"
 
 for step in tests/setup.d/*.sh; do
     [ -e "$step" ] || continue
     grep -q '^# set-up: background' "$step" && continue
     echo "== set-up: $step"
-    with_progress "$step" bash "$step"
+    foreground "$step" bash "$step"
 done
 echo "== set-up done in $(( SECONDS - started )) s (background steps still running are waited for by their tests)"
 
@@ -57,28 +129,32 @@ echo "== ruff"
 $PY -m ruff check runtime exporters dashboard tests
 echo "== lint-imports (layers point one way, no cycles)"
 $PY -c "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"
+check_background
 echo "== pytest"
 workers=${STAGECACHE_TEST_WORKERS:-2}
 parallel=()
 [ "$workers" -gt 1 ] && parallel=(-n "$workers" --dist loadfile)
 wait_gone() { while kill -0 "$1" 2>/dev/null; do sleep 1; done; }
 rc=0
-$PY -m pytest -q "${parallel[@]}" --durations=15 "$@" || rc=$?
+# pytest in its own process group (setsid), watched every second: a failed background step stops it
+setsid $PY -m pytest -q "${parallel[@]}" --durations=15 "$@" &
+pytest_pid=$!
+while kill -0 "$pytest_pid" 2>/dev/null; do
+    check_background
+    sleep 1
+done
+wait "$pytest_pid" || rc=$?
+pytest_pid=
 
 # A background step the tests did not wait for (a subset was run) still finishes: its result is
-# cached for the next run, and a failed set-up fails the command.
+# cached for the next run, and a failed set-up fails the command (with the step's exit code).
 for entry in "${background[@]}"; do
     name=${entry%%:*} pid=${entry##*:}
     with_progress "set-up $name" wait_gone "$pid"
     wait "$pid" || true
-    step_rc=$(cat "$STAGECACHE_TEST_SETUP_DIR/$name.rc" 2>/dev/null || echo 1)
-    if [ "$step_rc" != 0 ]; then
-        echo "== set-up $name failed (exit $step_rc); the end of its log:" >&2
-        tail -n 30 "$STAGECACHE_TEST_SETUP_DIR/$name.log" >&2
-        [ "$rc" = 0 ] && rc=1
-    else
-        tail -n 2 "$STAGECACHE_TEST_SETUP_DIR/$name.log"
-    fi
+    [ -f "$STAGECACHE_TEST_SETUP_DIR/$name.rc" ] || echo 1 >"$STAGECACHE_TEST_SETUP_DIR/$name.rc"
+    check_background
+    tail -n 2 "$STAGECACHE_TEST_SETUP_DIR/$name.log"
 done
 echo "== tests/run.sh: exit $rc after $(( SECONDS - started )) s"
 exit "$rc"

@@ -39,6 +39,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-belady", action="store_true",
                    help="skip Belady's offline bound at the marked sizes (about a second per simulated size "
                         "on a 300,000-page trace)")
+    p.add_argument("--policies", nargs="*", default=None, metavar="POLICY",
+                   help="also evaluate sglang's radix eviction policies (lru lfu slru priority tlru; "
+                        "none named: all five) at the configured size and the LRU curve's 50/90/95/99 %% "
+                        "points, per tier, beside Belady; advice per stage with the flags")
+    p.add_argument("--policy-config", action="append", default=[], metavar="POLICY=JSON",
+                   help="a policy's --radix-eviction-policy-config, e.g. 'slru={\"protected_threshold\": 4}' "
+                        "(T-LRU default: threshold 4096, next_prompt_estimate 512, sglang's help example)")
+    p.add_argument("--policy-order", choices=("auto", "sglang", "stagecache"), default="auto",
+                   help="whose strategy classes rank the leaves: sglang's where installed (auto), "
+                        "sglang's (refused without sglang) or stagecache's versions")
     p.add_argument("--json", action="store_true", help="print the JSON report instead of tables")
     p.add_argument("--plot", metavar="FILE.html", default=None,
                    help="also write a standalone HTML page with the curves (plotly.js inside)")
@@ -102,6 +112,7 @@ def advise(args: argparse.Namespace, bar: Progress) -> dict[str, Any]:
     from ..sizing.advice import TARGETS, build_report
     from ..sizing.bounds import belady_curve
     from ..sizing.curves import page_views, trace_curves
+    from ..sizing.policy_advice import EVAL_SHARES, build_policy_report
 
     t0 = time.perf_counter()
     requests, info = _read(args, bar)
@@ -111,14 +122,51 @@ def advise(args: argparse.Namespace, bar: Progress) -> dict[str, Any]:
     curves = trace_curves(views, bar, lambda i: f"trace {args.trace} line {requests[i].line}")
     t2 = time.perf_counter()
     sizes = [curves.total.pages_for(s) for s in TARGETS] + [plan.stage(0).host_pages]
+    specs = _policy_specs(args)
+    if specs is not None:
+        sizes += [curves.device.pages_for(s) for s in EVAL_SHARES] + [plan.stage(0).device_pages]
     belady = {} if args.no_belady else belady_curve(views, sizes, bar)
     t3 = time.perf_counter()
     report = build_report(curves, plan, belady, info)
+    if specs is not None:
+        factory, source = _strategy_factory(args.policy_order)
+        bar("eviction policies", 0, 0)
+        report["policies"] = build_policy_report(views, curves, plan, specs, factory, source, belady)
+        bar("eviction policies", 1, 1)
     report["deployment"] = deployment(plan)
     report["seconds"] = {"read": round(t1 - t0, 3), "curves": round(t2 - t1, 3),
                          "belady": round(t3 - t2, 3), "total": round(time.perf_counter() - t0, 3)}
+    if specs is not None:
+        report["seconds"]["policies"] = report["policies"]["seconds"]
     report["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     return report
+
+
+def _policy_specs(args: argparse.Namespace) -> list[Any] | None:
+    """The policies ``--policies`` asks for (None: not asked), configs validated up front."""
+    from ..sizing.policies import parse_policy_config, policy_specs
+
+    if args.policies is None:
+        if args.policy_config:
+            raise ConfigError("--policy-config needs --policies")
+        return None
+    return policy_specs(args.policies, parse_policy_config(args.policy_config))
+
+
+def _strategy_factory(order: str) -> tuple[Any, str]:
+    """Whose ``get_priority`` ranks the leaves, and its name for the report."""
+    from ..sizing.policies import own_strategy
+
+    if order != "stagecache":
+        from ..integrations.sglang_eviction import sglang_factory, sglang_version
+
+        factory = sglang_factory()
+        if factory is not None:
+            return factory, f"sglang {sglang_version() or ''}".strip()
+        if order == "sglang":
+            raise ConfigError("--policy-order sglang: sglang cannot be imported here; install it "
+                              "(pip install '.[sglang]') or use --policy-order stagecache")
+    return own_strategy, "stagecache"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -135,12 +183,21 @@ def run(args: argparse.Namespace) -> int:
 
 def write_plot(path: str, report: dict[str, Any]) -> None:
     """A standalone page (plotly.js inside: it opens without a network)."""
-    from stagecache.dashboard.advise_figures import advise_figure
+    from stagecache.dashboard.advise_figures import advise_figure, policy_figure
     from stagecache.dashboard.advise_models import AdviseReport
 
-    fig = advise_figure(AdviseReport.model_validate(report))
+    checked = AdviseReport.model_validate(report)
+    fig = advise_figure(checked)
+    policies = policy_figure(checked)
     try:
-        fig.write_html(path, include_plotlyjs=True, full_html=True)
+        if policies is None:
+            fig.write_html(path, include_plotlyjs=True, full_html=True)
+        else:  # both figures on one page, plotly.js once
+            body = (fig.to_html(include_plotlyjs=True, full_html=False)
+                    + policies.to_html(include_plotlyjs=False, full_html=False))
+            with open(path, "w", encoding="utf-8") as f:
+                f.write("<!doctype html><html><head><meta charset='utf-8'><title>stagecache advise"
+                        f"</title></head><body>{body}</body></html>\n")
     except OSError as exc:
         raise ConfigError(f"--plot {path}: cannot write it: {exc.strerror or exc}") from None
 
@@ -185,13 +242,16 @@ def print_report(report: dict[str, Any]) -> None:
     _print_stages(console, report)
     if report.get("deployment"):
         print_ledger(console, report)
+    if report.get("policies"):
+        print_policies(console, report["policies"])
     for note in report["notes"]:
         console.print(f"note: {note}")
     if tr["repeated_requests"]:
         console.print(f"note: {tr['repeated_requests']} request(s) keep again pages past their lookable "
                       "prefix (a repeated prompt and answer): the device-tier column is an upper bound")
     s = report["seconds"]
-    console.print(f"read {s['read']} s, curves {s['curves']} s, Belady {s['belady']} s; "
+    extra = f", policies {s['policies']} s" if "policies" in s else ""
+    console.print(f"read {s['read']} s, curves {s['curves']} s, Belady {s['belady']} s{extra}; "
                   f"peak RSS {report['peak_rss_mib']} MiB")
 
 
@@ -210,3 +270,58 @@ def _print_stages(console: Any, report: dict[str, Any]) -> None:
                       human(s["knee"]["host_bytes"]), human(s["configured"]["host_bytes"]),
                       *(human(t["device_bytes"]) for t in s["targets"]))
     console.print(table)
+
+
+def print_policies(console: Any, pol: dict[str, Any]) -> None:
+    """The ``--policies`` tables: hit rates at the marked sizes, pages and flags per share, bytes
+    per stage."""
+    from rich.table import Table
+
+    labels = [p["name"] if not p["config"] else f"{p['name']}*" for p in pol["policies"]]
+    for tier in pol["tiers"]:
+        what = "device tier alone" if tier["tier"] == "device" else "device + host (host pages)"
+        table = Table(title=f"eviction policies, {what}: hit rate at each size (order: "
+                            f"{pol['source']}; ceiling {_pct(tier['ceiling_hit_rate'])})")
+        for col in ("size", "pages", "Belady", *labels, "best"):
+            table.add_column(col, justify="right")
+        for row in tier["sizes"]:
+            b = row["belady_hit_rate"]
+            table.add_row(row["mark"], f"{row['pages']:,}", _pct(b) if b is not None else "-",
+                          *(_pct(row["hit_rate"][p["label"]]) for p in _labelled(pol)),
+                          row["best"].split(" ")[0])
+        console.print(table)
+        table = Table(title=f"eviction policies, {what}: pages each needs for a share of the ceiling")
+        for col in ("share", *labels, "best", "saved vs lru", "flags"):
+            table.add_column(col, justify="right")
+        for row in tier["targets"]:
+            table.add_row(f"{100 * row['share']:g}%",
+                          *(f"{row['pages'][p['label']]:,}" if row["pages"][p["label"]] is not None
+                            else "beyond" for p in _labelled(pol)),
+                          (row["best"] or "-").split(" ")[0],
+                          f"{row['pages_saved_vs_lru']:,}" if row["pages_saved_vs_lru"] is not None else "-",
+                          row["flags"] or "-")
+        console.print(table)
+    table = Table(title="eviction policies per stage: bytes of the best policy's pages, and what it "
+                        "saves against lru")
+    for col in ("stage", "device B/page", "host B/page",
+                *(f"{t['tier']} {100 * t['share']:g}%" for t in pol["stages"][0]["targets"])):
+        table.add_column(col, justify="right")
+    for st in pol["stages"]:
+        table.add_row(str(st["stage"]), f"{st['device_page_bytes']:,}", f"{st['host_page_bytes']:,}",
+                      *(f"{(t['best'] or '-').split(' ')[0]} {human(t['bytes']) if t['bytes'] is not None else '-'}"
+                        f" (-{human(t['saved_bytes']) if t['saved_bytes'] is not None else '-'})"
+                        for t in st["targets"]))
+    console.print(table)
+    configured = [p for p in pol["policies"] if p["config"]]
+    for p in configured:
+        console.print(f"note: {p['name']}* is {p['flags']}")
+    if pol["unreduced_pools"]:
+        console.print("note: pools the hit rate does not size (per request, or a window budget): "
+                      + ", ".join(pol["unreduced_pools"]))
+    for note in pol["notes"]:
+        console.print(f"note: {note}")
+
+
+def _labelled(pol: dict[str, Any]) -> list[dict[str, Any]]:
+    """The policies, each with ``label`` (what its rates are keyed by)."""
+    return list(pol["policies"])

@@ -20,6 +20,7 @@ from .. import defaults
 from ..bounded_io import check_output_path
 from ..errors import ConfigError
 from ..model.config_file import PRESETS
+from ..model.spec import KV_CACHE_DTYPES
 from ..plan.faults import FAULTS
 from ..plan.inputs import resolve_plan
 from ..plan.plan import RunPlan, Sizing
@@ -172,6 +173,9 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
                    "(default: split evenly)")
     p.add_argument("--page-size", type=int_range(1, 2**20), default=defaults.PAGE_SIZE,
                    help="tokens per page (default %(default)s)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="what sglang stores the KV cache as, as its --kv-cache-dtype (default auto: the "
+                   "model's dtype; DeepSeek-V4 has its own FP8 layout and takes auto only)")
     p.add_argument("--fault", action="append", default=[], metavar="NAME[@STAGE]", type=fault_spec,
                    help="build the stages the way a known bug did, on every stage or only @STAGE "
                    "(repeatable): " + ", ".join(FAULTS))
@@ -206,7 +210,8 @@ def plan_from_args(args: argparse.Namespace, sizing: Sizing | None = None,
                    page_size: int | None = None) -> RunPlan:
     """The run's plan from the flags of ``add_layout_args`` (and a sizing): built once, here."""
     return resolve_plan(args.model, args.pp_size, args.tp_size, args.pp_partition,
-                        args.page_size if page_size is None else page_size, args.fault, sizing)
+                        args.page_size if page_size is None else page_size, args.fault, sizing,
+                        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
 
 
 __all__ = [

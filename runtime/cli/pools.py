@@ -77,9 +77,13 @@ def sizing_of(args: argparse.Namespace, hicache_ratio: float | None = None) -> S
 
 
 def plan_of(args: argparse.Namespace) -> RunPlan:
-    """The plan sized the sglang way.  sglang runs DeepSeek-V4 with 256-token pages whatever
-    --page-size says; the plan takes that page size and the report says when it overrode the flag."""
-    return plan_from_args(args, sizing_of(args), page_size=defaults.PAGE_SIZE)
+    """The plan sized the sglang way.  sglang runs some families with a page size of its own
+    whatever --page-size says (DeepSeek-V4: 256, DSA: 64: ``Family.sglang_page_size``); the plan
+    takes that page size and the report says when it overrode the flag."""
+    from ..model.families import load_spec
+
+    family = load_spec(args.model).family
+    return plan_from_args(args, sizing_of(args), page_size=family.sglang_page_size(args.page_size))
 
 
 def accounting(args: argparse.Namespace) -> dict[str, Any]:
@@ -90,8 +94,10 @@ def accounting(args: argparse.Namespace) -> dict[str, Any]:
     plan = plan_of(args)
     report = plan.to_dict()
     report["requested_page_size"] = args.page_size
+    family = plan.spec.family
+    who = "DeepSeek-V4" if family.name == "deepseek_v4" else f"{family.label} models"
     report["notes"] = ([] if args.page_size == plan.page_size else
-                       [f"sglang 0.5.23 runs DeepSeek-V4 with page_size {plan.page_size} (it overrides "
+                       [f"sglang 0.5.23 runs {who} with page_size {plan.page_size} (it overrides "
                         f"--page-size {args.page_size})"])
     for stage, row in zip(plan.stages, report["stages"], strict=True):
         cached = [p for p in stage.pools if p.host_pages and p.present]
@@ -160,9 +166,11 @@ def _title(report: dict[str, Any]) -> str:
     sz, s0 = report["sizing"], report["stages"][0]
     budgets = sz.get("mem_budget_bytes")
     budget = f", budget {'/'.join(human(b) for b in budgets)} per stage" if budgets else ""
+    budgets = {k["budget"] for k in report["kinds"]}  # a family's budgets: no SWA text without SWA pools
+    swa = f", swa {s0['swa_tokens']:,} (ratio {sz['swa_full_tokens_ratio']})" if "swa" in budgets else ""
+    slots = f", {s0['request_slots']} request slots" if "request" in budgets else ""
     return (f"{report['model']}: {report['num_layers']} layers, pp={report['pp_size']}, "
-            f"page={report['page_size']}{budget}: full {s0['full_tokens']:,} tokens, swa {s0['swa_tokens']:,} "
-            f"(ratio {sz['swa_full_tokens_ratio']}), {s0['request_slots']} request slots, "
+            f"page={report['page_size']}{budget}: full {s0['full_tokens']:,} tokens{swa}{slots}, "
             f"hicache_ratio={sz['hicache_ratio']}"
             + (f", faults={','.join(report['faults'])}" if report["faults"] else ""))
 

@@ -63,8 +63,9 @@ class HostPools(StageBuffers):
         self.plan = dp.plan
         self.layout = layout
         #: Per mirrored kind, the present flag of each buffer (the device side's: a None device
-        #: buffer has no host mirror); kinds the host tier does not hold map to ().
-        cached = {p.pool for p in self.plan.pools if p.kind.host_cached}
+        #: buffer has no host mirror); kinds the host tier does not hold map to () -- as do the
+        #: kinds a fault leaves out of the host set (no host pages in the plan).
+        cached = {p.pool for p in self.plan.pools if p.kind.host_cached and p.host_pages}
         self.mirrored = {p: tuple(b is not None for b in dp.buffers[p]) if p in cached else ()
                          for p in dp.buffers}
         self.kind_pages = {p.pool: p.host_pages for p in self.plan.pools if p.pool in cached}

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal
 
+from ..errors import ConfigError
 from .layer_map import IdSpace, LayerEntry, ModelLayout, StageLayerMap
 from .pool_kinds import KindTable, PoolKind
 from .spec import ModelSpec
@@ -73,6 +74,8 @@ class FaultKind:
     layer_map: Callable[[ModelSpec, StageLayerMap], StageLayerMap] | None = None
     count: Callable[[ModelSpec, StageLayerMap, PoolKind, int], int] | None = None
     present: Callable[[PoolKind, list[bool]], list[bool]] | None = None
+    #: pool kinds a hit stage leaves out of its HiCache host set (sglang #38031)
+    host_left_out: frozenset[str] = frozenset()
 
 
 def _sized_globally(pools: frozenset[str], spec: ModelSpec, stage_map: StageLayerMap, kind: PoolKind,
@@ -167,7 +170,20 @@ class Family:
         """Every pool kind sized for ``spec`` at ``page_size`` (the page size is checked here)."""
         raise NotImplementedError
 
-    def stage_problems(self, stage_map: StageLayerMap) -> list[str]:
+    def with_kv_cache_dtype(self, spec: ModelSpec, dtype: str) -> ModelSpec:
+        """``spec`` with sglang's ``--kv-cache-dtype``; ``auto`` keeps the family's dtype, and a
+        family that models no other refuses the rest in one line."""
+        if dtype == "auto":
+            return spec
+        raise ConfigError(f"--kv-cache-dtype {dtype}: not modelled for {self.label} models "
+                          f"(their KV cache is {self.kv_dtype}); use auto")
+
+    def sglang_page_size(self, requested: int) -> int:
+        """The page size sglang 0.5.23 really uses for this family when asked for ``requested``
+        (``pools`` and the plan take it, with a one-line note when it overrides ``--page-size``)."""
+        return requested
+
+    def stage_problems(self, stage_map: StageLayerMap, page_size: int = 1) -> list[str]:
         """What sglang 0.5.23 itself does wrong with this (legal) stage, one line each -- an
         assertion it hits, a host pool it cannot allocate -- so ``check`` names it before any
         server starts.  None by default."""

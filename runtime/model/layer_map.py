@@ -64,6 +64,16 @@ class LayerEntry(BaseModel):
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json", by_alias=True)
 
+    def transfer_ids(self) -> tuple[int | None, int | None] | None:
+        """(id HiCache signals completion with, id the consumer waits on); None: the family has
+        no such ids."""
+        return None
+
+    def problem(self) -> tuple[str, str] | None:
+        """What is wrong with this layer on its own, as ``(pool, message)`` (a DSA layer that
+        reuses a top-k no one hands it); None by default."""
+        return None
+
     @classmethod
     def make(cls, local: int, global_id: int, kind: str, ids: dict[str, int | None]) -> LayerEntry:
         """The entry of a layer of ``kind`` with its ``ids`` (one per id space of the family)."""
@@ -202,7 +212,8 @@ class ModelLayout:
         return tuple(s.slice for s in self.stages)
 
 
-def partition_without_problems(spec: ModelSpec, pp_size: int, tries: int = 4096) -> tuple[int, ...] | None:
+def partition_without_problems(spec: ModelSpec, pp_size: int, tries: int = 4096,
+                               page_size: int = 1) -> tuple[int, ...] | None:
     """A partition close to sglang's even split whose stages sglang builds without the family's
     ``stage_problems`` (None: none found within ``tries`` candidates): what ``pools`` suggests.
 
@@ -213,7 +224,7 @@ def partition_without_problems(spec: ModelSpec, pp_size: int, tries: int = 4096)
     for part in queue:
         if len(seen) > tries:
             return None
-        if not any(spec.family.stage_problems(number_layers(spec, s.stage, s.start, s.end))
+        if not any(spec.family.stage_problems(number_layers(spec, s.stage, s.start, s.end), page_size)
                    for s in partition_layers(spec.num_layers, pp_size, part)):
             return part
         for i in range(pp_size - 1):

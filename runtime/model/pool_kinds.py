@@ -23,6 +23,16 @@ if TYPE_CHECKING:
 
 Budget = Literal["full", "swa", "request"]
 
+
+def default_host_units(device_units: int, ratio: float) -> int:
+    """Host pages of one budget: ``int(device_units x ratio)`` (DeepSeek V4's HiCache rule)."""
+    if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not ratio > 0:
+        raise ConfigError(f"--hicache-ratio must be > 0, got {ratio!r}")
+    pages = int(device_units * ratio)
+    if pages < 1:
+        raise ConfigError(f"--hicache-ratio {ratio} x {device_units} device pages gives no host page")
+    return pages
+
 #: The id space of a pool kind whose buffers are indexed by the local layer id (every layer owns
 #: one): no numbering of its own.
 LOCAL = "local"
@@ -71,9 +81,10 @@ class PoolKind:
         """The buffer index of a layer entry in this kind."""
         return entry.id_in(self.id_space)
 
-    def wrong_count(self, got: int, expected: int) -> str:
-        return self.count_message.format(label=self.label, owners=self.owners_text, got=got,
+    def wrong_count(self, got: int, expected: int, layers: str = "") -> str:
+        text = self.count_message.format(label=self.label, owners=self.owners_text, got=got,
                                          expected=expected)
+        return f"{text} ({layers})" if layers else text
 
     def holds_none(self, empty: list[int]) -> str:
         return f"{self.none_name or self.label + ' pool'} must not contain None: buffer(s) {empty} are None"
@@ -109,6 +120,10 @@ class PoolKindSpec:
     def tensor_rows(self, units: int) -> int:
         """First dimension of sglang's tensor for ``units`` budget pages (or request slots)."""
         raise NotImplementedError
+
+    def host_units(self, device_units: int, ratio: float) -> int:
+        """Host pages (or slots) HiCache builds for this kind from its device units."""
+        return default_host_units(device_units, ratio)
 
     def to_dict(self) -> dict[str, Any]:
         k = self.kind
@@ -153,6 +168,31 @@ class StateRing(PoolKindSpec):
     def tensor_rows(self, units: int) -> int:
         rows = units * self.rows_per_page + self.rows_per_page + 1
         return -(-rows // self.ring_pad) * self.ring_pad
+
+
+@dataclass(frozen=True)
+class TokenRows(PoolKindSpec):
+    """Per-token KV rows (MLA latent, MHA K and V): sglang's ``(size + page_size, heads, dim)``
+    tensors, one row per token, so a tensor holds the budget's tokens plus one page; its HiCache
+    host pool holds ``int(tokens x ratio)`` tokens rounded down to pages, plus one page
+    (``HostKVCache``)."""
+
+    @property
+    def tensor_row_bytes(self) -> int:
+        return self.row_bytes
+
+    def tensor_rows(self, units: int) -> int:
+        return (units + 1) * self.rows_per_page
+
+    def host_units(self, device_units: int, ratio: float) -> int:
+        return token_host_pages(device_units, self.rows_per_page, ratio)
+
+
+def token_host_pages(device_pages: int, page_size: int, ratio: float) -> int:
+    """sglang's ``HostKVCache`` size for a device pool of ``device_pages`` token pages:
+    ``int(tokens x ratio) // page_size + 1`` pages."""
+    default_host_units(device_pages, ratio)  # the ratio's checks
+    return int(device_pages * page_size * ratio) // page_size + 1
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,8 @@ MAX_DIM = 1 << 16
 MAX_HEADS = 1 << 12
 MAX_SLIDING_WINDOW = 1 << 20
 MAX_MTP_LAYERS = 64
+#: sglang's ``--kv-cache-dtype`` values stagecache models (``auto``: the model's dtype).
+KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp8_e4m3")
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,11 @@ class ModelSpec:
     @property
     def pp_refused(self) -> str | None:
         """Why sglang 0.5.23 does not split this model over PP stages (None: it does)."""
+        return None
+
+    def tp_refused(self, tp_size: int) -> str | None:
+        """Why stagecache's bytes for this model would be wrong at ``tp_size`` TP ranks (None: the
+        KV cache is the same on every TP rank, as MLA's and DeepSeek V4's are)."""
         return None
 
 

@@ -25,8 +25,10 @@ def resolve_plan(
     page_size: int = defaults.PAGE_SIZE,
     faults: Iterable[str] | None = None,
     sizing: Sizing | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> RunPlan:
     """Load the spec, partition with sglang's rules, size the pools, apply the faults."""
     spec = load_spec(model)
+    spec = spec.family.with_kv_cache_dtype(spec, kv_cache_dtype)
     return build_plan(spec, pp_size, tp_size=tp_size, partition=parse_partition(pp_partition),
                       page_size=page_size, sizing=sizing, faults=parse_faults(faults, pp_size, spec.family))

@@ -361,6 +361,8 @@ def build_plan(spec: ModelSpec, pp_size: int = defaults.PP_SIZE, *, tp_size: int
     """
     if pp_size > 1 and spec.pp_refused:
         raise ConfigError(f"--pp-size {pp_size}: {spec.name}: {spec.pp_refused}")
+    if tp_size > 1 and (why := spec.tp_refused(tp_size)):
+        raise ConfigError(f"--tp-size {tp_size}: {spec.name}: {why}")
     table = spec.family.kind_table(spec, page_size)  # checks the page size
     explicit = tuple(partition) if partition is not None else None
     layout = build_layout(spec, pp_size, tp_size, explicit)
@@ -407,7 +409,8 @@ def _assemble(spec: ModelSpec, tp_size: int, page_size: int, partition: tuple[in
     host_full, host_swa = _host_space(sizing, budget)
     stages = []
     for i, (m, bufs) in enumerate(zip(maps, buffers, strict=True)):
-        pools = tuple(_pool_plan(table, sizing, budget, p, bufs.get(p, ())) for p in table.pools)
+        left_out = frozenset().union(*(f.kind.host_left_out for f in faults if f.hits(i, len(maps))))
+        pools = tuple(_pool_plan(table, sizing, budget, p, bufs.get(p, ()), p in left_out) for p in table.pools)
         cap = None
         if alone is not None:
             cap = Capacity(sizing.stage_budget_bytes(i, len(maps)) or 0, alone[i], budget.full_tokens,
@@ -445,12 +448,13 @@ def _host_space(sizing: Sizing, budget: TokenBudget) -> tuple[int, int]:
 
 
 def _pool_plan(table: KindTable, sizing: Sizing, budget: TokenBudget, pool: str,
-               buffers: tuple[bool, ...]) -> PoolPlan:
+               buffers: tuple[bool, ...], host_left_out: bool = False) -> PoolPlan:
+    """One kind's plan; ``host_left_out``: a fault leaves the kind out of the HiCache host set."""
     spec = table[pool]
     units = budget.units(spec.kind)
     host = 0
-    if spec.kind.host_cached:
-        host = sizing.host_pages if sizing.host_pages is not None else host_pages_for(units, sizing.hicache_ratio)
+    if spec.kind.host_cached and not host_left_out:
+        host = sizing.host_pages if sizing.host_pages is not None else spec.host_units(units, sizing.hicache_ratio)
     if sizing.mode == "sglang":
         rows, row_bytes = spec.tensor_rows(units), spec.tensor_row_bytes
     else:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from .. import defaults
 from ..errors import ConfigError
-from ..model.pool_kinds import KindTable, PoolKind
+from ..model.pool_kinds import KindTable, PoolKind, default_host_units
 
 
 @dataclass(frozen=True)
@@ -104,13 +104,7 @@ def sglang_budget(page_size: int, full_tokens: int, sliding_window: int,
 
 def host_pages_for(device_pages: int, hicache_ratio: float | None = None) -> int:
     """Host pages of one budget: ``int(device_pages x ratio)`` (sglang's rule, default 2.0)."""
-    ratio = defaults.HICACHE_RATIO if hicache_ratio is None else hicache_ratio
-    if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not ratio > 0:
-        raise ConfigError(f"--hicache-ratio must be > 0, got {ratio!r}")
-    pages = int(device_pages * ratio)
-    if pages < 1:
-        raise ConfigError(f"--hicache-ratio {ratio} x {device_pages} device pages gives no host page")
-    return pages
+    return default_host_units(device_pages, defaults.HICACHE_RATIO if hicache_ratio is None else hicache_ratio)
 
 
 def pages_for_tokens(max_total_tokens: int, page_size: int) -> int:

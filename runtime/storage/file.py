@@ -39,6 +39,8 @@ from pathlib import Path
 
 import crc32c
 
+from ..errors import ConfigError
+from ..private_fs import ensure_private_dir
 from .base import L3Store, Outcome, Segments, StoreUnavailable, segments_bytes
 from .keys import SCHEME, check_key
 from .segments import (
@@ -75,21 +77,12 @@ _OPEN_SEGMENT = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXE
 
 
 def private_dir(path: Path, what: str = "--l3-dir") -> Path:
-    """``path`` as a directory only this user can enter (created 0700 with its parents)."""
+    """``path`` as a directory only this user can enter (``private_fs``: created 0700 with its
+    parents, or checked with every directory above it); a refusal makes the store unavailable."""
     try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        st = os.lstat(path)
-    except OSError as exc:
-        raise StoreUnavailable(f"{what} {str(path)!r}: cannot create: {exc.strerror or exc}") from None
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise StoreUnavailable(f"{what} {str(path)!r}: not a directory (a symlink is refused)")
-    if st.st_uid != os.getuid():
-        raise StoreUnavailable(f"{what} {str(path)!r}: owned by uid {st.st_uid}, not by this user "
-                               f"(uid {os.getuid()}); expected a private directory")
-    if st.st_mode & 0o077:
-        raise StoreUnavailable(f"{what} {str(path)!r}: mode {stat.S_IMODE(st.st_mode):04o} lets other "
-                               "users in; expected 0700 (chmod 700 it)")
-    return path
+        return ensure_private_dir(path, what, parents=True, closed=True)
+    except ConfigError as exc:
+        raise StoreUnavailable(str(exc)) from None
 
 
 def _mv(t: object) -> memoryview:

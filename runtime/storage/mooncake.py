@@ -50,14 +50,19 @@ def describe(code: int) -> str:
     return f"{code} ({CODES.get(code, 'error')})"
 
 
-def _import_store() -> type:
+#: How to add the Mooncake backend to an install without it.
+MOONCAKE_EXTRA = ("pip install '.[l3]' in a stagecache checkout (mooncake-transfer-engine-non-cuda; "
+                  "Debian package libibverbs1)")
+
+
+def _import_store(flag: str = "--l3 mooncake") -> type:
+    """Mooncake's store class; ``StoreUnavailable`` naming ``flag`` and ``MOONCAKE_EXTRA`` when the
+    extra is not installed."""
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # read when the library loads: INFO logs every call
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as exc:
-        raise StoreUnavailable(
-            f"--l3 mooncake needs the Mooncake wheel: pip install '.[l3]' in a stagecache checkout "
-            f"(mooncake-transfer-engine-non-cuda; Debian package libibverbs1) ({exc})") from None
+        raise StoreUnavailable(f"{flag} needs the Mooncake wheel: {MOONCAKE_EXTRA} ({exc})") from None
     return MooncakeDistributedStore
 
 

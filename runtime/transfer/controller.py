@@ -39,7 +39,7 @@ from .clock import EventClock, host_time
 from .cpu import CpuMover
 from .device import DeviceMover, LaunchShape, have_triton
 from .mover import PageMover, Queued
-from .pages import PageChecker, PageIds, TransferError, as_ids, plain_ids
+from .pages import CheckedIds, PageChecker, PageIds, TransferError, as_ids, plain_ids
 from .selection import Selection, select
 from .stats import TransferStats, gbps
 
@@ -52,7 +52,7 @@ class TransferResult:
     __slots__ = ("direction", "ids", "layers", "nbytes", "path", "seconds", "queue_seconds", "_start", "_end",
                  "_layer_events", "_stats", "_mover", "called", "queued", "_kinds", "_reference")
 
-    def __init__(self, direction: str, ids: PageIds, sel: Selection, path: str, called: float = 0.0):
+    def __init__(self, direction: str, ids: PageIds | CheckedIds, sel: Selection, path: str, called: float = 0.0):
         self.direction = direction
         self.ids = ids
         self.layers = sel.layers
@@ -220,9 +220,20 @@ class TransferController:
         called = time.perf_counter()
         sel = self._selections[(None, None)] if layers is None and pools is None else self.selection(layers, pools)
         d2h = direction == "d2h"
-        if self.mover.asynchronous:
-            stage = self.checker.stage
-            dev, host = plain_ids(device_pages, "device page", stage), plain_ids(host_pages, "host page", stage)
+        stage = self.checker.stage
+        dev, host = plain_ids(device_pages, "device page", stage), plain_ids(host_pages, "host page", stage)
+        if not self.mover.asynchronous:
+            with self._copy_lock:  # a copy in progress on another thread: this call queues here
+                t0 = time.perf_counter()
+                done = self.mover.check_and_move(sel, dev, host, d2h)
+                t1 = time.perf_counter()
+            if done is not None:  # checked and copied in one call; ids made numpy only when read
+                result = TransferResult(direction, CheckedIds(dev, host), sel, self.path, called)
+                result.seconds, result.queue_seconds, result.queued = t1 - t0, t0 - called, t0
+                result._stats = self.stats
+                result._finish()
+                return result
+        else:
             reference = self._clock.reference(called)  # type: ignore[union-attr]  # precedes the start event
             queued = self.mover.check_and_move(sel, dev, host, d2h)
             if queued is not None:  # the copy is queued: the bookkeeping follows while it runs
@@ -292,7 +303,7 @@ def make_mover(dp: StagePools, hp: HostPools, use_triton: bool | None = None,
                             "the kernels on CPU tensors for tests)")
     if cuda or use_triton:
         return DeviceMover(dp, hp, shape, context, use_kernel=use_triton)
-    return CpuMover(dp, hp)
+    return CpuMover(dp, hp, context)
 
 
 def _check_mirror(dp: StagePools, hp: HostPools) -> None:

@@ -3,8 +3,11 @@
 A move is one call into the compiled helper (``native.py``) where it was built at install: one
 ``memcpy`` per page per buffer over a table of the selection's buffer addresses made once, without
 the GIL, over torch's OpenMP threads from ``THREADS_FROM_BYTES`` (on 2 CPU cores 1.4-9x faster
-than the per-page ``torch.copy_`` loop at every point of ``bench transfer``).  Without it, one
-numpy fancy-indexed assignment per buffer, which is the same copy stated as plainly as it can be.
+than the per-page ``torch.copy_`` loop at every point of ``bench transfer``).  The common move is
+checked and copied in that one call (``check_and_move``, on the caller's own ids): a one-page move
+copies for a few us, so converting the ids, checking them and copying in three calls cost more
+than the per-page loop does.  Without the helper, one numpy fancy-indexed assignment per buffer,
+which is the same copy stated as plainly as it can be.
 """
 
 from __future__ import annotations
@@ -24,34 +27,56 @@ from .selection import BufferRef, Selection, buffer_addresses, buffer_pair
 THREADS_FROM_BYTES = 256 << 10
 
 
+#: What a CPU move returns: done on return, no events.
+DONE = Queued()
+
+
 class CpuMover(PageMover):
     """Copies between CPU device pools and their host mirror, synchronously."""
 
     path = "cpu"
 
-    def __init__(self, dp: StagePools, hp: HostPools):
+    def __init__(self, dp: StagePools, hp: HostPools, context: native.Context | None = None):
+        """``context``: the page checker's (``PageChecker.context``), for ``check_and_move``."""
         import torch
 
         super().__init__(dp, hp)
         self._native = native.module()
+        self._context = context.words if context is not None else None
         self._threads = max(1, torch.get_num_threads())
-        self._tables: dict[Selection, np.ndarray] = {}  # per selection: 5-word address rows, made once
+        # per selection, made once: the 5-word address rows, and from how many pages to use threads
+        self._tables: dict[Selection, tuple[np.ndarray, int]] = {}
         self._views: dict[BufferRef, tuple[np.ndarray, np.ndarray]] = {}  # numpy views, made once
 
     def move(self, steps: list[Selection], ids: PageIds, d2h: bool, per_layer: bool = False) -> Queued:
         for sel in steps:
             self._copy(sel, ids, d2h)
-        return Queued()
+        return DONE
+
+    def check_and_move(self, sel: Selection, dev: object, host: object, d2h: bool) -> Queued | None:
+        """Check and copy in one compiled call on the caller's ids; None when it did not (no
+        compiled helper or context, ids it does not read in place, or one that fails a check:
+        nothing moved, and the controller's checks name what is wrong)."""
+        if self._context is None or not sel.buffers:
+            return None
+        table, threads_from = self._table(sel)
+        if self._native.copy_checked(self._context, table, dev, host, d2h, self._threads, threads_from):
+            return DONE
+        return None
+
+    def _table(self, sel: Selection) -> tuple[np.ndarray, int]:
+        plan = self._tables.get(sel)
+        if plan is None:
+            table = np.array(buffer_addresses(sel, self.dp, self.hp), dtype=np.int64).reshape(-1)
+            plan = self._tables[sel] = table, -(-THREADS_FROM_BYTES // max(1, sel.page_bytes))
+        return plan
 
     def _copy(self, sel: Selection, ids: PageIds, d2h: bool) -> None:
         if self._native is None:
             self._copy_numpy(sel, ids, d2h)
             return
-        table = self._tables.get(sel)
-        if table is None:
-            table = self._tables[sel] = np.array(buffer_addresses(sel, self.dp, self.hp), dtype=np.int64).reshape(-1)
-        threads = self._threads if ids.count * sel.page_bytes >= THREADS_FROM_BYTES else 1
-        self._native.copy_pages(table, ids.device, ids.host, d2h, threads)
+        table, threads_from = self._table(sel)
+        self._native.copy_pages(table, ids.device, ids.host, d2h, self._threads if ids.count >= threads_from else 1)
 
     def _copy_numpy(self, sel: Selection, ids: PageIds, d2h: bool) -> None:
         for ref in sel.buffers:

@@ -318,6 +318,33 @@ static void copy_parallel(copy_job *jobs, long parts)
     }
 }
 
+/* the copy of n checked pages over the table's rows, on `threads` threads (1 when fewer) */
+static void copy_rows(const int64_t *rows, int64_t buffers, const ids_t *d, const ids_t *h, int d2h,
+                      long threads)
+{
+    copy_job jobs[MAX_COPY_THREADS];
+    threads = threads < 1 ? 1 : threads > MAX_COPY_THREADS ? MAX_COPY_THREADS : threads;
+    for (long k = 0; k < threads; k++)
+        jobs[k] = (copy_job){rows, d->data, h->data, buffers, d->n, k, threads, d2h};
+    Py_BEGIN_ALLOW_THREADS
+    if (threads == 1)
+        copy_part(&jobs[0]);
+    else
+        copy_parallel(jobs, threads);
+    Py_END_ALLOW_THREADS
+}
+
+static int table_of(PyObject *obj, Py_buffer *t, const char *who)
+{
+    if (int64_vector(obj, t, 0)) {
+        if (t->shape[0] % 5 == 0)
+            return 1;
+        PyBuffer_Release(t);
+    }
+    PyErr_Format(PyExc_TypeError, "%s: table must be an int64 vector of 5-word rows", who);
+    return 0;
+}
+
 static PyObject *py_copy_pages(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 5) {
@@ -327,17 +354,9 @@ static PyObject *py_copy_pages(PyObject *self, PyObject *const *args, Py_ssize_t
     long threads = PyLong_AsLong(args[4]);
     if (threads == -1 && PyErr_Occurred())
         return NULL;
-    threads = threads < 1 ? 1 : threads > MAX_COPY_THREADS ? MAX_COPY_THREADS : threads;
     Py_buffer t;
-    if (!int64_vector(args[0], &t, 0)) {
-        PyErr_SetString(PyExc_TypeError, "copy_pages: table must be an int64 vector of 5-word rows");
+    if (!table_of(args[0], &t, "copy_pages"))
         return NULL;
-    }
-    if (t.shape[0] % 5) {
-        PyBuffer_Release(&t);
-        PyErr_SetString(PyExc_TypeError, "copy_pages: table must be an int64 vector of 5-word rows");
-        return NULL;
-    }
     ids_t d, h;
     if (!ids_of(args[1], &d)) {
         PyBuffer_Release(&t);
@@ -350,20 +369,56 @@ static PyObject *py_copy_pages(PyObject *self, PyObject *const *args, Py_ssize_t
         PyErr_SetString(PyExc_TypeError, "copy_pages: host ids must match the device ids");
         return NULL;
     }
-    copy_job jobs[MAX_COPY_THREADS];
-    const int d2h = PyObject_IsTrue(args[3]);
-    for (long k = 0; k < threads; k++)
-        jobs[k] = (copy_job){(const int64_t *)t.buf, d.data, h.data, t.shape[0] / 5, d.n, k, threads, d2h};
-    Py_BEGIN_ALLOW_THREADS
-    if (threads == 1)
-        copy_part(&jobs[0]);
-    else
-        copy_parallel(jobs, threads);
-    Py_END_ALLOW_THREADS
+    copy_rows((const int64_t *)t.buf, t.shape[0] / 5, &d, &h, PyObject_IsTrue(args[3]), threads);
     ids_release(&h);
     ids_release(&d);
     PyBuffer_Release(&t);
     Py_RETURN_NONE;
+}
+
+/* copy_checked(ctx, table, dev, host, d2h, threads, threads_from_pages): CPU pools, the caller's
+   ids -- the boundary checks of ids_ok, then, only when they all pass, the copy of copy_pages
+   (on `threads` threads from `threads_from_pages` pages, else on this one).  True: copied;
+   False: an id failed a check and nothing moved; None: the ids are not 1-D int64 vectors (the
+   caller converts them, checks and copies the general way, which names what is wrong). */
+static PyObject *py_copy_checked(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "copy_checked(ctx, table, dev, host, d2h, threads, threads_from_pages)");
+        return NULL;
+    }
+    long threads = PyLong_AsLong(args[5]);
+    long long from_pages = PyLong_AsLongLong(args[6]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_buffer c, t;
+    if (!int64_vector(args[0], &c, 1)) {
+        PyErr_SetString(PyExc_TypeError, "copy_checked: ctx must be a writable int64 vector");
+        return NULL;
+    }
+    if (!table_of(args[1], &t, "copy_checked")) {
+        PyBuffer_Release(&c);
+        return NULL;
+    }
+    PyObject *answer = Py_None;
+    ids_t d, h;
+    if (ids_of(args[2], &d)) {
+        if (ids_of(args[3], &h)) {
+            const int d2h = PyObject_IsTrue(args[4]);
+            if (d.n != h.n || !check_ids((int64_t *)c.buf, d.data, h.data, d.n, !d2h, NULL)) {
+                answer = Py_False;
+            } else {
+                copy_rows((const int64_t *)t.buf, t.shape[0] / 5, &d, &h, d2h, d.n >= from_pages ? threads : 1);
+                answer = Py_True;
+            }
+            ids_release(&h);
+        }
+        ids_release(&d);
+    }
+    PyBuffer_Release(&t);
+    PyBuffer_Release(&c);
+    Py_INCREF(answer);
+    return answer;
 }
 
 static PyMethodDef methods[] = {
@@ -371,6 +426,8 @@ static PyMethodDef methods[] = {
     {"move", (PyCFunction)(void (*)(void))py_move, METH_FASTCALL, "check, fill a entry, launch its graph"},
     {"configure", (PyCFunction)(void (*)(void))py_configure, METH_FASTCALL, "the tensor type ids may come as"},
     {"copy_pages", (PyCFunction)(void (*)(void))py_copy_pages, METH_FASTCALL, "CPU pools: memcpy per page"},
+    {"copy_checked", (PyCFunction)(void (*)(void))py_copy_checked, METH_FASTCALL,
+     "CPU pools: the checks of ids_ok, then the copy of copy_pages, in one call"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -26,7 +26,13 @@ move is one call into this module:
 * ``copy_pages(table, dev, host, d2h, threads)``: CPU pools -- one ``memcpy`` per
   page per buffer of a plan, without the GIL, split by bytes over ``threads``
   threads: torch's own OpenMP threads where the compiler has OpenMP, else a
-  thread per part (``fallback.py``).
+  thread per part (``fallback.py``);
+* ``copy_checked(ctx, table, dev, host, d2h, threads, threads_from_pages)``: CPU
+  pools, the common move -- ``ids_ok``'s checks on the caller's ids, then, only
+  when every one passes, ``copy_pages``' copy: one call where the check, the id
+  conversion and the copy were three (on CPU a one-page move is a few us of
+  copying, so the calls around it were most of its cost).  False: an id failed
+  and nothing moved; None: not 1-D int64 vectors (the general path takes both).
 
 The ids may be numpy arrays or torch tensors (``configure`` names the tensor
 type): a 1-D contiguous int64 CPU one is read in place, any other is left to the
@@ -83,7 +89,8 @@ def _load() -> Any:
 
 
 def module() -> Any:
-    """The compiled module (``ids_ok``, ``move``, ``copy_pages``), or None where it was not built."""
+    """The compiled module (``ids_ok``, ``move``, ``copy_pages``, ``copy_checked``), or None where it
+    was not built."""
     if _LOADED:
         return _LOADED[0]
     mod = None

@@ -37,6 +37,26 @@ class PageIds:
         return int(self.device.shape[0])
 
 
+class CheckedIds:
+    """Ids a compiled move checked as the caller passed them (1-D int64 numpy arrays or CPU
+    tensors): ``PageIds``' fields, made numpy arrays only when read (a one-page CPU move costs
+    a few us; the conversion would be a good part of it)."""
+
+    __slots__ = ("_device", "_host", "count")
+
+    def __init__(self, device: object, host: object):
+        self._device, self._host = device, host
+        self.count = len(device)  # type: ignore[arg-type]
+
+    @property
+    def device(self) -> np.ndarray:
+        return as_ids(self._device, "device page", -1)
+
+    @property
+    def host(self) -> np.ndarray:
+        return as_ids(self._host, "host page", -1)
+
+
 try:
     from torch import Tensor as _TENSOR
     from torch import int64 as _INT64

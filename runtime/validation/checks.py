@@ -8,7 +8,7 @@ plan's (``StagePlan.inventory``: what a constructor will build) or real pools'.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from ..errors import MappingError
 from ..model.layer_map import StageLayerMap
@@ -36,6 +36,9 @@ def validate_stage(stage_map: StageLayerMap, inventory: PoolInventory) -> list[M
                 s, "layer_map", None, e.id_in(stray[0]),
                 f"global layer {e.global_id} has {e.describe()} but an id in {', '.join(stray)}",
             ))
+        problem = e.problem()
+        if problem is not None:
+            errors.append(MappingError(s, problem[0], None, e.global_id, problem[1]))
     # Each numbering once per owner set, checked against the first pool kind indexed by it (DeepSeek
     # V4: c4, c128, c4_state): the kinds sharing a numbering would only repeat the same error.
     checked: set[tuple[frozenset[str] | None, str]] = set()
@@ -93,6 +96,29 @@ def _check_ids(stage_map: StageLayerMap, kind: PoolKind, inventory: PoolInventor
             ))
         else:
             seen[cid] = e.global_id
+    return errors
+
+
+def validate_host(stage_map: StageLayerMap, inventory: PoolInventory,
+                  host_buffers: Mapping[str, int]) -> list[MappingError]:
+    """Per host-cached kind, the HiCache host set must hold one buffer per present device buffer
+    (sglang #38031: the DSA indexer left out, so a load-back leaves it stale); one error per pool.
+    A kind ``host_buffers`` does not name is not known (a live pool that reports no host side)."""
+    errors: list[MappingError] = []
+    for k in stage_map.kinds:
+        if not k.host_cached or k.name not in host_buffers:
+            continue
+        device = sum(inventory.buffers.get(k.name, ()))
+        got = host_buffers[k.name]
+        if device and got != device:
+            layers = [e.global_id for e in stage_map.pool_layers(k.name)]
+            shown = ", ".join(map(str, layers[:6])) + (", ..." if len(layers) > 6 else "")
+            errors.append(MappingError(
+                stage_map.stage, k.name, device, got,
+                f"stage {stage_map.stage}: {k.label} pool is missing from the HiCache host set: "
+                f"{got} host buffers for {device} device buffers (layers {shown}); a load-back "
+                "leaves those layers' device pages stale",
+            ))
     return errors
 
 

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 
 from ..errors import MappingError
 from ..plan.plan import RunPlan
-from .checks import validate_stage, validate_tiling
+from .checks import validate_host, validate_stage, validate_tiling
 from .record import StageRecord, stage_record
 from .report import StageReport, StartupReport
 
@@ -73,7 +73,7 @@ def capacity_errors(records: Sequence[StageRecord]) -> dict[int, list[MappingErr
 def stage_report(rec: StageRecord, extra: Sequence[MappingError] = ()) -> StageReport:
     """One stage's verdict: its record validated, its own findings and ``extra`` added."""
     m, inv = rec.layer_map, rec.pool_inventory()
-    errors = (*validate_stage(m, inv), *rec.findings, *extra)
+    errors = (*validate_stage(m, inv), *validate_host(m, inv, rec.host_buffers), *rec.findings, *extra)
     return StageReport(
         stage=m.stage, start=m.start, end=m.end, layers=m.layers, kinds=m.kinds,
         buffers=inv.counts(m.pools), expected=m.expected_buffers(),
@@ -120,6 +120,6 @@ def preflight(plan: RunPlan) -> StartupReport:
     name what sglang itself would do wrong with a stage (``Family.stage_problems``)."""
     family = plan.spec.family
     problems = {s.stage: [MappingError(s.stage, "partition", None, None, f"stage {s.stage}: {p}")
-                          for p in family.stage_problems(s.layer_map)] for s in plan.stages}
+                          for p in family.stage_problems(s.layer_map, plan.page_size)] for s in plan.stages}
     return deployment_report([stage_record(s) for s in plan.stages], tp_size=plan.tp_size,
                              page_size=plan.page_size, faults=plan.fault_names, extra=problems)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from l3_support import corrupt_records
+from memory_store import MemoryStore
 from plans import run_plan
 from stagecache.runtime.cache.hicache import HiCache
 from stagecache.runtime.cache.kv_writer import KvWriter
@@ -15,7 +16,6 @@ from stagecache.runtime.memory.host_pools import HostPools
 from stagecache.runtime.memory.pools import StagePools
 from stagecache.runtime.storage.file import FileStore
 from stagecache.runtime.storage.keys import key_space
-from stagecache.runtime.storage.memory import MemoryStore
 from stagecache.runtime.storage.views import HostPageViews
 from stagecache.runtime.traces.readers import WorkloadConfig, generate
 from stagecache.runtime.transfer.controller import TransferController

@@ -158,7 +158,7 @@ def test_docs_examples_run(tmp_path):
     blocks = re.findall(r"```(\w*)\n(.*?)```", doc, flags=re.S)
     run = [line for lang, body in blocks if lang == "bash" for line in body.splitlines()
            if line.startswith("stagecache ")]
-    assert len(run) == 4
+    assert len(run) == 5
     assert "Not run by the tests" in doc
     for line in run:
         cmd = line.replace("stagecache ", f"{sys.executable} -m stagecache.runtime ", 1)
@@ -169,6 +169,8 @@ def test_docs_examples_run(tmp_path):
     assert bench["max_abs_diff_pp"] == {"device": 0.0, "total": 0.0}
     assert json.loads((tmp_path / "advise.json").read_text())["plan"]["model"] == "deepseek-v4-flash"
     assert (tmp_path / "advise.html").stat().st_size > 1_000_000
+    pol = json.loads((tmp_path / "policies.json").read_text())["policies"]
+    assert [p["name"] for p in pol["policies"]] == ["lru", "lfu", "slru", "priority", "tlru"]
 
 
 def test_progress_reports_every_phase_and_the_bar_draws_them(tokens):

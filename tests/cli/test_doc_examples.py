@@ -217,3 +217,23 @@ def test_every_path_and_module_a_page_names_exists():
             if not _module_exists(module):
                 missing.append(f"{page.name}: {module}")
     assert missing == []
+
+
+#: A test file a page or a source names: ``test_<name>.py`` alone or with its folder (``tests/<dir>/test_<name>.py``).
+TEST_FILE = re.compile(r"(?<![\w/.-])((?:tests/(?:[\w-]+/)*)?test_\w+\.py)\b")
+
+
+def test_every_test_file_a_page_or_a_test_names_exists():
+    """A page, a test or the code that says "see test_<name>.py" for a behaviour names a file that is
+    there: with its folder, that path; alone, a test file of that name in some folder of tests/."""
+    tests = {p.name for p in (ROOT / "tests").rglob("test_*.py")}
+    assert "test_doc_examples.py" in tests  # the pattern below is looked for where it can be found
+    sources = [*PAGES, ROOT / "CHANGELOG.md", ROOT / "tests" / "run.sh", *(ROOT / "tests").rglob("*.py"),
+               *(ROOT / "tests" / "setup.d").glob("*.sh"),
+               *(p for d in ("runtime", "dashboard", "exporters") for p in (ROOT / d).rglob("*.py"))]
+    missing = []
+    for source in sources:
+        for name in sorted(set(TEST_FILE.findall(source.read_text(errors="replace")))):
+            if not ((ROOT / name).is_file() if "/" in name else name in tests):
+                missing.append(f"{source.relative_to(ROOT)}: {name}")
+    assert missing == []

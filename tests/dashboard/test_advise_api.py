@@ -30,7 +30,7 @@ def saved(tmp_path_factory):
     write_sample(trace, 300, seed=8)
     out = d / "advise.json"
     r = subprocess.run([sys.executable, "-m", "stagecache.runtime", "advise", "--trace", str(trace),
-                        "--max-total-tokens", "16384", "--json"], capture_output=True, text=True,
+                        "--max-total-tokens", "16384", "--policies", "--json"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr
     out.write_text(r.stdout)
@@ -95,6 +95,31 @@ def test_advise_page_draws_it_with_user_text_escaped(clients, saved):
     assert "--hicache-ratio" in html and html.count('<tr data-stage=') == 4
     assert clients["with"].get("/static/advise.js").status_code == 200
     assert "/advise" in clients["with"].get("/").text  # the stages page links it
+
+
+def test_policies_figure_and_tables(clients, saved):
+    """A report made with --policies: /api/advise carries the policy figure (one line per policy
+    and tier, Belady's diamonds), /advise draws it and its tables."""
+    pol = saved[1]["policies"]
+    body = clients["with"].get("/api/advise").json()
+    assert body["report"]["policies"]["tiers"] == pol["tiers"]
+    fig = body["policy_figure"]
+    labels = [p["label"] for p in pol["policies"]]
+    assert fig["layout"]["meta"] == {"policies": labels, "tiers": ["device", "host"]}
+    lines = [t for t in fig["data"] if t["mode"] == "lines+markers"]
+    assert len(lines) == 2 * len(labels)
+    for tier, first in zip(pol["tiers"], (lines[0], lines[len(labels)]), strict=True):
+        sizes = sorted(tier["sizes"], key=lambda r: r["pages"])
+        assert first["x"] == [r["pages"] for r in sizes]
+        assert first["y"] == [pytest.approx(100 * r["hit_rate"]["lru"], abs=1e-3) for r in sizes]
+    diamonds = [t for t in fig["data"] if t.get("marker", {}).get("symbol") == "diamond-open"]
+    assert len(diamonds) == 2
+    html = clients["with"].get("/advise").text
+    assert 'id="advise-policy-figure"' in html and 'id="advise-policy-figure-json"' in html
+    assert html.count('class="advise-policy-targets"') == 2
+    assert "--radix-eviction-policy" in html and html.count('<tr data-policy-stage=') == 4
+    without = clients["without"].get("/api/advise")
+    assert without.status_code == 404
 
 
 def test_without_a_report_both_say_how_to_get_one(clients):

@@ -1,5 +1,5 @@
 """The dashboard's cache-insight and host-tier panels in a real headless Chromium (see
-``test_dashboard_browser.py`` for the pages and the live run)."""
+``tests/dashboard/test_browser.py`` for the pages and the live run)."""
 
 from __future__ import annotations
 

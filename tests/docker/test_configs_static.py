@@ -1,7 +1,7 @@
 """Static checks of docker/: no Docker engine here or on CI, so nothing is built or run.
 
 What is checked instead, with real tools where one exists:
-* The Dockerfile and compose files: ``test_docker_compose_static.py``.
+* The Dockerfile and compose files: ``tests/docker/test_compose_static.py``.
 * Grafana: the provisioned datasource uid is the one every panel uses; every metric a
   panel queries is one the exporter really exposes (fails when a metric is renamed and
   the dashboard is not); the same for docker/alerts.yml.

@@ -71,12 +71,16 @@ def test_integration_without_sglang_says_how_to_install():
 
 
 LIVE_SUITES = ("tests/integrations/test_sglang_live.py", "tests/integrations/test_sglang_live_server.py",
-               "tests/integrations/test_sglang_live_pools.py")
+               "tests/integrations/test_sglang_live_pools.py",
+               "tests/integrations/test_sglang_policies.py",
+               "tests/integrations/test_sglang_dsa.py", "tests/integrations/test_sglang_dense.py")
 #: Its ranks are forked from the pytest process, so it runs in a pytest process of its own: sglang
 #: state the other suites publish in-process must not leak into the ranks.
 DEPLOYMENT_SUITE = "tests/integrations/test_sglang_live_deployment.py"
 #: The ranks that stop agreeing (its own process too, for the same reason).
 AGREEMENT_SUITE = "tests/integrations/test_sglang_live_agreement.py"
+#: One pytest run of a suite set (the families' suites take about 2.5 minutes on a loaded 2-core machine).
+SUITE_TIMEOUT_S = 900
 
 
 @pytest.mark.sglang_venv
@@ -91,7 +95,7 @@ def test_real_sglang_suite_in_its_venv(tmp_path, release):
     for suites, least in ((LIVE_SUITES, 50), ((DEPLOYMENT_SUITE,), 8), ((AGREEMENT_SUITE,), 6)):
         proc = subprocess.run(
             [str(venv_py), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore", *suites],
-            capture_output=True, text=True, timeout=420, cwd=ROOT, env=env,
+            capture_output=True, text=True, timeout=SUITE_TIMEOUT_S, cwd=ROOT, env=env,
         )
         tail = proc.stdout[-4000:] + proc.stderr[-2000:]
         assert proc.returncode == 0, tail

@@ -10,8 +10,12 @@ import sys
 
 import pytest
 from stagecache.runtime.cli.main import main
+from stagecache.runtime.model.families.deepseek_v4 import FAMILY as V4
 from stagecache.runtime.model.families.deepseek_v4 import POOLS
-from stagecache.runtime.plan.faults import FAULTS
+from stagecache.runtime.plan.faults import GENERIC_FAULTS
+
+#: DeepSeek V4's faults and every family's (each other family tests its own with its presets).
+FAULTS = sorted({k.name for k in (*V4.faults, *GENERIC_FAULTS)})
 
 #: Every fault, in two sets whose faults hit different stages of tiny-v4 at pp 4 (stage 1 is the
 #: one with two C128 layers, which duplicate-compress-id needs).

@@ -17,7 +17,8 @@
 # (check --sglang-storage mooncake calls sglang's own Mooncake key builder) and the tests' tools.
 #
 # The cache: $STAGECACHE_TEST_CACHE, else ${XDG_CACHE_HOME:-~/.cache}/stagecache-test, 0700 and
-# ours (a directory another user made or can write is refused, a symlink is never followed).
+# ours (a directory another user made or can write is refused, a symlink is never followed), in
+# a parent of ours or a sticky-bit one such as /tmp.
 # One subdirectory per set of pins (sglang-<hash of pins, stagecache's dependencies and the
 # Python>): a new pin builds a new one, an unchanged one is reused as is.  A build is complete
 # when its .complete stamp exists (written last); a half-built one is removed and built again.
@@ -32,6 +33,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 . tests/setup.d/progress.bash
+# --check-only: check (and make) the cache folder as below, then exit: 0 usable, 2 refused
+CHECK_ONLY=0
+[ "${1:-}" = --check-only ] && CHECK_ONLY=1
 
 PY=${PYTHON:-python3}
 VENV=.venv-sglang
@@ -60,19 +64,47 @@ WANT="sglang==$SGLANG_VERSION torch==$TORCH_VERSION ${SGLANG_DEPS[*]} ${OWN_DEPS
 KEY=$(printf '%s' "$WANT" | sha256sum | cut -c1-16)
 
 CACHE=${STAGECACHE_TEST_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/stagecache-test}
-private_dir() {  # $1: a dir, created 0700 if missing; $2: the modes allowed (700, or 700 and 755)
+no_symlink() {
     [ -L "$1" ] && { echo "$1 is a symlink: refusing it (set STAGECACHE_TEST_CACHE)" >&2; exit 2; }
+    return 0
+}
+# The cache's parent: created 0700 if missing; ours and written by nobody else (700, 711, 750,
+# 755), or a sticky-bit folder of root's or ours (/tmp, 1777): there nobody else can remove or
+# rename the folder of ours inside it, so it stays as private as that folder's own mode says.
+private_parent() {
+    no_symlink "$1"
     mkdir -p -m 0700 "$1"
     local owner mode
     owner=$(stat -c %u "$1") mode=$(stat -c %a "$1")
-    if [ "$owner" != "$(id -u)" ] || ! [[ " $2 " == *" $mode "* ]]; then
-        echo "$1 is owned by uid $owner with mode $mode, expected uid $(id -u) and mode ${2// / or }:" \
+    if (( 8#$mode & 8#1000 )) && { [ "$owner" = 0 ] || [ "$owner" = "$(id -u)" ]; }; then
+        return 0
+    fi
+    if [ "$owner" != "$(id -u)" ] || ! [[ " 700 711 750 755 " == *" $mode "* ]]; then
+        echo "$1 is owned by uid $owner with mode $mode, expected uid $(id -u) and mode 700, 711, 750" \
+             "or 755, or a sticky-bit folder of root's or yours (such as /tmp, 1777): remove it or set" \
+             "STAGECACHE_TEST_CACHE to a directory of yours" >&2
+        exit 2
+    fi
+}
+# The cache itself: created 0700 if missing; ours, 0700, not a symlink.
+private_cache() {
+    no_symlink "$1"
+    mkdir -p -m 0700 "$1"
+    no_symlink "$1"  # not swapped for one while it was made
+    local owner mode
+    owner=$(stat -c %u "$1") mode=$(stat -c %a "$1")
+    if [ "$owner" != "$(id -u)" ] || [ "$mode" != 700 ]; then
+        echo "$1 is owned by uid $owner with mode $mode, expected uid $(id -u) and mode 700:" \
              "remove it or set STAGECACHE_TEST_CACHE to a directory of yours" >&2
         exit 2
     fi
 }
-private_dir "$(dirname "$CACHE")" "700 711 750 755"  # ~/.cache: ours, nobody else writes it
-private_dir "$CACHE" 700
+private_parent "$(dirname "$CACHE")"
+private_cache "$CACHE"
+if [ "$CHECK_ONLY" = 1 ]; then
+    echo "$CACHE: a private cache folder"
+    exit 0
+fi
 BASE="$CACHE/sglang-$KEY"
 
 build_base() {

@@ -9,7 +9,9 @@ with_progress() {
     "$@" &
     pid=$!
     (
-        while sleep "${PROGRESS_EVERY:-10}"; do
+        # the sleep holds no output: once the ticker is killed, a sleep still running must not
+        # keep the caller's stdout open (a pipe read to its end would wait for it)
+        while sleep "${PROGRESS_EVERY:-10}" </dev/null >/dev/null 2>&1; do
             echo "  ... $label: $(( SECONDS - start )) s"
         done
     ) &

@@ -114,8 +114,16 @@ def toolagent_views():
     return _public_views("toolagent")
 
 
+@pytest.fixture(scope="module")
+def fast25_synthetic_views(tmp_path_factory):
+    """The public Mooncake FAST'25 synthetic trace (tests/data, md5-checked), read from a file."""
+    from fast25 import fast25_views
+
+    return fast25_views(tmp_path_factory.mktemp("fast25"))
+
+
 PUBLIC = ("conversation_views", "toolagent_views")
-TRACES = ["mooncake_views", "block_views", "token_views", *PUBLIC]
+TRACES = ["mooncake_views", "block_views", "token_views", "fast25_synthetic_views", *PUBLIC]
 
 
 @st.composite

@@ -12,9 +12,9 @@ from contextlib import ExitStack
 import pytest
 import torch
 from l3_support import mooncake_master
+from memory_store import MemoryStore
 from stagecache.runtime.storage.base import Outcome
 from stagecache.runtime.storage.file import FileStore
-from stagecache.runtime.storage.memory import MemoryStore
 
 KEYS = [f"sc1.0123456789abcdef.t0.p0.L0-2.swa.{i:016x}" for i in range(6)]
 

@@ -38,14 +38,14 @@ def test_a_directory_others_can_enter_is_refused(tmp_path):
     d = tmp_path / "open"
     d.mkdir(mode=0o755)
     os.chmod(d, 0o755)
-    with pytest.raises(StoreUnavailable, match="mode 0755 lets other users in"):
+    with pytest.raises(StoreUnavailable, match=r"lets other users in \(mode 0755\)"):
         FileStore(d)
 
 
 def test_a_symlinked_directory_is_refused(tmp_path):
     (tmp_path / "real").mkdir(mode=0o700)
     (tmp_path / "link").symlink_to(tmp_path / "real")
-    with pytest.raises(StoreUnavailable, match="a symlink is refused"):
+    with pytest.raises(StoreUnavailable, match="is a symlink"):
         FileStore(tmp_path / "link")
 
 

@@ -23,8 +23,9 @@ PREVIOUS_VERSION = "0.5.22"
 STEP = "50-sglang"
 #: How long a test waits for the background build (a fresh machine builds it in ~4-6 minutes).
 WAIT_S = float(os.environ.get("STAGECACHE_SGLANG_WAIT_S", "900"))
-#: pytest-timeout for a test that waits and then runs: the wait plus the test's own time.
-TIMEOUT_S = int(WAIT_S) + 900
+#: pytest-timeout for a test that waits and then runs: the wait plus the test's own time (the live
+#: suites, the deployment suite and the agreement suite, one after the other).
+TIMEOUT_S = int(WAIT_S) + 2400
 
 
 def _wait_for_step(setup_dir: Path) -> None:

@@ -17,6 +17,8 @@ from stagecache.runtime.model.families.deepseek_v4 import HOST_CACHED
 from stagecache.runtime.model.layer_map import build_layout
 from stagecache.runtime.transfer import native
 from stagecache.runtime.transfer.controller import TransferController, TransferError
+from stagecache.runtime.transfer.pages import plain_ids
+from stagecache.runtime.transfer.selection import buffer_pair
 from stagecache.runtime.transfer.stats import TransferStats
 
 TINY = load_spec("tiny-v4")
@@ -167,3 +169,60 @@ def test_controller_refuses_a_host_pool_of_another_stage():
         TransferController(other, hp)
     with pytest.raises(TransferError, match="needs device pools on CUDA"):
         TransferController(dp, hp, use_triton=True)
+
+
+def _host_bytes(hp) -> list[torch.Tensor]:
+    return [b.clone() for bufs in hp.buffers.values() for b in bufs]
+
+
+@pytest.mark.skipif(native.module() is None, reason="the compiled helper was not built at install")
+@pytest.mark.parametrize("bad", ["out of range", "unallocated", "repeated destination", "counts differ"])
+def test_the_compiled_checked_copy_checks_every_id_before_it_moves_any(bad):
+    """``copy_checked`` refuses a move whose *last* id is bad with nothing copied (the check runs
+    over every id before the first byte moves), and copies once the ids are good."""
+    import numpy as np
+
+    dp, hp, c, _ = make("layer_first")
+    hp.allocator.free([19])
+    table, threads_from = c.mover._table(c.selection())
+    words = c.checker.context.words
+    dev = np.array([0, 1, 2, 3], dtype=np.int64)
+    host = {"out of range": [4, 5, 6, HOST_PAGES], "unallocated": [4, 5, 6, 19],
+            "repeated destination": [4, 5, 6, 4], "counts differ": [4, 5, 6]}[bad]
+    before = _host_bytes(hp)
+    assert native.module().copy_checked(words, table, dev, np.array(host, dtype=np.int64), True, 1,
+                                        threads_from) is False
+    assert all(torch.equal(a, b) for a, b in zip(before, _host_bytes(hp), strict=True))
+    # ids it does not read in place: not taken (the controller converts and checks them)
+    assert native.module().copy_checked(words, table, dev.astype(np.int32), dev, True, 1, threads_from) is None
+    assert native.module().copy_checked(words, table, dev, np.array([4, 5, 6, 7], dtype=np.int64), True, 1,
+                                        threads_from) is True
+    for ref in c.selection().buffers:
+        d, h = buffer_pair(ref, dp, hp)
+        assert torch.equal(h[[4, 5, 6, 7]], d[[0, 1, 2, 3]]), ref
+
+
+@pytest.mark.skipif(native.module() is None, reason="the compiled helper was not built at install")
+@pytest.mark.parametrize("ids", ["tensor", "numpy", "list"])
+def test_a_cpu_move_is_checked_and_copied_in_one_call(ids):
+    """The CPU mover's one-call path takes the controller's common move (tensors and arrays read
+    in place, a list once converted); the result reads back the same ids, and a bad id still
+    goes to the checks that name it, with nothing moved."""
+    import numpy as np
+
+    dp, hp, c, stats = make("page_first")
+    sel = c.selection()
+    as_given = {"tensor": torch.tensor, "numpy": lambda v: np.array(v, dtype=np.int64), "list": list}[ids]
+    dev, host = (plain_ids(as_given(v), "page", 1) for v in ([0, 1], [2, 3]))  # what the controller passes
+    assert c.mover.check_and_move(sel, dev, host, True) is not None
+    result = c.backup(as_given([5, 6, 7]), as_given([8, 9, 10]))
+    assert result.device_pages == [5, 6, 7] and result.host_pages == [8, 9, 10] and result.pages == 3
+    assert result.nbytes == sel.nbytes(3) and result.seconds is not None and result.seconds >= 0
+    assert stats.live().transfer_count.d2h == 1  # the check_and_move call above is the mover alone
+    for ref in sel.buffers:
+        d, h = buffer_pair(ref, dp, hp)
+        assert torch.equal(h[[2, 3, 8, 9, 10]], d[[0, 1, 5, 6, 7]]), ref
+    before = _host_bytes(hp)
+    with pytest.raises(TransferError, match=r"destination host page\(s\) \[11\] appear more than once"):
+        c.backup(as_given([0, 1, 2]), as_given([11, 12, 11]))
+    assert all(torch.equal(a, b) for a, b in zip(before, _host_bytes(hp), strict=True))

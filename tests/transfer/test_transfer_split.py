@@ -17,6 +17,7 @@ from stagecache.runtime.live.source import StaticSource
 from stagecache.runtime.memory.host_pools import HostPools
 from stagecache.runtime.model.families import load_spec
 from stagecache.runtime.model.layer_map import build_layout
+from stagecache.runtime.transfer import native
 from stagecache.runtime.transfer import stats as stats_module
 from stagecache.runtime.transfer.controller import TransferController
 from stagecache.runtime.transfer.stats import TransferStats
@@ -96,16 +97,28 @@ def test_a_call_queued_behind_another_waits_for_its_copy():
     the backup then takes a known 50 ms more -- no sleeps racing the OS scheduler."""
     dp, hp, c, stats = make(pages=200)
     loads = [c.load([190], [191]) for _ in range(3)]  # warm; the last has nothing ahead
-    copy, in_copy, release = c.mover.move, threading.Event(), threading.Event()
+    checked_copy, copy = c.mover.check_and_move, c.mover.move
+    in_copy, release = threading.Event(), threading.Event()
 
-    def held_copy(steps, ids, d2h, per_layer=False):
+    def hold(d2h):
         if d2h:  # the backup: inside the copy lock, wait until the load queues behind it
             in_copy.set()
             assert release.wait(10)
             time.sleep(0.05)
+
+    def held_checked_copy(sel, dev, host, d2h):  # the compiled helper checks and copies in one call
+        hold(d2h)
+        return checked_copy(sel, dev, host, d2h)
+
+    def held_copy(steps, ids, d2h, per_layer=False):  # without it: checked, then this copy
+        hold(d2h)
         return copy(steps, ids, d2h, per_layer)
 
-    c.mover.move, c._copy_lock = held_copy, _WatchedLock()
+    if native.module() is not None:
+        c.mover.check_and_move = held_checked_copy
+    else:
+        c.mover.move = held_copy
+    c._copy_lock = _WatchedLock()
     out = {}
     backup = threading.Thread(target=lambda: out.update(a=c.backup(list(range(160)), list(range(160)))))
     backup.start()

@@ -245,6 +245,10 @@ class DeepSeekV4(Family):
         }
         return KindTable(spec, page, kinds)
 
+    def sglang_page_size(self, requested: int) -> int:
+        """sglang 0.5.23 runs DeepSeek-V4 with 256-token pages whatever ``--page-size`` says."""
+        return defaults.PAGE_SIZE
+
     def swa_floor_tokens(self, spec: DeepSeekV4Spec) -> int:  # type: ignore[override]
         return spec.sliding_window
 

@@ -11,8 +11,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
-
-from .base import L3Store, Outcome, Segments, segments_bytes
+from stagecache.runtime.storage.base import L3Store, Outcome, Segments, segments_bytes
 
 
 class MemoryStore(L3Store):

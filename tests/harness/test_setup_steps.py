@@ -1,0 +1,203 @@
+"""The test command itself: tests/run.sh and the sglang set-up step's cache folder checks.
+
+The folder checks run ``tests/setup.d/50-sglang.sh --check-only`` on folders made here (never the
+real per-user cache).  tests/run.sh runs in a tiny fake checkout: its own set-up steps, and a
+``$PYTHON`` whose pip, ruff and lint-imports succeed at once and whose pytest is a process that
+waits -- so what is tested is how run.sh starts, watches and stops things, in seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+STEP = ROOT / "tests" / "setup.d" / "50-sglang.sh"
+
+
+def _check(cache: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(STEP), "--check-only"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "STAGECACHE_TEST_CACHE": str(cache)})
+
+
+def _accepted(cache: Path) -> None:
+    proc = _check(cache)
+    assert proc.returncode == 0, proc.stderr
+    st = cache.lstat()
+    assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.getuid()
+
+
+def _refused(cache: Path, words: str, named: Path | None = None) -> None:
+    """Exit 2 and one line that names the folder refused (``named``: the cache's parent)."""
+    proc = _check(cache)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0] and lines[0].startswith(f"{named or cache} "), proc.stderr
+
+
+def test_a_cache_in_a_fresh_sticky_world_writable_folder_is_accepted_and_made_0700(tmp_path):
+    parent = tmp_path / "shared"
+    parent.mkdir()
+    parent.chmod(0o1777)
+    _accepted(parent / "cache")
+
+
+def test_a_cache_directly_under_tmp_is_accepted():
+    cache = Path("/tmp") / f"stagecache-test-cache-{uuid.uuid4().hex[:12]}"
+    try:
+        _accepted(cache)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def test_a_world_writable_parent_without_the_sticky_bit_is_refused(tmp_path):
+    parent = tmp_path / "open"
+    parent.mkdir()
+    parent.chmod(0o777)
+    _refused(parent / "cache", "mode 777", parent)
+    assert not (parent / "cache").exists()
+
+
+def test_a_symlinked_cache_is_refused(tmp_path):
+    (tmp_path / "real").mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    _refused(tmp_path / "link", "is a symlink")
+
+
+def test_a_cache_others_can_read_is_refused(tmp_path):
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache").chmod(0o755)
+    _refused(tmp_path / "cache", "mode 755, expected")
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="giving a folder to another user needs root")
+def test_a_cache_or_sticky_parent_of_another_user_is_refused(tmp_path):
+    (tmp_path / "cache").mkdir(mode=0o700)
+    os.chown(tmp_path / "cache", 65534, 65534)
+    _refused(tmp_path / "cache", "owned by uid 65534")
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    theirs.chmod(0o1777)
+    os.chown(theirs, 65534, 65534)
+    _refused(theirs / "cache", "owned by uid 65534 with mode 1777", theirs)
+
+
+# -- tests/run.sh in a fake checkout ----------------------------------------------------------
+FAKE_PYTEST = """
+import os, signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as tests/conftest.py does
+with open(os.path.join(os.environ["MARKS"], "pytest.pid"), "w") as f:
+    f.write(str(os.getpid()))
+time.sleep(float(os.environ.get("PYTEST_S", "60")))
+"""
+
+
+def _checkout(tmp_path: Path, steps: dict[str, str]) -> tuple[Path, dict[str, str]]:
+    """A checkout with tests/run.sh, its progress library and ``steps`` (name -> body); the
+    environment to run it in (``$MARKS``: where the steps and the fake pytest leave notes)."""
+    co, marks = tmp_path / "co", tmp_path / "marks"
+    (co / "tests" / "setup.d").mkdir(parents=True)
+    marks.mkdir()
+    shutil.copy(ROOT / "tests" / "run.sh", co / "tests" / "run.sh")
+    shutil.copy(ROOT / "tests" / "setup.d" / "progress.bash", co / "tests" / "setup.d" / "progress.bash")
+    for name, body in steps.items():
+        (co / "tests" / "setup.d" / name).write_text(f"set -euo pipefail\n{body}\n")
+    (tmp_path / "pytest.py").write_text(FAKE_PYTEST)
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/usr/bin/env bash\n[ "$1 $2" = "-m pytest" ] && exec {sys.executable} {tmp_path}/pytest.py\n'
+                    "exit 0\n")
+    fake.chmod(0o755)
+    return co, {**os.environ, "PYTHON": str(fake), "MARKS": str(marks), "PROGRESS_EVERY": "60"}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][0] != "Z"
+
+
+def _run(co: Path, env: dict[str, str], timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
+    t0 = time.monotonic()
+    proc = subprocess.run(["bash", "tests/run.sh"], cwd=co, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    return proc, time.monotonic() - t0
+
+
+def test_a_background_step_failing_while_pytest_runs_stops_it_within_5_s(tmp_path):
+    co, env = _checkout(tmp_path, {"50-bg.sh": """# set-up: background
+echo building the environment
+while [ ! -s "$MARKS/pytest.pid" ]; do sleep 0.1; done  # fails once pytest runs
+date +%s.%N > "$MARKS/failed_at"
+echo "the cache folder is refused" >&2
+exit 3"""})
+    proc, _ = _run(co, env)
+    ended = time.time()
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert ended - float((tmp_path / "marks" / "failed_at").read_text()) < 5
+    assert "== set-up 50-bg failed (exit 3): the cache folder is refused" in proc.stderr
+    assert "building the environment" in proc.stderr  # the end of its log
+    assert not _alive(int((tmp_path / "marks" / "pytest.pid").read_text()))
+
+
+def test_a_background_step_failing_during_set_up_stops_the_run_before_pytest(tmp_path):
+    co, env = _checkout(tmp_path, {
+        "10-slow.sh": "sleep 2",
+        "20-after.sh": 'touch "$MARKS/after"',
+        "50-bg.sh": "# set-up: background\necho 'no space left on device'\nexit 4",
+    })
+    proc, took = _run(co, env)
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    assert "== set-up 50-bg failed (exit 4): no space left on device" in proc.stderr
+    assert not (tmp_path / "marks" / "pytest.pid").exists() and not (tmp_path / "marks" / "after").exists()
+    assert took < 20
+
+
+def test_a_foreground_step_failing_stops_the_run_at_once_with_its_exit_code(tmp_path):
+    co, env = _checkout(tmp_path, {
+        "10-fails.sh": "echo 'libibverbs1: not found' >&2\nexit 5",
+        "20-after.sh": 'touch "$MARKS/after"',
+        "50-bg.sh": '# set-up: background\necho $$ > "$MARKS/bg.pid"\nsleep 60',
+    })
+    proc, took = _run(co, env)
+    assert proc.returncode == 5, proc.stdout + proc.stderr
+    assert "libibverbs1: not found" in proc.stderr and "== set-up failed: tests/setup.d/10-fails.sh (exit 5)" \
+        in proc.stderr
+    assert not (tmp_path / "marks" / "pytest.pid").exists() and not (tmp_path / "marks" / "after").exists()
+    assert took < 20
+    deadline = time.monotonic() + 5  # the background step was stopped with the run
+    while (tmp_path / "marks" / "bg.pid").exists() and _alive(int((tmp_path / "marks" / "bg.pid").read_text())):
+        assert time.monotonic() < deadline, "the background step outlived the run"
+        time.sleep(0.1)
+
+
+def test_ctrl_c_stops_pytest_and_the_background_step_and_exits_130(tmp_path):
+    co, env = _checkout(tmp_path, {"50-bg.sh": '# set-up: background\necho $$ > "$MARKS/bg.pid"\nsleep 60'})
+    # its own session, as a terminal's foreground job: Ctrl-C is SIGINT to that process group
+    proc = subprocess.Popen(["bash", "tests/run.sh"], cwd=co, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    pid_file, bg_file = tmp_path / "marks" / "pytest.pid", tmp_path / "marks" / "bg.pid"
+    try:
+        deadline = time.monotonic() + 30
+        while not (pid_file.exists() and pid_file.read_text() and bg_file.exists() and bg_file.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, out + err
+    assert "interrupted" in err
+    assert not _alive(int(pid_file.read_text())) and not _alive(int(bg_file.read_text()))
