@@ -120,6 +120,8 @@ class DivergenceLive(BaseModel):
     first: Divergence | None = Field(None, description="the first divergence since start-up")
     recent: list[Divergence] = Field(default_factory=list, description="the latest, oldest first")
     unmatched: int = Field(0, description="keys dropped from the window before every rank reported")
+    waiting: dict[int, int] = Field(default_factory=dict,
+                                    description="rank -> keys in the window still waiting for its record")
     dropped: int = Field(0, description="records ranks dropped unsent (their size limits)")
     incomplete: dict[str, int] = Field(default_factory=dict,
                                        description="pool kind -> transfers that lacked it")
@@ -303,8 +305,15 @@ class DivergenceTracker:
     def live(self) -> DivergenceLive:
         """A copy of the numbers now."""
         with self._lock:
+            waiting: dict[int, int] = {}
+            for g in self._groups.values():
+                for slot in g.waiting.values():
+                    for rank, v in enumerate(slot):
+                        if v is None:
+                            waiting[rank] = waiting.get(rank, 0) + 1
             return self._live.model_copy(deep=True, update={
-                "recent": list(self._recent), "recent_incomplete": list(self._recent_incomplete)})
+                "recent": list(self._recent), "recent_incomplete": list(self._recent_incomplete),
+                "waiting": waiting})
 
 
 def readiness_lines(d: DivergenceLive | None) -> list[str]:

@@ -41,6 +41,8 @@ def _drive(requests: int, look_for: Any = None):
         out: dict[str, Any] = {"traffic": Traffic(rank, 4, ctx["stack"]).run(requests)}
         if rank != 0:
             time.sleep(4 * dep.options.push_interval_s)  # the last records leave with the next push
+            pusher = dep.pusher
+            out["pusher"] = {"failures": pusher.failures, "last_error": pusher.last_error} if pusher else None
             return out
         end = time.monotonic() + 30
         while time.monotonic() < end:
@@ -86,7 +88,8 @@ def test_a_healthy_pp4_agrees_on_every_one_of_1000_requests(tmp_path):
         assert res["traffic"]["error"] is None and res["traffic"]["steps"] == 250, (rank, res["traffic"]["error"])
     look = run.results[0]["look"]
     d = look["divergence"]
-    assert d["compared"]["device_prefix_len"] == 1000 and d["compared"]["host_hit_length"] == 1000
+    assert d["compared"]["device_prefix_len"] == 1000 and d["compared"]["host_hit_length"] == 1000, (
+        d["waiting"], d["unmatched"], d["dropped"], {r: run.results[r].get("pusher") for r in (1, 2, 3)})
     assert d["compared"]["write_acks"] == d["compared"]["load_pending"] == 250
     assert d["compared"]["l3_prefetch_tokens"] > 100
     assert sum(d["divergent"].values()) == 0 and d["first"] is None and d["unmatched"] == 0

@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 PUSH_PATH = "/api/sglang/push"
 #: The largest push rank 0 reads (a StageLive is a few KB).
 MAX_PUSH_BYTES = 1 << 20
+#: Refusals of a push for what it holds (malformed, MAC, too large): its records are not sent again.
+REFUSED_AS_IS = frozenset({400, 403, 413})
 #: Seconds one push may take before it is abandoned (the next one follows anyway).
 PUSH_HTTP_TIMEOUT_S = 2.0
 
@@ -148,9 +150,9 @@ class Pusher:
                 with urllib.request.urlopen(req, timeout=PUSH_HTTP_TIMEOUT_S) as resp:  # noqa: S310 (http only)
                     resp.read()
             except urllib.error.HTTPError as exc:
-                if 400 <= exc.code < 500 and self._sent is not None:
-                    self._sent()  # refused as it is: sending it again would be refused again
-                raise
+                if exc.code in REFUSED_AS_IS and self._sent is not None:
+                    self._sent()  # sending it again would be refused again
+                raise  # anything else (a busy endpoint's 408/429/503, a late 409): sent again
             if self._sent is not None:
                 self._sent()
 
