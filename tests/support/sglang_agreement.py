@@ -162,6 +162,17 @@ class Traffic:
         agreed = self.ctl._sync_prefetch_hit_query(op, held)
         self.prefetch.append((rid, held, agreed))
 
+    def _stopped(self, ahead: int = 0) -> bool:
+        """Another rank failed in a step before the one this rank is in (``ahead``: about to start):
+        that rank sent its PP sync of the step it failed in, but will send none after it."""
+        stop = os.environ.get("STAGECACHE_TEST_STOP_FILE")
+        try:
+            with open(stop) as f:  # type: ignore[arg-type]
+                failed = int(f.read().strip() or 0)
+        except (TypeError, OSError, ValueError):
+            return False
+        return failed < self.step_no + ahead
+
     # -- one step -----------------------------------------------------------------------------
     def step(self, batch: list[tuple[str, int, int]]) -> None:
         self.step_no += 1
@@ -179,9 +190,8 @@ class Traffic:
             if turn > 1 and turn % 4 == 0:
                 self._probe_l3(rid, turn)
         self.ctl.start_writing()
-        stop = os.environ.get("STAGECACHE_TEST_STOP_FILE")
-        if stop and os.path.exists(stop):  # checked last: a rank that failed in the step before has
-            raise _Stopped                 # written it by now, and its PP sync would never come
+        if self._stopped():  # checked last: a rank that failed in an earlier step has written it
+            raise _Stopped   # by now, and its PP sync would never come
         late = self.step_no == self.delay_at
         if not late:
             self.ctl.start_loading()
@@ -201,7 +211,7 @@ class Traffic:
         with no_copies():
             try:
                 for i in range(0, n, per_step):
-                    if stop and os.path.exists(stop):
+                    if self._stopped(ahead=1):
                         break  # the pipeline cannot go on without the failed rank
                     self.step(stream[i:i + per_step])
             except _Stopped:
@@ -210,6 +220,6 @@ class Traffic:
                 error = f"{type(exc).__name__}: {exc}"[:300]
                 if stop:
                     with open(stop, "w") as f:
-                        f.write(f"rank {self.rank}: {error}\n")
+                        f.write(f"{self.step_no}\n")  # the step it failed in: every rank finishes it
         return {"steps": self.step_no, "matches": self.matches, "prefetch": self.prefetch,
                 "host_tokens": int(self.group.logical_size), "error": error}
