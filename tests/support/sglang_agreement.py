@@ -168,8 +168,8 @@ class Traffic:
         stop = os.environ.get("STAGECACHE_TEST_STOP_FILE")
         try:
             with open(stop) as f:  # type: ignore[arg-type]
-                failed = int(f.read().strip() or 0)
-        except (TypeError, OSError, ValueError):
+                failed = int(f.read().strip())
+        except (TypeError, OSError, ValueError):  # none, or not written through yet
             return False
         return failed < self.step_no + ahead
 
@@ -219,7 +219,8 @@ class Traffic:
             except Exception as exc:  # the case decides whether this is expected
                 error = f"{type(exc).__name__}: {exc}"[:300]
                 if stop:
-                    with open(stop, "w") as f:
+                    with open(stop + ".tmp", "w") as f:
                         f.write(f"{self.step_no}\n")  # the step it failed in: every rank finishes it
+                    os.replace(stop + ".tmp", stop)
         return {"steps": self.step_no, "matches": self.matches, "prefetch": self.prefetch,
                 "host_tokens": int(self.group.logical_size), "error": error}
