@@ -44,6 +44,8 @@ def print_report(report: StartupReport) -> None:
     )
     table = Table(title=title)
     pools = report.stages[0].pools if report.stages else ()
+    # a kind no stage has nor needs (a plain-MHA kind of a hybrid model) is left out
+    pools = tuple(p for p in pools if any(s.buffers.get(p) or s.expected.get(p) for s in report.stages))
     for col in ("stage", "layers", "local", *pools, "status"):
         table.add_column(col, justify="right" if col not in ("status", "layers") else "left")
     for s in report.stages:

@@ -13,6 +13,8 @@ import json
 from typing import Any
 
 from .. import defaults
+from ..model.families import load_spec
+from ..model.layer_map import partition_without_problems
 from ..plan.plan import RunPlan, Sizing
 from .common import (
     add_layout_command,
@@ -49,7 +51,8 @@ def add_sizing_args(p: argparse.ArgumentParser) -> None:
                            "tokens as sglang's configurator fits them (the smallest stage's, as PP "
                            "ranks agree on one), and the bytes that leaves stranded on each stage")
     p.add_argument("--swa-full-tokens-ratio", type=float_range(0.0, 1.0, low_open=True), default=None,
-                   help="SWA tokens / full tokens (default 0.1, sglang's for DeepSeek-V4)")
+                   help="SWA tokens / full tokens (default: sglang's for the model's family: 0.1 for "
+                        "DeepSeek-V4, 0.8 for SWA hybrids)")
     p.add_argument("--max-running-requests", type=int_range(1, 1 << 20), default=defaults.MAX_RUNNING_REQUESTS,
                    help="request slots of the per-request pools (default %(default)s, sglang's for DeepSeek-V4)")
     host = p.add_mutually_exclusive_group()
@@ -80,10 +83,21 @@ def plan_of(args: argparse.Namespace) -> RunPlan:
     """The plan sized the sglang way.  sglang runs some families with a page size of its own
     whatever --page-size says (DeepSeek-V4: 256, DSA: 64: ``Family.sglang_page_size``); the plan
     takes that page size and the report says when it overrode the flag."""
-    from ..model.families import load_spec
-
     family = load_spec(args.model).family
     return plan_from_args(args, sizing_of(args), page_size=family.sglang_page_size(args.page_size))
+
+
+def stage_problems(plan: RunPlan) -> dict[str, Any]:
+    """What sglang itself does wrong with a stage of this partition (``Family.stage_problems``) and,
+    where it does, a partition near sglang's even split that avoids it."""
+    family = plan.spec.family
+    problems = [{"stage": s.stage, "problem": p} for s in plan.stages
+                for p in family.stage_problems(s.layer_map, plan.page_size)]
+    suggested = None
+    if problems:
+        part = partition_without_problems(plan.spec, plan.pp_size, page_size=plan.page_size)
+        suggested = list(part) if part is not None else None
+    return {"stage_problems": problems, "suggested_partition": suggested}
 
 
 def accounting(args: argparse.Namespace) -> dict[str, Any]:
@@ -99,6 +113,9 @@ def accounting(args: argparse.Namespace) -> dict[str, Any]:
     report["notes"] = ([] if args.page_size == plan.page_size else
                        [f"sglang 0.5.23 runs {who} with page_size {plan.page_size} (it overrides "
                         f"--page-size {args.page_size})"])
+    problems = stage_problems(plan)
+    if problems["stage_problems"]:
+        report.update(problems)
     for stage, row in zip(plan.stages, report["stages"], strict=True):
         cached = [p for p in stage.pools if p.host_pages and p.present]
         tier = host_tier_check(f"stage {stage.stage} host tier", {p.pool: p.units for p in cached},
@@ -209,6 +226,12 @@ def print_accounting(report: dict[str, Any]) -> None:
         print_ledger(console, report)
     for note in report["notes"]:
         console.print(f"note: {note}")
+    for p in report.get("stage_problems", ()):
+        console.print(f"[red]stage {p['stage']}[/red]: {p['problem']}")
+    if report.get("stage_problems"):
+        part = report["suggested_partition"]
+        console.print("suggested partition: " + (f"--pp-partition {','.join(map(str, part))}" if part
+                                                 else "none found near the even split"))
     for s in report["stages"]:
         for status, reason in zip(s["host_tier"]["status"], s["host_tier"]["reasons"], strict=True):
             if status != "ok":

@@ -16,15 +16,18 @@ each and the plan (``plan/faults.py``) applies them to every family alike.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from ..errors import ConfigError
 from .layer_map import IdSpace, LayerEntry, ModelLayout, StageLayerMap
 from .pool_kinds import KindTable, PoolKind
 from .spec import ModelSpec
+
+if TYPE_CHECKING:
+    from ..plan.plan import Sizing
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,19 @@ class FaultKind:
     present: Callable[[PoolKind, list[bool]], list[bool]] | None = None
     #: pool kinds a hit stage leaves out of its HiCache host set (sglang #38031)
     host_left_out: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class StageBudget:
+    """How sglang turns one stage's memory budget into units of each pool budget.
+
+    ``units``: budget name (``full``, ``swa``, ...) -> pages (rows, slots) the stage's budget
+    fits alone; ``full`` is what the PP ranks MIN-all-reduce.  ``charged_bytes``: bytes sglang
+    charges the stage per budget beyond its own pools."""
+
+    units: Mapping[str, int]
+    charged_bytes: Mapping[str, int] = field(default_factory=dict)
+    note: str = ""
 
 
 def _sized_globally(pools: frozenset[str], spec: ModelSpec, stage_map: StageLayerMap, kind: PoolKind,
@@ -188,6 +204,21 @@ class Family:
         assertion it hits, a host pool it cannot allocate -- so ``check`` names it before any
         server starts.  None by default."""
         return []
+
+    def refuses_pp(self, spec: ModelSpec) -> str | None:
+        """One line when sglang 0.5.23 does not split this model over PP stages (None: it does)."""
+        return spec.pp_refused
+
+    def stage_budget(self, table: KindTable, counts: Mapping[str, int], budget_bytes: int,
+                     sizing: Sizing) -> StageBudget | None:
+        """How sglang sizes one stage with ``counts`` buffers per pool kind from
+        ``budget_bytes``; None: the DeepSeek V4 rule (``plan.sizing``)."""
+        return None
+
+    def stage_units(self, counts: Mapping[str, int], full_tokens: int, page_size: int) -> Mapping[str, int] | None:
+        """Units per budget of one stage where sglang sizes that stage unlike the others, given
+        the deployment's (MIN-reduced) token count; None: the deployment's budget."""
+        return None
 
     def swa_floor_tokens(self, spec: ModelSpec) -> int:
         """Tokens an SWA pool must hold beyond one page to admit one request (sglang's

@@ -61,13 +61,13 @@ class LayerEntry(BaseModel):
         """The layer's id in numbering ``space`` (``LOCAL``: its local id)."""
         return self.local if space == LOCAL else getattr(self, space)
 
+    def transfer_ids(self) -> tuple[int | None, int | None] | None:
+        """(id HiCache signals the layer's transfer with, id the pool waits on); None: the family
+        has no such ids (``validation.checks.validate_transfer_ids``, sglang #38866)."""
+        return None
+
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json", by_alias=True)
-
-    def transfer_ids(self) -> tuple[int | None, int | None] | None:
-        """(id HiCache signals completion with, id the consumer waits on); None: the family has
-        no such ids."""
-        return None
 
     def problem(self) -> tuple[str, str] | None:
         """What is wrong with this layer on its own, as ``(pool, message)`` (a DSA layer that

@@ -24,10 +24,16 @@ if TYPE_CHECKING:
 Budget = Literal["full", "swa", "request"]
 
 
-def default_host_units(device_units: int, ratio: float) -> int:
-    """Host pages of one budget: ``int(device_units x ratio)`` (DeepSeek V4's HiCache rule)."""
+def check_host_ratio(ratio: object) -> float:
+    """``--hicache-ratio``: a number > 0."""
     if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not ratio > 0:
         raise ConfigError(f"--hicache-ratio must be > 0, got {ratio!r}")
+    return ratio
+
+
+def default_host_units(device_units: int, ratio: float) -> int:
+    """Host pages of one budget: ``int(device_units x ratio)`` (DeepSeek V4's HiCache rule)."""
+    check_host_ratio(ratio)
     pages = int(device_units * ratio)
     if pages < 1:
         raise ConfigError(f"--hicache-ratio {ratio} x {device_units} device pages gives no host page")
@@ -68,6 +74,7 @@ class PoolKind:
     owners_text: str = ""  # the owning layers in a message ("ratio-4")
     none_name: str = ""  # how a pool holding None is named ("" -> "<label> pool")
     owner_ratio: int | None = None  # DeepSeek V4: the compress ratio owning it (``pools --json``)
+    name_layers: bool = False  # a wrong-count message lists the stage's owning layers
 
     @property
     def paged(self) -> bool:
@@ -190,8 +197,9 @@ class TokenRows(PoolKindSpec):
 
 def token_host_pages(device_pages: int, page_size: int, ratio: float) -> int:
     """sglang's ``HostKVCache`` size for a device pool of ``device_pages`` token pages:
-    ``int(tokens x ratio) // page_size + 1`` pages."""
-    default_host_units(device_pages, ratio)  # the ratio's checks
+    ``int(tokens x ratio) // page_size + 1`` pages (at least its padding page: a pool of no
+    pages, such as the full sub-pool of a stage of SWA layers only, still gets one)."""
+    check_host_ratio(ratio)
     return int(device_pages * page_size * ratio) // page_size + 1
 
 

@@ -27,7 +27,7 @@ maps and buffer lists, and every byte count follows from them.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Literal
@@ -320,7 +320,8 @@ class RunPlan:
 
     def resized(self, sizing: Sizing) -> RunPlan:
         """The same layer maps and buffers under another sizing (what-fits searches)."""
-        return _assemble(self.spec, self.tp_size, self.page_size, self.partition, sizing, self.faults,
+        return _assemble(self.spec, self.tp_size, self.page_size, self.partition,
+                         sizing.for_family(self.spec.family), self.faults,
                          [s.layer_map for s in self.stages], [s.buffers for s in self.stages])
 
     def to_dict(self) -> dict[str, Any]:
@@ -359,8 +360,9 @@ def build_plan(spec: ModelSpec, pp_size: int = defaults.PP_SIZE, *, tp_size: int
 
     Every bad input is a ``ConfigError`` naming the flag: the page size, the partition, sizes.
     """
-    if pp_size > 1 and spec.pp_refused:
-        raise ConfigError(f"--pp-size {pp_size}: {spec.name}: {spec.pp_refused}")
+    refused = spec.family.refuses_pp(spec)
+    if pp_size > 1 and refused:
+        raise ConfigError(f"--pp-size {pp_size}: {spec.name}: {refused}")
     if tp_size > 1 and (why := spec.tp_refused(tp_size)):
         raise ConfigError(f"--tp-size {tp_size}: {spec.name}: {why}")
     table = spec.family.kind_table(spec, page_size)  # checks the page size
@@ -410,7 +412,10 @@ def _assemble(spec: ModelSpec, tp_size: int, page_size: int, partition: tuple[in
     stages = []
     for i, (m, bufs) in enumerate(zip(maps, buffers, strict=True)):
         left_out = frozenset().union(*(f.kind.host_left_out for f in faults if f.hits(i, len(maps))))
-        pools = tuple(_pool_plan(table, sizing, budget, p, bufs.get(p, ()), p in left_out) for p in table.pools)
+        own = (spec.family.stage_units(counts[i], budget.full_tokens, page_size)
+               if sizing.mode == "sglang" else None)
+        pools = tuple(_pool_plan(table, sizing, budget, p, bufs.get(p, ()), p in left_out, own)
+                      for p in table.pools)
         cap = None
         if alone is not None:
             cap = Capacity(sizing.stage_budget_bytes(i, len(maps)) or 0, alone[i], budget.full_tokens,
@@ -428,8 +433,7 @@ def _budget(spec: ModelSpec, table: KindTable, sizing: Sizing,
         return runtime_budget(page, pages, sizing.swa_ratio, sizing.request_slots), None
     alone = None
     if sizing.mem_budget_bytes is not None:
-        alone = [sglang_full_tokens_for_bytes(table, c, sizing.stage_budget_bytes(i, len(counts)) or 0,
-                                              sizing.swa_ratio, sizing.max_running_requests, f"stage {i}")
+        alone = [_tokens_alone(spec, table, sizing, c, sizing.stage_budget_bytes(i, len(counts)) or 0, i)
                  for i, c in enumerate(counts)]
         full = min(alone)  # sglang all-reduces the token capacity with MIN over the PP ranks
     else:
@@ -437,6 +441,20 @@ def _budget(spec: ModelSpec, table: KindTable, sizing: Sizing,
     budget = sglang_budget(page, full, spec.family.swa_floor_tokens(spec), sizing.swa_ratio,
                            sizing.max_running_requests)
     return budget, alone
+
+
+def _tokens_alone(spec: ModelSpec, table: KindTable, sizing: Sizing, counts: dict[str, int],
+                  budget_bytes: int, stage: int) -> int:
+    """The tokens one stage's memory budget fits alone (what the PP ranks MIN-reduce): its
+    family's rule (``Family.stage_budget``), else DeepSeek V4's."""
+    try:
+        own = spec.family.stage_budget(table, counts, budget_bytes, sizing)
+    except ConfigError as exc:
+        raise ConfigError(f"stage {stage}: {exc}") from None
+    if own is not None:
+        return own.units["full"] * table.page_size
+    return sglang_full_tokens_for_bytes(table, counts, budget_bytes, sizing.swa_ratio,
+                                        sizing.max_running_requests, f"stage {stage}")
 
 
 def _host_space(sizing: Sizing, budget: TokenBudget) -> tuple[int, int]:
@@ -448,10 +466,12 @@ def _host_space(sizing: Sizing, budget: TokenBudget) -> tuple[int, int]:
 
 
 def _pool_plan(table: KindTable, sizing: Sizing, budget: TokenBudget, pool: str,
-               buffers: tuple[bool, ...], host_left_out: bool = False) -> PoolPlan:
-    """One kind's plan; ``host_left_out``: a fault leaves the kind out of the HiCache host set."""
+               buffers: tuple[bool, ...], host_left_out: bool = False,
+               own_units: Mapping[str, int] | None = None) -> PoolPlan:
+    """One kind's plan; ``host_left_out``: a fault leaves the kind out of the HiCache host set;
+    ``own_units``: the stage's units per budget where its family sizes it unlike the others."""
     spec = table[pool]
-    units = budget.units(spec.kind)
+    units = budget.units(spec.kind) if own_units is None else own_units.get(spec.kind.budget, budget.units(spec.kind))
     host = 0
     if spec.kind.host_cached and not host_left_out:
         host = sizing.host_pages if sizing.host_pages is not None else spec.host_units(units, sizing.hicache_ratio)

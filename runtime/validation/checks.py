@@ -46,6 +46,26 @@ def validate_stage(stage_map: StageLayerMap, inventory: PoolInventory) -> list[M
         if k.id_space != LOCAL and (k.owners, k.id_space) not in checked:
             checked.add((k.owners, k.id_space))
             errors += _check_ids(stage_map, k, inventory)
+    return errors + validate_transfer_ids(stage_map)
+
+
+def validate_transfer_ids(stage_map: StageLayerMap) -> list[MappingError]:
+    """One error per pool kind whose layers' HiCache transfers signal completion with an id the
+    pool does not wait on (sglang #38866: the two in different id spaces); nothing for a family
+    without transfer ids (``LayerEntry.transfer_ids``)."""
+    errors: list[MappingError] = []
+    for k in stage_map.kinds:
+        if not k.host_cached:
+            continue
+        wrong = [(e, ids) for e in stage_map.pool_layers(k.name)
+                 if (ids := e.transfer_ids()) is not None and ids[0] != ids[1]]
+        if wrong:
+            e, (signalled, awaited) = wrong[0]
+            errors.append(MappingError(
+                stage_map.stage, k.name, awaited, signalled,
+                f"{k.label}: HiCache signals global layer {e.global_id}'s transfer as id {signalled} "
+                f"but the pool waits on id {awaited} ({len(wrong)} of the stage's "
+                f"{len(stage_map.pool_layers(k.name))} layers)"))
     return errors
 
 
@@ -62,11 +82,21 @@ def _pool_errors(stage_map: StageLayerMap, inventory: PoolInventory) -> list[Map
                 ))
             continue
         if len(slots) != want:
-            errors.append(MappingError(s, k.name, want, len(slots), k.wrong_count(len(slots), want)))
+            layers = ""
+            if k.name_layers:
+                ids = [e.global_id for e in stage_map.pool_layers(k.name)]
+                layers = f"its layers {_ranges(ids)}" if ids else "no layer of the stage"
+            errors.append(MappingError(s, k.name, want, len(slots), k.wrong_count(len(slots), want, layers)))
         empty = [i for i, present in enumerate(slots) if not present]
         if empty:
             errors.append(MappingError(s, k.name, "no None buffers", f"None at {empty}", k.holds_none(empty)))
     return errors
+
+
+def _ranges(ids: Sequence[int]) -> str:
+    """Global layer ids as a short list: ``1, 3, 5`` (at most 8 shown)."""
+    shown = ", ".join(map(str, ids[:8]))
+    return shown + (f", ... ({len(ids)} layers)" if len(ids) > 8 else "")
 
 
 def _check_ids(stage_map: StageLayerMap, kind: PoolKind, inventory: PoolInventory) -> list[MappingError]:

@@ -73,7 +73,8 @@ def test_integration_without_sglang_says_how_to_install():
 LIVE_SUITES = ("tests/integrations/test_sglang_live.py", "tests/integrations/test_sglang_live_server.py",
                "tests/integrations/test_sglang_live_pools.py",
                "tests/integrations/test_sglang_policies.py",
-               "tests/integrations/test_sglang_dsa.py", "tests/integrations/test_sglang_dense.py")
+               "tests/integrations/test_sglang_dsa.py", "tests/integrations/test_sglang_dense.py",
+               "tests/integrations/test_sglang_swa_hybrid.py")
 #: Its ranks are forked from the pytest process, so it runs in a pytest process of its own: sglang
 #: state the other suites publish in-process must not leak into the ranks.
 DEPLOYMENT_SUITE = "tests/integrations/test_sglang_live_deployment.py"

@@ -13,10 +13,10 @@ from ...errors import ConfigError
 from ..config_file import load_config
 from ..family import Family, FaultKind
 from ..spec import ModelSpec, shown
-from . import deepseek_v4, dsa, mha, mla
+from . import deepseek_v4, dsa, mha, mla, swa_hybrid
 
 #: Every family, in the order a config is matched against them.
-FAMILIES: tuple[Family, ...] = (deepseek_v4.FAMILY, dsa.FAMILY, mla.FAMILY, mha.FAMILY)
+FAMILIES: tuple[Family, ...] = (deepseek_v4.FAMILY, dsa.FAMILY, swa_hybrid.FAMILY, mla.FAMILY, mha.FAMILY)
 #: The default family of a report or record that names none (those written before families).
 DEFAULT_FAMILY = deepseek_v4.FAMILY.name
 
