@@ -139,7 +139,7 @@ def page_context(reader: Reader, title: str, window_s: float) -> dict[str, Any]:
         "l3_rows": l3_view.l3_rows(stage_ids, live),
         "capacity_rows": capacity_rows(live),
         # stage agreement (static/insight.js updates it); the miss-reasons chart is in live_figures
-        "agreement": insight_figures.agreement_view(live, liveness.max_disagreements),
+        "agreement": _agreement(reader.source, live, liveness),
         "poll_ms": POLL_MS,
         "window_s": window_s,
         "n_bad_stages": sum(1 for s in rep.stages if not s.ok) if rep else 0,
@@ -301,3 +301,12 @@ def create_app(source: SnapshotSource, *, title: str = "stagecache",
     add_probes(app, source, reader.report)
     add_metrics_route(app, source)
     return app
+
+
+def _agreement(source: Any, live: Any, liveness: Any) -> dict[str, Any]:
+    """The stage-agreement panel; on the sglang endpoint the PP ranks' live agreement
+    (``divergence()``), whose strict setting makes any divergence fail /readyz."""
+    divergence = getattr(source, "divergence", None)
+    d = divergence() if callable(divergence) else None
+    limit = 0 if d is not None and getattr(source, "strict_agreement", False) else liveness.max_disagreements
+    return insight_figures.agreement_view(live, limit, d)

@@ -21,6 +21,7 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 from stagecache.runtime.cache.insight import MISS_REASONS
+from stagecache.runtime.live.divergence import QUANTITIES, DivergenceLive, readiness_lines
 from stagecache.runtime.live.numbers import DECISION_NAMES
 
 from .live_figures import NO_LIVE_TEXT
@@ -69,14 +70,19 @@ def miss_reasons_figure(stage_ids: Sequence[int], history: Mapping[int, Sequence
     return fig
 
 
-def agreement_view(stages: Sequence[StageLive], max_disagreements: int | None) -> dict[str, Any]:
-    """The stage-agreement panel: counts per stage and kind, and the recent disagreements."""
-    per_stage = {s.stage: {k: s.agreement.disagreements.get(k, 0) for k in DECISION_NAMES} for s in stages}
+def agreement_view(stages: Sequence[StageLive], max_disagreements: int | None,
+                   divergence: DivergenceLive | None = None) -> dict[str, Any]:
+    """The stage-agreement panel: counts per stage and kind, and the recent disagreements.  Where
+    the source compares live PP ranks (the sglang endpoint: ``divergence``) the kinds are the
+    quantities the ranks report, and the first divergence and incomplete transfers are named."""
+    kinds = QUANTITIES if divergence is not None else DECISION_NAMES
+    per_stage = {s.stage: {k: s.agreement.disagreements.get(k, 0) for k in kinds} for s in stages}
     total = sum(sum(v.values()) for v in per_stage.values())
     recent = sorted((r for s in stages for r in s.agreement.recent), key=lambda r: r.time,
                     reverse=True)[:SHOWN_DISAGREEMENTS]
     return {
-        "total": total, "kinds": DECISION_NAMES, "per_stage": per_stage,
+        "total": total, "kinds": kinds, "per_stage": per_stage,
+        "pp_lines": readiness_lines(divergence),
         "compared": min((s.agreement.compared_requests for s in stages), default=0),
         "max_disagreements": max_disagreements,
         "over": max_disagreements is not None and total > max_disagreements,

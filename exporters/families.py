@@ -29,6 +29,7 @@ from stagecache.runtime.memory.host_tier import HOST_TIER_STATUSES
 from stagecache.runtime.transfer.stats import DIRECTIONS
 from stagecache.runtime.validation.report import StageReport, StartupReport
 
+from .divergence_families import DIVERGENCE_FAMILIES, DIVERGENCE_LABEL_VALUES, DIVERGENCE_LABELS
 from .family import Family, Samples, cumulative_buckets, one, per
 from .insight_families import CACHE_INSIGHT_FAMILIES, INSIGHT_LABEL_VALUES, INSIGHT_LABELS
 from .l3_families import L3_FAMILIES, L3_LABEL_VALUES, L3_LABELS
@@ -67,12 +68,13 @@ LABELS: dict[str, str] = {
     "stagecache_host_tier_status": "a host-tier status (state set): " + ", ".join(HOST_TIER_STATUSES),
     **INSIGHT_LABELS,
     **L3_LABELS,
+    **DIVERGENCE_LABELS,
 }
 
 #: Closed value sets, checked by the tests for every exposed sample.
 LABEL_VALUES: dict[str, tuple[str, ...]] = {
     "tier": HIT_TIERS, "direction": DIRECTIONS, "operation": tuple(HICACHE_OPERATIONS.values()),
-    **INSIGHT_LABEL_VALUES, **L3_LABEL_VALUES,
+    **INSIGHT_LABEL_VALUES, **L3_LABEL_VALUES, **DIVERGENCE_LABEL_VALUES,
 }
 
 # -- the startup report ------------------------------------------------------------------------
@@ -324,11 +326,12 @@ BUILD_INFO = Family("stagecache_build_info", "info", "stagecache's version (valu
 
 
 def all_families() -> tuple[tuple[str, Family], ...]:
-    """``(scope, family)`` in exposition order; scope is build, run, startup, live, liveness
-    or parent."""
+    """``(scope, family)`` in exposition order; scope is build, run, startup, live, liveness,
+    parent or deployment (the PP ranks' agreement)."""
     return (("build", BUILD_INFO), *(("run", f) for f in RUN_FAMILIES),
             *(("startup", f) for f in STARTUP_FAMILIES), *(("live", f) for f in LIVE_FAMILIES),
-            *(("liveness", f) for f in LIVENESS_FAMILIES), *(("parent", f) for f in PARENT_FAMILIES))
+            *(("liveness", f) for f in LIVENESS_FAMILIES), *(("parent", f) for f in PARENT_FAMILIES),
+            *(("deployment", f) for f in DIVERGENCE_FAMILIES))
 
 
 def label_names(scope: str, fam: Family) -> tuple[str, ...]:

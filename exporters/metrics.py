@@ -93,18 +93,26 @@ class StageCollector(Collector):
         verdict = liveness_of(self.source, time.time()) if live else None
         metrics = {fam.name: new_family(scope, fam) for scope, fam in all_families()}
         for scope, fam in all_families():
-            inputs = self._parent() if scope == "parent" else \
-                self._inputs(scope, report, live, model, verdict)
+            inputs = self._parent() if scope == "parent" else self._deployment() if scope == "deployment" \
+                else self._inputs(scope, report, live, model, verdict)
             for prefix, item in inputs:
                 for values, value in fam.samples(item):
                     add_sample(metrics[fam.name], scope, fam, prefix, values, value)
         metrics["stagecache_build_info"].add_metric([], {"version": _version()})
-        yield from metrics.values()
+        # the PP ranks' agreement exists only where the source compares ranks (the sglang endpoint)
+        absent = {f.name for scope, f in all_families() if scope == "deployment"} if not self._deployment() else set()
+        yield from (m for name, m in metrics.items() if name not in absent)
 
     def _parent(self) -> list[tuple[tuple[str, ...], Any]]:
         """The serving parent's counters, when the source has a parent (``RunDirSource``)."""
         failures = self.source.write_failures
         return [((), failures)] if failures is not None else []
+
+    def _deployment(self) -> list[tuple[tuple[str, ...], Any]]:
+        """The PP ranks' agreement, where the source compares them (the sglang endpoint)."""
+        divergence = getattr(self.source, "divergence", None)
+        d = divergence() if callable(divergence) else None
+        return [((), d)] if d is not None else []
 
     @staticmethod
     def _inputs(scope: str, report: StartupReport | None, live: Mapping[int, StageLive],

@@ -23,7 +23,8 @@ BEGIN = "<!-- BEGIN GENERATED: python -m stagecache.exporters.reference -->"
 END = "<!-- END GENERATED -->"
 DOC = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
 SCOPES = {"build": "package", "run": "run (startup report)", "startup": "stage (startup report)", "liveness": "stage (liveness verdict, as /readyz)",
-          "live": "stage (live numbers)", "parent": "serving parent"}
+          "live": "stage (live numbers)", "parent": "serving parent",
+          "deployment": "deployment (PP ranks compared, sglang endpoint)"}
 
 
 class _NoSource:

@@ -7,12 +7,16 @@ round on fresh radix caches with the same requests:
 
 * plain: per request, sglang's ``UnifiedRadixCache.match_prefix`` + ``insert``, a backup of the
   request's new page of the C4, indexer and C128 pools (``write`` / ``start_writing``), its load
-  back (``load`` / ``start_loading``) and sglang's own ack consumption (``writing_check`` /
-  ``loading_check``);
-* hooked: the same, with ``match_prefix`` and the controller's ``start_writing`` /
-  ``start_loading`` wrapped by sglang's ``HookRegistry`` wrapper (``_wrap_fn``: AFTER around
-  ``Deployment.after_match_prefix``, AROUND around ``around_start_writing`` /
-  ``around_start_loading``): what a served rank runs.
+  back (``load`` / ``start_loading``) and one scheduler step's event check, sglang's own
+  ``check_hicache_events`` (``cpu_stage.StepLedger``: its ``_sync_hicache_ready_counts`` and ack
+  consumption by ``writing_check`` / ``loading_check``);
+* hooked: the same, with ``match_prefix``, the controller's ``start_writing`` / ``start_loading``
+  and the step's ``check_hicache_events`` / ``writing_check`` / ``loading_check`` wrapped by
+  sglang's ``HookRegistry`` wrapper (``_wrap_fn``: AFTER around ``Deployment.after_match_prefix``,
+  AROUND around ``around_start_writing`` / ``around_start_loading`` -- which check each ack against
+  the stage's transfer plan -- and the agreement hooks of ``integrations/sglang/agreement.py``,
+  which record the per-request match and per-step ack counts every rank pushes to rank 0): what a
+  served rank runs.
 
 Each arm runs twice: with the page copies (torch row copies standing in for ``sgl_kernel``'s
 ``transfer_kv_direct``) and without them.  On a GPU host the copies run on the copy engine while
@@ -43,21 +47,23 @@ class _Stage:
     def __init__(self, group: Any, controller: Any):
         import torch
 
-        from ..integrations.sglang.cpu_stage import AckLedger
+        from ..integrations.sglang.cpu_stage import StepLedger
 
         self.group, self.ctl = group, controller
         self.src = torch.arange(SRC_ROW, SRC_ROW + PAGE)
         self.dst = torch.arange(DST_ROW, DST_ROW + PAGE)
-        self.ledger = AckLedger(controller)
+        self.ledger = StepLedger(controller)
         self.page_bytes = 0
+        self.tokens_by_pool: dict[str, int] = {}
 
     def backup_and_load(self, node: int) -> None:
-        """One page to host and back, then sglang's ack checks; the host slots are freed again."""
+        """One page to host and back, then sglang's step (its ack checks); the host slots are freed again."""
         from ..integrations.sglang.cpu_stage import round_trip
 
         host, hosts = round_trip(self.group, self.ctl, self.src, self.dst, node)
-        self.page_bytes = self.ctl.ack_write_queue[-1].num_bytes
-        self.ledger.drain()
+        ack = self.ctl.ack_write_queue[-1]
+        self.page_bytes, self.tokens_by_pool = ack.num_bytes, dict(ack.num_tokens_by_pool or {})
+        self.ledger.step()
         self.group.free(host)
         for name, idx in hosts.items():
             self.group.free(idx, pool=name)
@@ -159,15 +165,18 @@ class _Req:
 
 
 class _AckOnlyController:
-    """Queues a prebuilt ack and does nothing else: what remains of a wrapped call is the wrapper."""
+    """Queues a prebuilt ack (the stage's real page: its pools' tokens and bytes) and does nothing
+    else: what remains of a wrapped call is the wrapper, the ack's plan check included."""
 
-    def __init__(self) -> None:
+    def __init__(self, tokens_by_pool: dict[str, int], num_bytes: int) -> None:
         from sglang.srt.managers.cache_controller import HiCacheAck
 
         self.ack_write_queue: list[Any] = []
         self.ack_load_queue: list[Any] = []
+        self.write_queue: list[Any] = []
+        self.load_queue: list[Any] = []
         self._ack = HiCacheAck(start_event=None, finish_event=None, node_ids=[0], num_tokens=PAGE,
-                               num_bytes=1 << 20)
+                               num_bytes=num_bytes, num_tokens_by_pool=tokens_by_pool)
 
     def start_writing(self) -> None:
         self.ack_write_queue.append(self._ack)
@@ -175,6 +184,23 @@ class _AckOnlyController:
     def start_loading(self) -> int:
         self.ack_load_queue.append(self._ack)
         return 0
+
+
+def _hook_steps(ledger: Any, dep: Any) -> None:
+    """``ledger``'s step and ack checks wrapped as ``HookRegistry`` wraps sglang's
+    ``check_hicache_events`` / ``writing_check`` / ``loading_check`` in a served rank (on the
+    instance: the plain arm's ledger keeps the bare ones)."""
+    import types
+
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+    from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
+
+    a = dep.agreement
+    for name, hook in (("writing_check", a.around_writing_check), ("loading_check", a.around_loading_check)):
+        setattr(ledger, name, types.MethodType(_wrap_fn(getattr(UnifiedRadixCache, name), hook, HookType.AROUND),
+                                               ledger))
+    check = _wrap_fn(UnifiedRadixCache.check_hicache_events, a.around_check_hicache_events, HookType.AROUND)
+    ledger.step = lambda: check(ledger)
 
 
 @contextlib.contextmanager
@@ -194,14 +220,19 @@ def _hooked_controller(ctl: Any, dep: Any) -> Iterator[None]:
             ctl.__dict__.pop(name, None)
 
 
-def _hooks_alone(trace: list[tuple[str, array]], dep: Any) -> float:
-    """Seconds of the hooks' own work for the trace: the match hook on real match results, and a
-    wrapped minus a bare backup + load submission per request (an A/B difference of whole
-    requests drowns in the noise of the transfers)."""
+def _hooks_alone(trace: list[tuple[str, array]], dep: Any, stage: _Stage) -> float:
+    """Seconds of the hooks' own work for the trace: the match hook on real match results (with its
+    agreement record), a wrapped minus a bare backup + load submission per request (each ack
+    checked against the stage's plan), and a wrapped minus a bare scheduler step of sglang's
+    ``check_hicache_events`` (an A/B difference of whole requests drowns in the noise of the
+    transfers)."""
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
+    from ..integrations.sglang.cpu_stage import StepLedger
+
     dep.forget_requests()
+    dep.agreement.drain()
     calls = [(MatchResult(device_prefix_len=len(k) - PAGE, last_device_node=None, last_host_node=None,
                           best_match_node=None), MatchPrefixParams(key=RadixKey(k), req=_Req(rid)))
              for rid, k in trace]
@@ -209,7 +240,7 @@ def _hooks_alone(trace: list[tuple[str, array]], dep: Any) -> float:
     for result, params in calls:
         dep.after_match_prefix(result, None, params)
     match_s = time.perf_counter() - t0
-    ctl = _AckOnlyController()
+    ctl = _AckOnlyController(stage.tokens_by_pool, stage.page_bytes)
 
     def acks() -> float:
         t = time.perf_counter()
@@ -223,7 +254,19 @@ def _hooks_alone(trace: list[tuple[str, array]], dep: Any) -> float:
     bare = min(acks() for _ in range(3))
     with _hooked_controller(ctl, dep):
         wrapped = min(acks() for _ in range(3))
-    return match_s + max(0.0, wrapped - bare)
+    plain_ledger, hooked_ledger = StepLedger(stage.ctl), StepLedger(stage.ctl)
+    _hook_steps(hooked_ledger, dep)
+
+    def steps(ledger: Any) -> float:
+        dep.agreement.drain()  # what the rank's push takes every second
+        t = time.perf_counter()
+        for _ in trace:
+            ledger.step()
+        return time.perf_counter() - t
+
+    bare_steps = min(steps(plain_ledger) for _ in range(3))
+    wrapped_steps = min(steps(hooked_ledger) for _ in range(3))
+    return match_s + max(0.0, wrapped - bare) + max(0.0, wrapped_steps - bare_steps)
 
 
 def _arms(trace: list[tuple[str, array]], stage: _Stage, dep: Any, rounds: int) -> dict[str, list[float]]:
@@ -235,9 +278,18 @@ def _arms(trace: list[tuple[str, array]], stage: _Stage, dep: Any, rounds: int) 
     hooked_match = _wrap_fn(plain_match, dep.after_match_prefix, HookType.AFTER)
 
     def hooked_round() -> float:
+        from ..integrations.sglang.cpu_stage import StepLedger
+
         dep.forget_requests()  # every round's requests are new to the hook
-        with _hooked_controller(stage.ctl, dep):
-            return _round(trace, hooked_match, stage)
+        dep.agreement.drain()
+        plain_ledger = stage.ledger
+        stage.ledger = StepLedger(stage.ctl)
+        _hook_steps(stage.ledger, dep)
+        try:
+            with _hooked_controller(stage.ctl, dep):
+                return _round(trace, hooked_match, stage)
+        finally:
+            stage.ledger = plain_ledger
 
     _round(trace, plain_match, stage)  # warm-up, both arms
     hooked_round()
@@ -265,6 +317,7 @@ def run_bench(sessions: int = 32, turns: int = 8, rounds: int = 7) -> dict[str, 
 
     import torch
 
+    from ..integrations.sglang.agreement import TransferPlan
     from ..integrations.sglang.deployment import Deployment, Rank
 
     logging.getLogger("sglang").setLevel(logging.WARNING)
@@ -273,12 +326,16 @@ def run_bench(sessions: int = 32, turns: int = 8, rounds: int = 7) -> dict[str, 
     dep = Deployment()
     dep.rank = Rank(pp_rank=0, pp_size=1, tp_rank=0, tp_size=1)
     with _sglang_stage() as stage:
+        # the stage's plan: every page moves its C4, indexer and C128 rows (the acks are checked)
+        dep.agreement.plan = TransferPlan.of("deepseek_v4", {k: [True] for k in ("c4", "indexer", "c128")},
+                                             stage.group, PAGE)
         with_copies = _arms(trace, stage, dep, rounds)
         with _no_copies():
             without = _arms(trace, stage, dep, rounds)
+            live = dep.source.stages()[0]  # what the hooked arms counted (the next step counts more)
+            records = dep.agreement.drain()
+            hooks_s = min(_hooks_alone(trace, dep, stage) for _ in range(rounds))
         page_bytes = stage.page_bytes
-    live = dep.source.stages()[0]  # what the hooked arms counted (the next step counts more)
-    hooks_s = min(_hooks_alone(trace, dep) for _ in range(rounds))
     judged = _ratios(without, hooks_s)
     return {
         "requests_per_round": len(trace), "rounds": rounds, "page_bytes_moved": page_bytes,
@@ -286,13 +343,17 @@ def run_bench(sessions: int = 32, turns: int = 8, rounds: int = 7) -> dict[str, 
         "without_copies": judged, "with_copies": _ratios(with_copies, hooks_s),
         "counted_tokens": live.cache_tokens.model_dump(),
         "counted_transfer_bytes": live.transfer_bytes.model_dump(),
+        "agreement_records_last_round": {"requests": len(records.requests), "steps": len(records.steps),
+                                         "incomplete_transfers": len(records.backups)},
         "target": "without_copies.hooks_alone_ratio < 0.01",
         "meets_target": judged["hooks_alone_ratio"] < 0.01,
         "note": "sglang 0.5.23's own objects on CPU: one DeepSeek-V4-Flash stage, its UnifiedRadixCache "
                 "match/insert, its HybridCacheController backing up and loading each request's page of the "
-                "C4, indexer and C128 pools, its writing_check/loading_check. hooks_alone_ratio: the "
-                "hooks' own seconds (match hook on real match results, wrapped minus bare ack "
-                "submission) over the plain arm's fastest round; overhead_ratio_*: the A/B difference "
+                "C4, indexer and C128 pools, one check_hicache_events step per request (its ack sync and "
+                "writing_check/loading_check). hooks_alone_ratio: the hooks' own seconds, PP agreement "
+                "included (match hook and its record on real match results, wrapped minus bare ack "
+                "submission with each ack's plan check, wrapped minus bare check_hicache_events step with "
+                "its ack counts) over the plain arm's fastest round; overhead_ratio_*: the A/B difference "
                 "(noisy on a shared machine). without_copies skips the page copies, which on a GPU run "
                 "on the copy engine beside the scheduler thread: the target is judged there",
     }

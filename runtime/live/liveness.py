@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..defaults import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S
 from ..memory.host_tier import NOT_READY_STATUSES
 from ..validation.report import StartupReport
+from .divergence import readiness_lines
 from .numbers import Phase, RunInfo, StageLive
 from .source import SnapshotSource
 
@@ -259,5 +260,14 @@ def host_tier_findings(stages: Mapping[int, StageLive], up: list[int]) -> tuple[
 
 
 def liveness_of(source: SnapshotSource, now: float) -> Liveness:
-    """``assess`` over a snapshot source."""
-    return assess(source.run(), source.startup(), source.stages(), now)
+    """``assess`` over a snapshot source, plus the PP ranks' agreement where the source compares
+    them (the sglang endpoint: ``divergence()``): a warning, or -- ``strict_agreement`` -- a reason."""
+    verdict = assess(source.run(), source.startup(), source.stages(), now)
+    divergence = getattr(source, "divergence", None)
+    lines = readiness_lines(divergence()) if callable(divergence) else []
+    if lines and getattr(source, "strict_agreement", False):
+        verdict.reasons += lines
+        verdict.ready = False
+    else:
+        verdict.warnings += lines
+    return verdict

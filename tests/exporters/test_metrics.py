@@ -81,7 +81,21 @@ def scrape(source) -> str:
 def full_scrape() -> dict[str, list]:
     source = source_of(report(), {s: live(s) for s in range(4)})
     source.write_failures = 2  # what a serving parent's source (RunDirSource) also counts
+    source.divergence = _diverged  # what the sglang endpoint's source also compares
     return series_by_name(scrape(source))
+
+
+def _diverged():
+    """Two ranks' records, one request on which rank 1 found less on the host, one backup without
+    its indexer."""
+    from stagecache.runtime.live.divergence import DivergenceTracker, IncompleteBackup, RankBatch
+
+    t = DivergenceTracker(2)
+    t.add(0, RankBatch(requests=[("r1", 256, 256)], steps=[(1, 1, 0, 1, 0)]))
+    bad = IncompleteBackup(time=1.0, stage=1, direction="d2h", page=3, pages=1, missing=["indexer"],
+                           expected_bytes=10, got_bytes=8)
+    t.add(1, RankBatch(requests=[("r1", 256, 0)], steps=[(1, 1, 0, 1, 0)], backups=[bad]))
+    return t.live()
 
 
 def test_every_family_is_exposed_with_sglang_stage_labels():
@@ -96,6 +110,18 @@ def test_every_family_is_exposed_with_sglang_stage_labels():
         assert {s.labels["model_name"] for s in samples} == {"tiny-v4"}, name
         assert {s.labels["tp_rank"] for s in samples} == {"0"}, name
     assert not any("stage" in s.labels for samples in smp.values() for s in samples)
+
+
+def test_the_pp_agreement_families_exist_only_where_ranks_are_compared():
+    """A ``serve`` run (its own per-request agreement) exposes none of them, not even empty."""
+    plain = series_by_name(scrape(source_of(report(), {s: live(s) for s in range(2)})))
+    assert not any(n.startswith(("stagecache_pp_", "stagecache_hicache_incomplete")) for n in plain)
+    smp = full_scrape()
+    div = {s.labels["quantity"]: s.value for s in smp["stagecache_pp_divergence_total"]}
+    agree = {s.labels["quantity"]: s.value for s in smp["stagecache_pp_agreement_total"]}
+    assert div["host_hit_length"] == 1 and div["device_prefix_len"] == 0 and agree["device_prefix_len"] == 1
+    assert agree["load_acks"] == 1 and div["load_acks"] == 0
+    assert {s.labels["pool"]: s.value for s in smp["stagecache_hicache_incomplete_transfers_total"]} == {"indexer": 1}
 
 
 def test_every_label_has_one_documented_meaning_and_closed_values():
@@ -116,7 +142,9 @@ def test_every_label_has_one_documented_meaning_and_closed_values():
 
 
 def test_the_registry_matches_the_family_table():
-    text = generate_openmetrics(make_registry(source_of(report(), {s: live(s) for s in range(4)})))
+    source = source_of(report(), {s: live(s) for s in range(4)})
+    source.divergence = _diverged
+    text = generate_openmetrics(make_registry(source))
     from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_parse
 
     got = {f.name: f for f in om_parse(text.decode())}
@@ -130,7 +158,9 @@ def test_the_registry_matches_the_family_table():
 
 
 def test_counters_for_everything_cumulative_gauges_for_states():
-    text = scrape(source_of(report(), {0: live(0)}))
+    source = source_of(report(), {0: live(0)})
+    source.divergence = _diverged  # the sglang endpoint's families too
+    text = scrape(source)
     types = {f.name: f.type for f in text_string_to_metric_families(text)}
     for name in METRIC_NAMES:
         if name.endswith("_total"):

@@ -390,7 +390,8 @@ def test_sglang_plugin_entry_point(monkeypatch):
         assert plugin() is dep and dep.options.port == 9300 and dep.options.strict  # once per process
         kinds = {t: [h[0] for h in HookRegistry._hooks[t]] for t in integ.deployment.TARGETS.values()}
         targets = integ.deployment.TARGETS
-        for name in ("stack", "capacity", "pools", "write", "load"):
+        for name in ("stack", "capacity", "pools", "write", "load", "step", "write_check", "load_check",
+                     "prefetch", "prefetch_hybrid"):
             assert kinds[targets[name]] == [HookType.AROUND], name
         assert kinds[targets["match"]] == [HookType.AFTER]
         for target in integ.deployment.TARGETS.values():  # every target resolves in sglang 0.5.23
@@ -462,6 +463,47 @@ def test_push_endpoint_refuses_forged_replayed_and_oversized_pushes():
         assert post(seal(secret, {"stage": 7, "seq": 9, "live": live})) == 400  # no such stage
         assert post(b"x" * (MAX_PUSH_BYTES + 1)) == 413
         assert 1 not in source.stages()
+
+
+def test_agreement_records_ride_on_the_push_and_a_failed_push_sends_them_again():
+    """A rank's agreement records over real HTTP to rank 0's compare: malformed ones are refused
+    (400) without touching the compare, records of a push that did not get through go out with the
+    next one, and rank 0 compares each key once."""
+    import httpx
+    from stagecache.dashboard.server import dashboard_in_thread
+    from stagecache.runtime.integrations.sglang.agreement import RankAgreement
+    from stagecache.runtime.integrations.sglang.push import PUSH_PATH, Pusher, PushReceiver
+    from stagecache.runtime.live.numbers import StageLive
+    from stagecache.runtime.serve.exchange import seal
+
+    source = integ.SglangSource(push_timeout_s=5.0)
+    own = RankAgreement()
+    source.enable_agreement(2, own.drain)
+    secret = b"k" * 32
+    receiver = PushReceiver(secret, 2, source.put_remote, on_agreement=source.put_agreement)
+    port = _free_port()
+    rank1 = RankAgreement()
+    pusher = Pusher(f"http://127.0.0.1:{port}", secret, 1, lambda: StageLive(stage=1), 1.0,
+                    extra=rank1.take, sent=rank1.sent)
+    own.request("r1", 512, 256)
+    rank1.request("r1", 512, 0)
+    with pytest.raises(OSError):  # rank 0 is not up yet: the records stay with the rank
+        pusher.push_once()
+    rank1.request("r2", 0, 0)
+    own.request("r2", 0, 0)
+    with dashboard_in_thread(source, "127.0.0.1", port, configure=receiver.add_route) as url:
+        live = StageLive(stage=1).model_dump(mode="json")
+        bad = seal(secret, {"stage": 1, "seq": 1, "live": live, "agreement": {"requests": [["r9", 1]]}})
+        r = httpx.post(url + PUSH_PATH, content=bad, timeout=5)
+        assert r.status_code == 400 and "agreement records" in r.text
+        pusher._seq = 1
+        pusher.push_once()  # r1 (sent again) and r2
+        pusher.push_once()  # nothing new: compared once
+        d = source.divergence()
+        assert d.compared["host_hit_length"] == 2 and d.divergent["host_hit_length"] == 1
+        assert (d.first.request, d.first.ranks, d.first.values) == ("r1", [1], [256, 0])
+        stage1 = source.stages()[1].agreement
+        assert stage1.disagreements == {"host_hit_length": 1} and stage1.recent[0].request == "r1"
 
 
 def _free_port() -> int:

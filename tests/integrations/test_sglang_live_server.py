@@ -170,3 +170,5 @@ def test_bench_sglang_hooks_drives_sglangs_own_controller_and_counts_every_trans
     for arm in ("with_copies", "without_copies"):
         assert len(report[arm]["plain_seconds"]) == len(report[arm]["hooked_seconds"]) == 1
     assert report["meets_target"] == (report["without_copies"]["hooks_alone_ratio"] < 0.01)
+    # the hooked arm's last round recorded what a rank pushes for agreement, and every ack was complete
+    assert report["agreement_records_last_round"] == {"requests": 4, "steps": 4, "incomplete_transfers": 0}

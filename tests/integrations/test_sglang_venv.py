@@ -76,6 +76,8 @@ LIVE_SUITES = ("tests/integrations/test_sglang_live.py", "tests/integrations/tes
 #: Its ranks are forked from the pytest process, so it runs in a pytest process of its own: sglang
 #: state the other suites publish in-process must not leak into the ranks.
 DEPLOYMENT_SUITE = "tests/integrations/test_sglang_live_deployment.py"
+#: The ranks that stop agreeing (its own process too, for the same reason).
+AGREEMENT_SUITE = "tests/integrations/test_sglang_live_agreement.py"
 #: Comparisons with the pinned release's own objects (model families' pools, the eviction order):
 #: stagecache claims them for that release, so they run on it alone, beside the live suites.
 PINNED_SUITES = ("tests/integrations/test_sglang_policies.py",
@@ -83,7 +85,7 @@ PINNED_SUITES = ("tests/integrations/test_sglang_policies.py",
                  "tests/integrations/test_sglang_swa_hybrid.py",
                  "tests/integrations/test_sglang_linear_hybrid.py")
 #: One pytest run per suite set: (suites, the fewest tests that must pass).
-RUNS = {"live": ((LIVE_SUITES, 50), ((DEPLOYMENT_SUITE,), 8)), "pinned": ((PINNED_SUITES, 150),)}
+RUNS = {"live": ((LIVE_SUITES, 50), ((DEPLOYMENT_SUITE,), 8), ((AGREEMENT_SUITE,), 6)), "pinned": ((PINNED_SUITES, 150),)}
 #: One pytest run of a suite set (the families' suites take about 2.5 minutes on a loaded 2-core machine).
 SUITE_TIMEOUT_S = 900
 

@@ -24,8 +24,8 @@ STEP = "50-sglang"
 #: How long a test waits for the background build (a fresh machine builds it in ~4-6 minutes).
 WAIT_S = float(os.environ.get("STAGECACHE_SGLANG_WAIT_S", "900"))
 #: pytest-timeout for a test that waits and then runs: the wait plus the test's own time (the live
-#: suites and the deployment suite, one after the other).
-TIMEOUT_S = int(WAIT_S) + 1800
+#: suites, the deployment suite and the agreement suite, one after the other).
+TIMEOUT_S = int(WAIT_S) + 2400
 
 
 def _wait_for_step(setup_dir: Path) -> None:

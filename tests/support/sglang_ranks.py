@@ -127,10 +127,13 @@ def _rank_main(rank: int, pp: int, dist_port: int, folder: str, env: dict[str, s
         torch.set_num_threads(1)
         if os.environ.get("STAGECACHE_TEST_PAGE_SIZE"):  # a rank started with another --page-size
             server = {**server, "page_size": int(os.environ["STAGECACHE_TEST_PAGE_SIZE"])}
+        if os.environ.get("STAGECACHE_TEST_HICACHE_RATIO"):  # a rank whose host pool is another size
+            server = {**server, "hicache_ratio": float(os.environ["STAGECACHE_TEST_HICACHE_RATIO"])}
         sa = ServerArgs(model_path=folder, tp_size=1, pp_size=pp, device="cpu", **server)
         publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=rank))
         init_distributed_environment(world_size=pp, rank=rank, distributed_init_method=f"tcp://127.0.0.1:{dist_port}",
-                                     local_rank=rank, backend="gloo", timeout=60)
+                                     local_rank=rank, backend="gloo",
+                                     timeout=int(os.environ.get("STAGECACHE_TEST_GLOO_TIMEOUT_S", "60")))
         initialize_model_parallel(backend="gloo")
         load_plugins()  # sglang's own: the stagecache entry point registers, sglang applies
         cpu = on_cpu()

@@ -217,3 +217,55 @@ def round_trip(group: Any, controller: Any, src: torch.Tensor, dst: torch.Tensor
         raise ConfigError(f"sglang's controller could not load {len(dst)} tokens back")
     controller.start_loading()
     return host, hosts
+
+
+class _AnyLoad(dict):
+    """``ongoing_load_back`` for acks no tree node owns: every id pops as "no node, no locks"."""
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        return super().pop(key, (None, None, None))
+
+
+class StepLedger(AckLedger):
+    """What sglang's per-step ``UnifiedRadixCache.check_hicache_events`` reads of a radix cache,
+    for one PP rank: the controller, the rank's place in the PP group (``pp_group``: sglang's PP
+    CPU group, over which ``_pp_sync`` hands PP rank 0's ready-ack counts down, #27285) and no
+    storage, linker or buffer pipeline.  ``step()`` runs sglang's own ``check_hicache_events``:
+    ``flush_pending_backups``, ``_sync_hicache_ready_counts`` and ``writing_check`` /
+    ``loading_check`` with the agreed counts -- through the class, so hooks sglang's
+    ``HookRegistry`` applied there run too."""
+
+    linker = None
+    host_memory_mode = "cache"
+    enable_storage_metrics = False
+    storage_metrics_collector = None
+    attn_cp_group = None
+    attn_tp_group = None
+    tp_group = None
+    tp_world_size = 1
+    write_back_duplicate_reclaim_digest = 0  # read through ``tree_core`` (this object)
+
+    _drain_async_work = UnifiedRadixCache._drain_async_work
+    flush_pending_backups = UnifiedRadixCache.flush_pending_backups
+    _sync_hicache_ready_counts = UnifiedRadixCache._sync_hicache_ready_counts
+    _count_ready_acks = UnifiedRadixCache._count_ready_acks
+    _all_reduce = UnifiedRadixCache._all_reduce
+    _all_reduce_attn_groups = UnifiedRadixCache._all_reduce_attn_groups
+    _pp_sync = UnifiedRadixCache._pp_sync
+
+    def __init__(self, controller: Any, pp_rank: int = 0, pp_size: int = 1, pp_group: Any = None,
+                 metrics_collector: Any = None):
+        super().__init__(controller, metrics_collector)
+        self.pp_rank, self.pp_size, self.pp_group = pp_rank, pp_size, pp_group
+        self.work_list: list[Any] = []
+        self.ongoing_load_back = _AnyLoad()
+
+    def writing_check(self, *a: Any, **k: Any) -> None:
+        return UnifiedRadixCache.writing_check(self, *a, **k)
+
+    def loading_check(self, *a: Any, **k: Any) -> None:
+        return UnifiedRadixCache.loading_check(self, *a, **k)
+
+    def step(self) -> None:
+        """One scheduler step's HiCache event check, as sglang's scheduler runs it."""
+        UnifiedRadixCache.check_hicache_events(self)

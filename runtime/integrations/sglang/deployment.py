@@ -20,7 +20,11 @@ same order:
   stage, exchanges nothing and serves its own endpoint on ``PORT + pp_rank``;
 * ``UnifiedRadixCache.match_prefix`` (AFTER): device-hit, host-hit and miss tokens of each
   request's first match; ``HiCacheController.start_writing``/``start_loading`` (AROUND; sglang's
-  ``HybridCacheController`` inherits them): backup and load bytes and seconds from their acks.
+  ``HybridCacheController`` inherits them): backup and load bytes and seconds from their acks,
+  each ack checked against the stage's transfer plan (``agreement.TransferPlan``);
+* ``UnifiedRadixCache.check_hicache_events`` / ``writing_check`` / ``loading_check`` and
+  ``HiCacheController._sync_prefetch_hit_query`` (AROUND): the per-step ack counts and the L3
+  lengths every rank reports for rank 0 to compare (``agreement.py``, ``live.divergence``).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from ...live.remote import host_id, start_ticks
 from ...validation.deployment import deployment_report
 from ...validation.record import StageRecord
 from ...validation.report import StartupReport
+from .agreement import RankAgreement, TransferPlan
 from .push import Pusher, PushReceiver
 from .rank_source import Moves, SglangSource
 from .reader import model_num_layers, read_pool
@@ -63,11 +68,21 @@ TARGETS = {
     "match": "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.match_prefix",
     "write": "sglang.srt.managers.cache_controller.HiCacheController.start_writing",
     "load": "sglang.srt.managers.cache_controller.HiCacheController.start_loading",
+    "step": "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.check_hicache_events",
+    "write_check": "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.writing_check",
+    "load_check": "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.loading_check",
+    "prefetch": "sglang.srt.managers.cache_controller.HiCacheController._sync_prefetch_hit_query",
+    # the hybrid controller (DeepSeek V4's) overrides it without calling the base: hooked too
+    "prefetch_hybrid": "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller.HybridCacheController."
+                       "_sync_prefetch_hit_query",
 }
 #: The leading parameters each hook relies on, as the tested releases have them.
 TARGET_PARAMS = {
     "capacity": ("self", "token_capacity"), "pools": ("self",), "stack": ("params", "kvcache"),
     "match": ("self", "params"), "write": ("self",), "load": ("self",),
+    "step": ("self",), "write_check": ("self",), "load_check": ("self",),
+    "prefetch": ("self", "operation", "storage_hit_count"),
+    "prefetch_hybrid": ("self", "operation", "storage_hit_count"),
 }
 
 
@@ -122,6 +137,8 @@ class DeploymentOptions:
     push_timeout_s: float = SGLANG_PUSH_TIMEOUT_S
     sync_transfers: bool = False
     model_name: str = "sglang"
+    #: a PP divergence or an incomplete transfer makes /readyz 503 (default: a warning)
+    strict_agreement: bool = False
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> DeploymentOptions:
@@ -140,6 +157,7 @@ class DeploymentOptions:
             push_timeout_s=_env_float(env, "STAGECACHE_SGLANG_PUSH_TIMEOUT_S", SGLANG_PUSH_TIMEOUT_S),
             sync_transfers=env.get("STAGECACHE_SGLANG_SYNC_TRANSFERS", "0") == "1",
             model_name=env.get("STAGECACHE_SGLANG_MODEL_NAME", "sglang"),
+            strict_agreement=env.get("STAGECACHE_SGLANG_STRICT_AGREEMENT", "0") == "1",
         )
 
 
@@ -284,6 +302,8 @@ class Deployment:
         self.host_pool: Any = None  # sglang's HostPoolGroup, once the stack is built
         self._matched: OrderedDict[str, None] = OrderedDict()
         self._stack = contextlib.ExitStack()
+        self.agreement = RankAgreement()
+        self.record: StageRecord | None = None
 
     # -- registration ---------------------------------------------------------------------
     def register(self) -> Deployment:
@@ -295,7 +315,12 @@ class Deployment:
                                  ("stack", self.around_stack_build, HookType.AROUND),
                                  ("match", self.after_match_prefix, HookType.AFTER),
                                  ("write", self.around_start_writing, HookType.AROUND),
-                                 ("load", self.around_start_loading, HookType.AROUND)):
+                                 ("load", self.around_start_loading, HookType.AROUND),
+                                 ("step", self.agreement.around_check_hicache_events, HookType.AROUND),
+                                 ("write_check", self.agreement.around_writing_check, HookType.AROUND),
+                                 ("load_check", self.agreement.around_loading_check, HookType.AROUND),
+                                 ("prefetch", self.agreement.around_prefetch_hit_query, HookType.AROUND),
+                                 ("prefetch_hybrid", self.agreement.around_prefetch_hit_query, HookType.AROUND)):
             HookRegistry.register(TARGETS[name], hook, kind)
         return self
 
@@ -326,19 +351,24 @@ class Deployment:
         self.join(kvcache, page_size=int(params.page_size), host_pages=_host_pages(params, kvcache))
         host_pool_group, controller = original(*args, **kwargs)
         self.host_pool = host_pool_group
+        if self.record is not None:
+            self.agreement.plan = TransferPlan.of(self.record.family, self.record.inventory, host_pool_group,
+                                                  int(params.page_size))
         self.source.on_read = self._refresh_host_used
         return host_pool_group, controller
 
     def around_start_writing(self, original: Callable[..., Any], controller: Any, *a: Any, **k: Any) -> Any:
         """A backup submission: count the acks it queued (bytes, seconds)."""
-        return self._count(original, controller, controller.ack_write_queue, "d2h", a, k)
+        return self._count(original, controller, controller.ack_write_queue,
+                           getattr(controller, "write_queue", ()), "d2h", a, k)
 
     def around_start_loading(self, original: Callable[..., Any], controller: Any, *a: Any, **k: Any) -> Any:
         """A load submission: count the acks it queued (bytes, seconds)."""
-        return self._count(original, controller, controller.ack_load_queue, "h2d", a, k)
+        return self._count(original, controller, controller.ack_load_queue,
+                           getattr(controller, "load_queue", ()), "h2d", a, k)
 
-    def _count(self, original: Callable[..., Any], controller: Any, queue: list[Any], direction: str,
-               a: tuple[Any, ...], k: dict[str, Any]) -> Any:
+    def _count(self, original: Callable[..., Any], controller: Any, queue: list[Any], ops: Any,
+               direction: str, a: tuple[Any, ...], k: dict[str, Any]) -> Any:
         """On sglang's scheduler thread at every call, most of which queue nothing: kept lean.
 
         Each call that submits a transfer appends one ``HiCacheAck`` (``num_bytes``); seconds
@@ -346,11 +376,14 @@ class Deployment:
         copy itself (waits on the ack's CUDA event, which serialises transfers: debugging only).
         """
         before = len(queue)
+        first = ops[0] if ops else None  # the first queued operation: where the transfer's pages are
         t0 = time.perf_counter()
         result = original(controller, *a, **k)
         queued = len(queue) - before
         if queued > 0:
             self._counted(queue[before:], direction, t0)
+            for ack in queue[before:]:
+                self.agreement.check_ack(ack, direction, first)
         return result
 
     def _counted(self, acks: list[Any], direction: str, t0: float) -> None:
@@ -408,6 +441,7 @@ class Deployment:
             counters.host_tokens += host
             counters.miss_tokens += max(0, len(params.key) - device - host)
             counters.updated_at = time.time()
+        self.agreement.request(rid, device, host)
         return None
 
     def forget_requests(self) -> None:
@@ -425,6 +459,8 @@ class Deployment:
         record = read_pool(kvcache, rank.pp_rank, n, self.options.model_name, page_size).record(
             pp_size=rank.pp_size, tp_size=rank.tp_size, model_name=self.options.model_name,
             capacity=self.capacity, host_pages=host_pages, pool_tokens=int(getattr(kvcache, "size", 0) or 0))
+        self.record = record
+        self.agreement.stage = rank.pp_rank
         alone = self.options.per_rank or rank.pp_size == 1  # a deployment of size 1
         endpoint = self._endpoint(rank)
         if alone:
@@ -460,21 +496,39 @@ class Deployment:
         from stagecache.dashboard.server import dashboard_in_thread  # heavy: only when serving
 
         title = f"stagecache: {opts.model_name} (pp {rank.pp_size})"
+        if opts.per_rank or rank.pp_rank == 0:  # the ranks this endpoint compares: itself, or all
+            self.source.enable_agreement(1 if opts.per_rank else rank.pp_size, self.agreement.drain,
+                                         strict=opts.strict_agreement)
         if opts.per_rank:
             self.url = self._stack.enter_context(dashboard_in_thread(
                 self.source, opts.host, opts.port + rank.pp_rank, title=title))
         elif rank.pp_rank == 0 and endpoint is not None:
-            receiver = PushReceiver(endpoint.secret, rank.pp_size, self.source.put_remote)
+            receiver = PushReceiver(endpoint.secret, rank.pp_size, self.source.put_remote,
+                                    on_agreement=self.source.put_agreement)
             extra = [opts.advertise] if opts.advertise else []
             self.url = self._stack.enter_context(dashboard_in_thread(
                 self.source, opts.host, opts.port, title=title, configure=receiver.add_route,
                 extra_hosts=extra))
         elif endpoint is not None:
             self.pusher = Pusher(endpoint.url, endpoint.secret, rank.pp_rank, self.snapshot,
-                                 opts.push_interval_s).start()
+                                 opts.push_interval_s, extra=self.agreement.take,
+                                 sent=self.agreement.sent).start()
+            self.agreement.on_fatal = self._push_now
             self._stack.callback(self.pusher.stop)
         log.info("stagecache: PP rank %d %s", rank.pp_rank,
                  f"serves on {self.url}" if self.url else f"pushes to {endpoint.url if endpoint else '-'}")
+
+    def _push_now(self) -> None:
+        """sglang raised inside a scheduler step: push the step's records now (the process may be
+        going), best effort."""
+        pusher = self.pusher
+        if pusher is None:
+            return
+        try:
+            pusher.push_once()
+        except (OSError, ValueError) as exc:
+            log.warning("stagecache: PP rank %d could not push its last records: %s",
+                        self.rank.pp_rank if self.rank else -1, exc)
 
     def close(self) -> None:
         """Stop the endpoint or the pusher (tests; sglang never calls it)."""
@@ -496,6 +550,8 @@ PLUGIN_ENV = {
     "STAGECACHE_SGLANG_PUSH_INTERVAL_S": f"seconds between pushes (default {SGLANG_PUSH_INTERVAL_S:g})",
     "STAGECACHE_SGLANG_PUSH_TIMEOUT_S": f"a rank silent this long is not ready (default {SGLANG_PUSH_TIMEOUT_S:g})",
     "STAGECACHE_SGLANG_SYNC_TRANSFERS": "1 to time transfers by their CUDA events (serialises copies)",
+    "STAGECACHE_SGLANG_STRICT_AGREEMENT": "1: a PP divergence or an incomplete HiCache transfer makes /readyz "
+                                          "answer 503 (default 0: a warning on /readyz, the dashboard, the log)",
     "STAGECACHE_SGLANG_MODEL_NAME": "the model_name label (default sglang)",
 }
 

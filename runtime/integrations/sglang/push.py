@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 PUSH_PATH = "/api/sglang/push"
 #: The largest push rank 0 reads (a StageLive is a few KB).
 MAX_PUSH_BYTES = 1 << 20
+#: Refusals of a push for what it holds (malformed, MAC, too large): its records are not sent again.
+REFUSED_AS_IS = frozenset({400, 403, 413})
 #: Seconds one push may take before it is abandoned (the next one follows anyway).
 PUSH_HTTP_TIMEOUT_S = 2.0
 
@@ -53,8 +55,11 @@ class PushRefused(StageCacheError):
 class PushReceiver:
     """Rank 0's side: verifies pushes and hands the numbers to ``store(stage, live)``."""
 
-    def __init__(self, secret: bytes, pp_size: int, store: Callable[[int, StageLive], None]):
+    def __init__(self, secret: bytes, pp_size: int, store: Callable[[int, StageLive], None],
+                 on_agreement: Callable[[int, Any], None] | None = None):
         self._secret = secret
+        #: the push's ``agreement`` records, to rank 0's compare (``ValueError``: refused, 400)
+        self._on_agreement = on_agreement
         self._pp_size = pp_size
         self._store = store
         self._seq: dict[int, int] = {}
@@ -83,6 +88,11 @@ class PushReceiver:
             self._seq[stage] = seq
         live.stage = stage
         self._store(stage, on_receiver_clock(live, live.time or now, now, host))
+        if self._on_agreement is not None and msg.get("agreement") is not None:
+            try:
+                self._on_agreement(stage, msg["agreement"])
+            except ValueError as exc:
+                raise PushRefused(400, f"stage {stage}'s agreement records: {exc}") from None
         return stage
 
     def add_route(self, app: Any) -> None:
@@ -108,12 +118,17 @@ class Pusher:
     """A rank's side: a daemon thread that pushes ``snapshot()`` to rank 0 every ``interval_s``."""
 
     def __init__(self, url: str, secret: bytes, stage: int, snapshot: Callable[[], StageLive],
-                 interval_s: float):
+                 interval_s: float, extra: Callable[[], dict[str, Any]] | None = None,
+                 sent: Callable[[], None] | None = None):
         self.url = url.rstrip("/") + PUSH_PATH
         self._secret = secret
         self._stage = stage
         self._snapshot = snapshot
         self._interval = interval_s
+        #: what else rides on each push (the rank's agreement records), under ``agreement``
+        self._extra = extra
+        self._sent = sent  # rank 0 took a push: what ``extra`` gave it need not be sent again
+        self._push_lock = threading.Lock()
         self._seq = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"stagecache-push:{stage}", daemon=True)
@@ -126,14 +141,23 @@ class Pusher:
 
     def push_once(self) -> None:
         """One push; raises ``OSError``/``urllib.error.URLError`` when rank 0 does not take it."""
-        self._seq += 1
-        live = self._snapshot()
-        body = seal(self._secret, {"stage": self._stage, "seq": self._seq,
-                                   "live": live.model_dump(mode="json")})
-        req = urllib.request.Request(self.url, data=body, method="POST",
-                                     headers={"Content-Type": "application/octet-stream"})
-        with urllib.request.urlopen(req, timeout=PUSH_HTTP_TIMEOUT_S) as resp:  # noqa: S310 (http only)
-            resp.read()
+        with self._push_lock:  # the thread, or a last push from the scheduler thread: in order
+            self._seq += 1
+            msg = {"stage": self._stage, "seq": self._seq, "live": self._snapshot().model_dump(mode="json")}
+            if self._extra is not None:
+                msg["agreement"] = self._extra()
+            body = seal(self._secret, msg)
+            req = urllib.request.Request(self.url, data=body, method="POST",
+                                         headers={"Content-Type": "application/octet-stream"})
+            try:
+                with urllib.request.urlopen(req, timeout=PUSH_HTTP_TIMEOUT_S) as resp:  # noqa: S310 (http only)
+                    resp.read()
+            except urllib.error.HTTPError as exc:
+                if exc.code in REFUSED_AS_IS and self._sent is not None:
+                    self._sent()  # sending it again would be refused again
+                raise  # anything else (a busy endpoint's 408/429/503, a late 409): sent again
+            if self._sent is not None:
+                self._sent()
 
     def _run(self) -> None:
         # rank 0 starts its endpoint once the exchange is over, as the others start pushing

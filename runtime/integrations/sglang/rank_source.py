@@ -10,15 +10,21 @@ source holds every stage: the deployment's report, the others' pushed numbers
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ...live.numbers import PageSpace, Phase, RunInfo, StageLive
+from ...live.divergence import Divergence, DivergenceLive, DivergenceTracker, RankBatch
+from ...live.numbers import Disagreement, PageSpace, Phase, RunInfo, StageAgreement, StageLive
 from ...live.remote import Arrivals, gone
 from ...validation.report import StartupReport
+
+log = logging.getLogger(__name__)
+#: After the first divergence, every n-th one is logged too (the counts are on /metrics).
+LOG_EVERY = 100
 
 
 @dataclass
@@ -77,6 +83,48 @@ class SglangSource:
         self.arrivals = Arrivals()
         #: the other ranks on this host: stage -> (pid, start ticks), watched for a crash
         self._peers: dict[int, tuple[int, int | None]] = {}
+        #: rank 0's compare of the ranks' agreement records (``enable_agreement``)
+        self._tracker: DivergenceTracker | None = None
+        self._own_records: Callable[[], RankBatch] | None = None
+        self._logged = 0
+        #: a divergence makes the deployment not ready (else: a warning)
+        self.strict_agreement = False
+
+    # -- agreement (rank 0) ------------------------------------------------------------------
+    def enable_agreement(self, pp_size: int, own: Callable[[], RankBatch], strict: bool = False) -> None:
+        """Compare the ranks' records here; ``own`` drains this rank's (``RankAgreement.drain``)."""
+        self._tracker = DivergenceTracker(pp_size)
+        self._own_records = own
+        self.strict_agreement = strict
+
+    def put_agreement(self, stage: int, raw: object) -> None:
+        """A pushed rank's records (``ValueError`` when malformed: the push is refused)."""
+        if self._tracker is None:
+            return
+        batch = RankBatch.parse(raw)
+        self._take_own()
+        self._logged_divergences(self._tracker.add(stage, batch))
+
+    def _take_own(self) -> None:
+        """This rank's own records, moved into the compare off sglang's scheduler thread."""
+        if self._tracker is not None and self._own_records is not None:
+            own = self._own_records()
+            if own.requests or own.prefetch or own.steps or own.backups or own.dropped:
+                rank = (self._own or 0) if self._tracker.pp_size > 1 else 0  # alone: index 0
+                self._logged_divergences(self._tracker.add(rank, own))
+
+    def _logged_divergences(self, found: list[Divergence]) -> None:
+        for d in found:
+            self._logged += 1
+            if self._logged == 1 or self._logged % LOG_EVERY == 0:
+                log.warning("stagecache: PP divergence #%d: %s", self._logged, d.text())
+
+    def divergence(self) -> DivergenceLive | None:
+        """The ranks' agreement now (None: this process compares nothing)."""
+        if self._tracker is None:
+            return None
+        self._take_own()
+        return self._tracker.live()
 
     # -- feeding ---------------------------------------------------------------------------
     def counters(self, stage: int) -> StageCounters:
@@ -155,8 +203,12 @@ class SglangSource:
         if self.on_read is not None:
             self.on_read()
         now = time.time()
+        agreement = self.divergence()
         with self._lock:
             out = {k: self._folded(k) for k in sorted(set(self._live) | set(self._counters))}
+        if agreement is not None:
+            for k, live in out.items():
+                live.agreement = stage_agreement(agreement, k)
         if self._own is not None and self._own in out:  # this process answers: its stage is alive
             out[self._own].heartbeat_at = now
             out[self._own].pid = os.getpid()
@@ -174,3 +226,14 @@ class SglangSource:
             return RunInfo(phase=Phase.SERVING if report.ok else Phase.REFUSED, pp_size=report.pp_size,
                            model=self.model_name, heartbeat_timeout_s=self._push_timeout_s,
                            started_at=0.0, time=time.time())
+
+
+def stage_agreement(d: DivergenceLive, stage: int) -> StageAgreement:
+    """A stage's part of the ranks' agreement, as the dashboard's stage-agreement panel reads it:
+    the quantities it was off the majority in, the requests compared, the recent divergences."""
+    recent = [Disagreement(time=x.time, micro_batch=x.step if x.step is not None else -1,
+                           request=x.request if x.request is not None else f"step {x.step}",
+                           kind=x.quantity, stages=x.ranks, agreed=x.agreed, values=x.values)
+              for x in d.recent if stage in x.ranks]
+    return StageAgreement(disagreements=dict(d.per_rank.get(stage, {})),
+                          compared_requests=d.compared.get("device_prefix_len", 0), recent=recent)
