@@ -100,5 +100,7 @@ def test_probes_copy_byte_exact_on_the_gpu():
         for r in rows:
             assert set(r["probes"]) == expected
             assert all(r["bit_exact"][k] is True for k in expected)
-            assert all(0 < p["vs_ceiling"] < 2 for p in r["probes"].values())
+            # a ratio, not a bound: at small sizes the contiguous ceiling's own launch cost can make a
+            # probe 3x "faster" than it (see docs/bench/transfer-h100.json), with 1-2 reps more so
+            assert all(0 < p["vs_ceiling"] < float("inf") for p in r["probes"].values())
             assert "probe_tma_bulk" not in r["ms"]  # probes are not peers

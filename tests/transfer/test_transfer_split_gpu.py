@@ -61,14 +61,14 @@ def test_gpu_dma_time_from_events_split_over_kinds_by_bytes():
     for r in (backup, load, layered):
         assert r.seconds > 0 and r.queue_seconds > 0, r
         assert r.nbytes / r.seconds < 1e12, r  # DMA time, not a host stamp: under 1 TB/s over PCIe
-    snap = stats.snapshot()
+    live = stats.live()
     for d in ("d2h", "h2d"):
-        kinds = snap[d]["kinds"]
+        kinds = getattr(live.transfer_split, d)
         assert set(kinds) == {k for k, _ in c.selection().kinds}
-        assert sum(k["bytes"] for k in kinds.values()) == snap[d]["bytes"]
-        assert sum(k["dma_seconds"] for k in kinds.values()) == pytest.approx(snap[d]["seconds"])
-        assert all(k["dma_seconds"] > 0 and k["queue_seconds"] > 0 for k in kinds.values())
-        gb = {name: k["bytes"] / k["dma_seconds"] for name, k in kinds.items()}  # split by bytes: one rate
+        assert sum(k.bytes for k in kinds.values()) == getattr(live.transfer_bytes, d)
+        assert sum(k.dma_seconds for k in kinds.values()) == pytest.approx(getattr(live.transfer_seconds, d))
+        assert all(k.dma_seconds > 0 and k.queue_seconds > 0 for k in kinds.values())
+        gb = {name: k.bytes / k.dma_seconds for name, k in kinds.items()}  # split by bytes: one rate
         assert max(gb.values()) == pytest.approx(min(gb.values()), rel=1e-6)
 
 
@@ -108,4 +108,4 @@ def test_gpu_queue_wait_counts_work_queued_on_the_callers_stream():
     slept = before.elapsed_time(after) / 1e3
     assert slept > 5e-3
     assert r.queue_seconds > 0.8 * slept
-    assert stats.snapshot()["h2d"]["kinds"]["swa"]["queue_seconds"] > 0.8 * slept
+    assert stats.live().transfer_split.h2d["swa"].queue_seconds > 0.8 * slept
