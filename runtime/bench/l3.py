@@ -165,10 +165,11 @@ def _mooncake_rounds(store: Any, src: torch.Tensor, dst: torch.Tensor, rounds: i
 
 def bench_mooncake(pages: int, page_bytes: int, rounds: int) -> dict[str, Any]:
     from ..storage.master import MooncakeMaster
-    from ..storage.mooncake import MooncakeStore
+    from ..storage.mooncake import MIN_SEGMENT_BYTES, MooncakeStore
 
     src, dst = _pages(pages, page_bytes), torch.zeros(pages, page_bytes, dtype=torch.uint8)
-    with MooncakeMaster() as master, MooncakeStore(master.address, 3 * pages * page_bytes) as store:
+    with MooncakeMaster() as master, MooncakeStore(
+            master.address, max(3 * pages * page_bytes, MIN_SEGMENT_BYTES)) as store:
         store.register([src, dst])
         _mooncake_rounds(store, src, dst, 1)  # warm-up: first touches of the segment
         t = _mooncake_rounds(store, src, dst, rounds)

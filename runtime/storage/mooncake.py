@@ -42,6 +42,8 @@ CODES = {NOT_FOUND: "not found", LEASED: "key leased by a reader", NO_SPACE: "no
          BAD_PARAMETERS: "bad parameters (size or buffer)", TRANSFER_FAILED: "transfer failed",
          MASTER_FAILED: "master unreachable"}
 LOCAL_BUFFER_BYTES = 16 << 20
+#: The smallest segment Mooncake's client accepts ("Total size must be at least 16777216").
+MIN_SEGMENT_BYTES = 16 << 20
 SMALL_BYTES = 1 << 20  # the registered buffer small objects (manifest, probe) are read into
 DEFAULT_PROBE_INTERVAL_S = 1.0
 

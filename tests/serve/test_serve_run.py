@@ -19,9 +19,13 @@ import httpx
 import pytest
 from metric_samples import sample_value, series_by_name
 from serve_helpers import SMALL, alive, read_json, run_phase, stage_pids, start, stop, wait_for
-from stagecache.exporters.metrics import METRIC_NAMES
+from stagecache.exporters.families import all_families
 from stagecache.runtime.cache.insight import MISS_REASONS
 from stagecache.runtime.live.numbers import DECISION_NAMES
+
+#: What serve exposes: every family but those of a compared sglang deployment (``deployment`` scope).
+SERVE_METRIC_NAMES = tuple(f.name for scope, f in all_families() if scope != "deployment")
+DEPLOYMENT_NAMES = {f.name for scope, f in all_families() if scope == "deployment"}
 
 
 def _check_stage_series(smp: dict[str, list], st: str) -> None:
@@ -74,8 +78,10 @@ def test_serve_pp4_metrics_match_the_run(tmp_path, free_port):
     assert code == 143, out.read_text()  # SIGTERM while holding the finished run
     smp = series_by_name(text)
     names = {n for n in smp}
-    for name in METRIC_NAMES:
+    for name in SERVE_METRIC_NAMES:
         assert any(n == name or n.startswith(name + "_") for n in names), f"{name} missing from /metrics"
+    compared = [n for n in names for d in DEPLOYMENT_NAMES if n == d or n.startswith(d + "_")]
+    assert not compared, f"ranks compared where no sglang ranks are: {compared}"
     for st in ("0", "1", "2", "3"):
         _check_stage_series(smp, st)
     assert sample_value(smp, "stagecache_activation_sent_bytes_total", pp_rank="0") == sample_value(
