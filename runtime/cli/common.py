@@ -206,6 +206,39 @@ def add_trace_args(p: argparse.ArgumentParser, trace_help: str, *, required: boo
                    help="skip malformed trace lines (reported) instead of refusing the whole file")
 
 
+def add_bench_trace_args(p: argparse.ArgumentParser, requests_default: int) -> None:
+    """The trace flags of a benchmark that reads a trace or generates one (bench advise, policies)."""
+    from ..traces.mooncake_trace import DEFAULT_BLOCK_TOKENS
+
+    p.add_argument("--trace", default=None, metavar="FILE",
+                   help="JSONL trace, tokens or Mooncake format (default: generated)")
+    p.add_argument("--trace-format", choices=("auto", "tokens", "mooncake"), default="auto",
+                   help="format of --trace (default: detected from the first line)")
+    p.add_argument("--page-size", type=positive_int, default=defaults.PAGE_SIZE,
+                   help="tokens per page of a tokens trace (default %(default)s; Mooncake: one block)")
+    p.add_argument("--block-tokens", type=positive_int, default=DEFAULT_BLOCK_TOKENS,
+                   help=f"tokens per Mooncake hash id (default {DEFAULT_BLOCK_TOKENS})")
+    p.add_argument("--requests", type=int_range(1, 10_000_000), default=requests_default,
+                   help="requests of the generated trace (default %(default)s)")
+    p.add_argument("--seed", type=nonneg_int, default=0, help="seed of the generated trace (default 0)")
+    p.add_argument("--save-trace", default=None, metavar="FILE",
+                   help="also write the generated trace here (Mooncake format)")
+
+
+def print_json_result(res: object, out: str | None) -> None:
+    """Print a benchmark's JSON result, and also write it to ``out`` when given."""
+    import json
+
+    text = json.dumps(res, indent=2)
+    if out:
+        try:
+            with open(out, "w") as f:
+                f.write(text + "\n")
+        except OSError as exc:
+            raise ConfigError(f"--out {out}: cannot write it: {exc.strerror or exc}") from None
+    print(text)
+
+
 def plan_from_args(args: argparse.Namespace, sizing: Sizing | None = None,
                    page_size: int | None = None) -> RunPlan:
     """The run's plan from the flags of ``add_layout_args`` (and a sizing): built once, here."""
