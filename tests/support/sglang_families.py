@@ -23,10 +23,9 @@ import torch
 from sglang.srt.distributed.utils import get_pp_indices
 from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
 from sglang.srt.model_executor.model_runner_components.layer_setup import ModelLayerInfo
-from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
 from sglang.srt.runtime_context import get_schedule
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-from stagecache.runtime.integrations.sglang.cpu_stage import _PPGroup, cache_params
+from stagecache.runtime.integrations.sglang.cpu_stage import _PPGroup, cache_params, size_pools
 
 #: ``--kv-cache-dtype`` -> the torch dtype ``ModelRunner`` gives the pools (the presets are BF16).
 KV_DTYPES = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -91,13 +90,7 @@ def build_family_stage(sa: Any, mc: Any, rank: int, pp_size: int, device: str = 
         layer_info=ModelLayerInfo(start_layer=start, end_layer=end, num_effective_layers=end - start),
         forward_stream=None, req_to_token_pool=None, token_to_kv_pool_allocator=None, memory_pool_config=None,
     )
-    configurator = create_memory_pool_configurator(kvc)
-    if budget_bytes is None:
-        config = configurator.calculate_pool_sizes_from_max_tokens(get_schedule().max_total_tokens, page)
-    else:
-        config = configurator.calculate_pool_sizes(budget_bytes, page)
-    config.max_running_requests = kvc.resolve_max_num_reqs(config.max_total_num_tokens)
-    config = configurator.finalize_with_max_running_requests(config)
+    configurator, config = size_pools(kvc, budget_bytes)
     with meta_device_module():
         pools = kvc._init_pools(sizes=kvc._derive_pool_sizes(config=config), req_to_token_pool=None,
                                 token_to_kv_pool_allocator=None)

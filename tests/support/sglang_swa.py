@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from sglang.srt import runtime_context
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed.utils import get_pp_indices
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -35,6 +34,7 @@ from sglang.srt.model_executor.pool_configurator import create_memory_pool_confi
 from sglang.srt.runtime_context import get_schedule
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+from stagecache.runtime.integrations.sglang.cpu_stage import _PPGroup, published, size_pools  # noqa: F401 (re-exported)
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESETS = ROOT / "runtime" / "model" / "presets"
@@ -47,24 +47,6 @@ def model_folder(parent: Path, name: str, config: dict[str, Any] | None = None) 
     text = json.dumps(config) if config is not None else (PRESETS / f"{name}.json").read_text()
     (folder / "config.json").write_text(text)
     return folder
-
-
-@contextlib.contextmanager
-def published(folder: Path, **server_args: Any) -> Iterator[tuple[ServerArgs, ModelConfig]]:
-    """A resolved ``ServerArgs`` (HiCache on, CPU) published for the block, and its ModelConfig."""
-    previous = runtime_context._CONTEXT._server_args
-    sa = ServerArgs(model_path=str(folder), device="cpu", enable_hierarchical_cache=True, **server_args)
-    sa.resolve_once()
-    runtime_context._CONTEXT.set_server_args(sa)
-    try:
-        yield sa, ModelConfig.from_server_args(sa)
-    finally:
-        if previous is not None:
-            runtime_context._CONTEXT.set_server_args(previous)
-
-
-class _PPGroup:
-    rank_in_group = 0
 
 
 class _Model:
@@ -138,13 +120,7 @@ def rank_pools(sa: ServerArgs, mc: ModelConfig, rank: int, pp: int, *, device: s
         is_hybrid_swa_compress=mc.is_hybrid_swa_compress, use_mla_backend=False, layer_info=info,
         forward_stream=None, req_to_token_pool=None, token_to_kv_pool_allocator=None, memory_pool_config=None,
     )
-    configurator = create_memory_pool_configurator(kvc)
-    if budget_bytes is None:
-        config = configurator.calculate_pool_sizes_from_max_tokens(get_schedule().max_total_tokens, page)
-    else:
-        config = configurator.calculate_pool_sizes(budget_bytes, page)
-    config.max_running_requests = kvc.resolve_max_num_reqs(config.max_total_num_tokens)
-    config = configurator.finalize_with_max_running_requests(config)
+    configurator, config = size_pools(kvc, budget_bytes)
     with meta_device():
         pools = kvc._init_pools(sizes=kvc._derive_pool_sizes(config=config), req_to_token_pool=None,
                                 token_to_kv_pool_allocator=None)

@@ -110,10 +110,10 @@ def kv_cache_configurator(sa: ServerArgs, mc: ModelConfig, rank: int, pp_size: i
     )
 
 
-def build_stage(sa: ServerArgs, mc: ModelConfig, rank: int, pp_size: int, device: str = "meta",
-                budget_bytes: int | None = None) -> Stage:
-    """sglang's sizing and pool construction for one rank (``ModelRunner``'s steps, in order)."""
-    kvc = kv_cache_configurator(sa, mc, rank, pp_size, _PPGroup(), device)
+def size_pools(kvc: Any, budget_bytes: int | None = None) -> tuple[Any, Any]:
+    """sglang's pool sizing for one rank's ``KVCacheConfigurator`` (``ModelRunner``'s steps, in
+    order): its pool configurator and the ``MemoryPoolConfig`` sized from ``--max-total-tokens``
+    (or ``budget_bytes``) and finalized with the max running requests."""
     configurator = create_memory_pool_configurator(kvc)
     page = get_schedule().page_size
     if budget_bytes is None:
@@ -121,7 +121,14 @@ def build_stage(sa: ServerArgs, mc: ModelConfig, rank: int, pp_size: int, device
     else:
         config = configurator.calculate_pool_sizes(budget_bytes, page)
     config.max_running_requests = kvc.resolve_max_num_reqs(config.max_total_num_tokens)
-    config = configurator.finalize_with_max_running_requests(config)
+    return configurator, configurator.finalize_with_max_running_requests(config)
+
+
+def build_stage(sa: ServerArgs, mc: ModelConfig, rank: int, pp_size: int, device: str = "meta",
+                budget_bytes: int | None = None) -> Stage:
+    """sglang's sizing and pool construction for one rank (``ModelRunner``'s steps, in order)."""
+    kvc = kv_cache_configurator(sa, mc, rank, pp_size, _PPGroup(), device)
+    configurator, config = size_pools(kvc, budget_bytes)
     pools = kvc._init_pools(sizes=kvc._derive_pool_sizes(config=config), req_to_token_pool=None,
                             token_to_kv_pool_allocator=None)
     return Stage(rank, config, pools.token_to_kv_pool, pools.token_to_kv_pool_allocator,
