@@ -6,35 +6,30 @@ from __future__ import annotations
 import json
 
 import pytest
-from mooncake_sample import write_sample
+from cli_traces import mooncake_file, run_json, tokens_file
 from stagecache.runtime.cli.main import main
 from stagecache.runtime.model.families.deepseek_v4 import FAMILY
 from stagecache.runtime.plan.inputs import resolve_plan
 from stagecache.runtime.plan.plan import Sizing
 from stagecache.runtime.sizing.advice import TARGETS, hicache_ratio_for
 from stagecache.runtime.sizing.curves import page_views, trace_curves
-from stagecache.runtime.traces.readers import WorkloadConfig, generate, load_requests, write_trace
+from stagecache.runtime.traces.readers import load_requests
 
 HICACHE_SIZE_REFUSED = FAMILY.host_size_refused
 
 
 @pytest.fixture(scope="module")
 def mooncake(tmp_path_factory):
-    path = tmp_path_factory.mktemp("advise") / "mooncake.jsonl"
-    write_sample(path, 400, seed=4)
-    return path
+    return mooncake_file(tmp_path_factory.mktemp("advise"))
 
 
 @pytest.fixture(scope="module")
 def tokens(tmp_path_factory):
-    path = tmp_path_factory.mktemp("advise") / "tokens.jsonl"
-    write_trace(path, generate(WorkloadConfig(seed=2, requests=150, think_time_s=5.0)))
-    return path
+    return tokens_file(tmp_path_factory.mktemp("advise"), requests=150, seed=2)
 
 
 def advise_json(capsys, *argv: str) -> dict:
-    assert main(["advise", *argv, "--json"]) == 0
-    return json.loads(capsys.readouterr().out)
+    return run_json(capsys, "advise", *argv)
 
 
 def test_report_is_the_curves_priced_by_the_plan(mooncake, capsys):

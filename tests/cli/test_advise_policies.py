@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from mooncake_sample import write_sample
+from cli_traces import mooncake_file, run_json, tokens_file
 from stagecache.runtime.cli.main import main
 from stagecache.runtime.plan.inputs import resolve_plan
 from stagecache.runtime.plan.plan import Sizing
@@ -15,26 +15,21 @@ from stagecache.runtime.sizing.advice import hicache_ratio_for
 from stagecache.runtime.sizing.bounds import belady_curve
 from stagecache.runtime.sizing.curves import page_views, trace_curves
 from stagecache.runtime.sizing.policy_advice import POLICY_TARGETS, stage_pricing
-from stagecache.runtime.traces.readers import WorkloadConfig, generate, load_requests, write_trace
+from stagecache.runtime.traces.readers import load_requests
 
 
 @pytest.fixture(scope="module")
 def mooncake(tmp_path_factory):
-    path = tmp_path_factory.mktemp("pol") / "mooncake.jsonl"
-    write_sample(path, 400, seed=4)
-    return path
+    return mooncake_file(tmp_path_factory.mktemp("pol"))
 
 
 @pytest.fixture(scope="module")
 def tokens(tmp_path_factory):
-    path = tmp_path_factory.mktemp("pol") / "tokens.jsonl"
-    write_trace(path, generate(WorkloadConfig(seed=2, requests=120, think_time_s=5.0)))
-    return path
+    return tokens_file(tmp_path_factory.mktemp("pol"), requests=120, seed=2)
 
 
 def advise_json(capsys, *argv: str) -> dict:
-    assert main(["advise", *argv, "--json"]) == 0
-    return json.loads(capsys.readouterr().out)
+    return run_json(capsys, "advise", *argv)
 
 
 @pytest.fixture(scope="module")

@@ -3,28 +3,20 @@ as real stage processes (the dashboard: tests/dashboard/test_family_legends.py).
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
 import pytest
+from cli_traces import run_json, tokens_file
 from stagecache.runtime.cli.main import main
 from stagecache.runtime.model.config_file import PRESETS
-from stagecache.runtime.traces.readers import WorkloadConfig, generate, write_trace
 
 FAMILY_OF = {"glm-5.2": "dsa", "deepseek-v3.2": "dsa", "deepseek-v3": "mla", "llama-3.1-8b": "mha"}
 
 
 @pytest.fixture(scope="module")
 def tokens(tmp_path_factory):
-    path = tmp_path_factory.mktemp("trace") / "tokens.jsonl"
-    write_trace(path, generate(WorkloadConfig(seed=3, requests=80, think_time_s=5.0)))
-    return path
-
-
-def run_json(capsys, *argv: str) -> dict:
-    assert main([*argv, "--json"]) == 0
-    return json.loads(capsys.readouterr().out)
+    return tokens_file(tmp_path_factory.mktemp("trace"), requests=80, seed=3)
 
 
 @pytest.mark.parametrize("model", sorted(FAMILY_OF))
