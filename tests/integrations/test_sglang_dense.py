@@ -10,37 +10,25 @@ layer's latent row (MLA) or its K and V tensors together (MHA).
 from __future__ import annotations
 
 import json
-import logging
 
 import pytest
 
 pytest.importorskip("sglang", reason="sglang not installed (runs in .venv-sglang)")
 
 from sglang.srt.runtime_context import get_schedule  # noqa: E402
-from sglang_families import build_family_stage, host_stack  # noqa: E402
-from sglang_real import model_dir, on_cpu, partition_env, published  # noqa: E402
-from stagecache.runtime.cli.main import main  # noqa: E402
+from sglang_families import build_family_stage, host_stack, layout_ids, model_dirs, pools_json  # noqa: E402
+from sglang_real import on_cpu, partition_env, published  # noqa: E402
 
 TOKENS = 262_144
 LAYOUTS = [("deepseek-v3", 1, None), ("deepseek-v3", 2, None), ("deepseek-v3", 4, None),
            ("deepseek-v3", 3, (10, 25, 26)), ("llama-3.1-8b", 1, None), ("llama-3.1-8b", 2, None),
            ("llama-3.1-8b", 4, None), ("llama-3.1-8b", 3, (5, 13, 14))]
-IDS = [f"{m}-pp{pp}-" + (",".join(map(str, p)) if p else "even") for m, pp, p in LAYOUTS]
+IDS = layout_ids(LAYOUTS)
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    logging.getLogger("sglang").setLevel(logging.WARNING)
-    root = tmp_path_factory.mktemp("models")
-    return {m: model_dir(root, m) for m in ("deepseek-v3", "llama-3.1-8b")}
-
-
-def pools_json(capsys, model: str, pp: int, partition, page: int, *extra: str) -> dict:
-    argv = ["pools", "--model", model, "--pp-size", str(pp), "--page-size", str(page), "--json", *extra]
-    if partition:
-        argv += ["--pp-partition", ",".join(map(str, partition))]
-    assert main(argv) == 0
-    return json.loads(capsys.readouterr().out)
+    return model_dirs(tmp_path_factory.mktemp("models"), "deepseek-v3", "llama-3.1-8b")
 
 
 def layer_tensors(kv) -> list[list]:

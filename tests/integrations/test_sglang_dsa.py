@@ -10,7 +10,6 @@ host pools and its transfer maps, and ``dsa_layer_skips_topk`` for every top-k r
 from __future__ import annotations
 
 import json
-import logging
 
 import pytest
 
@@ -18,9 +17,15 @@ pytest.importorskip("sglang", reason="sglang not installed (runs in .venv-sglang
 
 from sglang.srt.configs.model_config import dsa_layer_skips_topk  # noqa: E402
 from sglang.srt.runtime_context import get_schedule  # noqa: E402
-from sglang_families import build_family_stage, host_stack, on_h100  # noqa: E402
-from sglang_real import model_dir, on_cpu, partition_env, published  # noqa: E402
-from stagecache.runtime.cli.main import main  # noqa: E402
+from sglang_families import (  # noqa: E402
+    build_family_stage,
+    host_stack,
+    layout_ids,
+    model_dirs,
+    on_h100,
+    pools_json,
+)
+from sglang_real import on_cpu, partition_env, published  # noqa: E402
 from stagecache.runtime.errors import ConfigError  # noqa: E402
 from stagecache.runtime.model.families import spec_from_config  # noqa: E402
 from stagecache.runtime.model.families.dsa import INDEXER, SHARED  # noqa: E402
@@ -31,22 +36,12 @@ TOKENS = 262_144
 LAYOUTS = [("glm-5.2", 1, None), ("glm-5.2", 2, None), ("glm-5.2", 4, None), ("glm-5.2", 4, (3, 3, 33, 39)),
            ("glm-5.2", 3, (4, 37, 37)), ("deepseek-v3.2", 1, None), ("deepseek-v3.2", 2, None),
            ("deepseek-v3.2", 4, None), ("deepseek-v3.2", 2, (10, 51))]
-IDS = [f"{m}-pp{pp}-" + (",".join(map(str, p)) if p else "even") for m, pp, p in LAYOUTS]
+IDS = layout_ids(LAYOUTS)
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    logging.getLogger("sglang").setLevel(logging.WARNING)
-    root = tmp_path_factory.mktemp("models")
-    return {m: model_dir(root, m) for m in ("glm-5.2", "deepseek-v3.2")}
-
-
-def pools_json(capsys, model: str, pp: int, partition, page: int, *extra: str) -> dict:
-    argv = ["pools", "--model", model, "--pp-size", str(pp), "--page-size", str(page), "--json", *extra]
-    if partition:
-        argv += ["--pp-partition", ",".join(map(str, partition))]
-    assert main(argv) == 0
-    return json.loads(capsys.readouterr().out)
+    return model_dirs(tmp_path_factory.mktemp("models"), "glm-5.2", "deepseek-v3.2")
 
 
 def layout_of(model: str, pp: int, partition):

@@ -15,8 +15,11 @@ one PP rank with sglang's ``KVCacheConfigurator`` and ``DefaultPoolConfigurator`
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,11 +28,37 @@ from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
 from sglang.srt.model_executor.model_runner_components.layer_setup import ModelLayerInfo
 from sglang.srt.runtime_context import get_schedule
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-from stagecache.runtime.integrations.sglang.cpu_stage import _PPGroup, cache_params, size_pools
+from stagecache.runtime.cli.main import main
+from stagecache.runtime.integrations.sglang.cpu_stage import (
+    _PPGroup,
+    cache_params,
+    model_dir,
+    size_pools,
+)
 
 #: ``--kv-cache-dtype`` -> the torch dtype ``ModelRunner`` gives the pools (the presets are BF16).
 KV_DTYPES = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
              "fp8_e4m3": torch.float8_e4m3fn}
+
+
+def layout_ids(layouts: list[tuple[str, int, tuple[int, ...] | None]]) -> list[str]:
+    """Test ids of ``(model, pp, partition)`` layouts: ``model-ppN-`` and the partition or ``even``."""
+    return [f"{m}-pp{pp}-" + (",".join(map(str, p)) if p else "even") for m, pp, p in layouts]
+
+
+def model_dirs(root: Path, *models: str) -> dict[str, Path]:
+    """The presets' model folders sglang resolves offline, sglang's logging at WARNING."""
+    logging.getLogger("sglang").setLevel(logging.WARNING)
+    return {m: model_dir(root, m) for m in models}
+
+
+def pools_json(capsys, model: str, pp: int, partition, page: int, *extra: str) -> dict:
+    """``stagecache pools --json`` for one layout, parsed."""
+    argv = ["pools", "--model", model, "--pp-size", str(pp), "--page-size", str(page), "--json", *extra]
+    if partition:
+        argv += ["--pp-partition", ",".join(map(str, partition))]
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
 
 
 @contextlib.contextmanager
