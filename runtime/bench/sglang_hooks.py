@@ -92,7 +92,7 @@ def _sglang_stage() -> Iterator[_Stage]:
 
 
 @contextlib.contextmanager
-def _no_copies() -> Iterator[None]:
+def no_copies() -> Iterator[None]:
     """The page copies skipped: what is left is the scheduler thread's part of a transfer."""
     from sglang.srt.mem_cache import memory_pool_host
 
@@ -330,7 +330,7 @@ def run_bench(sessions: int = 32, turns: int = 8, rounds: int = 7) -> dict[str, 
         dep.agreement.plan = TransferPlan.of("deepseek_v4", {k: [True] for k in ("c4", "indexer", "c128")},
                                              stage.group, PAGE)
         with_copies = _arms(trace, stage, dep, rounds)
-        with _no_copies():
+        with no_copies():
             without = _arms(trace, stage, dep, rounds)
             live = dep.source.stages()[0]  # what the hooked arms counted (the next step counts more)
             records = dep.agreement.drain()

@@ -31,32 +31,19 @@ rank makes and consumes, and the bytes are the acks' own.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
 import torch
+from stagecache.runtime.bench.sglang_hooks import no_copies
 
 PAGE = 256
 DEVICE_PAGES = 6
 #: device rows every transfer reads or writes (inside the rank's pool)
 ROWS = torch.arange(PAGE, 2 * PAGE)
-
-
-@contextlib.contextmanager
-def no_copies() -> Iterator[None]:
-    from sglang.srt.mem_cache import memory_pool_host
-
-    saved = memory_pool_host.transfer_kv_direct
-    memory_pool_host.transfer_kv_direct = lambda *a, **k: None
-    try:
-        yield
-    finally:
-        memory_pool_host.transfer_kv_direct = saved
 
 
 def requests(n: int, sessions: int = 12, turns: int = 8) -> list[tuple[str, int, int]]:
