@@ -23,8 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
-from netns import FAKETIME_LIB, NAMES, three_hosts, wait
-from prometheus_client.parser import text_string_to_metric_families
+from netns import FAKETIME_LIB, NAMES, Watch, stage_states, three_hosts, wait
 from sglang_env import checkout_on_path, sglang_python
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,48 +34,6 @@ CUT_S = 20.0
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.skipif(
     not os.path.exists(FAKETIME_LIB), reason=f"no {FAKETIME_LIB} (Debian package libfaketime)")]
-
-
-def _counters(text: str) -> dict[tuple, float]:
-    """Every counter sample of a /metrics page, by name and labels."""
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for f in text_string_to_metric_families(text) if f.type == "counter"
-            for s in f.samples if s.name.endswith("_total")}
-
-
-class Watch:
-    """Host A's view: /readyz and /metrics, sampled; counters must never go backwards."""
-
-    def __init__(self, hosts, base: str):
-        self.hosts, self.base = hosts, base
-        self.last: dict[tuple, float] = {}
-        self.backwards: list[str] = []
-
-    def get(self, path: str, **kw):
-        return self.hosts.http("a", self.base + path, headers={"Host": f"{NAMES['a']}:{PORT}"}, **kw)
-
-    def ready(self) -> tuple[int, dict]:
-        status, body = self.get("/readyz")
-        self.metrics()
-        try:
-            self.last_ready = (status, json.loads(body))
-        except ValueError:
-            self.last_ready = (status, {"raw": body[:500]})
-        return self.last_ready
-
-    def metrics(self) -> None:
-        status, body = self.get("/metrics")
-        if status != 200:
-            return
-        now = _counters(body.decode())
-        for key, value in now.items():
-            if value < self.last.get(key, 0.0):
-                self.backwards.append(f"{key}: {self.last[key]} -> {value}")
-            self.last[key] = max(value, self.last.get(key, 0.0))
-
-
-def _states(body: dict) -> dict[int, str]:
-    return {s["stage"]: s.get("state") for s in body.get("stages", [])}
 
 
 @pytest.mark.parametrize("skew", ["+30s", "-30s"], ids=["B-ahead-30s", "B-behind-30s"])
@@ -127,10 +84,10 @@ def test_sglang_pp4_over_two_hosts(tmp_path, skew):
 
             # -- one view across hosts -----------------------------------------------------
             # (the test's own threads resolve no namespace's /etc/hosts: address + the name in Host)
-            watch = Watch(hosts, f"http://{hosts.addr['a']}:{PORT}")
+            watch = Watch(hosts, f"http://{hosts.addr['a']}:{PORT}", PORT)
             status, body = wait(lambda: (lambda r: r if r[0] == 200 else None)(watch.ready()), 30,
                                 "/readyz 200 on host A", show=lambda: watch.last_ready)
-            assert sorted(_states(body)) == [0, 1, 2, 3] and set(_states(body).values()) == {"up"}, body
+            assert sorted(stage_states(body)) == [0, 1, 2, 3] and set(stage_states(body).values()) == {"up"}, body
             remote = {s["stage"]: s for s in body["stages"]}
             assert [remote[k]["remote"] for k in range(4)] == [False, True, True, True]
             assert remote[2]["host"] == remote[3]["host"] == hosts.addr["b"]
@@ -184,16 +141,16 @@ def test_sglang_pp4_over_two_hosts(tmp_path, skew):
             hosts.set_link(False)
             cut = time.monotonic()
             status, body = wait(lambda: (lambda r: r if r[0] == 503 and {2, 3} <= {
-                k for k, v in _states(r[1]).items() if v == "unreachable"} else None)(watch.ready()), 10,
+                k for k, v in stage_states(r[1]).items() if v == "unreachable"} else None)(watch.ready()), 10,
                 "/readyz 503 naming stages 2 and 3 unreachable")
             unreachable_after = time.monotonic() - cut
-            assert _states(body) == {0: "up", 1: "up", 2: "unreachable", 3: "unreachable"}, body
+            assert stage_states(body) == {0: "up", 1: "up", 2: "unreachable", 3: "unreachable"}, body
             assert any(r.startswith("stage 2: unreachable") for r in body["reasons"]), body["reasons"]
             assert any(r.startswith("stage 3: unreachable") for r in body["reasons"]), body["reasons"]
             assert not any("crashed" in r for r in body["reasons"])
             while time.monotonic() - cut < CUT_S:  # the whole gap: never crashed, never ready
                 status, body = watch.ready()
-                assert status == 503 and "crashed" not in _states(body).values(), body
+                assert status == 503 and "crashed" not in stage_states(body).values(), body
                 time.sleep(0.5)
             hosts.set_link(True)
             back = time.monotonic()
@@ -221,10 +178,10 @@ def test_sglang_pp4_over_two_hosts(tmp_path, skew):
             # -- a rank killed on host B is named as such ----------------------------------------
             os.kill(pids[2], signal.SIGKILL)
             killed = time.monotonic()
-            status, body = wait(lambda: (lambda r: r if _states(r[1]).get(2) == "crashed" else None)(watch.ready()),
+            status, body = wait(lambda: (lambda r: r if stage_states(r[1]).get(2) == "crashed" else None)(watch.ready()),
                                 10, "stage 2 named crashed")
             crashed_after = time.monotonic() - killed
-            assert status == 503 and _states(body)[3] == "up", body
+            assert status == 503 and stage_states(body)[3] == "up", body
             reason = next(r for r in body["reasons"] if r.startswith("stage 2"))
             assert f"pid {pids[2]} is gone" in reason and "stage 3 on the same host" in reason, reason
             print(f"\nsglang two hosts, B {skew}: unreachable after {unreachable_after:.1f} s, "

@@ -18,8 +18,7 @@ import sys
 import time
 
 import pytest
-from netns import FAKETIME_LIB, NAMES, three_hosts, wait
-from prometheus_client.parser import text_string_to_metric_families
+from netns import FAKETIME_LIB, NAMES, Watch, stage_states, three_hosts, wait
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 PORT, PROM_PORT, HUB_PORT = 18000, 19090, 29400
@@ -27,41 +26,6 @@ CUT_S = 20.0
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.skipif(
     not os.path.exists(FAKETIME_LIB), reason=f"no {FAKETIME_LIB} (Debian package libfaketime)")]
-
-
-def _counters(text: str) -> dict[tuple, float]:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for f in text_string_to_metric_families(text) if f.type == "counter"
-            for s in f.samples if s.name.endswith("_total")}
-
-
-def _states(body: dict) -> dict[int, str]:
-    return {s["stage"]: s.get("state") for s in body.get("stages", [])}
-
-
-class Watch:
-    def __init__(self, hosts, base: str):
-        self.hosts, self.base = hosts, base
-        self.last: dict[tuple, float] = {}
-        self.backwards: list[str] = []
-        self.last_ready: tuple = (0, {})
-
-    def get(self, path: str):
-        return self.hosts.http("a", self.base + path, headers={"Host": f"{NAMES['a']}:{PORT}"})
-
-    def ready(self) -> tuple[int, dict]:
-        status, body = self.get("/readyz")
-        s2, metrics = self.get("/metrics")
-        if s2 == 200:
-            for key, value in _counters(metrics.decode()).items():
-                if value < self.last.get(key, 0.0):
-                    self.backwards.append(f"{key}: {self.last[key]} -> {value}")
-                self.last[key] = max(value, self.last.get(key, 0.0))
-        try:
-            self.last_ready = (status, json.loads(body))
-        except ValueError:
-            self.last_ready = (status, {"raw": body[:300]})
-        return self.last_ready
 
 
 @pytest.mark.parametrize("skew", ["+30s", "-30s"], ids=["B-ahead-30s", "B-behind-30s"])
@@ -93,7 +57,7 @@ def test_serve_pp4_over_two_hosts(tmp_path, skew):
             def tails() -> str:
                 return "\n".join(f"--- node {n}:\n{logs[n].read_text(errors='replace')[-3000:]}" for n in logs)
 
-            watch = Watch(hosts, f"http://{hosts.addr['a']}:{PORT}")
+            watch = Watch(hosts, f"http://{hosts.addr['a']}:{PORT}", PORT)
 
             def ready():
                 for n, p in procs.items():
@@ -166,14 +130,14 @@ def test_serve_pp4_over_two_hosts(tmp_path, skew):
             hosts.set_link(False)
             cut = time.monotonic()
             status, body = wait(lambda: (lambda r: r if r[0] == 503 and {2, 3} <= {
-                k for k, v in _states(r[1]).items() if v == "unreachable"} else None)(watch.ready()), 10,
+                k for k, v in stage_states(r[1]).items() if v == "unreachable"} else None)(watch.ready()), 10,
                 "/readyz 503 naming stages 2 and 3 unreachable", show=lambda: watch.last_ready)
             unreachable_after = time.monotonic() - cut
-            assert _states(body)[2] == _states(body)[3] == "unreachable", body
+            assert stage_states(body)[2] == stage_states(body)[3] == "unreachable", body
             assert any(r.startswith("stage 2: unreachable") for r in body["reasons"]), body["reasons"]
             while time.monotonic() - cut < CUT_S:
                 status, body = watch.ready()
-                assert status == 503 and "crashed" not in _states(body).values(), body
+                assert status == 503 and "crashed" not in stage_states(body).values(), body
                 time.sleep(0.5)
             hosts.set_link(True)
             back = time.monotonic()
@@ -194,7 +158,7 @@ def test_serve_pp4_over_two_hosts(tmp_path, skew):
             # a stage killed on host B is named as such
             os.kill(pids[2], signal.SIGKILL)
             killed = time.monotonic()
-            status, body = wait(lambda: (lambda r: r if _states(r[1]).get(2) == "crashed" else None)(watch.ready()),
+            status, body = wait(lambda: (lambda r: r if stage_states(r[1]).get(2) == "crashed" else None)(watch.ready()),
                                 10, "stage 2 named crashed", show=lambda: watch.last_ready)
             crashed_after = time.monotonic() - killed
             reason = next(r for r in body["reasons"] if r.startswith("stage 2"))

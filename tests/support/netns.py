@@ -21,6 +21,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import ctypes
+import json
 import os
 import secrets
 import shutil
@@ -181,3 +182,49 @@ def wait(pred, timeout: float, what: str, every: float = 0.2, show=None):
             return last
         time.sleep(every)
     pytest.fail(f"timed out after {timeout} s waiting for {what} (last: {show() if show else last!r})")
+
+
+def _counters(text: str) -> dict[tuple, float]:
+    """Every counter sample of a /metrics page, by name and labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) if f.type == "counter"
+            for s in f.samples if s.name.endswith("_total")}
+
+
+def stage_states(body: dict) -> dict[int, str]:
+    """A /readyz body's state per stage."""
+    return {s["stage"]: s.get("state") for s in body.get("stages", [])}
+
+
+class Watch:
+    """Host A's view of an endpoint on ``port``: /readyz and /metrics sampled through host A, with
+    its advertised name as Host; counters must never go backwards (``backwards`` lists any)."""
+
+    def __init__(self, hosts: Hosts, base: str, port: int):
+        self.hosts, self.base, self.port = hosts, base, port
+        self.last: dict[tuple, float] = {}
+        self.backwards: list[str] = []
+        self.last_ready: tuple = (0, {})
+
+    def get(self, path: str, **kw):
+        return self.hosts.http("a", self.base + path, headers={"Host": f"{NAMES['a']}:{self.port}"}, **kw)
+
+    def ready(self) -> tuple[int, dict]:
+        status, body = self.get("/readyz")
+        self.metrics()
+        try:
+            self.last_ready = (status, json.loads(body))
+        except ValueError:
+            self.last_ready = (status, {"raw": body[:500]})
+        return self.last_ready
+
+    def metrics(self) -> None:
+        status, body = self.get("/metrics")
+        if status != 200:
+            return
+        for key, value in _counters(body.decode()).items():
+            if value < self.last.get(key, 0.0):
+                self.backwards.append(f"{key}: {self.last[key]} -> {value}")
+            self.last[key] = max(value, self.last.get(key, 0.0))
