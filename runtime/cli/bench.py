@@ -16,7 +16,7 @@ from ..bench import check as bench_check
 from ..bench import hicache as bench_hicache
 from ..bench import insight_overhead
 from ..model.families.deepseek_v4 import HOST_CACHED
-from . import bench_advise, bench_http, bench_policies, bench_sglang
+from . import bench_http, bench_sglang, bench_trace
 from .common import (
     add_layout_command,
     add_trace_args,
@@ -43,8 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     _register_hicache(bench_sub)
     _register_l3(bench_sub)
     bench_http.register(bench_sub)
-    bench_advise.register(bench_sub)
-    bench_policies.register(bench_sub)
+    bench_trace.register(bench_sub)
     bench_sglang.register(bench_sub)
 
 

@@ -206,6 +206,15 @@ def add_trace_args(p: argparse.ArgumentParser, trace_help: str, *, required: boo
                    help="skip malformed trace lines (reported) instead of refusing the whole file")
 
 
+def add_listen_args(p: argparse.ArgumentParser) -> None:
+    """The dashboard's address and port, as ``dashboard`` and ``serve`` take them."""
+    p.add_argument("--host", default=defaults.HOST,
+                   help="dashboard bind address (default %(default)s: this machine only; any other "
+                   "address is warned about: the dashboard has no authentication)")
+    p.add_argument("--port", type=port_number, default=defaults.DASHBOARD_PORT,
+                   help="dashboard port (default %(default)s; 0 = any free port, the URL is printed)")
+
+
 def add_bench_trace_args(p: argparse.ArgumentParser, requests_default: int) -> None:
     """The trace flags of a benchmark that reads a trace or generates one (bench advise, policies)."""
     from ..traces.mooncake_trace import DEFAULT_BLOCK_TOKENS

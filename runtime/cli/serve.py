@@ -40,6 +40,7 @@ from ..serve.rendezvous import resolve_dist_host
 from ..serve.run_root import RunDirLock, check_run_dir_flag, new_temp_run_dir, prepare_user_run_dir
 from .common import (
     add_layout_args,
+    add_listen_args,
     float_range,
     int_range,
     nonneg_float,
@@ -143,11 +144,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto (default): one GPU per stage with nccl if there are >= pp-size GPUs, "
                    "else CPU with gloo")
-    p.add_argument("--host", default=defaults.HOST,
-                   help="dashboard bind address (default %(default)s; any other address is warned about: "
-                   "the dashboard has no authentication)")
-    p.add_argument("--port", type=port_number, default=defaults.DASHBOARD_PORT,
-                   help="dashboard port (default %(default)s; 0 = any free port)")
+    add_listen_args(p)
     p.add_argument("--no-dashboard", action="store_true", help="do not start the dashboard / metrics server")
     p.add_argument("--dist-host", default=defaults.DIST_HOST, metavar="ADDR",
                    help="address the stages' gloo/nccl data plane binds (default %(default)s; any "

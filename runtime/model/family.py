@@ -150,6 +150,13 @@ def duplicate_id(kind: str, space: str) -> Callable[..., StageLayerMap]:
     return partial(_duplicate, kind, space)
 
 
+def positive_page_size(page_size: object) -> int:
+    """Any positive page size (a family with a stricter rule checks it after this)."""
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
+        raise ConfigError(f"--page-size must be a positive integer, got {page_size!r}")
+    return page_size
+
+
 # -- the family --------------------------------------------------------------------------------
 
 
@@ -175,8 +182,14 @@ class Family:
     swa_full_tokens_ratio: float = 1.0
 
     def matches(self, cfg: dict[str, Any]) -> bool:
-        """Whether ``cfg`` (a parsed config.json) is a model of this family."""
-        raise NotImplementedError
+        """Whether ``cfg`` (a parsed config.json) is a model of this family: by default, any of
+        its ``architectures`` is one of the family's."""
+        return any(a in self.architectures for a in cfg.get("architectures") or ())
+
+    def first_architecture_listed(self, cfg: dict[str, Any]) -> bool:
+        """sglang's rule for MHA, MLA and DSA: the config's *first* architecture is the family's."""
+        arch = cfg.get("architectures") or ()
+        return isinstance(arch, list) and bool(arch) and arch[0] in self.architectures
 
     def spec_from_config(self, cfg: dict[str, Any], name: str) -> ModelSpec:
         """Validate a parsed config.json and build this family's spec."""

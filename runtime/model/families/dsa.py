@@ -43,12 +43,13 @@ from ..family import (
     LayerKind,
     ids_counted_globally,
     later_stages,
+    positive_page_size,
     sized_globally,
 )
 from ..layer_map import IdSpace, LayerEntry, StageLayerMap
 from ..pool_kinds import LOCAL, KindTable, KvPages, PoolKind, TokenRows, token_host_pages
 from ..spec import MAX_DIM, ConfigFields, ModelSpec, shown
-from .mha import BF16, check_page_size, kv_cache_dtype
+from .mha import BF16, kv_cache_dtype
 from .mla import mla_fields
 
 #: The architectures sglang's ``is_deepseek_dsa`` lists whose models split over PP stages.
@@ -111,10 +112,6 @@ class DsaSpec(ModelSpec):
     shared_topk: tuple[bool, ...]  # per layer: reuses the previous layer's top-k
     topk_rule: str  # the config field that decided ``shared_topk``
     kv_cache_dtype: Literal["bf16", "fp8_e4m3"] = "bf16"
-
-    @property
-    def family(self) -> DsaFamily:
-        return FAMILY
 
     @property
     def layer_kinds(self) -> tuple[str, ...]:
@@ -225,9 +222,7 @@ class DsaFamily(Family):
 
     def matches(self, cfg: dict[str, Any]) -> bool:
         """sglang's ``is_deepseek_dsa``: a listed first architecture and ``index_topk`` set."""
-        arch = cfg.get("architectures") or ()
-        return (isinstance(arch, list) and bool(arch) and arch[0] in self.architectures
-                and cfg.get("index_topk") is not None)
+        return self.first_architecture_listed(cfg) and cfg.get("index_topk") is not None
 
     def spec_from_config(self, cfg: dict[str, Any], name: str) -> DsaSpec:
         f = ConfigFields(cfg, name)
@@ -256,7 +251,7 @@ class DsaFamily(Family):
         return kv_cache_dtype(spec, dtype)
 
     def kind_table(self, spec: DsaSpec, page_size: int) -> KindTable:  # type: ignore[override]
-        page = check_page_size(page_size)
+        page = positive_page_size(page_size)
         return KindTable(spec, page, {
             "kv": TokenRows(_KV, spec.kv_row_bytes, page),
             "indexer": IndexerPages(_INDEXER, spec.indexer_row_bytes, page, reserve_pages=1),

@@ -54,6 +54,7 @@ from ..family import (
     LayerKind,
     StageBudget,
     later_stages,
+    positive_page_size,
     sized_globally,
 )
 from ..layer_map import IdSpace, LayerEntry, StageLayerMap
@@ -88,10 +89,6 @@ class LinearHybridSpec(ModelSpec):
     ssm_dtype: str = "float32"
     state_kind: StateKind = "mamba2"
     pp_refusal: str | None = None
-
-    @property
-    def family(self) -> LinearHybrid:
-        return FAMILY
 
     @property
     def layer_kinds(self) -> tuple[str, ...]:
@@ -186,6 +183,7 @@ PP_REFUSALS = {
 }
 NEMOTRON_SYMBOLS = {"M": MAMBA, "*": ATTENTION, "-": NONE, "E": NONE}
 GRANITE_TYPES = {"mamba": MAMBA, "linear_attention": MAMBA, "attention": ATTENTION, "full_attention": ATTENTION}
+LFM2_TYPES = {"full_attention": ATTENTION, "conv": MAMBA, "short_conv": MAMBA}
 
 
 def _arch(cfg: dict[str, Any]) -> str | None:
@@ -202,6 +200,14 @@ def _ssm_dtype(f: ConfigFields, cfg: dict[str, Any]) -> str:
     if value not in SSM_DTYPES:  # sglang warns and keeps float32
         return "float32"
     return str(value)
+
+
+def _layer_types(f: ConfigFields, layers: int, table: dict[str, str]) -> tuple[str, ...]:
+    """``layer_types``: exactly one entry per layer, each a kind of ``table``."""
+    types = f.cfg.get("layer_types")
+    if not isinstance(types, list) or len(types) != layers:
+        raise f.error(f"'layer_types' must list num_hidden_layers={layers} entries, got {shown(types)}")
+    return tuple(f.kinds("layer_types", types, table))
 
 
 def _mamba2(conv_dim: int, heads: int, head_dim: int, state: int, kernel: int
@@ -254,11 +260,7 @@ def _nemotron(cfg: dict[str, Any], name: str, arch: str) -> LinearHybridSpec:
     if not isinstance(pattern, str) or not 0 < len(pattern) <= MAX_LAYERS:
         raise f.error(f"'hybrid_override_pattern' must be a non-empty string of at most {MAX_LAYERS} "
                       f"characters, got {shown(pattern)}")
-    for i, ch in enumerate(pattern):
-        if ch not in NEMOTRON_SYMBOLS:
-            raise f.error(f"hybrid_override_pattern[{i}] = {ch!r} is not supported (supported: "
-                          f"{', '.join(NEMOTRON_SYMBOLS)})")
-    kinds = tuple(NEMOTRON_SYMBOLS[ch] for ch in pattern)
+    kinds = tuple(f.kinds("hybrid_override_pattern", pattern, NEMOTRON_SYMBOLS))
     row, layout = _mha(f, cfg, 128)  # NemotronHConfig: head_dim defaults to 128
     heads = f.positive_int("mamba_num_heads", MAX_HEADS)
     head_dim = f.positive_int("mamba_head_dim", MAX_DIM)
@@ -303,17 +305,10 @@ def _kimi(cfg: dict[str, Any], name: str, arch: str) -> LinearHybridSpec:
 def _granite(cfg: dict[str, Any], name: str, arch: str) -> LinearHybridSpec:
     f = ConfigFields(cfg, name)
     layers = f.positive_int("num_hidden_layers", MAX_LAYERS)
-    types = cfg.get("layer_types")
-    if types is None:
+    if cfg.get("layer_types") is None:
         kinds = tuple(ATTENTION if (i + 1) % 6 == 0 else MAMBA for i in range(layers))
     else:
-        if not isinstance(types, list) or len(types) != layers:
-            raise f.error(f"'layer_types' must list num_hidden_layers={layers} entries, got {shown(types)}")
-        for i, t in enumerate(types):
-            if t not in GRANITE_TYPES:
-                raise f.error(f"layer_types[{i}] = {shown(t)} is not supported (supported: "
-                              f"{', '.join(GRANITE_TYPES)})")
-        kinds = tuple(GRANITE_TYPES[t] for t in types)
+        kinds = _layer_types(f, layers, GRANITE_TYPES)
     if MAMBA not in kinds:
         raise f.error("has no mamba layer: sglang 0.5.23 serves it as a plain attention model, not a hybrid")
     row, layout = _mha(f, cfg, _hidden_per_head(f))
@@ -354,19 +349,13 @@ def _falcon(cfg: dict[str, Any], name: str, arch: str) -> LinearHybridSpec:
 def _lfm2(cfg: dict[str, Any], name: str, arch: str) -> LinearHybridSpec:
     f = ConfigFields(cfg, name)
     layers = f.positive_int("num_hidden_layers", MAX_LAYERS)
-    types = cfg.get("layer_types")
-    if not isinstance(types, list) or len(types) != layers:
-        raise f.error(f"'layer_types' must list num_hidden_layers={layers} entries, got {shown(types)}")
-    known = {"full_attention": ATTENTION, "conv": MAMBA, "short_conv": MAMBA}
-    for i, t in enumerate(types):
-        if t not in known:
-            raise f.error(f"layer_types[{i}] = {shown(t)} is not supported (supported: {', '.join(known)})")
+    kinds = _layer_types(f, layers, LFM2_TYPES)
     row, layout = _mha(f, cfg, _hidden_per_head(f))
     hidden = f.positive_int("hidden_size", 1 << 20)
     kernel = f.positive_int("conv_L_cache", 64)
     # conv-only state: Mamba2StateShape with n_groups 1, state 0 -> SSM (1, hidden, 0), no bytes
     return LinearHybridSpec(name=name, num_layers=layers, architecture=arch,
-                            kinds=tuple(known[t] for t in types), attention_row_bytes=row,
+                            kinds=kinds, attention_row_bytes=row,
                             attention_layout=layout, conv_shape=(hidden, kernel - 1),
                             temporal_shape=(1, hidden, 0), ssm_dtype=_ssm_dtype(f, cfg), state_kind="conv",
                             pp_refusal=PP_REFUSALS[arch])
@@ -427,9 +416,6 @@ class LinearHybrid(Family):
                   "brings back KV without its state", host_left_out=frozenset({"mamba"})),
     )
 
-    def matches(self, cfg: dict[str, Any]) -> bool:
-        return _arch(cfg) is not None
-
     def spec_from_config(self, cfg: dict[str, Any], name: str) -> LinearHybridSpec:
         arch = _arch(cfg)
         if arch is None:
@@ -437,8 +423,7 @@ class LinearHybrid(Family):
         return _READERS[arch](cfg, name, arch)
 
     def kind_table(self, spec: LinearHybridSpec, page_size: int) -> KindTable:  # type: ignore[override]
-        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-            raise ConfigError(f"--page-size must be a positive integer, got {page_size!r}")
+        page_size = positive_page_size(page_size)
         kinds = {"attention": TokenRows(KINDS["attention"], spec.attention_row_bytes, page_size),
                  "mamba": RequestState(KINDS["mamba"], spec.state_slot_bytes, 1)}
         return KindTable(spec, page_size, kinds)

@@ -18,8 +18,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from ...errors import ConfigError
-from ..family import Family, FaultKind, LayerKind, sized_globally
+from ..family import Family, FaultKind, LayerKind, positive_page_size, sized_globally
 from ..layer_map import LayerEntry
 from ..pool_kinds import LOCAL, KindTable, PoolKind, TokenRows
 from ..spec import MAX_DIM, MAX_HEADS, MAX_LAYERS, ConfigFields, ModelSpec
@@ -41,13 +40,6 @@ def kv_cache_dtype(spec: Any, dtype: str) -> Any:
     return replace(spec, kv_cache_dtype="bf16" if dtype in ("bf16", "bfloat16") else dtype)
 
 
-def check_page_size(page_size: object) -> int:
-    """Any positive page size (sglang's MHA and MLA pools take any)."""
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-        raise ConfigError(f"--page-size must be a positive integer, got {page_size!r}")
-    return page_size
-
-
 @dataclass(frozen=True)
 class MhaSpec(ModelSpec):
     """What the KV cache needs to know about a plain-attention model."""
@@ -58,10 +50,6 @@ class MhaSpec(ModelSpec):
     kv_cache_dtype: Literal["bf16", "fp8_e4m3"] = "bf16"
 
     @property
-    def family(self) -> MhaFamily:
-        return FAMILY
-
-    @property
     def layer_kinds(self) -> tuple[str, ...]:
         return (MHA,) * self.num_layers
 
@@ -69,26 +57,30 @@ class MhaSpec(ModelSpec):
         return (f"sglang splits MHA's {self.num_kv_heads} KV heads over the TP ranks; stagecache sizes "
                 "MHA pools at --tp-size 1 only")
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
-                "head_dim": self.head_dim, "v_head_dim": self.v_head_dim, "kv_cache_dtype": self.kv_cache_dtype}
 
+class OneKindLayer(LayerEntry):
+    """A layer of a one-kind family (MHA, dense MLA): one buffer of the ``kv`` pool, by its local
+    id.  Each family narrows ``attention`` to a ``Literal`` of its kind, so a record's entries
+    parse back into their own family."""
 
-class MhaLayer(LayerEntry):
-    """An MHA layer: one buffer (K and V) of the ``kv`` pool, by its local id."""
-
-    attention: Literal["mha"] = Field(MHA, description="the layer's attention: MHA, K and V per token")
+    attention: str
 
     @property
     def kind(self) -> str:
-        return MHA
+        return self.attention
 
     def describe(self) -> str:
-        return "MHA attention"
+        return f"{self.attention.upper()} attention"
 
     @classmethod
-    def make(cls, local: int, global_id: int, kind: str, ids: dict[str, int | None]) -> MhaLayer:
-        return cls.model_construct(local=local, global_id=global_id, attention=MHA)
+    def make(cls, local: int, global_id: int, kind: str, ids: dict[str, int | None]) -> OneKindLayer:
+        return cls.model_construct(local=local, global_id=global_id, attention=kind)
+
+
+class MhaLayer(OneKindLayer):
+    """An MHA layer: one buffer (K and V) of the ``kv`` pool, by its local id."""
+
+    attention: Literal["mha"] = Field(MHA, description="the layer's attention: MHA, K and V per token")
 
 
 _KV = PoolKind("kv", "MHA KV", None, LOCAL, "full", True,
@@ -113,8 +105,7 @@ class MhaFamily(Family):
     )
 
     def matches(self, cfg: dict[str, Any]) -> bool:
-        arch = cfg.get("architectures") or ()
-        return isinstance(arch, list) and bool(arch) and arch[0] in self.architectures
+        return self.first_architecture_listed(cfg)
 
     def spec_from_config(self, cfg: dict[str, Any], name: str) -> MhaSpec:
         f = ConfigFields(cfg, name)
@@ -136,7 +127,7 @@ class MhaFamily(Family):
         return kv_cache_dtype(spec, dtype)
 
     def kind_table(self, spec: MhaSpec, page_size: int) -> KindTable:  # type: ignore[override]
-        page = check_page_size(page_size)
+        page = positive_page_size(page_size)
         row = spec.num_kv_heads * (spec.head_dim + spec.v_head_dim) * ELEMENT_BYTES[spec.kv_cache_dtype]
         return KindTable(spec, page, {"kv": TokenRows(_KV, row, page)})
 

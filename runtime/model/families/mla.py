@@ -15,11 +15,10 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from ..family import Family, FaultKind, LayerKind, sized_globally
-from ..layer_map import LayerEntry
+from ..family import Family, FaultKind, LayerKind, positive_page_size, sized_globally
 from ..pool_kinds import LOCAL, KindTable, PoolKind, TokenRows
 from ..spec import MAX_DIM, MAX_LAYERS, ConfigFields, ModelSpec
-from .mha import ELEMENT_BYTES, check_page_size, kv_cache_dtype
+from .mha import ELEMENT_BYTES, OneKindLayer, kv_cache_dtype
 
 #: The layer kind of every dense MLA layer.
 MLA = "mla"
@@ -34,10 +33,6 @@ class MlaSpec(ModelSpec):
     kv_cache_dtype: Literal["bf16", "fp8_e4m3"] = "bf16"
 
     @property
-    def family(self) -> MlaFamily:
-        return FAMILY
-
-    @property
     def layer_kinds(self) -> tuple[str, ...]:
         return (MLA,) * self.num_layers
 
@@ -46,26 +41,11 @@ class MlaSpec(ModelSpec):
         """One token's latent row: BF16, or one byte per value in FP8 (dense MLA has no scales)."""
         return (self.kv_lora_rank + self.qk_rope_head_dim) * ELEMENT_BYTES[self.kv_cache_dtype]
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "num_layers": self.num_layers, "kv_lora_rank": self.kv_lora_rank,
-                "qk_rope_head_dim": self.qk_rope_head_dim, "kv_cache_dtype": self.kv_cache_dtype}
 
-
-class MlaLayer(LayerEntry):
+class MlaLayer(OneKindLayer):
     """A dense MLA layer: one latent buffer of the ``kv`` pool, by its local id."""
 
     attention: Literal["mla"] = Field(MLA, description="the layer's attention: MLA, one latent row per token")
-
-    @property
-    def kind(self) -> str:
-        return MLA
-
-    def describe(self) -> str:
-        return "MLA attention"
-
-    @classmethod
-    def make(cls, local: int, global_id: int, kind: str, ids: dict[str, int | None]) -> MlaLayer:
-        return cls.model_construct(local=local, global_id=global_id, attention=MLA)
 
 
 _KV = PoolKind("kv", "MLA latent KV", None, LOCAL, "full", True,
@@ -95,9 +75,7 @@ class MlaFamily(Family):
     )
 
     def matches(self, cfg: dict[str, Any]) -> bool:
-        arch = cfg.get("architectures") or ()
-        return (isinstance(arch, list) and bool(arch) and arch[0] in self.architectures
-                and "kv_lora_rank" in cfg)
+        return self.first_architecture_listed(cfg) and "kv_lora_rank" in cfg
 
     def spec_from_config(self, cfg: dict[str, Any], name: str) -> MlaSpec:
         layers, rank, rope = mla_fields(ConfigFields(cfg, name))
@@ -107,7 +85,7 @@ class MlaFamily(Family):
         return kv_cache_dtype(spec, dtype)
 
     def kind_table(self, spec: MlaSpec, page_size: int) -> KindTable:  # type: ignore[override]
-        page = check_page_size(page_size)
+        page = positive_page_size(page_size)
         return KindTable(spec, page, {"kv": TokenRows(_KV, spec.latent_row_bytes, page)})
 
 

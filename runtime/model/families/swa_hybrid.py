@@ -37,7 +37,15 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import Field
 
 from ...errors import ConfigError
-from ..family import Family, FaultKind, LayerKind, StageBudget, later_stages, sized_globally
+from ..family import (
+    Family,
+    FaultKind,
+    LayerKind,
+    StageBudget,
+    later_stages,
+    positive_page_size,
+    sized_globally,
+)
 from ..layer_map import IdSpace, LayerEntry, StageLayerMap
 from ..pool_kinds import KindTable, PoolKind, TokenRows
 from ..spec import (
@@ -47,7 +55,6 @@ from ..spec import (
     MAX_SLIDING_WINDOW,
     ConfigFields,
     ModelSpec,
-    shown,
 )
 
 if TYPE_CHECKING:
@@ -98,10 +105,6 @@ class SwaHybridSpec(ModelSpec):
     swa: KvShape
     plain_reason: str = ""  # why sglang gives every layer one plain MHA pool ("" for a hybrid)
     no_pp: str = ""  # why sglang does not split it over PP ("" where it does)
-
-    @property
-    def family(self) -> SwaHybrid:
-        return FAMILY
 
     @property
     def layer_kinds(self) -> tuple[str, ...]:
@@ -202,13 +205,7 @@ def _layer_types(f: ConfigFields, key: str, n: int, *, cut: bool = False) -> lis
     if len(types) < n or (len(types) != n and not cut):
         raise f.error(f"'{key}' has {len(types)} entries; expected num_hidden_layers={n}"
                       + (" or more" if cut else ""))
-    kinds = []
-    for i, t in enumerate(types[:n]):
-        if t not in LAYER_TYPES:
-            raise f.error(f"{key}[{i}] = {shown(t)} is not supported (supported: "
-                          f"{', '.join(LAYER_TYPES)})")
-        kinds.append(LAYER_TYPES[t])
-    return kinds
+    return f.kinds(key, types[:n], LAYER_TYPES)
 
 
 def _kv_heads(f: ConfigFields) -> int:
@@ -261,9 +258,6 @@ class SwaHybrid(Family):
                   "waits on global ids (sglang #38866 / #39699)", stages=later_stages, min_pp=2,
                   layer_map=_stage_local_transfer_ids),
     )
-
-    def matches(self, cfg: dict[str, Any]) -> bool:
-        return any(a in self.architectures for a in cfg.get("architectures") or ())
 
     def spec_from_config(self, cfg: dict[str, Any], name: str) -> SwaHybridSpec:
         arch = next(a for a in cfg.get("architectures") or () if a in self.architectures)
@@ -321,8 +315,7 @@ class SwaHybrid(Family):
                              sliding_window=window, full=full, swa=swa, plain_reason=plain, no_pp=no_pp)
 
     def kind_table(self, spec: SwaHybridSpec, page_size: int) -> KindTable:  # type: ignore[override]
-        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-            raise ConfigError(f"--page-size must be a positive integer, got {page_size!r}")
+        page_size = positive_page_size(page_size)
         kinds = {
             "swa": TokenRows(KINDS["swa"], spec.swa.token_bytes, page_size),
             "full": TokenRows(KINDS["full"], spec.full.token_bytes, page_size),
