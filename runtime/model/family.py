@@ -171,13 +171,13 @@ class Family:
     architectures: tuple[str, ...]  # the config.json ``architectures`` it reads
     entry: type[LayerEntry]  # its layer entries
     layer_kinds: tuple[LayerKind, ...]  # legend order
-    legend_title: str  # the layer map's colour bar title
-    id_spaces: tuple[IdSpace, ...]
+    legend_title: str = "attention"  # the layer map's colour bar title
+    id_spaces: tuple[IdSpace, ...] = ()  # numberings besides the local id
     pool_kinds: tuple[PoolKind, ...]  # display order
-    kv_dtype: str  # what sglang stores its KV as (part of a deployment's fingerprint)
+    kv_dtype: str = "bf16"  # what sglang stores its KV as (part of a deployment's fingerprint)
     faults: tuple[FaultKind, ...] = ()
-    #: why a host size in bytes (``--hicache-size``) is refused, where sglang refuses it
-    host_size_refused: str | None = None
+    #: why sglang refuses a host size in bytes (``--hicache-size``) for the family, where it does
+    host_size_reason: str | None = None
     #: sglang's default SWA tokens / full tokens (``--swa-full-tokens-ratio``) for the family
     swa_full_tokens_ratio: float = 1.0
 
@@ -237,6 +237,12 @@ class Family:
         """Tokens an SWA pool must hold beyond one page to admit one request (sglang's
         ``validate_swa_pool_size``): the sliding window, 0 for a family without SWA pools."""
         return 0
+
+    def host_size_refusal(self) -> str:
+        """The one line ``--hicache-size`` gets: stagecache sizes host pools by ratio only, and
+        says why where sglang itself refuses a byte size (``host_size_reason``)."""
+        why = self.host_size_reason or f"not modelled for {self.label} models"
+        return f"--hicache-size: {why}; size the host pools with --hicache-ratio"
 
     def fault_kind(self, name: str) -> FaultKind | None:
         return next((f for f in self.faults if f.name == name), None)

@@ -419,9 +419,7 @@ def build_plan(spec: ModelSpec, pp_size: int = defaults.PP_SIZE, *, tp_size: int
     layout = build_layout(spec, pp_size, tp_size, explicit)
     sizing = (sizing if sizing is not None else Sizing.runtime()).for_family(spec.family).for_table(table)
     if sizing.hicache_size_bytes is not None:
-        raise ConfigError(spec.family.host_size_refused or
-                          f"--hicache-size: not modelled for {spec.family.label} models; size the "
-                          "host pools with --hicache-ratio")
+        raise ConfigError(spec.family.host_size_refusal())
     healthy = _assemble(spec, tp_size, table.page_size, explicit, sizing, (), list(layout.stages),
                         [faulty_buffers(m, spec) for m in layout.stages])
     return apply_faults(healthy, faults)

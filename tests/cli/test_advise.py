@@ -15,7 +15,7 @@ from stagecache.runtime.sizing.advice import TARGETS, hicache_ratio_for
 from stagecache.runtime.sizing.curves import page_views, trace_curves
 from stagecache.runtime.traces.readers import load_requests
 
-HICACHE_SIZE_REFUSED = FAMILY.host_size_refused
+HICACHE_SIZE_REFUSED = FAMILY.host_size_refusal()
 
 
 @pytest.fixture(scope="module")

@@ -162,8 +162,7 @@ class DeepSeekV4(Family):
     #: sglang 0.5.23's V4 FP8 layout (FP8 nope, BF16 rope, UE8M0 scales) and FP8 indexer keys
     kv_dtype = "fp8_v4"
     swa_full_tokens_ratio = defaults.SWA_FULL_TOKENS_RATIO
-    host_size_refused = ("--hicache-size: DeepSeek V4 HiCache does not support a host size in bytes "
-                         "(sglang 0.5.23 refuses it); size the host pools with --hicache-ratio")
+    host_size_reason = "DeepSeek V4 HiCache does not support a host size in bytes (sglang 0.5.23 refuses it)"
     faults = (
         FaultKind("global-swa", "SWA KV pool sized by the model's global layer count (the original "
                   "PP+HiCache bug)", count=sized_globally("swa")),

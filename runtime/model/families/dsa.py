@@ -207,7 +207,6 @@ class DsaFamily(Family):
     legend_title = "top-k"
     id_spaces = (INDEXER_IDS,)
     pool_kinds = (_KV, _INDEXER)
-    kv_dtype = "bf16"
     faults = (
         FaultKind("global-dsa", "DSA MLA KV and indexer pools sized by the model's global layer counts "
                   "instead of the stage's", count=sized_globally("kv", "indexer")),

@@ -397,10 +397,8 @@ class LinearHybrid(Family):
     legend_title = "layer"
     id_spaces = (ATTENTION_IDS, MAMBA_IDS)
     pool_kinds = _POOL_KINDS
-    kv_dtype = "bf16"
-    host_size_refused = ("--hicache-size: not modelled for linear-attention / Mamba hybrids (sglang "
-                         "splits a byte size between the KV and Mamba host pools by their device bytes); "
-                         "size the host pools with --hicache-ratio")
+    host_size_reason = ("not modelled for linear-attention / Mamba hybrids (sglang splits a byte size "
+                        "between the KV and Mamba host pools by their device bytes)")
     faults = (
         FaultKind("global-attention", "attention KV pool sized by the model's global attention layer "
                   "count", count=sized_globally("attention")),

@@ -57,6 +57,10 @@ class MhaSpec(ModelSpec):
         return (f"sglang splits MHA's {self.num_kv_heads} KV heads over the TP ranks; stagecache sizes "
                 "MHA pools at --tp-size 1 only")
 
+    @property
+    def row_bytes(self) -> int:
+        """One token of one layer: K and V of every KV head."""
+        return self.num_kv_heads * (self.head_dim + self.v_head_dim) * ELEMENT_BYTES[self.kv_cache_dtype]
 
 class OneKindLayer(LayerEntry):
     """A layer of a one-kind family (MHA, dense MLA): one buffer of the ``kv`` pool, by its local
@@ -88,24 +92,34 @@ _KV = PoolKind("kv", "MHA KV", None, LOCAL, "full", True,
                              "{expected} local layers")
 
 
-class MhaFamily(Family):
+class OneKindFamily(Family):
+    """MHA and dense MLA: one ``kv`` pool of one token row per layer (``spec.row_bytes``) by the
+    local id, any page size, BF16 or FP8; sglang tells them by the config's first architecture."""
+
+    def matches(self, cfg: dict[str, Any]) -> bool:
+        return self.first_architecture_listed(cfg)
+
+    def with_kv_cache_dtype(self, spec: ModelSpec, dtype: str) -> ModelSpec:
+        return kv_cache_dtype(spec, dtype)
+
+    def kind_table(self, spec: ModelSpec, page_size: int) -> KindTable:
+        page = positive_page_size(page_size)
+        row = spec.row_bytes  # type: ignore[attr-defined]
+        return KindTable(spec, page, {"kv": TokenRows(self.pool_kinds[0], row, page)})
+
+
+class MhaFamily(OneKindFamily):
     name = "mha"
     label = "MHA"
     architectures = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                      "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
     entry = MhaLayer
     layer_kinds = (LayerKind(MHA, "MHA K and V"),)
-    legend_title = "attention"
-    id_spaces = ()
     pool_kinds = (_KV,)
-    kv_dtype = "bf16"
     faults = (
         FaultKind("global-mha", "MHA KV pool sized by the model's global layer count instead of the "
                   "stage's", count=sized_globally("kv")),
     )
-
-    def matches(self, cfg: dict[str, Any]) -> bool:
-        return self.first_architecture_listed(cfg)
 
     def spec_from_config(self, cfg: dict[str, Any], name: str) -> MhaSpec:
         f = ConfigFields(cfg, name)
@@ -123,13 +137,6 @@ class MhaFamily(Family):
         return MhaSpec(name=name, num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
                        v_head_dim=head_dim)
 
-    def with_kv_cache_dtype(self, spec: MhaSpec, dtype: str) -> MhaSpec:  # type: ignore[override]
-        return kv_cache_dtype(spec, dtype)
-
-    def kind_table(self, spec: MhaSpec, page_size: int) -> KindTable:  # type: ignore[override]
-        page = positive_page_size(page_size)
-        row = spec.num_kv_heads * (spec.head_dim + spec.v_head_dim) * ELEMENT_BYTES[spec.kv_cache_dtype]
-        return KindTable(spec, page, {"kv": TokenRows(_KV, row, page)})
 
 
 FAMILY = MhaFamily()

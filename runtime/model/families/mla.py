@@ -15,10 +15,10 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from ..family import Family, FaultKind, LayerKind, positive_page_size, sized_globally
-from ..pool_kinds import LOCAL, KindTable, PoolKind, TokenRows
+from ..family import FaultKind, LayerKind, sized_globally
+from ..pool_kinds import LOCAL, PoolKind
 from ..spec import MAX_DIM, MAX_LAYERS, ConfigFields, ModelSpec
-from .mha import ELEMENT_BYTES, OneKindLayer, kv_cache_dtype
+from .mha import ELEMENT_BYTES, OneKindFamily, OneKindLayer
 
 #: The layer kind of every dense MLA layer.
 MLA = "mla"
@@ -37,7 +37,7 @@ class MlaSpec(ModelSpec):
         return (MLA,) * self.num_layers
 
     @property
-    def latent_row_bytes(self) -> int:
+    def row_bytes(self) -> int:
         """One token's latent row: BF16, or one byte per value in FP8 (dense MLA has no scales)."""
         return (self.kv_lora_rank + self.qk_rope_head_dim) * ELEMENT_BYTES[self.kv_cache_dtype]
 
@@ -59,34 +59,24 @@ def mla_fields(f: ConfigFields) -> tuple[int, int, int]:
             f.positive_int("qk_rope_head_dim", MAX_DIM))
 
 
-class MlaFamily(Family):
+class MlaFamily(OneKindFamily):
     name = "mla"
     label = "MLA"
     architectures = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "KimiK2ForCausalLM")
     entry = MlaLayer
     layer_kinds = (LayerKind(MLA, "MLA latent KV"),)
-    legend_title = "attention"
-    id_spaces = ()
     pool_kinds = (_KV,)
-    kv_dtype = "bf16"
     faults = (
         FaultKind("global-mla", "MLA KV pool sized by the model's global layer count instead of the "
                   "stage's", count=sized_globally("kv")),
     )
 
     def matches(self, cfg: dict[str, Any]) -> bool:
-        return self.first_architecture_listed(cfg) and "kv_lora_rank" in cfg
+        return super().matches(cfg) and "kv_lora_rank" in cfg
 
     def spec_from_config(self, cfg: dict[str, Any], name: str) -> MlaSpec:
         layers, rank, rope = mla_fields(ConfigFields(cfg, name))
         return MlaSpec(name=name, num_layers=layers, kv_lora_rank=rank, qk_rope_head_dim=rope)
-
-    def with_kv_cache_dtype(self, spec: MlaSpec, dtype: str) -> MlaSpec:  # type: ignore[override]
-        return kv_cache_dtype(spec, dtype)
-
-    def kind_table(self, spec: MlaSpec, page_size: int) -> KindTable:  # type: ignore[override]
-        page = positive_page_size(page_size)
-        return KindTable(spec, page, {"kv": TokenRows(_KV, spec.latent_row_bytes, page)})
 
 
 FAMILY = MlaFamily()

@@ -239,13 +239,10 @@ class SwaHybrid(Family):
     entry = SwaHybridLayer
     layer_kinds = (LayerKind("swa", "sliding window"), LayerKind("full", "full attention"),
                    LayerKind("kv", "plain MHA"))
-    legend_title = "attention"
     id_spaces = (SUB_POOL_IDS,)
     pool_kinds = _POOL_KINDS
-    kv_dtype = "bf16"
     swa_full_tokens_ratio = SWA_FULL_TOKENS_RATIO
-    host_size_refused = ("--hicache-size: a host size in bytes is not modelled for SWA hybrids "
-                         "(sglang splits it by device bytes); size the host pools with --hicache-ratio")
+    host_size_reason = "a host size in bytes is not modelled for SWA hybrids (sglang splits it by device bytes)"
     faults = (
         FaultKind("global-swa-subpool", "SWA sub-pool sized by the model's global sliding-window layer "
                   "count", count=sized_globally("swa")),
