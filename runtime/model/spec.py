@@ -47,8 +47,9 @@ class ModelSpec:
 
     @property
     def layer_kinds(self) -> tuple[str, ...]:
-        """The cache kind of every layer, by global layer id (names of ``family.layer_kinds``)."""
-        raise NotImplementedError
+        """The cache kind of every layer, by global layer id (names of ``family.layer_kinds``); by
+        default every layer has the family's first kind, as in a one-kind family (MHA, MLA)."""
+        return (self.family.layer_kinds[0].name,) * self.num_layers
 
     def to_dict(self) -> dict[str, Any]:
         """The spec's fields as plain JSON (tuples as lists), in declaration order: what ``pools

@@ -40,7 +40,7 @@ linear layers (``mamba_map``); HiCache signals a layer's completion by its stage
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
@@ -217,6 +217,18 @@ def _mamba2(conv_dim: int, heads: int, head_dim: int, state: int, kernel: int
     return (conv_dim, kernel - 1), (heads, head_dim, state)
 
 
+def _mamba_fields(f: ConfigFields, inter: int, head_dim: Callable[[int], int]
+                  ) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    """The ``mamba_*`` fields GraniteMoeHybrid and Falcon-H1 share (with their configs' defaults) as
+    sglang's state shape; ``head_dim`` of the head count is where the two differ."""
+    heads = f.positive_int("mamba_n_heads", MAX_HEADS, 128)
+    dim = head_dim(heads)
+    state = f.positive_int("mamba_d_state", MAX_DIM, 256)
+    groups = f.positive_int("mamba_n_groups", MAX_HEADS, 1)
+    kernel = f.positive_int("mamba_d_conv", 64, 4)
+    return _mamba2(inter + 2 * groups * state, heads, dim, state, kernel)
+
+
 def _mha(f: ConfigFields, cfg: dict[str, Any], default_head_dim: int | None = None) -> tuple[int, str]:
     kv_heads = f.positive_int("num_key_value_heads", MAX_HEADS)
     if "head_dim" in cfg or default_head_dim is None:
@@ -312,14 +324,8 @@ def _granite(cfg: dict[str, Any], name: str, arch: str) -> LinearHybridSpec:
     if MAMBA not in kinds:
         raise f.error("has no mamba layer: sglang 0.5.23 serves it as a plain attention model, not a hybrid")
     row, layout = _mha(f, cfg, _hidden_per_head(f))
-    hidden = f.positive_int("hidden_size", 1 << 20)
-    inter = f.positive_int("mamba_expand", 64, 2) * hidden
-    heads = f.positive_int("mamba_n_heads", MAX_HEADS, 128)
-    head_dim = f.positive_int("mamba_d_head", MAX_DIM, inter // heads if heads else 1)
-    state = f.positive_int("mamba_d_state", MAX_DIM, 256)
-    groups = f.positive_int("mamba_n_groups", MAX_HEADS, 1)
-    kernel = f.positive_int("mamba_d_conv", 64, 4)
-    conv, temporal = _mamba2(inter + 2 * groups * state, heads, head_dim, state, kernel)
+    inter = f.positive_int("mamba_expand", 64, 2) * f.positive_int("hidden_size", 1 << 20)
+    conv, temporal = _mamba_fields(f, inter, lambda heads: f.positive_int("mamba_d_head", MAX_DIM, inter // heads))
     return LinearHybridSpec(name=name, num_layers=layers, architecture=arch, kinds=kinds,
                             attention_row_bytes=row, attention_layout=layout, conv_shape=conv,
                             temporal_shape=temporal)
@@ -333,13 +339,8 @@ def _falcon(cfg: dict[str, Any], name: str, arch: str) -> LinearHybridSpec:
     d_ssm = cfg.get("mamba_d_ssm")
     inter = f.positive_int("mamba_d_ssm", 1 << 20) if d_ssm is not None else \
         f.positive_int("mamba_expand", 64, 2) * hidden
-    heads = f.positive_int("mamba_n_heads", MAX_HEADS, 128)
-    head_dim = cfg.get("mamba_d_head", "auto")
-    head_dim = inter // heads if head_dim == "auto" else f.positive_int("mamba_d_head", MAX_DIM)
-    state = f.positive_int("mamba_d_state", MAX_DIM, 256)
-    groups = f.positive_int("mamba_n_groups", MAX_HEADS, 1)
-    kernel = f.positive_int("mamba_d_conv", 64, 4)
-    conv, temporal = _mamba2(inter + 2 * groups * state, heads, head_dim, state, kernel)
+    conv, temporal = _mamba_fields(f, inter, lambda heads: inter // heads if cfg.get("mamba_d_head", "auto")
+                                   == "auto" else f.positive_int("mamba_d_head", MAX_DIM))
     return LinearHybridSpec(name=name, num_layers=layers, architecture=arch, kinds=(HYBRID,) * layers,
                             attention_row_bytes=row, attention_layout=layout, conv_shape=conv,
                             temporal_shape=temporal, ssm_dtype=_ssm_dtype(f, cfg),

@@ -49,10 +49,6 @@ class MhaSpec(ModelSpec):
     v_head_dim: int
     kv_cache_dtype: Literal["bf16", "fp8_e4m3"] = "bf16"
 
-    @property
-    def layer_kinds(self) -> tuple[str, ...]:
-        return (MHA,) * self.num_layers
-
     def tp_refused(self, tp_size: int) -> str | None:
         return (f"sglang splits MHA's {self.num_kv_heads} KV heads over the TP ranks; stagecache sizes "
                 "MHA pools at --tp-size 1 only")
@@ -92,6 +88,12 @@ _KV = PoolKind("kv", "MHA KV", None, LOCAL, "full", True,
                              "{expected} local layers")
 
 
+def global_kv_fault(family: str, label: str) -> FaultKind:
+    """A one-kind family's PP bug: its ``kv`` pool sized by the whole model's layers."""
+    return FaultKind(f"global-{family}", f"{label} KV pool sized by the model's global layer count "
+                     "instead of the stage's", count=sized_globally("kv"))
+
+
 class OneKindFamily(Family):
     """MHA and dense MLA: one ``kv`` pool of one token row per layer (``spec.row_bytes``) by the
     local id, any page size, BF16 or FP8; sglang tells them by the config's first architecture."""
@@ -116,10 +118,7 @@ class MhaFamily(OneKindFamily):
     entry = MhaLayer
     layer_kinds = (LayerKind(MHA, "MHA K and V"),)
     pool_kinds = (_KV,)
-    faults = (
-        FaultKind("global-mha", "MHA KV pool sized by the model's global layer count instead of the "
-                  "stage's", count=sized_globally("kv")),
-    )
+    faults = (global_kv_fault("mha", "MHA"),)
 
     def spec_from_config(self, cfg: dict[str, Any], name: str) -> MhaSpec:
         f = ConfigFields(cfg, name)

@@ -15,10 +15,10 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from ..family import FaultKind, LayerKind, sized_globally
+from ..family import LayerKind
 from ..pool_kinds import LOCAL, PoolKind
 from ..spec import MAX_DIM, MAX_LAYERS, ConfigFields, ModelSpec
-from .mha import ELEMENT_BYTES, OneKindFamily, OneKindLayer
+from .mha import ELEMENT_BYTES, OneKindFamily, OneKindLayer, global_kv_fault
 
 #: The layer kind of every dense MLA layer.
 MLA = "mla"
@@ -31,10 +31,6 @@ class MlaSpec(ModelSpec):
     kv_lora_rank: int
     qk_rope_head_dim: int
     kv_cache_dtype: Literal["bf16", "fp8_e4m3"] = "bf16"
-
-    @property
-    def layer_kinds(self) -> tuple[str, ...]:
-        return (MLA,) * self.num_layers
 
     @property
     def row_bytes(self) -> int:
@@ -66,10 +62,7 @@ class MlaFamily(OneKindFamily):
     entry = MlaLayer
     layer_kinds = (LayerKind(MLA, "MLA latent KV"),)
     pool_kinds = (_KV,)
-    faults = (
-        FaultKind("global-mla", "MLA KV pool sized by the model's global layer count instead of the "
-                  "stage's", count=sized_globally("kv")),
-    )
+    faults = (global_kv_fault("mla", "MLA"),)
 
     def matches(self, cfg: dict[str, Any]) -> bool:
         return super().matches(cfg) and "kv_lora_rank" in cfg
