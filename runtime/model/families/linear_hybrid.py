@@ -217,6 +217,15 @@ def _mamba2(conv_dim: int, heads: int, head_dim: int, state: int, kernel: int
     return (conv_dim, kernel - 1), (heads, head_dim, state)
 
 
+def _state_fields(f: ConfigFields, heads: str, head_dim: str, groups: str, state: str, kernel: str
+                  ) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    """A Mamba2 state shape from the five required fields each architecture names its own way; the
+    conv state is ``heads x head_dim + 2 x groups x state`` wide."""
+    h, d = f.positive_int(heads, MAX_HEADS), f.positive_int(head_dim, MAX_DIM)
+    g, s = f.positive_int(groups, MAX_HEADS), f.positive_int(state, MAX_DIM)
+    return _mamba2(h * d + 2 * g * s, h, d, s, f.positive_int(kernel, 64))
+
+
 def _mamba_fields(f: ConfigFields, inter: int, head_dim: Callable[[int], int]
                   ) -> tuple[tuple[int, int], tuple[int, int, int]]:
     """The ``mamba_*`` fields GraniteMoeHybrid and Falcon-H1 share (with their configs' defaults) as
@@ -254,12 +263,9 @@ def _qwen(cfg: dict[str, Any], name: str, arch: str) -> LinearHybridSpec:
     interval = f.positive_int("full_attention_interval", MAX_LAYERS)
     kinds = tuple(ATTENTION if (i + 1) % interval == 0 else MAMBA for i in range(layers))
     row, layout = _mha(f, text)
-    k_heads = f.positive_int("linear_num_key_heads", MAX_HEADS)
-    v_heads = f.positive_int("linear_num_value_heads", MAX_HEADS)
-    k_dim = f.positive_int("linear_key_head_dim", MAX_DIM)
-    v_dim = f.positive_int("linear_value_head_dim", MAX_DIM)
-    kernel = f.positive_int("linear_conv_kernel_dim", 64)
-    conv, temporal = _mamba2(v_dim * v_heads + 2 * k_heads * k_dim, v_heads, v_dim, k_dim, kernel)
+    # GatedDeltaNet: the value heads are the state's heads, the key heads its groups
+    conv, temporal = _state_fields(f, "linear_num_value_heads", "linear_value_head_dim", "linear_num_key_heads",
+                                   "linear_key_head_dim", "linear_conv_kernel_dim")
     return LinearHybridSpec(name=name, num_layers=layers, architecture=arch, kinds=kinds,
                             attention_row_bytes=row, attention_layout=layout, conv_shape=conv,
                             temporal_shape=temporal, ssm_dtype=_ssm_dtype(f, text),
@@ -274,12 +280,8 @@ def _nemotron(cfg: dict[str, Any], name: str, arch: str) -> LinearHybridSpec:
                       f"characters, got {shown(pattern)}")
     kinds = tuple(f.kinds("hybrid_override_pattern", pattern, NEMOTRON_SYMBOLS))
     row, layout = _mha(f, cfg, 128)  # NemotronHConfig: head_dim defaults to 128
-    heads = f.positive_int("mamba_num_heads", MAX_HEADS)
-    head_dim = f.positive_int("mamba_head_dim", MAX_DIM)
-    state = f.positive_int("ssm_state_size", MAX_DIM)
-    groups = f.positive_int("n_groups", MAX_HEADS)
-    kernel = f.positive_int("conv_kernel", 64)
-    conv, temporal = _mamba2(heads * head_dim + 2 * groups * state, heads, head_dim, state, kernel)
+    conv, temporal = _state_fields(f, "mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_state_size",
+                                   "conv_kernel")
     return LinearHybridSpec(name=name, num_layers=len(kinds), architecture=arch, kinds=kinds,
                             attention_row_bytes=row, attention_layout=layout, conv_shape=conv,
                             temporal_shape=temporal, ssm_dtype=_ssm_dtype(f, cfg))
