@@ -32,7 +32,7 @@ shared layer takes the previous stage's top-k through the PP proxy (sglang #2853
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
@@ -140,16 +140,13 @@ class DsaSpec(ModelSpec):
 class DsaLayer(LayerEntry):
     """A DSA layer: whether it computes its top-k, its indexer id, and whose top-k it uses."""
 
+    kind_field: ClassVar[str] = "topk"
     topk: Literal["indexer", "shared"] = Field(
         description="indexer: computes its own top-k (owns an indexer buffer); shared: reuses the previous layer's")
     indexer_id: int | None = Field(description="index among the stage's top-k computing layers; None if shared")
     topk_from: int | None = Field(
         description="global layer whose top-k this layer uses (itself, or the layer before it); None: it "
                     "gets none")
-
-    @property
-    def kind(self) -> str:
-        return self.topk
 
     def describe(self) -> str:
         return "its own top-k" if self.topk == INDEXER else f"the top-k of layer {self.topk_from} (shared)"

@@ -43,7 +43,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field
 
@@ -124,16 +124,13 @@ class LinearHybridLayer(LayerEntry):
     """A layer of a linear hybrid: its kind, its ids in the stage's two pools, and the id HiCache
     signals its transfers with (``transfer_id``; readers wait on its local id)."""
 
+    kind_field: ClassVar[str] = "layer_type"
     layer_type: Literal["attention", "mamba", "hybrid", "none"]
     attention_id: int | None = Field(description="index among the stage's attention layers; None otherwise")
     mamba_id: int | None = Field(description="index among the stage's Mamba layers; None otherwise")
     transfer_id: int | None = Field(
         description="the id HiCache signals this layer's transfers with (sglang: its stage-local id); "
                     "None: never signalled (no cache, or past the controller's bound)")
-
-    @property
-    def kind(self) -> str:
-        return self.layer_type
 
     def describe(self) -> str:
         return {"attention": "full attention", "mamba": "a Mamba / linear-attention state",

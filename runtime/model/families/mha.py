@@ -14,7 +14,7 @@ sglang derives the geometry as ``ModelConfig`` does: ``head_dim`` falls back to
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
@@ -63,11 +63,8 @@ class OneKindLayer(LayerEntry):
     id.  Each family narrows ``attention`` to a ``Literal`` of its kind, so a record's entries
     parse back into their own family."""
 
+    kind_field: ClassVar[str] = "attention"
     attention: str
-
-    @property
-    def kind(self) -> str:
-        return self.attention
 
     def describe(self) -> str:
         return f"{self.attention.upper()} attention"

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field
 
@@ -131,15 +131,12 @@ class SwaHybridSpec(ModelSpec):
 class SwaHybridLayer(LayerEntry):
     """A layer of an SWA hybrid: its kind, its sub-pool index and its HiCache transfer ids."""
 
+    kind_field: ClassVar[str] = "layer_kind"
     layer_kind: LayerKindName = Field(description="swa (sliding window), full, or kv (one plain MHA pool)")
     sub_pool_id: int | None = Field(description="index among the stage's layers of its kind: what the "
                                     "device pool reads (sglang's layers_mapping)")
     transfer_id: int | None = Field(description="id HiCache signals the layer's transfer with")
     wait_id: int | None = Field(description="id the pool waits on before reading the layer")
-
-    @property
-    def kind(self) -> str:
-        return self.layer_kind
 
     def describe(self) -> str:
         return KIND_TEXT[self.layer_kind]
