@@ -71,8 +71,6 @@ MIMO_V2 = ("MiMoV2ForCausalLM", "MiMoV2FlashForCausalLM")
 STEP3P5 = ("Step3p5ForCausalLM",)
 GEMMA23 = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 LLAMA4 = ("Llama4ForConditionalGeneration",)
-#: Architectures whose SWA sub-pool takes the ``swa_*`` shape (sglang's ``is_hybrid_swa_compress``).
-SWA_SHAPED = (*MIMO_V2, *GEMMA4)
 
 LayerKindName = Literal["swa", "full", "kv"]
 LAYER_TYPES = {"sliding_attention": "swa", "full_attention": "full"}
