@@ -210,9 +210,6 @@ class ModelLayout:
         """One stage map per PP rank, so the PP size is never a second, separate number."""
         return len(self.stages)
 
-    @property
-    def slices(self) -> tuple[StageSlice, ...]:
-        return tuple(s.slice for s in self.stages)
 
 
 def partition_without_problems(spec: ModelSpec, pp_size: int, tries: int = 4096,

@@ -36,7 +36,6 @@ from .. import defaults
 from ..errors import ConfigError
 from ..model.family import Family, StageBudget
 from ..model.layer_map import ModelLayout, StageLayerMap, build_layout
-from ..model.partition import StageSlice
 from ..model.pool_kinds import KindTable, PoolKind
 from ..model.spec import ModelSpec
 from .faults import Fault, apply_layout_faults, fault_names, faulty_buffers
@@ -344,10 +343,6 @@ class RunPlan:
     def layout(self) -> ModelLayout:
         """The (possibly faulted) layer maps as a layout: what validation checks the tiling of."""
         return ModelLayout(self.spec, self.tp_size, tuple(s.layer_map for s in self.stages))
-
-    @property
-    def slices(self) -> tuple[StageSlice, ...]:
-        return tuple(s.layer_map.slice for s in self.stages)
 
     @property
     def fingerprint(self) -> Fingerprint:
