@@ -150,13 +150,6 @@ def duplicate_id(kind: str, space: str) -> Callable[..., StageLayerMap]:
     return partial(_duplicate, kind, space)
 
 
-def positive_page_size(page_size: object) -> int:
-    """Any positive page size (a family with a stricter rule checks it after this)."""
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-        raise ConfigError(f"--page-size must be a positive integer, got {page_size!r}")
-    return page_size
-
-
 # -- the family --------------------------------------------------------------------------------
 
 
@@ -198,6 +191,13 @@ class Family:
     def kind_table(self, spec: ModelSpec, page_size: int) -> KindTable:
         """Every pool kind sized for ``spec`` at ``page_size`` (the page size is checked here)."""
         raise NotImplementedError
+
+    @staticmethod
+    def positive_page_size(page_size: object) -> int:
+        """Any positive page size (a family with a stricter rule checks it after this)."""
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
+            raise ConfigError(f"--page-size must be a positive integer, got {page_size!r}")
+        return page_size
 
     def with_kv_cache_dtype(self, spec: ModelSpec, dtype: str) -> ModelSpec:
         """``spec`` with sglang's ``--kv-cache-dtype``; ``auto`` keeps the family's dtype, and a

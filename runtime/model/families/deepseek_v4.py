@@ -41,7 +41,6 @@ from ..family import (
     ids_counted_globally,
     last_buffer_none,
     later_stages,
-    positive_page_size,
     sized_globally,
 )
 from ..layer_map import IdSpace, LayerEntry
@@ -140,7 +139,7 @@ _C4_POOLS = tuple(k.name for k in _POOL_KINDS if k.owner_ratio == 4)
 
 def check_page_size(spec: DeepSeekV4Spec, page_size: object) -> int:
     """A page must hold whole compressed rows of every ratio the model uses."""
-    page_size = positive_page_size(page_size)
+    page_size = Family.positive_page_size(page_size)
     largest = max((r for r in spec.compress_ratios if r), default=1)
     if page_size % largest:
         raise ConfigError(

@@ -43,7 +43,6 @@ from ..family import (
     LayerKind,
     ids_counted_globally,
     later_stages,
-    positive_page_size,
     sized_globally,
 )
 from ..layer_map import IdSpace, LayerEntry, StageLayerMap
@@ -247,7 +246,7 @@ class DsaFamily(Family):
         return kv_cache_dtype(spec, dtype)
 
     def kind_table(self, spec: DsaSpec, page_size: int) -> KindTable:  # type: ignore[override]
-        page = positive_page_size(page_size)
+        page = self.positive_page_size(page_size)
         return KindTable(spec, page, {
             "kv": TokenRows(_KV, spec.kv_row_bytes, page),
             "indexer": IndexerPages(_INDEXER, spec.indexer_row_bytes, page, reserve_pages=1),

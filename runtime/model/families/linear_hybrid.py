@@ -54,7 +54,6 @@ from ..family import (
     LayerKind,
     StageBudget,
     later_stages,
-    positive_page_size,
     sized_globally,
 )
 from ..layer_map import IdSpace, LayerEntry, StageLayerMap
@@ -421,7 +420,7 @@ class LinearHybrid(Family):
         return _READERS[arch](cfg, name, arch)
 
     def kind_table(self, spec: LinearHybridSpec, page_size: int) -> KindTable:  # type: ignore[override]
-        page_size = positive_page_size(page_size)
+        page_size = self.positive_page_size(page_size)
         kinds = {"attention": TokenRows(KINDS["attention"], spec.attention_row_bytes, page_size),
                  "mamba": RequestState(KINDS["mamba"], spec.state_slot_bytes, 1)}
         return KindTable(spec, page_size, kinds)

@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from ..family import Family, FaultKind, LayerKind, positive_page_size, sized_globally
+from ..family import Family, FaultKind, LayerKind, sized_globally
 from ..layer_map import LayerEntry
 from ..pool_kinds import LOCAL, KindTable, PoolKind, TokenRows
 from ..spec import MAX_DIM, MAX_HEADS, MAX_LAYERS, ConfigFields, ModelSpec
@@ -102,7 +102,7 @@ class OneKindFamily(Family):
         return kv_cache_dtype(spec, dtype)
 
     def kind_table(self, spec: ModelSpec, page_size: int) -> KindTable:
-        page = positive_page_size(page_size)
+        page = self.positive_page_size(page_size)
         row = spec.row_bytes  # type: ignore[attr-defined]
         return KindTable(spec, page, {"kv": TokenRows(self.pool_kinds[0], row, page)})
 

@@ -37,15 +37,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from pydantic import Field
 
 from ...errors import ConfigError
-from ..family import (
-    Family,
-    FaultKind,
-    LayerKind,
-    StageBudget,
-    later_stages,
-    positive_page_size,
-    sized_globally,
-)
+from ..family import Family, FaultKind, LayerKind, StageBudget, later_stages, sized_globally
 from ..layer_map import IdSpace, LayerEntry, StageLayerMap
 from ..pool_kinds import KindTable, PoolKind, TokenRows
 from ..spec import (
@@ -307,7 +299,7 @@ class SwaHybrid(Family):
                              sliding_window=window, full=full, swa=swa, plain_reason=plain, no_pp=no_pp)
 
     def kind_table(self, spec: SwaHybridSpec, page_size: int) -> KindTable:  # type: ignore[override]
-        page_size = positive_page_size(page_size)
+        page_size = self.positive_page_size(page_size)
         kinds = {
             "swa": TokenRows(KINDS["swa"], spec.swa.token_bytes, page_size),
             "full": TokenRows(KINDS["full"], spec.full.token_bytes, page_size),
