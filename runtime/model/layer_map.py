@@ -211,7 +211,6 @@ class ModelLayout:
         return len(self.stages)
 
 
-
 def partition_without_problems(spec: ModelSpec, pp_size: int, tries: int = 4096,
                                page_size: int = 1) -> tuple[int, ...] | None:
     """A partition close to sglang's even split whose stages sglang builds without the family's

@@ -134,5 +134,4 @@ class MhaFamily(OneKindFamily):
                        v_head_dim=head_dim)
 
 
-
 FAMILY = MhaFamily()
