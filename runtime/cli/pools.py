@@ -14,6 +14,7 @@ from typing import Any
 
 from .. import defaults
 from ..model.families import load_spec
+from ..model.family import is_unbounded
 from ..model.layer_map import partition_without_problems
 from ..plan.plan import RunPlan, Sizing
 from .common import (
@@ -160,7 +161,7 @@ def deployment(plan: RunPlan) -> dict[str, Any] | None:
     caps = [s.capacity for s in plan.stages]
     if any(c is None for c in caps):
         return None
-    out = {"tokens": plan.stage(0).budget.full_tokens,
+    out = {"tokens": min(s.budget.full_tokens for s in plan.stages),  # a faulted stage may size itself alone
            "limited_by": min(range(plan.pp_size), key=lambda i: caps[i].tokens_alone),
            "stranded_bytes": sum(c.stranded_bytes for c in caps)}
     if all(c.state_stranded_bytes is not None for c in caps):
@@ -296,8 +297,8 @@ def print_ledger(console: Any, report: dict[str, Any]) -> None:
         table.add_column(col, justify="right")
     for s in report["stages"]:
         c = s["capacity"]
-        alone = "unbounded" if c["tokens_alone"] >= (1 << 62) else f"{c['tokens_alone']:,}"
-        row = [str(s["stage"]), human(c["budget_bytes"]), alone, f"{c['tokens']:,}",
+        alone, tokens = ("unbounded" if is_unbounded(c[k]) else f"{c[k]:,}" for k in ("tokens_alone", "tokens"))
+        row = [str(s["stage"]), human(c["budget_bytes"]), alone, tokens,
                human(c["used_bytes"]), human(c["stranded_bytes"])]
         if state:
             row += [human(c["state_charged_bytes"]), human(c["state_bytes"]), human(c["state_stranded_bytes"])]
