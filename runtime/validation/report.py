@@ -23,7 +23,7 @@ from ..model.layer_map import StageLayerMap
 def _stage_ok(stage: Any) -> bool:
     if isinstance(stage, dict):
         return bool(stage.get("ok", not stage.get("errors")))
-    return bool(stage.ok)
+    return bool(getattr(stage, "ok", False))  # not a stage: the model validation names it
 
 
 def _with_ok(data: Any) -> Any:
@@ -38,14 +38,18 @@ def _with_ok(data: Any) -> Any:
 _POOL_FIELDS = ("buffers", "expected_buffers", "pool_page_bytes", "device_bytes", "host_buffers", "host_bytes")
 
 
-def _field(stage: Any, name: str) -> Any:
+def _field(stage: Any, name: str) -> dict[str, Any]:
     if isinstance(stage, dict):
-        return stage.get(name, stage.get("expected") if name == "expected_buffers" else None) or {}
-    return getattr(stage, "expected" if name == "expected_buffers" else name)
+        value = stage.get(name, stage.get("expected") if name == "expected_buffers" else None)
+        return value if isinstance(value, dict) else {}
+    return getattr(stage, "expected" if name == "expected_buffers" else name, None) or {}
 
 
-def _pool_of(error: Any) -> str:
-    return error.get("pool", "") if isinstance(error, dict) else error.pool
+def _error_pools(stage: Any) -> set[str]:
+    errors = stage.get("errors") if isinstance(stage, dict) else getattr(stage, "errors", ())
+    if not isinstance(errors, list | tuple):
+        return set()
+    return {str(e.get("pool", "")) if isinstance(e, dict) else str(getattr(e, "pool", "")) for e in errors}
 
 
 def shown_pools(stages: Any) -> set[str]:
@@ -53,12 +57,13 @@ def shown_pools(stages: Any) -> set[str]:
     has an error about.  A kind of the family that no layer of the model uses (gpt-oss's plain-MHA
     ``kv`` beside its SWA and full sub-pools) would be an empty 0/0 row on every stage of ``check``,
     the dashboard and the metrics; a kind one stage has and another lacks (a Nemotron-H stage
-    without attention) stays, 0/0 where it is empty."""
+    without attention) stays, 0/0 where it is empty.  Malformed stages add nothing (the model's
+    validation names them)."""
     shown: set[str] = set()
     for s in stages:
         shown |= {p for p, n in _field(s, "buffers").items() if n}
         shown |= {p for p, n in _field(s, "expected_buffers").items() if n}
-        shown |= {_pool_of(e) for e in (s.get("errors", ()) if isinstance(s, dict) else s.errors)}
+        shown |= _error_pools(s)
     return shown
 
 
@@ -127,7 +132,7 @@ class StartupReport(BaseModel):
             kinds = family_named(data.get("family", DEFAULT_FAMILY)).pool_kinds
             data = {**data, "stages": [{**s, "kinds": kinds} if isinstance(s, dict) else s
                                        for s in data["stages"]]}
-        if isinstance(data, dict) and data.get("stages"):
+        if isinstance(data, dict) and isinstance(data.get("stages"), list | tuple) and data["stages"]:
             shown = shown_pools(data["stages"])
             data = {**data, "stages": [_trimmed(s, shown) for s in data["stages"]]}
         return _with_ok(data)

@@ -78,3 +78,12 @@ def test_a_saved_report_with_an_unused_kind_is_read_without_it(capsys):
     raw["stages"][1]["ok"] = False
     named = StartupReport.parse(raw, "a saved report")
     assert all("kv" in s.buffers for s in named.stages)
+
+
+@pytest.mark.parametrize("raw", [{"stages": "xx", "model": "m"}, {"stages": [1, "a", {"errors": "zz", "buffers": 5}]},
+                                 {"stages": [{"errors": [1, None], "buffers": {"kv": "x"}}]}])
+def test_a_malformed_report_is_one_error_line_not_a_traceback(raw):
+    from stagecache.runtime.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="not a startup report"):
+        StartupReport.parse(raw, "saved.json")
