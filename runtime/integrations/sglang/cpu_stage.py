@@ -9,8 +9,9 @@ match / insert / backup / load paths without a GPU:
   ``config.json`` (sglang reads it through its ``RuntimeContext``);
 * ``build_stage`` sizes one rank with ``KVCacheConfigurator`` / ``DSV4PoolConfigurator``
   and builds its pools with ``_init_pools``;
-* ``on_cpu`` swaps in CPU versions of the two CUDA-only pieces HiCache calls: pinning host
-  pages (``cudaHostRegister``) and ``sgl_kernel``'s ``transfer_kv_direct`` copy op.  With
+* ``on_cpu`` swaps in CPU versions of the CUDA-only pieces HiCache calls: pinning host
+  pages (``cudaHostRegister``) and ``sgl_kernel``'s direct copy ops (``transfer_kv_direct``, and
+  the page-first ones a Mamba hybrid's host pools use), in every host pool module.  With
   ``hicache_io_backend="direct"`` sglang's ``HybridCacheController``, host pools and
   ``L2TransferEngine`` then move real bytes between real tensors;
 * ``AckLedger`` consumes the controller's acks with sglang's own
@@ -34,7 +35,6 @@ import torch
 from sglang.srt import runtime_context
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed.utils import get_pp_indices
-from sglang.srt.mem_cache import memory_pool_host
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
 from sglang.srt.mem_cache.pool_host import common as host_common
@@ -144,27 +144,84 @@ def cache_params(stage: Stage) -> CacheInitParams:
 def transfer_kv_direct(src_layers: list[torch.Tensor], dst_layers: list[torch.Tensor],
                        src_indices: torch.Tensor, dst_indices: torch.Tensor, page_size: int) -> None:
     """``sgl_kernel.kvcacheio.transfer_kv_direct`` (a CUDA build's op): per layer, copy rows
-    ``src[src_indices]`` to ``dst[dst_indices]``."""
-    if page_size != 1:
-        raise ConfigError(f"transfer_kv_direct on CPU copies rows (page_size 1), got page_size {page_size}")
+    ``src[src_indices]`` to ``dst[dst_indices]`` (the kernel copies whole pages of ``page_size``
+    rows where the indices run on; row by row is the same bytes)."""
+    if page_size < 1:
+        raise ConfigError(f"transfer_kv_direct: page_size must be positive, got {page_size}")
     for src, dst in zip(src_layers, dst_layers, strict=True):
         dst.index_copy_(0, dst_indices.to(dst.device), src.index_select(0, src_indices.to(src.device)))
 
 
+def transfer_kv_all_layer_direct_lf_pf(src_ptrs: list[torch.Tensor], dst_ptrs: list[torch.Tensor],
+                                       src_indices: torch.Tensor, dst_indices: torch.Tensor,
+                                       page_size: int) -> None:
+    """``sgl_kernel``'s backup into a ``page_first_direct`` host pool: device rows of every layer
+    (``src_ptrs``: the K layers, then the V layers) into host tensors shaped ``(pages, layers,
+    page_size, ...)`` (``dst_ptrs``: K, V), at the host token indices ``dst_indices``."""
+    layers = len(src_ptrs) // max(1, len(dst_ptrs))
+    pages, offsets = dst_indices // page_size, dst_indices % page_size
+    for j, dst in enumerate(dst_ptrs):
+        for layer in range(layers):
+            src = src_ptrs[j * layers + layer]
+            dst[pages, layer, offsets] = src.index_select(0, src_indices.to(src.device)).to(dst.dtype)
+
+
+def transfer_kv_per_layer_direct_pf_lf(src_ptrs: list[torch.Tensor], dst_ptrs: list[torch.Tensor],
+                                       src_indices: torch.Tensor, dst_indices: torch.Tensor, layer_id: int,
+                                       page_size: int) -> None:
+    """``sgl_kernel``'s load of one layer from a ``page_first_direct`` host pool into device rows."""
+    pages, offsets = src_indices // page_size, src_indices % page_size
+    for src, dst in zip(src_ptrs, dst_ptrs, strict=True):
+        dst.index_copy_(0, dst_indices.to(dst.device), src[pages, layer_id, offsets].to(dst.device))
+
+
+#: The host pool modules that bind sglang's copy ops at import (CUDA builds only), and the
+#: CPU stand-ins ``on_cpu`` gives each: DeepSeek V4's pools, MHA / MLA pools and DSA's indexer (SWA hybrids, DSA,
+#: dense models, a Mamba hybrid's attention) and the Mamba state pool.
+COPY_OPS = {
+    "sglang.srt.mem_cache.memory_pool_host": {"transfer_kv_direct": transfer_kv_direct},
+    "sglang.srt.mem_cache.pool_host.mha": {
+        "transfer_kv_direct": transfer_kv_direct,
+        "transfer_kv_all_layer_direct_lf_pf": transfer_kv_all_layer_direct_lf_pf,
+        "transfer_kv_per_layer_direct_pf_lf": transfer_kv_per_layer_direct_pf_lf},
+    "sglang.srt.mem_cache.pool_host.mla": {"transfer_kv_direct": transfer_kv_direct},
+    "sglang.srt.mem_cache.pool_host.dsa": {"transfer_kv_direct": transfer_kv_direct},
+    "sglang.srt.mem_cache.pool_host.mamba": {"transfer_kv_direct": transfer_kv_direct},
+}
+
+
 @contextlib.contextmanager
-def on_cpu() -> Iterator[None]:
-    """HiCache's two CUDA-only calls replaced for the block (see the module docstring)."""
-    saved = host_common._cuda_host_register, getattr(memory_pool_host, "transfer_kv_direct", None)
-    host_common._cuda_host_register = lambda *a, **k: None
-    memory_pool_host.transfer_kv_direct = transfer_kv_direct
+def copy_ops(ops: dict[str, dict[str, Any]]) -> Iterator[None]:
+    """``ops`` (module -> name -> function) set on sglang's host pool modules for the block."""
+    import importlib
+
+    missing = object()
+    saved = []
+    for module_name, names in ops.items():
+        module = importlib.import_module(module_name)
+        for name, fn in names.items():
+            saved.append((module, name, getattr(module, name, missing)))
+            setattr(module, name, fn)
     try:
         yield
     finally:
-        host_common._cuda_host_register = saved[0]
-        if saved[1] is None:
-            del memory_pool_host.transfer_kv_direct
-        else:
-            memory_pool_host.transfer_kv_direct = saved[1]
+        for module, name, old in reversed(saved):
+            if old is missing:
+                delattr(module, name)
+            else:
+                setattr(module, name, old)
+
+
+@contextlib.contextmanager
+def on_cpu() -> Iterator[None]:
+    """HiCache's CUDA-only calls replaced for the block (see the module docstring)."""
+    saved = host_common._cuda_host_register
+    host_common._cuda_host_register = lambda *a, **k: None
+    try:
+        with copy_ops(COPY_OPS):
+            yield
+    finally:
+        host_common._cuda_host_register = saved
 
 
 class AckLedger:

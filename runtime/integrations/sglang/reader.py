@@ -487,5 +487,5 @@ def read_family_pool(kvcache: Any, pp_rank: int, pp_size: int, *, req_pool: Any 
     dtype = getattr(kvcache, "dtype", None)
     if dtype is None and hasattr(kvcache, "full_kv_pool"):
         dtype = getattr(kvcache.full_kv_pool, "dtype", None)
-    return PoolView(spec, stage_map, inventory, {k: nbytes.get(k, 0) for k in stage_map.pools},
+    return PoolView(spec, stage_map, inventory, {k: nbytes.get(k, 0) for k in stage_map.pools if k in flags},
                     tuple(findings), page, str(dtype or "unknown"))
