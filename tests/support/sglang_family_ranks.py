@@ -14,87 +14,39 @@ own classes (the family's ``--fault`` of the same name):
 * ``global-swa-subpool``: the SWA sub-pool from the model's whole sliding-layer list;
 * ``global-dsa``: the DSA pool built over the whole model's layers.
 
-``FAMILIES`` gives each family's preset, ``ServerArgs`` and budget; ``gates`` answers the two
-questions sglang asks a GPU while its arguments resolve (set in the test process before the ranks
-fork, so every rank inherits them).
+``FAMILIES`` gives each family's preset, ``ServerArgs`` and budget (the runtime's
+``cpu_stage.FAMILY_MODELS``); ``gates`` answers the two questions sglang asks a GPU while its
+arguments resolve (set in the test process before the ranks fork, so every rank inherits them).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import torch
+from stagecache.runtime.integrations.sglang.cpu_stage import (
+    FAMILY_MODELS,
+    family_configurator,
+    family_stack,
+)
+from stagecache.runtime.integrations.sglang.cpu_stage import gpu_gates as gates  # noqa: F401 (re-exported)
 
 
 @dataclass(frozen=True)
 class FamilyCase:
-    """One family's model for the live tests: preset, server arguments, KV budget per rank."""
+    """One family's model for the live tests: preset, server arguments, KV budget per rank, and
+    its seeded fault."""
 
     family: str
     preset: str
     fault: str
-    server: dict[str, Any] = field(default_factory=dict)
+    server: dict[str, Any]
     budget: int = 16 << 20
 
 
-FAMILIES = {
-    "linear_hybrid": FamilyCase("linear_hybrid", "qwen3.5-0.8b", "unsplit-mamba", {
-        "page_size": 256, "max_mamba_cache_size": 4, "hicache_mem_layout": "page_first_direct"}),
-    "dsa": FamilyCase("dsa", "deepseek-v3.2", "global-dsa", {"page_size": 64}),
-    "swa_hybrid": FamilyCase("swa_hybrid", "gpt-oss-20b", "global-swa-subpool", {"page_size": 16}),
-}
-
-
-@contextlib.contextmanager
-def gates() -> Iterator[None]:
-    """sglang's GPU-only questions answered as on an H100 for the block: the Mamba extra-buffer
-    platform gate (pages > 1 token) and ``torch.cuda.get_device_capability`` (DSA's defaults)."""
-    from sglang.srt.arg_groups import mamba_hook
-
-    saved = mamba_hook._platform_supports_mamba_cache_extra_buffer, torch.cuda.get_device_capability
-    mamba_hook._platform_supports_mamba_cache_extra_buffer = lambda: True
-    torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
-    try:
-        yield
-    finally:
-        mamba_hook._platform_supports_mamba_cache_extra_buffer, torch.cuda.get_device_capability = saved
-
-
-def _configurator(sa: Any, mc: Any, rank: int, pp: int, fault: str | None) -> Any:
-    from sglang.srt.distributed.parallel_state import get_pp_group
-    from sglang.srt.distributed.utils import get_pp_indices
-    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
-    from sglang.srt.model_executor.model_runner_components.layer_setup import (
-        ModelLayerInfo,
-        _resolve_local_hybrid_swa_layer_ids,
-    )
-    from sglang.srt.runtime_context import get_schedule
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-    from sglang_swa import sliding_window
-
-    start, end = get_pp_indices(mc.num_hidden_layers, rank, pp)
-    swa, full = ([], [])
-    if mc.is_hybrid_swa:
-        swa, full = _resolve_local_hybrid_swa_layer_ids(model_config=mc, owned_layers=range(start, end))
-        if fault == "global-swa-subpool":  # the whole model's sliding list reaches the pool
-            swa = list(mc.swa_attention_layer_ids)
-    info = ModelLayerInfo(start_layer=start, end_layer=end, num_effective_layers=end - start,
-                          swa_attention_layer_ids=swa, full_attention_layer_ids=full)
-    return KVCacheConfigurator(
-        device="cpu", gpu_id=0, attn_dp_size=1, pp_size=pp, pp_group=get_pp_group(), model=None,
-        model_config=mc, server_args=sa, kv_cache_dtype=torch.bfloat16, kv_cache_dtype_str="auto",
-        model_dtype=torch.bfloat16, page_size=get_schedule().page_size,
-        sliding_window_size=sliding_window(mc) if mc.is_hybrid_swa else None,
-        spec_algorithm=SpeculativeAlgorithm.from_string(None), is_draft_worker=False,
-        post_capture_kv_active=False, spec_aux_config=None, is_hybrid_swa=mc.is_hybrid_swa,
-        is_hybrid_swa_compress=mc.is_hybrid_swa_compress, use_mla_backend=mc.attention_arch.name == "MLA",
-        layer_info=info, forward_stream=None, req_to_token_pool=None, token_to_kv_pool_allocator=None,
-        memory_pool_config=None,
-    )
+_FAULTS = {"linear_hybrid": "unsplit-mamba", "dsa": "global-dsa", "swa_hybrid": "global-swa-subpool"}
+FAMILIES = {name: FamilyCase(name, m.preset, _FAULTS[name], m.server) for name, m in FAMILY_MODELS.items()}
 
 
 def _inject(kvc: Any, mc: Any, fault: str | None) -> None:
@@ -121,16 +73,15 @@ def build_family(rank: int, pp: int, budget: int) -> tuple[Any, Any]:
     """The rank's pools sized from ``budget`` (MIN over the ranks) and its HiCache stack, built by
     the assembler's own strategy (hooked by the plugin: the record exchange runs inside)."""
     from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as hpa
-    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+    from sglang.srt.distributed.parallel_state import get_pp_group
     from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
-    from sglang.srt.runtime_context import get_schedule, get_server_args
+    from sglang.srt.runtime_context import get_server_args
 
     sa = get_server_args()
     mc = ModelConfig.from_server_args(sa)
     fault = os.environ.get("STAGECACHE_TEST_FAULT")
-    kvc = _configurator(sa, mc, rank, pp, fault)
+    swa = list(mc.swa_attention_layer_ids) if fault == "global-swa-subpool" else None  # the whole model's list
+    kvc = family_configurator(sa, mc, rank, pp, get_pp_group(), "cpu", swa_layers=swa)
     _inject(kvc, mc, fault)
     config = kvc.config_from_budget(budget)  # -> _apply_token_constraints: MIN over the ranks
     config.max_running_requests = kvc.resolve_max_num_reqs(config.max_total_num_tokens)
@@ -139,15 +90,5 @@ def build_family(rank: int, pp: int, budget: int) -> tuple[Any, Any]:
                             token_to_kv_pool_allocator=None)
     if not sa.enable_hierarchical_cache:
         return pools, None
-    kv = pools.token_to_kv_pool
-    components = {ComponentType.FULL}
-    if hasattr(kv, "full_attention_layer_id_mapping"):
-        components.add(ComponentType.MAMBA)
-    elif hasattr(kv, "swa_kv_pool"):
-        components.add(ComponentType.SWA)
-    params = CacheInitParams(disable=False, req_to_token_pool=pools.req_to_token_pool,
-                             token_to_kv_pool_allocator=pools.token_to_kv_pool_allocator,
-                             page_size=get_schedule().page_size)
-    strategy = hpa._select_strategy(kv, components)
-    result = strategy.build(cache=None, kvcache=kv, params=params, server_args=sa, load_cache_event=None)
+    result = family_stack(pools, sa)
     return pools, (result.host_pool_group, result.cache_controller)

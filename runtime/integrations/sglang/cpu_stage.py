@@ -260,20 +260,21 @@ class AckLedger:
         UnifiedRadixCache.loading_check(self, finish_count=len(ctl.ack_load_queue))
 
 
-def round_trip(group: Any, controller: Any, src: torch.Tensor, dst: torch.Tensor, node: int = 0
-               ) -> tuple[torch.Tensor, dict[Any, torch.Tensor]]:
-    """sglang's controller backs up device rows ``src`` of the compressed pools to host
-    (``write`` / ``start_writing``) and loads them back into rows ``dst`` (``load`` /
-    ``start_loading``); the acks stay queued.  Returns the host slots it took: the full-KV ones and
-    one per pool, for the caller to keep or free."""
+def round_trip(group: Any, controller: Any, src: torch.Tensor, dst: torch.Tensor, node: int = 0,
+               pools: tuple[str, ...] = COMPRESSED_POOLS) -> tuple[torch.Tensor, dict[Any, torch.Tensor]]:
+    """sglang's controller backs up device rows ``src`` of the full KV and of ``pools`` (the host
+    pools that move with it: DeepSeek V4's compressed pools, DSA's indexer) to host (``write`` /
+    ``start_writing``) and loads them back into rows ``dst`` (``load`` / ``start_loading``); the
+    acks stay queued.  Returns the host slots it took: the full-KV ones and one per pool, for the
+    caller to keep or free."""
     from sglang.srt.mem_cache.hicache_storage import PoolTransfer
 
-    names = [e.name for e in group.entries if e.name.value in COMPRESSED_POOLS]
+    names = [e.name for e in group.entries if e.name.value in pools]
     host = controller.write(src, node_id=node, flush=False,
                             extra_pools=[PoolTransfer(name=n, device_indices=src.clone()) for n in names])
     if host is None:
         raise ConfigError(f"sglang's host pools have no room for {len(src)} tokens")
-    hosts = {t.name: t.host_indices for t in controller.write_queue[-1].pool_transfers}
+    hosts = {t.name: t.host_indices for t in controller.write_queue[-1].pool_transfers or ()}
     controller.start_writing()
     loaded = controller.load(host, node_id=node + 1, device_indices=dst, extra_pools=[
         PoolTransfer(name=n, host_indices=h, device_indices=dst.clone()) for n, h in hosts.items()])
@@ -333,3 +334,118 @@ class StepLedger(AckLedger):
     def step(self) -> None:
         """One scheduler step's HiCache event check, as sglang's scheduler runs it."""
         UnifiedRadixCache.check_hicache_events(self)
+
+
+# -- every other family: one rank's pools and HiCache stack ---------------------------------------
+@dataclass(frozen=True)
+class FamilyModel:
+    """One family's model for CPU runs (the bench, the live tests): its preset and the server
+    arguments sglang needs for it on CPU (page size, Mamba slots, a host layout it copies with)."""
+
+    family: str
+    preset: str
+    server: dict[str, Any]
+
+
+#: The model of each family the bench and the live tests build (DeepSeek V4: ``FLASH``).
+FAMILY_MODELS = {
+    "linear_hybrid": FamilyModel("linear_hybrid", "qwen3.5-0.8b", {
+        "page_size": 256, "max_mamba_cache_size": 4, "hicache_mem_layout": "page_first_direct"}),
+    "dsa": FamilyModel("dsa", "deepseek-v3.2", {"page_size": 64, "hicache_mem_layout": "layer_first"}),
+    "swa_hybrid": FamilyModel("swa_hybrid", "gpt-oss-20b", {"page_size": 16, "hicache_mem_layout": "layer_first"}),
+}
+
+
+@contextlib.contextmanager
+def gpu_gates() -> Iterator[None]:
+    """sglang's GPU-only questions answered as on an H100 for the block: the Mamba extra-buffer
+    platform gate (pages > 1 token for a Mamba hybrid) and ``torch.cuda.get_device_capability``
+    (which DSA's defaults read: 9.0 keeps its KV cache in BF16)."""
+    from sglang.srt.arg_groups import mamba_hook
+
+    saved = mamba_hook._platform_supports_mamba_cache_extra_buffer, torch.cuda.get_device_capability
+    mamba_hook._platform_supports_mamba_cache_extra_buffer = lambda: True
+    torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
+    try:
+        yield
+    finally:
+        mamba_hook._platform_supports_mamba_cache_extra_buffer, torch.cuda.get_device_capability = saved
+
+
+def sliding_window(mc: ModelConfig) -> int | None:
+    """The window ``ModelRunner`` hands the pool configurator: the model class's rule (gpt-oss and
+    Gemma 4 say ``sliding_window - 1``), else the config's."""
+    from sglang.srt.model_executor.model_runner_components.load_model_utils import resolve_sliding_window_size
+
+    class _Model:
+        def __init__(self, window: int | None):
+            self.window = window
+
+        def get_attention_sliding_window_size(self) -> int | None:
+            return self.window
+
+    arch = mc.hf_config.architectures[0]
+    if arch.startswith(("GptOss", "Gemma4")):
+        from sglang.srt.models.gpt_oss import get_attention_sliding_window_size
+
+        return resolve_sliding_window_size(_Model(get_attention_sliding_window_size(mc.hf_text_config)), mc)
+    return resolve_sliding_window_size(object(), mc)
+
+
+def family_configurator(sa: ServerArgs, mc: ModelConfig, rank: int, pp_size: int, pp_group: Any,
+                        device: str = "cpu", swa_layers: list[int] | None = None) -> Any:
+    """sglang's ``KVCacheConfigurator`` for one PP rank of any family but DeepSeek V4, as
+    ``ModelRunner`` builds it (the rank's layer range and, for an SWA hybrid, its sliding / full
+    lists; ``swa_layers`` replaces the sliding list, as a faulty build would)."""
+    from sglang.srt.model_executor.model_runner_components.layer_setup import (
+        _resolve_local_hybrid_swa_layer_ids,
+    )
+
+    start, end = get_pp_indices(mc.num_hidden_layers, rank, pp_size)
+    swa, full = [], []
+    if mc.is_hybrid_swa:
+        swa, full = _resolve_local_hybrid_swa_layer_ids(model_config=mc, owned_layers=range(start, end))
+        swa = list(swa) if swa_layers is None else list(swa_layers)
+    info = ModelLayerInfo(start_layer=start, end_layer=end, num_effective_layers=end - start,
+                          swa_attention_layer_ids=swa, full_attention_layer_ids=full)
+    return KVCacheConfigurator(
+        device=device, gpu_id=0, attn_dp_size=1, pp_size=pp_size, pp_group=pp_group, model=None,
+        model_config=mc, server_args=sa, kv_cache_dtype=torch.bfloat16, kv_cache_dtype_str="auto",
+        model_dtype=torch.bfloat16, page_size=get_schedule().page_size,
+        sliding_window_size=sliding_window(mc) if mc.is_hybrid_swa else None,
+        spec_algorithm=SpeculativeAlgorithm.from_string(None), is_draft_worker=False,
+        post_capture_kv_active=False, spec_aux_config=None, is_hybrid_swa=mc.is_hybrid_swa,
+        is_hybrid_swa_compress=mc.is_hybrid_swa_compress, use_mla_backend=mc.attention_arch.name == "MLA",
+        layer_info=info, forward_stream=None, req_to_token_pool=None, token_to_kv_pool_allocator=None,
+        memory_pool_config=None,
+    )
+
+
+def family_stack(pools: Any, sa: ServerArgs) -> Any:
+    """The HiCache stack sglang's assembler builds for the pools: its own strategy for the pool
+    (``_select_strategy``) and that strategy's ``build`` -- what the stagecache plugin hooks.
+    Returns the ``StackBuildResult``."""
+    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as hpa
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+    kv = pools.token_to_kv_pool
+    components = {ComponentType.FULL}
+    if hasattr(kv, "full_attention_layer_id_mapping"):
+        components.add(ComponentType.MAMBA)
+    elif hasattr(kv, "swa_kv_pool"):
+        components.add(ComponentType.SWA)
+    params = CacheInitParams(disable=False, req_to_token_pool=pools.req_to_token_pool,
+                             token_to_kv_pool_allocator=pools.token_to_kv_pool_allocator,
+                             page_size=get_schedule().page_size)
+    strategy = hpa._select_strategy(kv, components)
+    return strategy.build(cache=None, kvcache=kv, params=params, server_args=sa, load_cache_event=None)
+
+
+def build_family_pools(sa: ServerArgs, mc: ModelConfig, device: str = "cpu") -> Any:
+    """One PP-1 stage of any family but DeepSeek V4: sglang's sizing from ``--max-total-tokens``
+    and ``_init_pools`` (``KVCacheConfigResult``-like: ``token_to_kv_pool``, ``req_to_token_pool``,
+    ``token_to_kv_pool_allocator``)."""
+    kvc = family_configurator(sa, mc, 0, 1, _PPGroup(), device)
+    _, config = size_pools(kvc)
+    return kvc._init_pools(sizes=kvc._derive_pool_sizes(config=config), req_to_token_pool=None,
+                           token_to_kv_pool_allocator=None)
