@@ -49,24 +49,27 @@ _FAULTS = {"linear_hybrid": "unsplit-mamba", "dsa": "global-dsa", "swa_hybrid": 
 FAMILIES = {name: FamilyCase(name, m.preset, _FAULTS[name], m.server) for name, m in FAMILY_MODELS.items()}
 
 
-def _inject(kvc: Any, mc: Any, fault: str | None) -> None:
-    """The bug's pool build, on this configurator only."""
+def _inject(fault: str | None) -> None:
+    """The bug's pool build, in this rank's process only (sglang's configurator is slotted: its
+    class is patched, in the rank's own forked process)."""
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
     from sglang.srt.model_executor.model_runner_components.layer_setup import ModelLayerInfo
 
-    if fault == "unsplit-mamba":
-        kvc._get_mamba_layer_ids_for_req_pool = lambda: list(kvc.mambaish_config.mamba2_cache_params.layers)
-    elif fault == "global-dsa":
-        build = kvc._build_dsa_kv_pool
+    if fault == "unsplit-mamba":  # every Mamba layer of the model, on every stage (#21448)
+        KVCacheConfigurator._get_mamba_layer_ids_for_req_pool = \
+            lambda self: list(self.mambaish_config.mamba2_cache_params.layers)
+    elif fault == "global-dsa":  # the DSA pool over the whole model's layers
+        build = KVCacheConfigurator._build_dsa_kv_pool
 
-        def whole_model(**kw: Any) -> Any:
-            saved, n = kvc.layer_info, mc.num_hidden_layers
-            kvc.layer_info = ModelLayerInfo(start_layer=0, end_layer=n, num_effective_layers=n)
+        def whole_model(self: Any, **kw: Any) -> Any:
+            saved, n = self.layer_info, self.model_config.num_hidden_layers
+            self.layer_info = ModelLayerInfo(start_layer=0, end_layer=n, num_effective_layers=n)
             try:
-                return build(**kw)
+                return build(self, **kw)
             finally:
-                kvc.layer_info = saved
+                self.layer_info = saved
 
-        kvc._build_dsa_kv_pool = whole_model
+        KVCacheConfigurator._build_dsa_kv_pool = whole_model
 
 
 def build_family(rank: int, pp: int, budget: int) -> tuple[Any, Any]:
@@ -81,8 +84,8 @@ def build_family(rank: int, pp: int, budget: int) -> tuple[Any, Any]:
     mc = ModelConfig.from_server_args(sa)
     fault = os.environ.get("STAGECACHE_TEST_FAULT")
     swa = list(mc.swa_attention_layer_ids) if fault == "global-swa-subpool" else None  # the whole model's list
+    _inject(fault)
     kvc = family_configurator(sa, mc, rank, pp, get_pp_group(), "cpu", swa_layers=swa)
-    _inject(kvc, mc, fault)
     config = kvc.config_from_budget(budget)  # -> _apply_token_constraints: MIN over the ranks
     config.max_running_requests = kvc.resolve_max_num_reqs(config.max_total_num_tokens)
     config = create_memory_pool_configurator(kvc).finalize_with_max_running_requests(config)
