@@ -375,7 +375,9 @@ def gpu_gates() -> Iterator[None]:
 def sliding_window(mc: ModelConfig) -> int | None:
     """The window ``ModelRunner`` hands the pool configurator: the model class's rule (gpt-oss and
     Gemma 4 say ``sliding_window - 1``), else the config's."""
-    from sglang.srt.model_executor.model_runner_components.load_model_utils import resolve_sliding_window_size
+    from sglang.srt.model_executor.model_runner_components.load_model_utils import (
+        resolve_sliding_window_size,
+    )
 
     class _Model:
         def __init__(self, window: int | None):

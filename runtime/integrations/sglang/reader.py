@@ -27,8 +27,8 @@ from sglang.srt.distributed.utils import get_pp_indices
 from ...errors import ConfigError, MappingError
 from ...model.families.deepseek_v4 import FAMILY, SUPPORTED_RATIOS, DeepSeekV4Layer, DeepSeekV4Spec
 from ...model.layer_map import StageLayerMap, number_layers
-from ...model.spec import ModelSpec
 from ...model.partition import parse_partition, partition_layers
+from ...model.spec import ModelSpec
 from ...plan.fingerprint import Fingerprint, config_hash
 from ...plan.inventory import PoolInventory
 from ...plan.plan import plan_stage
