@@ -200,3 +200,54 @@ def test_a_rank_with_another_partition_is_refused_on_every_rank(tmp_path, family
     text = _refusals(run, pp)
     assert "[stage 1] fingerprint: stage 1 runs another deployment than the other stages" in text, text
     assert "gap: layers" in text or "overlap: layers" in text, text
+
+
+@pytest.mark.parametrize(("family", "pp"), CASES, ids=IDS)
+def test_a_live_pools_record_is_the_offline_plans_record(tmp_path, family, pp):
+    """What a rank exchanges is the record ``stagecache check`` builds offline for its stage: the
+    same layer map (kinds and every id, read from sglang's pool) and the same buffers per kind,
+    for every rank of the layout -- one record type, one report, whichever path made it."""
+    from stagecache.runtime.integrations.sglang.cpu_stage import (
+        FAMILY_MODELS,
+        _PPGroup,
+        family_configurator,
+        model_dir,
+        published,
+        size_pools,
+    )
+    from stagecache.runtime.integrations.sglang.reader import read_family_pool
+    from stagecache.runtime.plan.inputs import resolve_plan
+    from stagecache.runtime.validation.record import stage_record
+
+    model = FAMILY_MODELS[family]
+    plan = resolve_plan(model.preset, pp_size=pp, page_size=model.server["page_size"])
+    with published(model_dir(tmp_path, model.preset), pp_size=pp, max_total_tokens=2048, max_running_requests=4,
+                   hicache_io_backend="direct", **model.server) as (sa, mc):
+        for rank in range(pp):
+            kvc = family_configurator(sa, mc, rank, pp, _PPGroup(), "cpu")
+            _, config = size_pools(kvc)
+            pools = kvc._init_pools(sizes=kvc._derive_pool_sizes(config=config), req_to_token_pool=None,
+                                    token_to_kv_pool_allocator=None)
+            view = read_family_pool(pools.token_to_kv_pool, rank, pp, req_pool=pools.req_to_token_pool,
+                                    name=model.preset, page_size=model.server["page_size"])
+            live, offline = view.record(pp_size=pp, model_name=model.preset), stage_record(plan.stage(rank))
+            assert (live.family, live.num_layers) == (offline.family, offline.num_layers) == (family, plan.spec.num_layers)
+            assert live.layer_map == offline.layer_map, rank
+            assert {k: v for k, v in live.inventory.items() if v} == {k: v for k, v in offline.inventory.items() if v}
+            assert live.fingerprint.config_hash == offline.fingerprint.config_hash
+            assert live.fingerprint.partition == offline.fingerprint.partition
+            assert view.findings == ()
+            assert sum(live.device_bytes.values()) == sum(
+                t.nbytes for t in _tensors(pools.token_to_kv_pool, pools.req_to_token_pool))
+
+
+def _tensors(kv: Any, req_pool: Any) -> list[Any]:
+    """Every device tensor of a rank's KV pools (and its Mamba state), as sglang holds them."""
+    pools = [kv.full_kv_pool, kv.swa_kv_pool] if hasattr(kv, "swa_kv_pool") else \
+        [kv.full_kv_pool] if hasattr(kv, "full_kv_pool") else [kv]
+    out = [t for p in pools for attr in ("k_buffer", "v_buffer", "kv_buffer") for t in getattr(p, attr, None) or ()]
+    out += list(getattr(getattr(kv, "index_key_cache", None), "buffer", None) or ())
+    cache = getattr(getattr(req_pool, "mamba_pool", None), "mamba_cache", None)
+    if cache is not None:
+        out += [cache.temporal, *cache.conv]
+    return out
