@@ -350,7 +350,7 @@ class FamilyModel:
 #: The model of each family the bench and the live tests build (DeepSeek V4: ``FLASH``).
 FAMILY_MODELS = {
     "linear_hybrid": FamilyModel("linear_hybrid", "qwen3.5-0.8b", {
-        "page_size": 256, "max_mamba_cache_size": 4, "hicache_mem_layout": "page_first_direct"}),
+        "page_size": 256, "max_mamba_cache_size": 10, "hicache_mem_layout": "page_first_direct"}),
     "dsa": FamilyModel("dsa", "deepseek-v3.2", {"page_size": 64, "hicache_mem_layout": "layer_first"}),
     "swa_hybrid": FamilyModel("swa_hybrid", "gpt-oss-20b", {"page_size": 16, "hicache_mem_layout": "layer_first"}),
 }
