@@ -1,5 +1,5 @@
 """Every family live: a real sglang 0.5.23 PP deployment of a Mamba hybrid, a DSA model and an SWA
-hybrid, validated as one instrument (CPU, gloo, real processes).
+hybrid (and, healthy, a dense MHA model), validated as one instrument (CPU, gloo, real processes).
 
 Runs in .venv-sglang (test_sglang_venv.py launches it, in a pytest process of its own: the ranks
 are forked from it).  Each test is one launch of N real ranks (tests/support/sglang_ranks.py with
@@ -24,7 +24,7 @@ if sglang.__version__ != "0.5.23":  # the release the families' pools are modell
                 allow_module_level=True)
 
 from sglang.srt.distributed.utils import get_pp_indices  # noqa: E402
-from sglang_family_ranks import FAMILIES, build_family, gates  # noqa: E402
+from sglang_family_ranks import DENSE, FAMILIES, build_family, gates  # noqa: E402
 from sglang_ranks import free_port, launch  # noqa: E402
 from stagecache.runtime.model.families import load_spec  # noqa: E402
 
@@ -43,7 +43,7 @@ def _gpu_gates():
 
 
 def _launch(tmp_path: Any, family: str, pp: int, common_env: dict[str, str] | None = None, **kw: Any) -> Any:
-    case = FAMILIES[family]
+    case = DENSE if family == DENSE.family else FAMILIES[family]
     env = {"STAGECACHE_SGLANG_EXCHANGE_TIMEOUT_S": "20", **(common_env or {})}  # a rank that crashes: 20 s
     return launch(tmp_path, pp, server=case.server, budget=case.budget, preset=case.preset,
                   build=build_family, common_env=env, **kw)
@@ -121,7 +121,7 @@ def _look(family: str, pp: int) -> Any:
     return after
 
 
-@pytest.mark.parametrize(("family", "pp"), CASES, ids=IDS)
+@pytest.mark.parametrize(("family", "pp"), [*CASES, (DENSE.family, 2)], ids=[*IDS, f"{DENSE.preset}-pp2"])
 def test_a_healthy_deployment_is_one_endpoint_with_every_stage_and_sglangs_numbers(tmp_path, family, pp):
     port = free_port()
     run = _launch(tmp_path, family, pp, common_env={"STAGECACHE_SGLANG_DASHBOARD_PORT": str(port)},
@@ -132,7 +132,7 @@ def test_a_healthy_deployment_is_one_endpoint_with_every_stage_and_sglangs_numbe
     look = run.results[0]["look"]
     assert look["ready"] == 200, look["reasons"]
     startup = look["startup"]
-    spec = load_spec(FAMILIES[family].preset)
+    spec = load_spec((DENSE if family == DENSE.family else FAMILIES[family]).preset)
     assert (startup["ok"], startup["family"], startup["pp_size"]) == (True, family, pp), startup["errors"]
     assert [(s["start_layer"], s["end_layer"]) for s in startup["stages"]] == \
         [tuple(get_pp_indices(spec.num_layers, r, pp)) for r in range(pp)]

@@ -46,7 +46,10 @@ class FamilyCase:
 
 
 _FAULTS = {"linear_hybrid": "unsplit-mamba", "dsa": "global-dsa", "swa_hybrid": "global-swa-subpool"}
-FAMILIES = {name: FamilyCase(name, m.preset, _FAULTS[name], m.server) for name, m in FAMILY_MODELS.items()}
+FAMILIES = {name: FamilyCase(name, m.preset, _FAULTS[name], m.server) for name, m in FAMILY_MODELS.items()
+            if name in _FAULTS}
+#: A dense model (one MHA pool: the assembler's ``_PlainKvStrategy``), healthy only.
+DENSE = FamilyCase("mha", FAMILY_MODELS["mha"].preset, "", FAMILY_MODELS["mha"].server)
 
 
 def _inject(fault: str | None) -> None:

@@ -353,6 +353,7 @@ FAMILY_MODELS = {
         "page_size": 256, "max_mamba_cache_size": 10, "hicache_mem_layout": "page_first_direct"}),
     "dsa": FamilyModel("dsa", "deepseek-v3.2", {"page_size": 64, "hicache_mem_layout": "layer_first"}),
     "swa_hybrid": FamilyModel("swa_hybrid", "gpt-oss-20b", {"page_size": 16, "hicache_mem_layout": "layer_first"}),
+    "mha": FamilyModel("mha", "llama-3.1-8b", {"page_size": 16, "hicache_mem_layout": "layer_first"}),
 }
 
 
