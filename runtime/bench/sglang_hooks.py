@@ -9,7 +9,8 @@ fresh radix caches with the same requests:
 
 * plain: per request, sglang's ``UnifiedRadixCache.match_prefix`` + ``insert``, a backup of the
   request's new page (the full KV and the pools that move with it: DeepSeek V4's C4, indexer and
-  C128 pools, DSA's indexer; a Mamba hybrid's attention KV) (``write`` / ``start_writing``), its load
+  C128 pools, DSA's indexer; a Mamba hybrid's attention KV and the request's Mamba state slot)
+  (``write`` / ``start_writing``), its load
   back (``load`` / ``start_loading``) and one scheduler step's event check, sglang's own
   ``check_hicache_events`` (``cpu_stage.StepLedger``: its ``_sync_hicache_ready_counts`` and ack
   consumption by ``writing_check`` / ``loading_check``);
@@ -47,13 +48,16 @@ SRC_ROW, DST_ROW = 256, 512
 class _Stage:
     """sglang's host pool group and controller of one stage, and one page's backup + load."""
 
-    def __init__(self, group: Any, controller: Any, pools: tuple[str, ...] | None = None):
+    def __init__(self, group: Any, controller: Any, pools: tuple[str, ...] | None = None,
+                 states: tuple[str, ...] = ()):
         import torch
 
         from ..integrations.sglang.cpu_stage import COMPRESSED_POOLS, StepLedger
 
         self.group, self.ctl = group, controller
         self.pools = COMPRESSED_POOLS if pools is None else pools
+        # pools that move by request slot (a Mamba hybrid's state): slot 1 backed up, loaded into slot 2
+        self.states = {name: (torch.tensor([1]), torch.tensor([2])) for name in states}
         self.src = torch.arange(SRC_ROW, SRC_ROW + PAGE)
         self.dst = torch.arange(DST_ROW, DST_ROW + PAGE)
         self.ledger = StepLedger(controller)
@@ -64,7 +68,7 @@ class _Stage:
         """One page to host and back, then sglang's step (its ack checks); the host slots are freed again."""
         from ..integrations.sglang.cpu_stage import round_trip
 
-        host, hosts = round_trip(self.group, self.ctl, self.src, self.dst, node, self.pools)
+        host, hosts = round_trip(self.group, self.ctl, self.src, self.dst, node, self.pools, self.states)
         ack = self.ctl.ack_write_queue[-1]
         self.page_bytes, self.tokens_by_pool = ack.num_bytes, dict(ack.num_tokens_by_pool or {})
         self.ledger.step()
@@ -112,7 +116,8 @@ def _sglang_stage(family: str = "deepseek_v4") -> Iterator[_Stage]:
         with gpu_gates(), published(model_dir(Path(tmp), model.preset), max_total_tokens=FAMILY_TOKENS,
                                     max_running_requests=4, hicache_io_backend="direct", **model.server) as (sa, mc):
             result = family_stack(build_family_pools(sa, mc), sa)
-            yield _Stage(result.host_pool_group, result.cache_controller, tuple(PAGE_POOLS.get(family, {})))
+            yield _Stage(result.host_pool_group, result.cache_controller, tuple(PAGE_POOLS.get(family, {})),
+                         states=("mamba",) if family == "linear_hybrid" else ())
 
 
 @contextlib.contextmanager
@@ -389,7 +394,8 @@ def run_bench(sessions: int = 32, turns: int = 8, rounds: int = 7, family: str =
 
 
 #: What one request's backup moves, per family (the note of its report).
-_MOVED = {"deepseek_v4": "the C4, indexer and C128 pools", "linear_hybrid": "the attention KV pool",
+_MOVED = {"deepseek_v4": "the C4, indexer and C128 pools",
+          "linear_hybrid": "the attention KV pool and of the request's Mamba state slot (conv + SSM, every layer)",
           "dsa": "the MLA KV and indexer pools", "swa_hybrid": "the full-attention KV sub-pool"}
 
 

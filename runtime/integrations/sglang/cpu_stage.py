@@ -186,7 +186,10 @@ COPY_OPS = {
         "transfer_kv_per_layer_direct_pf_lf": transfer_kv_per_layer_direct_pf_lf},
     "sglang.srt.mem_cache.pool_host.mla": {"transfer_kv_direct": transfer_kv_direct},
     "sglang.srt.mem_cache.pool_host.dsa": {"transfer_kv_direct": transfer_kv_direct},
-    "sglang.srt.mem_cache.pool_host.mamba": {"transfer_kv_direct": transfer_kv_direct},
+    "sglang.srt.mem_cache.pool_host.mamba": {
+        "transfer_kv_direct": transfer_kv_direct,
+        "transfer_kv_all_layer_direct_lf_pf": transfer_kv_all_layer_direct_lf_pf,
+        "transfer_kv_per_layer_direct_pf_lf": transfer_kv_per_layer_direct_pf_lf},
 }
 
 
@@ -261,23 +264,30 @@ class AckLedger:
 
 
 def round_trip(group: Any, controller: Any, src: torch.Tensor, dst: torch.Tensor, node: int = 0,
-               pools: tuple[str, ...] = COMPRESSED_POOLS) -> tuple[torch.Tensor, dict[Any, torch.Tensor]]:
+               pools: tuple[str, ...] = COMPRESSED_POOLS,
+               states: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+               ) -> tuple[torch.Tensor, dict[Any, torch.Tensor]]:
     """sglang's controller backs up device rows ``src`` of the full KV and of ``pools`` (the host
     pools that move with it: DeepSeek V4's compressed pools, DSA's indexer) to host (``write`` /
     ``start_writing``) and loads them back into rows ``dst`` (``load`` / ``start_loading``); the
-    acks stay queued.  Returns the host slots it took: the full-KV ones and one per pool, for the
-    caller to keep or free."""
+    acks stay queued.  ``states``: pools that move by indices of their own (a Mamba hybrid's state:
+    pool name -> (device slots backed up, device slots loaded into)).  Returns the host slots it
+    took: the full-KV ones and one per pool, for the caller to keep or free."""
     from sglang.srt.mem_cache.hicache_storage import PoolTransfer
 
+    states = states or {}
     names = [e.name for e in group.entries if e.name.value in pools]
+    by_name = {e.name.value: e.name for e in group.entries}
     host = controller.write(src, node_id=node, flush=False,
-                            extra_pools=[PoolTransfer(name=n, device_indices=src.clone()) for n in names])
+                            extra_pools=[PoolTransfer(name=n, device_indices=src.clone()) for n in names]
+                            + [PoolTransfer(name=by_name[n], device_indices=a.clone()) for n, (a, _) in states.items()])
     if host is None:
         raise ConfigError(f"sglang's host pools have no room for {len(src)} tokens")
     hosts = {t.name: t.host_indices for t in controller.write_queue[-1].pool_transfers or ()}
     controller.start_writing()
+    into = {by_name[n]: b for n, (_, b) in states.items()}
     loaded = controller.load(host, node_id=node + 1, device_indices=dst, extra_pools=[
-        PoolTransfer(name=n, host_indices=h, device_indices=dst.clone()) for n, h in hosts.items()])
+        PoolTransfer(name=n, host_indices=h, device_indices=into.get(n, dst).clone()) for n, h in hosts.items()])
     if loaded is None:
         raise ConfigError(f"sglang's controller could not load {len(dst)} tokens back")
     controller.start_loading()
