@@ -106,18 +106,23 @@ def _look(family: str, pp: int) -> Any:
         if rank != 0:
             time.sleep(2 * dep.options.push_interval_s)
             return {}
-        url, end = dep.url, time.monotonic() + 30
-        while True:  # every stage pushed, and rank 1's traffic arrived
-            ready = httpx.get(f"{url}/readyz", timeout=2)
-            one = next((s for s in httpx.get(f"{url}/api/metrics/summary", timeout=5).json()["stages"]
-                        if s["stage"] == 1), None)
+        url, end = dep.url, time.monotonic() + 60
+        while True:  # every stage pushed, and rank 1's traffic arrived (bounded; a loaded machine is slow)
+            try:
+                ready = httpx.get(f"{url}/readyz", timeout=10)
+                one = next((s for s in httpx.get(f"{url}/api/metrics/summary", timeout=10).json()["stages"]
+                            if s["stage"] == 1), None)
+            except httpx.TimeoutException:
+                if time.monotonic() > end:
+                    raise
+                continue
             if (ready.status_code == 200 and one and one["transfer_bytes"]["h2d"]) or time.monotonic() > end:
                 break
             time.sleep(0.2)
         return {"look": {"ready": ready.status_code, "reasons": ready.json().get("reasons"),
-                         "startup": httpx.get(f"{url}/api/startup", timeout=5).json(),
-                         "summary": httpx.get(f"{url}/api/metrics/summary", timeout=5).json(),
-                         "metrics": httpx.get(f"{url}/metrics", timeout=5).text}}
+                         "startup": httpx.get(f"{url}/api/startup", timeout=10).json(),
+                         "summary": httpx.get(f"{url}/api/metrics/summary", timeout=10).json(),
+                         "metrics": httpx.get(f"{url}/metrics", timeout=10).text}}
     return after
 
 
