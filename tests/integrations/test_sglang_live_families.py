@@ -256,3 +256,26 @@ def _tensors(kv: Any, req_pool: Any) -> list[Any]:
     if cache is not None:
         out += [cache.temporal, *cache.conv]
     return out
+
+
+def test_a_model_stagecache_does_not_read_leaves_the_plugin_off_with_one_line(tmp_path, monkeypatch, caplog):
+    """A pool of a known class serving a model whose config.json no family reads: the rank logs one
+    line and joins nothing (every rank reads the same config, so every rank stays off alike) --
+    sglang starts as if stagecache were not installed."""
+    import functools
+    import json
+    import logging
+
+    from stagecache.runtime.integrations.sglang import deployment, reader
+
+    folder = tmp_path / "unknown"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["FooForCausalLM"], "num_hidden_layers": 4}))
+    monkeypatch.setattr(deployment, "sglang_model_spec",
+                        functools.partial(reader.sglang_model_spec, model_path=str(folder)))
+    dep = deployment.Deployment(deployment.DeploymentOptions(port=None))
+    with caplog.at_level(logging.WARNING, logger="stagecache"):
+        dep._join_family(object(), 16, None)
+    assert dep.rank is None and dep.record is None
+    [line] = [r.getMessage() for r in caplog.records if "stays off" in r.getMessage()]
+    assert "sglang serves a model stagecache does not read" in line and "FooForCausalLM" in line, line

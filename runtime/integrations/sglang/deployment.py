@@ -51,13 +51,21 @@ from ...defaults import (
 from ...errors import ConfigError, StageMappingInvalid
 from ...live.numbers import CapacityLive, PageSpace, PoolBytes, StageLive
 from ...live.remote import host_id, start_ticks
+from ...model.spec import ModelSpec
 from ...validation.deployment import deployment_report
 from ...validation.record import StageRecord
 from ...validation.report import StartupReport
 from .agreement import RankAgreement, TransferPlan
 from .push import Pusher, PushReceiver
 from .rank_source import Moves, SglangSource
-from .reader import PoolView, model_num_layers, pool_family, read_family_pool, read_pool
+from .reader import (
+    PoolView,
+    model_num_layers,
+    pool_family,
+    read_family_pool,
+    read_pool,
+    sglang_model_spec,
+)
 from .record_exchange import exchange_records
 
 log = logging.getLogger(__name__)
@@ -351,9 +359,12 @@ class Deployment:
         from sglang.srt.runtime_context import get_server_args
 
         pool = getattr(pools, "token_to_kv_pool", None)
-        if not get_server_args().enable_hierarchical_cache and pool_family(pool) is not None:
-            self.join(pool, page_size=int(configurator.page_size), host_pages={},
-                      req_pool=getattr(pools, "req_to_token_pool", None))
+        if not get_server_args().enable_hierarchical_cache:
+            family = pool_family(pool)
+            if family == "deepseek_v4":
+                self.join(pool, page_size=int(configurator.page_size), host_pages={})
+            elif family is not None:
+                self._join_family(pool, int(configurator.page_size), getattr(pools, "req_to_token_pool", None))
         return pools
 
     def around_stack_build(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -375,11 +386,22 @@ class Deployment:
         if kvcache is None or params is None:
             raise ConfigError(f"{type(strategy).__name__}.build called without kvcache= and params=")
         if pool_family(kvcache) not in (None, "deepseek_v4"):
-            self.join(kvcache, page_size=int(params.page_size), host_pages={},
-                      req_pool=getattr(params, "req_to_token_pool", None))
+            self._join_family(kvcache, int(params.page_size), getattr(params, "req_to_token_pool", None))
         result = original(strategy, *args, **kwargs)
         self._stack_built(result.host_pool_group, int(params.page_size))
         return result
+
+    def _join_family(self, kvcache: Any, page_size: int, req_pool: Any) -> None:
+        """Join with a pool of any family but DeepSeek V4, whose kinds come from the served
+        config.json: a model stagecache does not read leaves the plugin off in this process, with
+        one log line -- it never stops sglang (every rank reads the same config, so every rank
+        stays off alike)."""
+        try:
+            spec = sglang_model_spec(self.options.model_name)
+        except ConfigError as exc:
+            log.warning("stagecache: sglang serves a model stagecache does not read (%s); the plugin stays off", exc)
+            return
+        self.join(kvcache, page_size=page_size, host_pages={}, req_pool=req_pool, spec=spec)
 
     def _stack_built(self, host_pool_group: Any, page_size: int) -> None:
         """sglang built the stage's host pools: the transfer plan's bytes, host use on each read."""
@@ -481,23 +503,23 @@ class Deployment:
         self._matched.clear()
 
     # -- the exchange ------------------------------------------------------------------------
-    def _read(self, kvcache: Any, rank: Rank, page_size: int, req_pool: Any) -> PoolView:
+    def _read(self, kvcache: Any, rank: Rank, page_size: int, req_pool: Any, spec: ModelSpec | None) -> PoolView:
         """The rank's live pool, read once: DeepSeek V4's by ``read_pool``, any other family's by
         ``read_family_pool`` (its kinds and ids named by the family module)."""
         if _is_dsv4_pool(kvcache):
             n = model_num_layers([kvcache], rank.pp_size)
             return read_pool(kvcache, rank.pp_rank, n, self.options.model_name, page_size)
-        return read_family_pool(kvcache, rank.pp_rank, rank.pp_size, req_pool=req_pool,
+        return read_family_pool(kvcache, rank.pp_rank, rank.pp_size, req_pool=req_pool, spec=spec,
                                 name=self.options.model_name, page_size=page_size)
 
     def join(self, kvcache: Any, *, page_size: int, host_pages: dict[str, int],
-             req_pool: Any = None) -> StartupReport:
+             req_pool: Any = None, spec: ModelSpec | None = None) -> StartupReport:
         """Record, exchange, validate, publish, serve; strict: every rank raises the same error."""
         if self.rank is not None:
             raise ConfigError("stagecache: this sglang process built a second KV cache stack; "
                               "the record exchange runs once per scheduler process")
         rank = self.rank = _this_rank()
-        record = self._read(kvcache, rank, page_size, req_pool).record(
+        record = self._read(kvcache, rank, page_size, req_pool, spec).record(
             pp_size=rank.pp_size, tp_size=rank.tp_size, model_name=self.options.model_name,
             capacity=self.capacity, host_pages=host_pages, pool_tokens=int(getattr(kvcache, "size", 0) or 0))
         self.record = record

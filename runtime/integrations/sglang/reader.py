@@ -392,8 +392,7 @@ def _mamba_state(req_pool: Any) -> tuple[list[bool], int]:
     return [True] * int(temporal.shape[0]), int(temporal.nbytes) + sum(int(c.nbytes) for c in conv)
 
 
-def _family_buffers(family: str, kvcache: Any, req_pool: Any, spec: ModelSpec
-                    ) -> tuple[dict[str, list[bool]], dict[str, int]]:
+def _family_buffers(family: str, kvcache: Any, req_pool: Any) -> tuple[dict[str, list[bool]], dict[str, int]]:
     """Per stagecache pool kind: one flag per buffer the live pool holds, and its device bytes."""
     if family == "swa_hybrid" and hasattr(kvcache, "swa_kv_pool"):
         swa, full = kvcache.swa_kv_pool, kvcache.full_kv_pool
@@ -481,7 +480,7 @@ def read_family_pool(kvcache: Any, pp_rank: int, pp_size: int, *, req_pool: Any 
     start, end = (int(x) for x in get_pp_indices(spec.num_layers, pp_rank, pp_size))
     expected = number_layers(spec, pp_rank, start, end)
     stage_map, findings = _live_ids(family, kvcache, req_pool, expected)
-    flags, nbytes = _family_buffers(family, kvcache, req_pool, spec)
+    flags, nbytes = _family_buffers(family, kvcache, req_pool)
     inventory = PoolInventory(pp_rank, {k: tuple(v) for k, v in flags.items()})
     page = int(page_size if page_size is not None else getattr(kvcache, "page_size", 1))
     dtype = getattr(kvcache, "dtype", None)
