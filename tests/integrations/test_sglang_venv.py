@@ -91,7 +91,7 @@ PINNED_SUITES = ("tests/integrations/test_sglang_policies.py",
 #: The agreement suite (about 2.5 minutes) runs on the pinned release, beside the comparisons, so
 #: that the three runs take about as long each on two workers.
 RUNS = {"live": ((LIVE_SUITES, 50), ((DEPLOYMENT_SUITE,), 8)),
-        "pinned": ((PINNED_SUITES, 150), ((AGREEMENT_SUITE,), 6), ((FAMILIES_SUITE,), 25))}
+        "pinned": ((PINNED_SUITES, 150), ((AGREEMENT_SUITE,), 6), ((FAMILIES_SUITE,), 26))}
 #: One pytest run of a suite set (the families' suites take about 2.5 minutes on a loaded 2-core machine).
 SUITE_TIMEOUT_S = 900
 
