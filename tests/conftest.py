@@ -55,11 +55,72 @@ def pytest_unconfigure(config):
     shutil.rmtree(private, ignore_errors=True)
 
 
+#: Files whose tests are scheduled one by one (each test its own unit of work, free to go to
+#: either xdist worker) rather than whole: each test is minutes of its own and shares no module
+#: fixture with the others.
+PER_TEST_FILES = ("tests/integrations/test_sglang_venv.py",)
+#: Seconds a unit of work (a file, or a test of PER_TEST_FILES) takes on an idle 2-core machine,
+#: for the units far above the rest; any other unit counts its tests (EACH_S apiece).  Only the
+#: order of the queue depends on these figures: longest first, so both workers end together.
+EXPECTED_S = {
+    "tests/integrations/test_sglang_venv.py::test_real_sglang_suite_in_its_venv[pinned-families]": 220,
+    "tests/integrations/test_sglang_venv.py::test_real_sglang_suite_in_its_venv[pinned-live]": 75,
+    "tests/integrations/test_sglang_venv.py::test_real_sglang_suite_in_its_venv[0.5.22-live]": 75,
+    "tests/integrations/test_sglang_two_hosts.py": 120,
+    "tests/cli/test_bad_input.py": 100,
+    "tests/serve/test_serve_two_hosts.py": 80,
+}
+EACH_S = 0.5
+#: How many of the longest other units go before any that needs .venv-sglang: tests/run.sh
+#: builds that environment in the background meanwhile (seconds when cached, minutes when not).
+BEFORE_SGLANG_VENV = 2
+
+
+def work_unit(nodeid: str) -> str:
+    """The unit of work a test belongs to: its file (one worker runs it whole, so module fixtures
+    are made once), or the test itself in PER_TEST_FILES.  The xdist scheduler (below) and the
+    queue order (pytest_collection_modifyitems) both use it."""
+    path = nodeid.split("::", 1)[0]
+    return nodeid if path in PER_TEST_FILES else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` (tests/run.sh) with work_unit's units, taken in collection order (which
+    pytest_collection_modifyitems makes longest first) rather than xdist's most-tests-first."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Units(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    config.option.loadscopereorder = False
+    return Units(config, log)
+
+
+def _queue_order(items: list) -> None:
+    """Longest unit of work first (EXPECTED_S), so that the last units to start are short and both
+    workers finish together; the units that need .venv-sglang (marker ``sglang_venv``) start
+    after the BEFORE_SGLANG_VENV longest others, when tests/run.sh's background build of it has
+    had a head start.  Tests keep their order within a unit."""
+    units: dict[str, list] = {}
+    for item in items:
+        units.setdefault(work_unit(item.nodeid), []).append(item)
+
+    def cost(unit: str) -> float:
+        return EXPECTED_S.get(unit, EACH_S * len(units[unit]))
+
+    venv = {u for u, its in units.items() if any("sglang_venv" in it.keywords for it in its)}
+    rest = sorted((u for u in units if u not in venv), key=cost, reverse=True)
+    first = sorted((u for u in units if u in venv), key=cost, reverse=True)  # not the set's order
+    order = rest[:BEFORE_SGLANG_VENV] + first + rest[BEFORE_SGLANG_VENV:]
+    items[:] = [item for unit in order for item in units[unit]]
+
+
 def pytest_collection_modifyitems(config, items):
-    # Files with a test that needs .venv-sglang run last, whole (pytest-xdist's --dist loadfile
-    # keeps a file on one worker): tests/run.sh builds that environment while the rest runs.
-    late = {item.path for item in items if "sglang_venv" in item.keywords}
-    items.sort(key=lambda item: item.path in late)  # stable: the order is otherwise unchanged
+    _queue_order(items)
     if _cuda_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (none on this machine)")

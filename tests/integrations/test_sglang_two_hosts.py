@@ -32,7 +32,7 @@ PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 PORT, PROM_PORT, MASTER_PORT = 18000, 19090, 29500
 CUT_S = 20.0
 
-pytestmark = [pytest.mark.timeout(420), pytest.mark.skipif(
+pytestmark = [pytest.mark.sglang_venv, pytest.mark.timeout(420), pytest.mark.skipif(
     not os.path.exists(FAKETIME_LIB), reason=f"no {FAKETIME_LIB} (Debian package libfaketime)")]
 
 
