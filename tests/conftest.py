@@ -63,17 +63,18 @@ PER_TEST_FILES = ("tests/integrations/test_sglang_venv.py",)
 #: for the units far above the rest; any other unit counts its tests (EACH_S apiece).  Only the
 #: order of the queue depends on these figures: longest first, so both workers end together.
 EXPECTED_S = {
-    "tests/integrations/test_sglang_venv.py::test_real_sglang_suite_in_its_venv[pinned-families]": 220,
-    "tests/integrations/test_sglang_venv.py::test_real_sglang_suite_in_its_venv[pinned-live]": 75,
-    "tests/integrations/test_sglang_venv.py::test_real_sglang_suite_in_its_venv[0.5.22-live]": 75,
+    **{f"tests/integrations/test_sglang_venv.py::test_real_sglang_suite_in_its_venv[{case}]": s
+       for case, s in (("pinned-families-1", 150), ("pinned-families-0", 70), ("pinned-live-0", 45),
+                       ("0.5.22-live-0", 45), ("pinned-live-1", 30), ("0.5.22-live-1", 30))},
     "tests/integrations/test_sglang_two_hosts.py": 120,
-    "tests/cli/test_bad_input.py": 100,
     "tests/serve/test_serve_two_hosts.py": 80,
+    "tests/cli/test_bad_input.py": 40,
 }
 EACH_S = 0.5
-#: How many of the longest other units go before any that needs .venv-sglang: tests/run.sh
-#: builds that environment in the background meanwhile (seconds when cached, minutes when not).
-BEFORE_SGLANG_VENV = 2
+#: Seconds of other work (EXPECTED_S, both workers together) queued before the units that need
+#: .venv-sglang: tests/run.sh builds it in the background meanwhile (seconds when its cache is
+#: there, a few minutes when not).
+SGLANG_VENV_HEAD_START_S = 240
 
 
 def work_unit(nodeid: str) -> str:
@@ -102,9 +103,9 @@ def pytest_xdist_make_scheduler(config, log):
 
 def _queue_order(items: list) -> None:
     """Longest unit of work first (EXPECTED_S), so that the last units to start are short and both
-    workers finish together; the units that need .venv-sglang (marker ``sglang_venv``) start
-    after the BEFORE_SGLANG_VENV longest others, when tests/run.sh's background build of it has
-    had a head start.  Tests keep their order within a unit."""
+    workers finish together; the units that need .venv-sglang (marker ``sglang_venv``) come after
+    SGLANG_VENV_HEAD_START_S of the others, when tests/run.sh's background build of it has had a
+    head start.  Tests keep their order within a unit."""
     units: dict[str, list] = {}
     for item in items:
         units.setdefault(work_unit(item.nodeid), []).append(item)
@@ -115,7 +116,11 @@ def _queue_order(items: list) -> None:
     venv = {u for u, its in units.items() if any("sglang_venv" in it.keywords for it in its)}
     rest = sorted((u for u in units if u not in venv), key=cost, reverse=True)
     first = sorted((u for u in units if u in venv), key=cost, reverse=True)  # not the set's order
-    order = rest[:BEFORE_SGLANG_VENV] + first + rest[BEFORE_SGLANG_VENV:]
+    head, queued = 0, 0.0
+    while head < len(rest) and queued < SGLANG_VENV_HEAD_START_S:
+        queued += cost(rest[head])
+        head += 1
+    order = rest[:head] + first + rest[head:]
     items[:] = [item for unit in order for item in units[unit]]
 
 
