@@ -139,10 +139,10 @@ class Zygote:
         first = json.loads(self._proc.stdout.readline() or "{}")
         if "ready" not in first:
             raise RuntimeError(f"the CLI zygote did not start (exit {self._proc.wait(10)})")
-        self._lock = threading.Lock()
+        self._send = threading.Lock()  # one request at a time on the zygote's stdin
         self._next = 0
         self._waiting: dict[int, dict] = {}
-        self._changed = threading.Condition(self._lock)
+        self._changed = threading.Condition()  # guards _next and _waiting; the reader notifies
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -166,7 +166,7 @@ class Zygote:
         err.touch(mode=0o600)
         req = {"id": rid, "argv": list(argv), "out": str(out), "err": str(err),
                "cwd": cwd or os.getcwd(), "env": dict(os.environ if env is None else env)}
-        with self._lock:
+        with self._send:
             self._proc.stdin.write(json.dumps(req) + "\n")
             self._proc.stdin.flush()
         with self._changed:
