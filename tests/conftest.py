@@ -68,7 +68,19 @@ EXPECTED_S = {
                        ("0.5.22-live-0", 45), ("pinned-live-1", 30), ("0.5.22-live-1", 30))},
     "tests/integrations/test_sglang_two_hosts.py": 120,
     "tests/serve/test_serve_two_hosts.py": 80,
+    "tests/cli/test_family_commands.py": 55,
+    "tests/plan/test_dsa_faults.py": 45,
+    "tests/dashboard/test_browser.py": 45,
+    "tests/cli/test_doc_examples.py": 45,
     "tests/cli/test_bad_input.py": 40,
+    "tests/dashboard/test_guard.py": 40,
+    "tests/sizing/test_curves.py": 35,
+    "tests/cli/test_advise.py": 30,
+    "tests/integrations/test_storage_keys.py": 30,
+    "tests/serve/test_serve_faults.py": 30,
+    "tests/serve/test_serve_run.py": 30,
+    "tests/cache/test_hicache_l3.py": 25,
+    "tests/serve/test_rendezvous.py": 25,
 }
 EACH_S = 0.5
 #: Seconds of other work (EXPECTED_S, both workers together) queued before the units that need
