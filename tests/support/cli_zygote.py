@@ -150,7 +150,8 @@ class Zygote:
         for line in self._proc.stdout:
             msg = json.loads(line)
             with self._changed:
-                self._waiting[msg["id"]].update(msg)
+                if msg["id"] in self._waiting:  # not a run given up on (timed out) already
+                    self._waiting[msg["id"]].update(msg)
                 self._changed.notify_all()
 
     def run(self, argv: Sequence[str], timeout: float, env: dict[str, str] | None = None,
