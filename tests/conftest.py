@@ -55,11 +55,89 @@ def pytest_unconfigure(config):
     shutil.rmtree(private, ignore_errors=True)
 
 
+#: Files whose tests are scheduled one by one (each test its own unit of work, free to go to
+#: either xdist worker) rather than whole: each test is minutes of its own and shares no module
+#: fixture with the others.
+PER_TEST_FILES = ("tests/integrations/test_sglang_venv.py",)
+#: Seconds a unit of work (a file, or a test of PER_TEST_FILES) takes on an idle 2-core machine,
+#: for the units far above the rest; any other unit counts its tests (EACH_S apiece).  Only the
+#: order of the queue depends on these figures: longest first, so both workers end together.
+EXPECTED_S = {
+    **{f"tests/integrations/test_sglang_venv.py::test_real_sglang_suite_in_its_venv[{case}]": s
+       for case, s in (("pinned-families-1", 150), ("pinned-families-0", 70), ("pinned-live-0", 45),
+                       ("0.5.22-live-0", 45), ("pinned-live-1", 30), ("0.5.22-live-1", 30))},
+    "tests/integrations/test_sglang_two_hosts.py": 120,
+    "tests/serve/test_serve_two_hosts.py": 80,
+    "tests/cli/test_family_commands.py": 55,
+    "tests/plan/test_dsa_faults.py": 45,
+    "tests/dashboard/test_browser.py": 45,
+    "tests/cli/test_doc_examples.py": 45,
+    "tests/cli/test_bad_input.py": 40,
+    "tests/dashboard/test_guard.py": 40,
+    "tests/sizing/test_curves.py": 35,
+    "tests/cli/test_advise.py": 30,
+    "tests/integrations/test_storage_keys.py": 30,
+    "tests/serve/test_serve_faults.py": 30,
+    "tests/serve/test_serve_run.py": 30,
+    "tests/cache/test_hicache_l3.py": 25,
+    "tests/serve/test_rendezvous.py": 25,
+}
+EACH_S = 0.5
+#: Seconds of other work (EXPECTED_S, both workers together) queued before the units that need
+#: .venv-sglang: tests/run.sh builds it in the background meanwhile (seconds when its cache is
+#: there, a few minutes when not).
+SGLANG_VENV_HEAD_START_S = 240
+
+
+def work_unit(nodeid: str) -> str:
+    """The unit of work a test belongs to: its file (one worker runs it whole, so module fixtures
+    are made once), or the test itself in PER_TEST_FILES.  The xdist scheduler (below) and the
+    queue order (pytest_collection_modifyitems) both use it."""
+    path = nodeid.split("::", 1)[0]
+    return nodeid if path in PER_TEST_FILES else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` (tests/run.sh) with work_unit's units, taken in collection order (which
+    pytest_collection_modifyitems makes longest first) rather than xdist's most-tests-first."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Units(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    config.option.loadscopereorder = False
+    return Units(config, log)
+
+
+def _queue_order(items: list) -> None:
+    """Longest unit of work first (EXPECTED_S), so that the last units to start are short and both
+    workers finish together; the units that need .venv-sglang (marker ``sglang_venv``) come after
+    SGLANG_VENV_HEAD_START_S of the others, when tests/run.sh's background build of it has had a
+    head start.  Tests keep their order within a unit."""
+    units: dict[str, list] = {}
+    for item in items:
+        units.setdefault(work_unit(item.nodeid), []).append(item)
+
+    def cost(unit: str) -> float:
+        return EXPECTED_S.get(unit, EACH_S * len(units[unit]))
+
+    venv = {u for u, its in units.items() if any("sglang_venv" in it.keywords for it in its)}
+    rest = sorted((u for u in units if u not in venv), key=cost, reverse=True)
+    first = sorted((u for u in units if u in venv), key=cost, reverse=True)  # not the set's order
+    head, queued = 0, 0.0
+    while head < len(rest) and queued < SGLANG_VENV_HEAD_START_S:
+        queued += cost(rest[head])
+        head += 1
+    order = rest[:head] + first + rest[head:]
+    items[:] = [item for unit in order for item in units[unit]]
+
+
 def pytest_collection_modifyitems(config, items):
-    # Files with a test that needs .venv-sglang run last, whole (pytest-xdist's --dist loadfile
-    # keeps a file on one worker): tests/run.sh builds that environment while the rest runs.
-    late = {item.path for item in items if "sglang_venv" in item.keywords}
-    items.sort(key=lambda item: item.path in late)  # stable: the order is otherwise unchanged
+    _queue_order(items)
     if _cuda_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (none on this machine)")

@@ -33,7 +33,6 @@ import numpy as np
 from ..cache.insight import InsightConfig
 from ..errors import ConfigError, StageCacheError
 from .options import StageConfig
-from .stage_l3 import StageL3, l3_live
 
 #: ``serve`` keeps its cache insight on the wall clock, every event sampled (a forward pass dwarfs
 #: it), with miss reasons deferred until the stages' agreed prefix is known (``agreement.py``).
@@ -161,6 +160,9 @@ class StageCache:
         self.transfer_stats = TransferStats()
         self.cache = None
         self.writer = None
+        # here, not at the top: it imports torch, which serve's parent (validating flags) never needs
+        from .stage_l3 import StageL3
+
         self.l3 = StageL3(cfg, self.stage, self.host)
         if self.valid:  # an invalid stage never serves; its transfer stack is not needed
             self.controller = TransferController(self.pools, self.host, self.transfer_stats)
@@ -311,6 +313,8 @@ class StageCache:
             fields["insight"] = self.cache.insight.live(self.skewed_pages)
         fields["agreement"] = self.agreement.live()
         fields["kv_verified_pages"] = self.verified_pages
+        from .stage_l3 import l3_live
+
         fields["l3"] = l3_live(self.cache.storage, self.page_size)
         fields["computed_rows"] = self.computed_rows
         return fields

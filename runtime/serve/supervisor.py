@@ -47,7 +47,8 @@ REMOTE_GRACE_S = 3.0  # several hosts: how long a lost peer may wait for the oth
 #: Imported once by the forkserver that forks the stage processes.
 STAGE_PRELOAD = (
     "numpy", "torch", "torch.distributed", "stagecache.runtime.serve.stage_worker",
-    "stagecache.runtime.serve.stage_cache", "stagecache.runtime.serve.pipeline",
+    "stagecache.runtime.serve.stage_cache", "stagecache.runtime.serve.stage_l3",
+    "stagecache.runtime.serve.pipeline",
     "stagecache.runtime.cache.hicache", "stagecache.runtime.transfer.controller",
     "stagecache.runtime.memory.host_pools", "stagecache.runtime.memory.pools",
     "stagecache.runtime.cache.kv_writer", "stagecache.runtime.traces.readers",

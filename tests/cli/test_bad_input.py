@@ -1,7 +1,8 @@
 """Every bad input is exit 2 with ONE line naming the flag or file, the value and what is accepted.
 
-The real CLI, in subprocesses (several at once, so the whole table costs a few
-seconds of wall time): every numeric flag of every command with NaN, infinity,
+The real CLI, in child processes (several at once) forked from one interpreter that imported
+stagecache and torch once (tests/support/cli_zygote.py: a real process per case, its own exit
+status, stdout and stderr, without a hundred interpreter start-ups): every numeric flag of every command with NaN, infinity,
 negative or out-of-range values, bad fault specs, unusable files (missing,
 directory, not UTF-8, too large, too deep, not JSON), bad traces and bad bind
 addresses.  Also: a mapping error is 1, an internal error is 3 naming its log
@@ -19,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from cli_zygote import Zygote
 from stagecache.runtime.model import spec as spec_module
 
 CLI = [sys.executable, "-m", "stagecache.runtime"]
@@ -187,16 +189,20 @@ def results(tmp_path_factory):
     runnable = [c for c in CASES if not (hasattr(c, "marks") and any(
         m.kwargs.get("run") is False for m in c.marks))]
 
+    zygote = Zygote()
+
     def run(case) -> tuple[str, subprocess.CompletedProcess | str]:
         cid, argv, _ = case.values if hasattr(case, "values") else case
         try:
-            return cid, subprocess.run([*CLI, *(_fill(a, files) for a in argv)], capture_output=True,
-                                       text=True, timeout=90)
+            return cid, zygote.run([_fill(a, files) for a in argv], timeout=90)
         except subprocess.TimeoutExpired:
             return cid, "timed out after 90 s"
 
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        out = dict(pool.map(run, runnable))
+    try:
+        with ThreadPoolExecutor(max_workers=3) as pool:
+            out = dict(pool.map(run, runnable))
+    finally:
+        zygote.close()
     out["_files"] = files
     return out
 

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SUPPORT = ROOT / "tests" / "support"
 PORT, PROM_PORT, MASTER_PORT = 18000, 19090, 29500
 
-pytestmark = two_host_marks(420)
+pytestmark = [pytest.mark.sglang_venv, *two_host_marks(420)]
 
 
 def test_sglang_pp4_over_two_hosts(tmp_path, skew):

@@ -88,35 +88,39 @@ PINNED_SUITES = ("tests/integrations/test_sglang_policies.py",
                  "tests/integrations/test_sglang_swa_hybrid.py",
                  "tests/integrations/test_sglang_linear_hybrid.py")
 #: One pytest run per suite set: (suites, the fewest tests that must pass).
-#: The agreement suite (about 2.5 minutes) runs on the pinned release, beside the comparisons, so
-#: that the three runs take about as long each on two workers.
+#: The agreement suite (about 2.5 minutes) runs on the pinned release, beside the comparisons.
 RUNS = {"live": ((LIVE_SUITES, 50), ((DEPLOYMENT_SUITE,), 8)),
         "pinned": ((PINNED_SUITES, 150), ((AGREEMENT_SUITE,), 6), ((FAMILIES_SUITE,), 26))}
 #: One pytest run of a suite set (the families' suites take about 2.5 minutes on a loaded 2-core machine).
 SUITE_TIMEOUT_S = 900
+#: (release, suite set, which run of it): each pytest run is a test of its own, so the runs (one
+#: to a few minutes each) spread over the xdist workers (tests/conftest.py schedules them one by one).
+CASES = [(release, runs, i) for release, runs in ((None, "live"), (None, "pinned"), (PREVIOUS_VERSION, "live"))
+         for i in range(len(RUNS[runs]))]
+#: "pinned-live-0" (the live suites on the pinned release), "pinned-families-1" (the agreement suite), ...
+CASE_IDS = [f"{release or 'pinned'}-{'families' if runs == 'pinned' else runs}-{i}" for release, runs, i in CASES]
 
 
 @pytest.mark.sglang_venv
 @pytest.mark.timeout(TIMEOUT_S)
-@pytest.mark.parametrize(("release", "runs"), [(None, "live"), (None, "pinned"), (PREVIOUS_VERSION, "live")],
-                         ids=["pinned-live", "pinned-families", f"{PREVIOUS_VERSION}-live"])
-def test_real_sglang_suite_in_its_venv(tmp_path, release, runs):
+@pytest.mark.parametrize(("release", "runs", "index"), CASES, ids=CASE_IDS)
+def test_real_sglang_suite_in_its_venv(tmp_path, release, runs, index):
     """Run the real-sglang suites in .venv-sglang: the live suites on the pinned release and again on
     the release before (``SGLANG_TESTED_VERSIONS``: every release the plugin says it was tested
-    with), the comparisons with sglang's own objects on the pinned release (three tests, so two
-    workers share them)."""
+    with), the comparisons with sglang's own objects on the pinned release; one pytest run (of
+    RUNS) per test."""
     venv_py = sglang_python(release)
     env = {**os.environ, "PYTHONPATH": str(checkout_on_path(tmp_path))}
-    for suites, least in RUNS[runs]:
-        proc = subprocess.run(
-            [str(venv_py), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore", *suites],
-            capture_output=True, text=True, timeout=SUITE_TIMEOUT_S, cwd=ROOT, env=env,
-        )
-        tail = proc.stdout[-4000:] + proc.stderr[-2000:]
-        assert proc.returncode == 0, tail
-        passed = re.search(r"(\d+) passed", proc.stdout)
-        assert passed and int(passed.group(1)) >= least, tail
-        assert "failed" not in proc.stdout.splitlines()[-1], tail
+    suites, least = RUNS[runs][index]
+    proc = subprocess.run(
+        [str(venv_py), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore", *suites],
+        capture_output=True, text=True, timeout=SUITE_TIMEOUT_S, cwd=ROOT, env=env,
+    )
+    tail = proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, tail
+    passed = re.search(r"(\d+) passed", proc.stdout)
+    assert passed and int(passed.group(1)) >= least, tail
+    assert "failed" not in proc.stdout.splitlines()[-1], tail
     # the suites imported this checkout, not the venv's own install
     where = subprocess.run([str(venv_py), "-c", "import stagecache.runtime as r; print(r.__file__)"],
                            capture_output=True, text=True, timeout=60, env=env)

@@ -3,7 +3,7 @@
 tests/run.sh builds it in the background (tests/setup.d/50-sglang.sh) while the suite runs, and
 says where the step reports through ``$STAGECACHE_TEST_SETUP_DIR`` (``50-sglang.rc`` holds the
 step's exit status once it is done, ``50-sglang.log`` its output).  Tests that need the
-environment carry the ``sglang_venv`` marker (conftest.py runs them last) and call
+environment carry the ``sglang_venv`` marker (conftest.py queues them after a head start) and call
 :func:`sglang_python`, which waits for the step, bounded by ``$STAGECACHE_SGLANG_WAIT_S``.
 Outside tests/run.sh (a plain ``pytest``) nothing is waited for: the environment is used when it
 is there and the test skips with the command that builds it when it is not.
