@@ -131,8 +131,7 @@ def test_a_rank_with_a_smaller_host_pool_is_named_at_the_first_request_it_matche
 
 def test_strict_agreement_turns_the_deployment_not_ready(tmp_path):
     run = _run(tmp_path, 40, lambda d: d.first_incomplete is not None,
-               env={1: {"STAGECACHE_TEST_FAULT": "backup-without-indexer"}},
-               common={"STAGECACHE_SGLANG_STRICT_AGREEMENT": "1"})
+               common={"STAGECACHE_FAULT": "backup-without-indexer@1", "STAGECACHE_SGLANG_STRICT_AGREEMENT": "1"})
     look = run.results[0]["look"]
     assert look["readyz_status"] == 503
     assert any("incomplete HiCache transfer" in r for r in look["readyz"]["reasons"]), look["readyz"]
@@ -163,8 +162,10 @@ def test_a_shorter_l3_prefetch_on_rank_2_is_named_though_sglang_min_hides_it(tmp
 
 
 def test_a_backup_without_its_indexer_pool_is_flagged_with_the_kind_and_page(tmp_path):
+    """The product's fault, as an operator plants it: the same environment on every rank,
+    ``STAGECACHE_FAULT=backup-without-indexer@1``; only stage 1's backups lack the indexer."""
     run = _run(tmp_path, 40, lambda d: d.first_incomplete is not None,
-               env={1: {"STAGECACHE_TEST_FAULT": "backup-without-indexer"}})
+               common={"STAGECACHE_FAULT": "backup-without-indexer@1"})
     look = run.results[0]["look"]
     d = look["divergence"]
     bad = d["first_incomplete"]
@@ -173,6 +174,7 @@ def test_a_backup_without_its_indexer_pool_is_flagged_with_the_kind_and_page(tmp
         1, "d2h", ["indexer"], 0, 4), bad
     assert bad["got_bytes"] < bad["expected_bytes"]
     assert d["incomplete"]["indexer"] >= 1 and set(d["incomplete"]) == {"indexer"}
+    assert {b["stage"] for b in d["recent_incomplete"]} == {1}  # the fault's stage alone
     line = next(w for w in look["readyz"]["warnings"] if "incomplete HiCache transfer" in w)
     assert "stage 1: backup of host page 0 (4 page(s)) lacks pool kind(s) indexer" in line
     inc = _samples(look["metrics"], "stagecache_hicache_incomplete_transfers_total")
