@@ -94,7 +94,7 @@ class StageCollector(Collector):
         metrics = {fam.name: new_family(scope, fam) for scope, fam in all_families()}
         for scope, fam in all_families():
             inputs = self._parent() if scope == "parent" else self._deployment() if scope == "deployment" \
-                else self._inputs(scope, report, live, model, verdict)
+                else self._transfers(live) if scope == "transfers" else self._inputs(scope, report, live, model, verdict)
             for prefix, item in inputs:
                 for values, value in fam.samples(item):
                     add_sample(metrics[fam.name], scope, fam, prefix, values, value)
@@ -113,6 +113,18 @@ class StageCollector(Collector):
         divergence = getattr(self.source, "divergence", None)
         d = divergence() if callable(divergence) else None
         return [((), d)] if d is not None else []
+
+    def _transfers(self, live: Mapping[int, StageLive]) -> list[tuple[tuple[str, ...], Any]]:
+        """Incomplete HiCache transfers by pool kind: the sglang endpoint's compare of its ranks, or
+        the sum of every stage's own check (``serve``)."""
+        deployment = self._deployment()
+        if deployment:
+            return [((), deployment[0][1].incomplete)]
+        counts: dict[str, int] = {}
+        for s in live.values():
+            for kind, n in s.transfer_check.incomplete.items():
+                counts[kind] = counts.get(kind, 0) + n
+        return [((), counts)]
 
     @staticmethod
     def _inputs(scope: str, report: StartupReport | None, live: Mapping[int, StageLive],

@@ -97,6 +97,7 @@ class Supervisor:
         self.failed_at: float | None = None
         self.finished_at: float | None = None  # when every stage finished the trace
         self.stale: set[int] = set()  # stages whose heartbeat the supervisor saw go stale
+        self.incomplete_said: set[int] = set()  # stages whose incomplete transfer was logged
         self.started_at = time.time()
         self.url = url  # the dashboard's, for run.json
         self.exit_codes: dict[int, int | None] = {}
@@ -281,6 +282,15 @@ class Supervisor:
                 self.stale.discard(h.stage)
                 self.log(f"stage {h.stage} (pid {h.pid}): heartbeat again")
 
+    def _watch_transfers(self, stages: dict[int, StageLive]) -> None:
+        """Say, once per stage, when its first incomplete HiCache transfer is reported (the same
+        line as /readyz): its host pages lack a pool kind and will load back wrong."""
+        for k, live in stages.items():
+            line = live.transfer_check.line()
+            if line and k not in self.incomplete_said:
+                self.incomplete_said.add(k)
+                self.log(f"not ready: {line}")
+
     def _step(self, first_seen: dict[int, float], deadline: float,
               progress: Observer) -> bool:
         """One supervisor tick; True when the run is over (done, refused or failed)."""
@@ -296,6 +306,7 @@ class Supervisor:
         stages = self.source.stages()
         progress.update(stages)
         self._watch_heartbeats(stages)
+        self._watch_transfers(stages)
         dead = self._dead_stage(first_seen)
         if dead is not None:
             self.fail(*dead)
