@@ -343,7 +343,9 @@ class Supervisor:
             for p in self.procs:
                 p.process.join(5.0)
         self.stop()
-        progress.update(self.source.stages())
+        final = self.source.stages()
+        self._watch_transfers(final)  # a stage's last report (a failed one publishes on its way out)
+        progress.update(final)
         self.write_run_file()
         return self.phase
 
@@ -395,7 +397,7 @@ SUMMARY_FIELDS = {
     "stage", "pid", "phase", "local_layers", "requests", "steps", "cache_tokens", "host_hit_ratio",
     "evictions", "transfer_bytes", "transfer_count", "bandwidth_bytes_per_second",
     "stage_seconds", "bubble_seconds", "idle_seconds", "activation_bytes_sent",
-    "kv_verified_pages", "error", "l3",
+    "kv_verified_pages", "error", "l3", "transfer_check",
 }
 
 
