@@ -99,8 +99,11 @@ class StageCollector(Collector):
                 for values, value in fam.samples(item):
                     add_sample(metrics[fam.name], scope, fam, prefix, values, value)
         metrics["stagecache_build_info"].add_metric([], {"version": _version()})
-        # the PP ranks' agreement exists only where the source compares ranks (the sglang endpoint)
+        # the PP ranks' agreement exists only where the source compares ranks (the sglang endpoint);
+        # incomplete transfers where it does or stages report live numbers (serve)
         absent = {f.name for scope, f in all_families() if scope == "deployment"} if not self._deployment() else set()
+        if not self._transfers(live):
+            absent |= {f.name for scope, f in all_families() if scope == "transfers"}
         yield from (m for name, m in metrics.items() if name not in absent)
 
     def _parent(self) -> list[tuple[tuple[str, ...], Any]]:
@@ -120,6 +123,8 @@ class StageCollector(Collector):
         deployment = self._deployment()
         if deployment:
             return [((), deployment[0][1].incomplete)]
+        if not live:
+            return []  # a preflight view: no transfers at all
         counts: dict[str, int] = {}
         for s in live.values():
             for kind, n in s.transfer_check.incomplete.items():

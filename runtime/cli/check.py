@@ -42,8 +42,6 @@ def run(args: argparse.Namespace) -> int:
         out = report.to_dict()
         if args.sglang_storage:
             out["sglang_storage"] = storage
-        if live_only:
-            out["live_only_faults"] = live_only
         print(json.dumps(out, indent=2))
     else:
         print_report(report)
