@@ -29,6 +29,23 @@ PUSH = {"STAGECACHE_SGLANG_PUSH_INTERVAL_S": "0.2"}
 SHORT_GLOO = {"STAGECACHE_TEST_GLOO_TIMEOUT_S": "5"}
 
 
+def _flush(pusher: Any, within_s: float = 20.0) -> None:
+    """Push until rank 0 took one push made after the traffic: it carries every record left.  A
+    fixed sleep was not enough on a loaded machine: the pusher thread's push came late or timed
+    out, the rank's process ended with its last step unsent, and rank 0 compared 249 of 250 steps."""
+    if pusher is None:
+        return
+    end = time.monotonic() + within_s
+    while True:
+        try:
+            pusher.push_once()
+            return
+        except OSError:
+            if time.monotonic() > end:
+                raise
+            time.sleep(0.2)
+
+
 def _drive(requests: int, look_for: Any = None):
     """Every rank runs the traffic; rank 0 then waits (bounded) until its endpoint compared what
     ``look_for(divergence)`` wants and returns what an operator sees."""
@@ -40,8 +57,8 @@ def _drive(requests: int, look_for: Any = None):
         dep = ctx["deployment"]
         out: dict[str, Any] = {"traffic": Traffic(rank, 4, ctx["stack"]).run(requests)}
         if rank != 0:
-            time.sleep(4 * dep.options.push_interval_s)  # the last records leave with the next push
             pusher = dep.pusher
+            _flush(pusher)  # the last records leave with a push rank 0 took, before the process ends
             out["pusher"] = {"failures": pusher.failures, "last_error": pusher.last_error} if pusher else None
             return out
         end = time.monotonic() + 30
