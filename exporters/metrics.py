@@ -126,7 +126,8 @@ class StageCollector(Collector):
         if not live:
             return []  # a preflight view: no transfers at all
         counts: dict[str, int] = {}
-        for s in live.values():
+        for s in live.values():  # every kind checked starts at 0 (a counter rate() can read)
+            counts.update({kind: counts.get(kind, 0) for kind in s.transfer_check.kinds})
             for kind, n in s.transfer_check.incomplete.items():
                 counts[kind] = counts.get(kind, 0) + n
         return [((), counts)]

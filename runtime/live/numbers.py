@@ -177,6 +177,8 @@ class TransferCheckLive(_Model):
     """Every HiCache backup and load of a ``serve`` stage held against its plan (``plan.mirror``):
     each must move every pool kind the stage mirrors, in the plan's bytes per page."""
 
+    kinds: list[str] = Field(default_factory=list, description="pool kinds every transfer must move "
+                                                                "(the plan's mirror)")
     checked: int = Field(0, description="backups and loads checked")
     count: int = Field(0, description="of them incomplete")
     incomplete: dict[str, int] = Field(

@@ -62,7 +62,7 @@ def transfer_check_live(cache: Any, stage: int) -> Any:
     found = [IncompleteBackup(time=0.0, stage=stage, direction=c.direction, page=c.page, pages=c.pages,
                               missing=list(c.missing), expected_bytes=c.expected_bytes, got_bytes=c.got_bytes)
              for c in cache.incomplete]
-    return TransferCheckLive(checked=cache.checked_transfers, count=cache.incomplete_count,
+    return TransferCheckLive(kinds=list(cache.mirror or ()), checked=cache.checked_transfers, count=cache.incomplete_count,
                              incomplete=dict(cache.incomplete_kinds), first=found[0] if found else None,
                              recent=found)
 

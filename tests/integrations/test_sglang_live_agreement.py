@@ -56,6 +56,7 @@ def _drive(requests: int, look_for: Any = None):
             return {}
         dep = ctx["deployment"]
         out: dict[str, Any] = {"traffic": Traffic(rank, 4, ctx["stack"]).run(requests)}
+        out["last_steps"] = dep.agreement.step  # steps the rank's hook counted
         if rank != 0:
             pusher = dep.pusher
             _flush(pusher)  # the last records leave with a push rank 0 took, before the process ends
@@ -107,7 +108,9 @@ def test_a_healthy_pp4_agrees_on_every_one_of_1000_requests(tmp_path):
     d = look["divergence"]
     assert d["compared"]["device_prefix_len"] == 1000 and d["compared"]["host_hit_length"] == 1000, (
         d["waiting"], d["unmatched"], d["dropped"], {r: run.results[r].get("pusher") for r in (1, 2, 3)})
-    assert d["compared"]["write_acks"] == d["compared"]["load_pending"] == 250
+    assert d["compared"]["write_acks"] == d["compared"]["load_pending"] == 250, (
+        d["waiting"], d["unmatched"], d["dropped"], {r: run.results[r].get("pusher") for r in (1, 2, 3)},
+        {r: run.results[r].get("last_steps") for r in range(4)})
     assert d["compared"]["l3_prefetch_tokens"] > 100
     assert sum(d["divergent"].values()) == 0 and d["first"] is None and d["unmatched"] == 0
     assert d["incomplete"] == {} and d["dropped"] == 0

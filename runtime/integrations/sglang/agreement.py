@@ -181,8 +181,12 @@ class RankAgreement:
                 op.pool_transfers = [t for t in transfers if getattr(t.name, "value", t.name) not in skip] or None
 
     # -- recording (scheduler thread, prefetch thread) ----------------------------------------
-    def _put(self, rows: list[Any], row: Any) -> None:
+    def _put(self, kind: str, row: Any) -> None:
+        """Append ``row`` to the list of ``kind``, looked up under the lock: ``drain`` swaps the
+        lists, and a row appended to the list it just handed out would be lost (a request's or a
+        step's record missing on rank 0: 999 of 1,000 compared)."""
         with self._lock:
+            rows = self.__dict__[kind]
             if len(rows) < MAX_BATCH:
                 rows.append(row)
             else:
@@ -190,7 +194,7 @@ class RankAgreement:
 
     def request(self, rid: str, device: int, host: int) -> None:
         """A request's first prefix match (the deployment's match hook calls this)."""
-        self._put(self._requests, (str(rid)[:MAX_RID], int(device), int(host)))
+        self._put("_requests", (str(rid)[:MAX_RID], int(device), int(host)))
 
     def around_check_hicache_events(self, original: Callable[..., Any], cache: Any, *a: Any, **k: Any) -> Any:
         """One scheduler step: the acks pending at its start, the acks it consumed."""
@@ -206,7 +210,7 @@ class RankAgreement:
             ok = True
             return result
         finally:
-            self._put(self._steps, (self.step, *pending, *self._consumed))
+            self._put("_steps", (self.step, *pending, *self._consumed))
             if not ok and self.on_fatal is not None:
                 self.on_fatal()
 
@@ -235,7 +239,7 @@ class RankAgreement:
         """The L3 hit length of this rank's own store, before sglang's MIN over the ranks."""
         rid = getattr(operation, "request_id", None)
         if rid is not None:
-            self._put(self._prefetch, (str(rid)[:MAX_RID], int(storage_hit_count)))
+            self._put("_prefetch", (str(rid)[:MAX_RID], int(storage_hit_count)))
         return original(controller, operation, storage_hit_count, *a, **k)
 
     # -- complete transfers -------------------------------------------------------------------
