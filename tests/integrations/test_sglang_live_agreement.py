@@ -27,12 +27,15 @@ pytestmark = pytest.mark.timeout(300)
 PUSH = {"STAGECACHE_SGLANG_PUSH_INTERVAL_S": "0.2"}
 #: the ranks left waiting on a crashed rank give up after this long (sglang's own: 60 s here)
 SHORT_GLOO = {"STAGECACHE_TEST_GLOO_TIMEOUT_S": "5"}
+#: what rank 0's endpoint may take to answer what an operator reads, on a loaded 2-core machine
+#: (a 5 s read timeout was hit there: the page renders every stage; the numbers are not timed here)
+LOOK_TIMEOUT_S = 30
 
 
 def _flush(pusher: Any, within_s: float = 20.0) -> None:
-    """Push until rank 0 took one push made after the traffic: it carries every record left.  A
-    fixed sleep was not enough on a loaded machine: the pusher thread's push came late or timed
-    out, the rank's process ended with its last step unsent, and rank 0 compared 249 of 250 steps."""
+    """Push until rank 0 took one push made after the traffic: it carries every record left (a
+    fixed sleep of a few push intervals is no bound on a loaded machine, where the pusher
+    thread's push may come late or time out before the rank's process ends)."""
     if pusher is None:
         return
     end = time.monotonic() + within_s
@@ -69,12 +72,13 @@ def _drive(requests: int, look_for: Any = None):
                 break
             time.sleep(0.1)
         url = dep.url
+        wait = LOOK_TIMEOUT_S
         out["look"] = {
             "divergence": dep.source.divergence().model_dump(mode="json"),
-            "readyz_status": (r := httpx.get(f"{url}/readyz", timeout=5)).status_code, "readyz": r.json(),
-            "metrics": httpx.get(f"{url}/metrics", timeout=5).text,
-            "page": httpx.get(f"{url}/", timeout=10).text,
-            "summary": httpx.get(f"{url}/api/metrics/summary", timeout=5).json(),
+            "readyz_status": (r := httpx.get(f"{url}/readyz", timeout=wait)).status_code, "readyz": r.json(),
+            "metrics": httpx.get(f"{url}/metrics", timeout=wait).text,
+            "page": httpx.get(f"{url}/", timeout=wait).text,
+            "summary": httpx.get(f"{url}/api/metrics/summary", timeout=wait).json(),
         }
         return out
     return after
