@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
 from .common import add_layout_command, add_trace_args, output_console, plan_from_args
-from .pools import add_sizing_args, deployment, human, print_ledger, sizing_of
+from .pools import add_sizing_args, deployment, human, page_size_notes, print_ledger, sizing_of
 
 if TYPE_CHECKING:
     from ..sizing.curves import Progress
@@ -116,7 +116,9 @@ def advise(args: argparse.Namespace, bar: Progress) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     requests, info = _read(args, bar)
-    plan = plan_from_args(args, sizing_of(args), page_size=page_size_for(args, info["format"]))
+    requested = page_size_for(args, info["format"])
+    page_size, notes = sglang_page_size(args, requested, info["format"])
+    plan = plan_from_args(args, sizing_of(args), page_size=page_size)
     t1 = time.perf_counter()
     views = page_views(requests, plan.page_size, bar, len(requests))
     curves = trace_curves(views, bar, lambda i: f"trace {args.trace} line {requests[i].line}")
@@ -128,6 +130,7 @@ def advise(args: argparse.Namespace, bar: Progress) -> dict[str, Any]:
     belady = {} if args.no_belady else belady_curve(views, sizes, bar)
     t3 = time.perf_counter()
     report = build_report(curves, plan, belady, info)
+    report["notes"] = notes + report["notes"]
     if specs is not None:
         factory, source = _strategy_factory(args.policy_order)
         bar("eviction policies", 0, 0)
@@ -140,6 +143,23 @@ def advise(args: argparse.Namespace, bar: Progress) -> dict[str, Any]:
         report["seconds"]["policies"] = report["policies"]["seconds"]
     report["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     return report
+
+
+def sglang_page_size(args: argparse.Namespace, requested: int, fmt: str) -> tuple[int, list[str]]:
+    """The page size advice is sized by: sglang's own for the family where it overrides
+    ``--page-size`` (DSA: 64, DeepSeek-V4: 256; ``Family.sglang_page_size``), as ``pools`` sizes,
+    with its note.  A Mooncake trace's page is its block (its hashes name whole blocks), so there
+    the block stays the page and the note says what sglang would use."""
+    from ..model.families import load_spec
+
+    family = load_spec(args.model).family
+    real = family.sglang_page_size(requested)
+    if fmt != "mooncake" or real == requested:
+        return real, page_size_notes(family, requested, real)
+    who = "DeepSeek-V4" if family.name == "deepseek_v4" else f"{family.label} models"
+    return requested, [f"sglang 0.5.23 runs {who} with page_size {real}; this Mooncake trace's page is "
+                       f"its block of {requested} tokens (its hashes name whole blocks), so the sizes here "
+                       f"are in {requested}-token pages"]
 
 
 def _policy_specs(args: argparse.Namespace) -> list[Any] | None:

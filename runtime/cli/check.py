@@ -61,15 +61,15 @@ def print_report(report: StartupReport) -> None:
         f"page={report.page_size}" + (f", faults={','.join(report.faults)}" if report.faults else "")
     )
     table = Table(title=title)
-    pools = report.stages[0].pools if report.stages else ()
-    # a kind no stage has nor needs (a plain-MHA kind of a hybrid model) is left out
-    pools = tuple(p for p in pools if any(s.buffers.get(p) or s.expected.get(p) for s in report.stages))
+    # the kinds the report keeps (``report.shown_pools``: not a kind no stage has nor needs)
+    first = report.stages[0] if report.stages else None
+    pools = tuple(p for p in first.pools if p in first.buffers or p in first.expected) if first else ()
     for col in ("stage", "layers", "local", *pools, "status"):
         table.add_column(col, justify="right" if col not in ("status", "layers") else "left")
     for s in report.stages:
         cells = []
         for pool in pools:
-            got, want = s.buffers[pool], s.expected[pool]
+            got, want = s.buffers.get(pool, 0), s.expected.get(pool, 0)
             cells.append(str(got) if got == want else f"[red]{got}/{want}[/red]")
         status = "[green]OK[/green]" if s.ok else "[red]" + "; ".join(e.message for e in s.errors) + "[/red]"
         table.add_row(str(s.stage), f"[{s.start}, {s.end})", str(s.local_layers), *cells, status)

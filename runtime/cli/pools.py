@@ -14,6 +14,7 @@ from typing import Any
 
 from .. import defaults
 from ..model.families import load_spec
+from ..model.family import Family, is_unbounded
 from ..model.layer_map import partition_without_problems
 from ..plan.plan import RunPlan, Sizing
 from .common import (
@@ -97,6 +98,15 @@ def plan_of(args: argparse.Namespace) -> RunPlan:
     return plan_from_args(args, sizing_of(args), page_size=family.sglang_page_size(args.page_size))
 
 
+def page_size_notes(family: Family, requested: int, page_size: int) -> list[str]:
+    """The one-line note when sglang's own page size for the family (``Family.sglang_page_size``)
+    overrides ``--page-size`` (``pools`` and ``advise`` print it alike)."""
+    if requested == page_size:
+        return []
+    who = "DeepSeek-V4" if family.name == "deepseek_v4" else f"{family.label} models"
+    return [f"sglang 0.5.23 runs {who} with page_size {page_size} (it overrides --page-size {requested})"]
+
+
 def stage_problems(plan: RunPlan) -> dict[str, Any]:
     """What sglang itself does wrong with a stage of this partition (``Family.stage_problems``) and,
     where it does, a partition near sglang's even split that avoids it."""
@@ -137,11 +147,7 @@ def accounting(args: argparse.Namespace) -> dict[str, Any]:
     plan = plan_of(args)
     report = plan.to_dict()
     report["requested_page_size"] = args.page_size
-    family = plan.spec.family
-    who = "DeepSeek-V4" if family.name == "deepseek_v4" else f"{family.label} models"
-    report["notes"] = ([] if args.page_size == plan.page_size else
-                       [f"sglang 0.5.23 runs {who} with page_size {plan.page_size} (it overrides "
-                        f"--page-size {args.page_size})"])
+    report["notes"] = page_size_notes(plan.spec.family, args.page_size, plan.page_size)
     problems = stage_problems(plan)
     if problems["stage_problems"]:
         report.update(problems)
@@ -160,7 +166,7 @@ def deployment(plan: RunPlan) -> dict[str, Any] | None:
     caps = [s.capacity for s in plan.stages]
     if any(c is None for c in caps):
         return None
-    out = {"tokens": plan.stage(0).budget.full_tokens,
+    out = {"tokens": min(s.budget.full_tokens for s in plan.stages),  # a faulted stage may size itself alone
            "limited_by": min(range(plan.pp_size), key=lambda i: caps[i].tokens_alone),
            "stranded_bytes": sum(c.stranded_bytes for c in caps)}
     if all(c.state_stranded_bytes is not None for c in caps):
@@ -296,8 +302,8 @@ def print_ledger(console: Any, report: dict[str, Any]) -> None:
         table.add_column(col, justify="right")
     for s in report["stages"]:
         c = s["capacity"]
-        alone = "unbounded" if c["tokens_alone"] >= (1 << 62) else f"{c['tokens_alone']:,}"
-        row = [str(s["stage"]), human(c["budget_bytes"]), alone, f"{c['tokens']:,}",
+        alone, tokens = ("unbounded" if is_unbounded(c[k]) else f"{c[k]:,}" for k in ("tokens_alone", "tokens"))
+        row = [str(s["stage"]), human(c["budget_bytes"]), alone, tokens,
                human(c["used_bytes"]), human(c["stranded_bytes"])]
         if state:
             row += [human(c["state_charged_bytes"]), human(c["state_bytes"]), human(c["state_stranded_bytes"])]

@@ -41,6 +41,16 @@ class LayerKind:
 # -- faults ---------------------------------------------------------------------------------------
 
 
+#: sglang's token capacity of a stage whose pools cost 0 bytes per token (a Mamba-hybrid stage
+#: without an attention layer): ``int64`` max, which only the PP ranks' MIN all-reduce bounds.
+UNBOUNDED_TOKENS = (1 << 63) - 1
+
+
+def is_unbounded(tokens: int) -> bool:
+    """A token count no memory bounds (``UNBOUNDED_TOKENS``, floored to pages or not)."""
+    return tokens >= 1 << 62
+
+
 def every_stage(stage: int, pp_size: int) -> bool:
     return True
 
@@ -61,7 +71,13 @@ class FaultKind:
     * ``layout``: the whole layout (another stage's range), given the fault's explicit stage;
     * ``layer_map``: one hit stage's layer map (its ids);
     * ``count``: the buffers a hit stage's constructor makes for one pool kind;
-    * ``present``: which of those buffers hold a tensor (``False``: left None).
+    * ``present``: which of those buffers hold a tensor (``False``: left None);
+    * ``tokens``: the full tokens a hit stage sizes its pools by, given the deployment's (the
+      MIN over stages) and the page size -- a stage that sizes itself alone.
+
+    ``refused``: why the fault cannot hit a layout (None: it can), given the layout and the
+    fault's explicit stage; ``check`` says so in one line (exit 2) rather than pass a fault that
+    changed nothing.
 
     Every callable is a module-level function or a ``partial`` of one, so a plan holding its
     faults pickles to the stage processes.  ``scope="serve"``: only a serving stage acts on it
@@ -82,6 +98,8 @@ class FaultKind:
     #: pool kinds a hit stage's HiCache backups leave out while its host set holds them (sglang
     #: #38031's pages): start-up validation cannot see it, the live transfer check flags it
     backup_left_out: frozenset[str] = frozenset()
+    tokens: Callable[[ModelSpec, StageLayerMap, int, int], int] | None = None
+    refused: Callable[[ModelLayout, int | None], str | None] | None = None
 
 
 #: The one fault name and help of a stage whose backups skip its indexer kinds (each family that

@@ -116,6 +116,9 @@ def apply_layout_faults(layout: ModelLayout, faults: Sequence[Fault]) -> ModelLa
     for f in faults:
         if f.kind.layout is not None:
             layout = f.kind.layout(layout, f.stage)
+    for f in faults:
+        if f.kind.refused is not None and (why := f.kind.refused(layout, f.stage)) is not None:
+            raise ConfigError(f"--fault {fault_names([f])[0]}: {why}")
     stages = list(layout.stages)
     for i, s in enumerate(stages):
         for f in faults:

@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 from .. import defaults
 from ..errors import ConfigError
-from ..model.family import Family, StageBudget
+from ..model.family import Family, StageBudget, is_unbounded
 from ..model.layer_map import ModelLayout, StageLayerMap, build_layout
 from ..model.partition import StageSlice
 from ..model.pool_kinds import KindTable, PoolKind
@@ -304,6 +304,12 @@ class StagePlan:
         """The device page-id space: pages of the full-token budget."""
         return self.budget.full_pages
 
+    @property
+    def sized_without_bound(self) -> bool:
+        """Its token-sized pools are built for a count no memory bounds (``--fault unbounded-stage``):
+        nothing can allocate them, and validation refuses the stage."""
+        return is_unbounded(self.budget.full_tokens)
+
     def to_dict(self) -> dict[str, Any]:
         m = self.layer_map
         return {
@@ -469,6 +475,9 @@ def _assemble(spec: ModelSpec, tp_size: int, page_size: int, partition: tuple[in
         stage_budget = budget
         if per_stage is not None and "state" in per_stage[i].units:  # per-request state: the stage's own slots
             stage_budget = dataclasses.replace(budget, state_slots=per_stage[i].units["state"])
+        stage_budget = _faulty_tokens(spec, m, stage_budget, faults, i, len(maps))
+        stage_host = (host_full if stage_budget.full_tokens == budget.full_tokens
+                      else _host_space(sizing, stage_budget)[0])
         pools = tuple(_pool_plan(table, sizing, stage_budget, p, bufs.get(p, ()), p in left_out, own)
                       for p in table.pools)
         cap = None
@@ -476,10 +485,20 @@ def _assemble(spec: ModelSpec, tp_size: int, page_size: int, partition: tuple[in
             charged = per_stage[i].charged_bytes.get("state") if per_stage is not None else None
             state = (sum(p.device_bytes for p in pools if p.kind.budget == "state")
                      if charged is not None else None)
-            cap = Capacity(sizing.stage_budget_bytes(i, len(maps)) or 0, alone[i], budget.full_tokens,
+            cap = Capacity(sizing.stage_budget_bytes(i, len(maps)) or 0, alone[i], stage_budget.full_tokens,
                            sum(p.device_bytes for p in pools), charged, state)
-        stages.append(StagePlan(m, pools, stage_budget, host_full, host_swa, sizing, spec, cap, fp))
+        stages.append(StagePlan(m, pools, stage_budget, stage_host, host_swa, sizing, spec, cap, fp))
     return RunPlan(spec, tp_size, page_size, partition, sizing, faults, tuple(stages))
+
+
+def _faulty_tokens(spec: ModelSpec, layer_map: StageLayerMap, budget: TokenBudget, faults: tuple[Fault, ...],
+                   stage: int, pp_size: int) -> TokenBudget:
+    """The budget of a stage a fault sizes by its own token figure (``FaultKind.tokens``)."""
+    tokens = budget.full_tokens
+    for f in faults:
+        if f.kind.tokens is not None and f.hits(stage, pp_size):
+            tokens = f.kind.tokens(spec, layer_map, tokens, budget.page_size)
+    return budget if tokens == budget.full_tokens else dataclasses.replace(budget, full_tokens=tokens)
 
 
 def _budget(spec: ModelSpec, table: KindTable, sizing: Sizing, counts: list[dict[str, int]]

@@ -173,7 +173,8 @@ def check_host_memory(plan: RunPlan, device: str, min_device_pages: int = 1,
     need = stages_ram_need(plan, device_in_ram=device == "cpu", stages=stages)
     where = "device + host pools" if device == "cpu" else "host pools"
     scale = plan.page_size if pages_flag == "--max-total-tokens" else 1
-    return check_ram(need, plan.stage(0).device_pages, plan.sizing.hicache_ratio,
+    pages = min(s.device_pages for s in plan.stages)  # the deployment's: a faulted stage may size itself alone
+    return check_ram(need, pages, plan.sizing.hicache_ratio,
                      f"the {plan.pp_size} stages' {where} together" if stages is None or len(stages) == plan.pp_size
                      else f"this node's {len(stages)} stages' {where} together", min_pages=min_device_pages,
                      pages_flag=pages_flag, pages_scale=scale, mem=mem)

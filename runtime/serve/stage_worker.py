@@ -195,9 +195,17 @@ class StageWorker:
 
         self._init_dist()
         from .stage_cache import StageCache
+        from .stage_l3 import StageL3
 
-        self.cache = StageCache(self.cfg)
-        l3_errors = self.cache.l3.startup(lambda: self._call(lambda: dist.barrier()))
+        barrier = lambda: self._call(lambda: dist.barrier())  # noqa: E731
+        if self.plan.sized_without_bound:
+            # a stage sized for a count no memory bounds (--fault unbounded-stage) cannot build its
+            # page-id space: it reports what its plan holds, and rank 0 refuses the run (the L3
+            # startup's barriers kept in step with the other stages)
+            l3_errors = StageL3(self.cfg, self.rank, None).startup(barrier)  # type: ignore[arg-type]
+        else:
+            self.cache = StageCache(self.cfg)
+            l3_errors = self.cache.l3.startup(barrier)
         if not self._startup(l3_errors):
             self.phase = Phase.REFUSED
             self.publish(force=True)
@@ -261,9 +269,13 @@ class StageWorker:
         from ..errors import MappingError
         from ..validation.record import stage_record
 
-        pools, host = self.cache.pools, self.cache.host
         findings = [MappingError(self.rank, "l3", "a store of this deployment, own keys", "refused", str(e))
                     for e in l3_errors]
+        if self.cache is None:  # never allocated (sized without a bound): what its plan holds
+            plan = self.cfg.plan
+            return stage_record(plan, host_buffers={p.pool: p.present for p in plan.pools if p.kind.paged},
+                                findings=findings, engine=_engine())
+        pools, host = self.cache.pools, self.cache.host
         return stage_record(self.cfg.plan, inventory=pools.inventory(),
                             pool_page_bytes=pools.pool_page_bytes(), device_bytes=pools.pool_bytes(),
                             # per-request state stays on the device in stagecache's own runtime

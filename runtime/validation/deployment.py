@@ -5,7 +5,7 @@ live sglang deployment (records the ranks exchanged) all end here, so the same i
 same verdict and the same messages everywhere: every stage's buffers against its local layers
 per pool kind (``checks.validate_stage``), the tiling of ``[0, L)``, and -- what only a real
 deployment can get wrong -- stages of another deployment (fingerprints, engine versions), token
-capacities that disagree, and a rank that reports another stage.
+capacities that disagree, a stage sized without a bound, and a rank that reports another stage.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from ..errors import MappingError
+from ..model.family import is_unbounded
 from ..plan.plan import RunPlan
 from .checks import validate_host, validate_stage, validate_tiling
 from .record import StageRecord, stage_record
@@ -50,9 +51,41 @@ def fingerprint_errors(records: Sequence[StageRecord]) -> dict[int, list[Mapping
     return out
 
 
+def _sized_tokens(rec: StageRecord) -> int:
+    """The full tokens the stage's pools were built for (its record's, or its capacity's)."""
+    return max(rec.pool_tokens, rec.capacity.tokens if rec.capacity is not None else 0)
+
+
+def unbounded_errors(records: Sequence[StageRecord]) -> dict[int, list[MappingError]]:
+    """One error per stage whose token-sized pools were built for a count no memory bounds: a stage
+    whose pools cost 0 bytes per token (a Mamba-hybrid stage without an attention layer) that took
+    its own figure (sglang's ``int64`` max) instead of the MIN over the PP ranks."""
+    bounded = [t for r in records if (t := _sized_tokens(r)) and not is_unbounded(t)]
+    out: dict[int, list[MappingError]] = {}
+    for rec in records:
+        tokens = _sized_tokens(rec)
+        if not is_unbounded(tokens):
+            continue
+        m = rec.layer_map
+        paged = [k for k in m.kinds if k.paged]
+        empty = [k for k in paged if not m.pool_layers(k.name)]
+        kind = (empty or paged)[0]
+        why = (f"no {kind.owners_text or kind.label} layer in [{m.start}, {m.end}): 0 B per token, nothing "
+               "bounds it" if empty else "nothing bounds it")
+        want = f"the MIN over the PP ranks ({min(bounded):,} tokens here)" if bounded else "the MIN over the PP ranks"
+        out[rec.stage] = [MappingError(
+            rec.stage, kind.name, f"<= {min(bounded)}" if bounded else "a bounded count", tokens,
+            f"stage {rec.stage}: {kind.label} pool sized for {tokens:,} tokens, the stage's own figure "
+            f"({why}) instead of {want}; no token allocator or HiCache host pool of that count can be "
+            "allocated")]
+    return out
+
+
 def capacity_errors(records: Sequence[StageRecord]) -> dict[int, list[MappingError]]:
-    """Every stage must end with the one deployment capacity, no larger than any stage alone."""
-    caps = {r.stage: r.capacity for r in records if r.capacity is not None}
+    """Every stage must end with the one deployment capacity, no larger than any stage alone (a
+    stage sized without a bound is ``unbounded_errors``' alone: one line for it)."""
+    caps = {r.stage: r.capacity for r in records
+            if r.capacity is not None and not is_unbounded(_sized_tokens(r))}
     if not caps:
         return {}
     agreed = _majority([str(c.tokens) for c in caps.values()], str(next(iter(caps.values())).tokens))
@@ -99,7 +132,8 @@ def deployment_report(records: Sequence[StageRecord], *, tp_size: int, page_size
     pp = len(records) if pp_size is None else pp_size
     whole = len(records) == pp
     found: dict[int, list[MappingError]] = {k: list(v) for k, v in (extra or {}).items()}
-    for key, errs in (*fingerprint_errors(records).items(), *capacity_errors(records).items()):
+    for key, errs in (*fingerprint_errors(records).items(), *unbounded_errors(records).items(),
+                      *capacity_errors(records).items()):
         found.setdefault(key, []).extend(errs)
     for rank, rec in enumerate(records):
         if whole and rec.stage != rank:

@@ -103,10 +103,11 @@ def stage_record(plan: StagePlan, *, inventory: PoolInventory | None = None,
                  host_bytes: Mapping[str, int] | None = None,
                  findings: Sequence[MappingError] = (), engine: str = "",
                  capacity: tuple[int, int] | None = None, host_pages: Mapping[str, int] | None = None,
-                 pool_tokens: int = 0, fingerprint: Fingerprint | None = None,
+                 pool_tokens: int | None = None, fingerprint: Fingerprint | None = None,
                  model: str | None = None) -> StageRecord:
     """The record of a stage: what its plan says it holds, or -- where given -- what its live pools
-    really hold (their inventory, measured bytes, host mirror; ``{}``: not known)."""
+    really hold (their inventory, measured bytes, host mirror; ``{}``: not known).  ``pool_tokens``
+    defaults to the full tokens the plan sized the stage for."""
     inv = inventory if inventory is not None else plan.inventory()
     planned_host = {p.pool: p.present if p.host_pages and p.kind.host_cached else 0 for p in plan.pools}
     return StageRecord(
@@ -118,7 +119,8 @@ def stage_record(plan: StagePlan, *, inventory: PoolInventory | None = None,
                           else {p.pool: p.device_bytes for p in plan.pools}),
         host_buffers=dict(host_buffers if host_buffers is not None else planned_host),
         host_bytes=dict(host_bytes if host_bytes is not None else {p.pool: p.host_bytes for p in plan.pools}),
-        host_pages=dict(host_pages or {}), pool_tokens=pool_tokens,
+        host_pages=dict(host_pages or {}),
+        pool_tokens=plan.budget.full_tokens if pool_tokens is None else pool_tokens,
         fingerprint=fingerprint if fingerprint is not None else plan.fingerprint,
         capacity=CapacityRow(tokens_alone=capacity[0], tokens=capacity[1]) if capacity else None,
         findings=tuple(findings),

@@ -23,7 +23,7 @@ from ..model.layer_map import StageLayerMap
 def _stage_ok(stage: Any) -> bool:
     if isinstance(stage, dict):
         return bool(stage.get("ok", not stage.get("errors")))
-    return bool(stage.ok)
+    return bool(getattr(stage, "ok", False))  # not a stage: the model validation names it
 
 
 def _with_ok(data: Any) -> Any:
@@ -32,6 +32,51 @@ def _with_ok(data: Any) -> Any:
         errors = data.get("errors", data.get("cross_errors"))
         data = {**data, "ok": not errors and all(_stage_ok(s) for s in data.get("stages", ()))}
     return data
+
+
+#: The per-pool-kind fields of a stage's report (JSON names), which ``shown_pools`` trims.
+_POOL_FIELDS = ("buffers", "expected_buffers", "pool_page_bytes", "device_bytes", "host_buffers", "host_bytes")
+
+
+def _field(stage: Any, name: str) -> dict[str, Any]:
+    if isinstance(stage, dict):
+        value = stage.get(name, stage.get("expected") if name == "expected_buffers" else None)
+        return value if isinstance(value, dict) else {}
+    return getattr(stage, "expected" if name == "expected_buffers" else name, None) or {}
+
+
+def _error_pools(stage: Any) -> set[str]:
+    errors = stage.get("errors") if isinstance(stage, dict) else getattr(stage, "errors", ())
+    if not isinstance(errors, list | tuple):
+        return set()
+    return {str(e.get("pool", "")) if isinstance(e, dict) else str(getattr(e, "pool", "")) for e in errors}
+
+
+def shown_pools(stages: Any) -> set[str]:
+    """The pool kinds a report shows: each kind some stage holds a buffer of, needs one for, or
+    has an error about.  A kind of the family that no layer of the model uses (gpt-oss's plain-MHA
+    ``kv`` beside its SWA and full sub-pools) would be an empty 0/0 row on every stage of ``check``,
+    the dashboard and the metrics; a kind one stage has and another lacks (a Nemotron-H stage
+    without attention) stays, 0/0 where it is empty.  Malformed stages add nothing (the model's
+    validation names them)."""
+    shown: set[str] = set()
+    for s in stages:
+        shown |= {p for p, n in _field(s, "buffers").items() if n}
+        shown |= {p for p, n in _field(s, "expected_buffers").items() if n}
+        shown |= _error_pools(s)
+    return shown
+
+
+def _trimmed(stage: Any, shown: set[str]) -> Any:
+    """A stage (report or its JSON) with only the ``shown`` pool kinds in its per-pool fields."""
+    if isinstance(stage, dict):
+        return {**stage, **{f: {p: v for p, v in stage[f].items() if p in shown}
+                            for f in (*_POOL_FIELDS, "expected") if isinstance(stage.get(f), dict)}}
+    if not isinstance(stage, StageReport):
+        return stage
+    update = {("expected" if f == "expected_buffers" else f): {p: v for p, v in _field(stage, f).items() if p in shown}
+              for f in _POOL_FIELDS}
+    return stage.model_copy(update=update)
 
 
 class StageReport(StageLayerMap):
@@ -81,11 +126,15 @@ class StartupReport(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _parse(cls, data: Any) -> Any:
-        """Each stage's pool kinds come from the family (they are not in the JSON)."""
+        """Each stage's pool kinds come from the family (they are not in the JSON); every stage
+        keeps the pool kinds the report shows (``shown_pools``), built or parsed alike."""
         if isinstance(data, dict) and any(isinstance(s, dict) for s in data.get("stages", ())):
             kinds = family_named(data.get("family", DEFAULT_FAMILY)).pool_kinds
             data = {**data, "stages": [{**s, "kinds": kinds} if isinstance(s, dict) else s
                                        for s in data["stages"]]}
+        if isinstance(data, dict) and isinstance(data.get("stages"), list | tuple) and data["stages"]:
+            shown = shown_pools(data["stages"])
+            data = {**data, "stages": [_trimmed(s, shown) for s in data["stages"]]}
         return _with_ok(data)
 
     @property

@@ -304,3 +304,53 @@ def test_transfer_id_faults_equal_sglangs_mappers_built_the_buggy_way(capsys, mo
             wrong = {pool for pool in ("attention", "mamba")
                      if set(signalled[pool]) != set(mine[pool]["waits"].values())}
             assert named == wrong
+
+
+@pytest.mark.parametrize(("model", "pp", "partition", "gb"), [("qwen3.5-0.8b", 4, (3, 7, 7, 7), 6),
+                                                              ("nemotron-h-8b", 8, None, 40)])
+def test_unbounded_stage_is_sglangs_own_figure_and_its_allocator_cannot_be_built(capsys, models, model, pp,
+                                                                                  partition, gb):
+    """A stage without an attention layer: sglang's own token figure for it (its configurator, 0 bytes
+    per token) is what ``pools --fault unbounded-stage`` sizes it by, and sglang's own pools built
+    from that figure -- the bug -- fail at its token allocator; from the MIN over ranks they build."""
+    import re
+
+    from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
+    from sglang.srt.runtime_context import get_schedule
+    from sglang_linear import configurator
+
+    slots = 4
+    code, report = run_json(capsys, "pools", model, pp, partition, "--mem-budget-gb", str(gb),
+                            "--max-mamba-cache-size", str(slots), "--fault", "unbounded-stage")
+    assert code == 0
+    check_code, checked = run_json(capsys, "check", model, pp, partition, "--fault", "unbounded-stage")
+    named = {e["stage"] for s in checked["stages"] for e in s["errors"] if e["pool"] == "attention"}
+    assert check_code == 1
+    with partition_env(partition):
+        theirs = []
+        for rank in range(pp):
+            with published_linear(models, model, pp_size=pp, page_size=256, max_mamba_cache_size=slots) as (sa, mc):
+                theirs.append(budget_sizes(sa, mc, rank, pp, gb * GIB)["tokens"])
+        deployment = min(theirs)
+        bare = {rank for rank, t in enumerate(theirs) if t >= 1 << 62}
+        assert bare and named == bare
+        for ours, own in zip(report["stages"], theirs, strict=True):
+            assert ours["full_tokens"] == (own if ours["stage"] in bare else deployment), ours["stage"]
+        rank = min(bare)
+        pages = next(p for p in report["stages"][rank]["pools"] if p["pool"] == "attention")["device_pages"]
+        with published_linear(models, model, pp_size=pp, page_size=256, max_mamba_cache_size=slots,
+                              max_running_requests=2) as (sa, mc):
+            for tokens in (theirs[rank], deployment):
+                kvc = configurator(sa, mc, rank, pp)
+                conf = create_memory_pool_configurator(kvc)
+                config = conf.calculate_pool_sizes_from_max_tokens(tokens, get_schedule().page_size)
+                config.max_running_requests = kvc.resolve_max_num_reqs(config.max_total_num_tokens)
+                sizes = kvc._derive_pool_sizes(config=conf.finalize_with_max_running_requests(config))
+                if tokens == deployment:
+                    pools = kvc._init_pools(sizes=sizes, req_to_token_pool=None, token_to_kv_pool_allocator=None)
+                    assert pools.token_to_kv_pool.size == deployment
+                    continue
+                with pytest.raises(RuntimeError, match="can't allocate memory") as failed:
+                    kvc._init_pools(sizes=sizes, req_to_token_pool=None, token_to_kv_pool_allocator=None)
+                tried = int(re.search(r"allocate (\d+) bytes", str(failed.value)).group(1))
+                assert tried >= pages * 8  # one int64 page id per page of the unbounded count

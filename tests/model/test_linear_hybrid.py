@@ -114,7 +114,8 @@ FAULTS = {  # fault -> (model, pp, the pool every error names, words of its mess
 
 
 def test_every_family_fault_is_tested():
-    assert sorted(FAULTS) == sorted(f.name for f in FAMILY.faults)
+    # unbounded-stage hits only stages without an attention layer: tests/plan/test_unbounded_stage.py
+    assert sorted([*FAULTS, "unbounded-stage"]) == sorted(f.name for f in FAMILY.faults)
 
 
 @pytest.mark.parametrize("fault", sorted(FAULTS))

@@ -49,6 +49,7 @@ from pydantic import Field
 
 from ...errors import ConfigError
 from ..family import (
+    UNBOUNDED_TOKENS,
     Family,
     FaultKind,
     LayerKind,
@@ -56,7 +57,7 @@ from ..family import (
     later_stages,
     sized_globally,
 )
-from ..layer_map import IdSpace, LayerEntry, StageLayerMap
+from ..layer_map import IdSpace, LayerEntry, ModelLayout, StageLayerMap
 from ..pool_kinds import KindTable, PoolKind, RequestState, TokenRows
 from ..spec import MAX_DIM, MAX_HEADS, MAX_LAYERS, ConfigFields, ModelSpec, shown
 
@@ -396,6 +397,33 @@ def _global_transfer_ids(kinds: frozenset[str], spec: ModelSpec, stage_map: Stag
     return stage_map.with_layers(stage_map.start, stage_map.end, layers)
 
 
+def _without_attention(stage_map: StageLayerMap) -> bool:
+    return not any(KINDS["attention"].owns(e.kind) for e in stage_map.layers)
+
+
+def _own_tokens(spec: ModelSpec, stage_map: StageLayerMap, tokens: int, page_size: int) -> int:
+    """A stage without an attention layer sized by its own figure instead of the MIN over the PP
+    ranks: 0 bytes per token fits sglang's ``int64`` max, so its token allocator, req-to-token
+    sizing and HiCache host KV pool are built for that many tokens."""
+    if _without_attention(stage_map):
+        return UNBOUNDED_TOKENS // page_size * page_size
+    return tokens
+
+
+def _needs_stage_without_attention(layout: ModelLayout, stage: int | None) -> str | None:
+    """``unbounded-stage`` changes only a stage without an attention layer: say so when none is hit."""
+    bare = [s.stage for s in layout.stages if _without_attention(s)]
+    if stage is not None and stage not in bare:
+        s = layout.stages[stage]
+        return (f"stage {stage} [{s.start}, {s.end}) holds an attention layer, so its own token figure "
+                f"is bounded; stages without one: {', '.join(map(str, bare)) or 'none'}")
+    if not bare:
+        return ("every stage of this partition holds an attention layer, so none is sized without a "
+                "bound; use a partition with a stage of Mamba layers only (nemotron-h-8b at --pp-size 8, "
+                "or qwen3.5-0.8b --pp-size 4 --pp-partition 3,7,7,7)")
+    return None
+
+
 # -- the family -------------------------------------------------------------------------------------
 
 class LinearHybrid(Family):
@@ -425,6 +453,9 @@ class LinearHybrid(Family):
                   layer_map=partial(_global_transfer_ids, frozenset({MAMBA, HYBRID}))),
         FaultKind("mamba-host-missing", "the Mamba state is left out of the HiCache host set: a load "
                   "brings back KV without its state", host_left_out=frozenset({"mamba"})),
+        FaultKind("unbounded-stage", "a stage without an attention layer sizes its pools from its own "
+                  "token figure (0 bytes per token: int64 max) instead of the MIN over the PP ranks",
+                  tokens=_own_tokens, refused=_needs_stage_without_attention),
     )
 
     def matches(self, cfg: dict[str, Any]) -> bool:
@@ -485,7 +516,7 @@ class LinearHybrid(Family):
         if cell:
             tokens = available // cell // page * page
         elif any(KINDS["attention"].owns(k) for k in spec.kinds) and pp > 1:
-            tokens = (1 << 63) - 1  # no attention here: sized without a bound, the MIN bounds it
+            tokens = UNBOUNDED_TOKENS  # no attention here: sized without a bound, the MIN bounds it
         else:
             tokens = sizing.max_total_tokens or 0
         tokens = tokens // page * page
