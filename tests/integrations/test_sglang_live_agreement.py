@@ -32,20 +32,21 @@ SHORT_GLOO = {"STAGECACHE_TEST_GLOO_TIMEOUT_S": "5"}
 LOOK_TIMEOUT_S = 30
 
 
-def _flush(pusher: Any, within_s: float = 20.0) -> None:
+def _flush(pusher: Any, within_s: float = 20.0) -> bool:
     """Push until rank 0 took one push made after the traffic: it carries every record left (a
     fixed sleep of a few push intervals is no bound on a loaded machine, where the pusher
-    thread's push may come late or time out before the rank's process ends)."""
+    thread's push may come late or time out before the rank's process ends).  False when rank 0
+    took none: a case that named its divergence may have ended rank 0 already."""
     if pusher is None:
-        return
+        return False
     end = time.monotonic() + within_s
     while True:
         try:
             pusher.push_once()
-            return
+            return True
         except OSError:
             if time.monotonic() > end:
-                raise
+                return False
             time.sleep(0.2)
 
 
@@ -62,7 +63,7 @@ def _drive(requests: int, look_for: Any = None):
         out["last_steps"] = dep.agreement.step  # steps the rank's hook counted
         if rank != 0:
             pusher = dep.pusher
-            _flush(pusher)  # the last records leave with a push rank 0 took, before the process ends
+            out["flushed"] = _flush(pusher)  # the last records leave with a push rank 0 took
             out["pusher"] = {"failures": pusher.failures, "last_error": pusher.last_error} if pusher else None
             return out
         end = time.monotonic() + 30
@@ -108,6 +109,7 @@ def test_a_healthy_pp4_agrees_on_every_one_of_1000_requests(tmp_path):
     run = _run(tmp_path, 1000, complete)
     for rank, res in run.results.items():
         assert res["traffic"]["error"] is None and res["traffic"]["steps"] == 250, (rank, res["traffic"]["error"])
+    assert all(run.results[r]["flushed"] for r in (1, 2, 3))  # every rank's last records reached rank 0
     look = run.results[0]["look"]
     d = look["divergence"]
     assert d["compared"]["device_prefix_len"] == 1000 and d["compared"]["host_hit_length"] == 1000, (
