@@ -9,6 +9,7 @@ the other.  Beside them: bytes and seconds per direction, errors by kind, the ba
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from stagecache.runtime.live.numbers import StageLive
@@ -34,64 +35,60 @@ def _on(fn: Any) -> Any:
     return samples
 
 
-def _one(fn: Any) -> Any:
-    return _on(lambda s: [((s.l3.backend,), fn(s))])
+def _backend(name: str, kind: str, help: str, value: Callable[[StageLive], Any]) -> Family:
+    """A family of one series per stage with an L3 tier, labelled by its backend."""
+    return Family(name, kind, help, ("storage_backend",), _on(lambda s: [((s.l3.backend,), value(s))]))
 
 
-def _per_direction(fn: Any) -> Any:
-    return _on(lambda s: [((s.l3.backend, d), fn(s, d)) for d in L3_DIRECTIONS])
+def _per_direction(name: str, help: str, field: str) -> Family:
+    """A counter per backend and direction, from ``StageLive.l3.<field>.<direction>``."""
+    return Family(name, "counter", help, ("storage_backend", "l3_direction"), _on(
+        lambda s: [((s.l3.backend, d), getattr(getattr(s.l3, field), d)) for d in L3_DIRECTIONS]))
 
 
-def _bandwidth(which: str) -> Any:
-    def samples(s: StageLive) -> Samples:
+def _bandwidth(which: str) -> Callable[[StageLive], Any]:
+    def histogram(s: StageLive) -> Any:
         h = getattr(s.l3, which)
-        total = h.counts[-1] if h.counts else 0
-        return [((s.l3.backend,), (cumulative_buckets(h.le, h.counts, total), h.sum))]
-    return _on(samples)
+        return cumulative_buckets(h.le, h.counts, h.counts[-1] if h.counts else 0), h.sum
+    return histogram
 
 
 L3_FAMILIES: tuple[Family, ...] = (
-    Family("stagecache_prefetched_tokens_total", "counter",
-           "Tokens read from L3 into the host tier (whole pages, every pool kind, checked)",
-           ("storage_backend",), _one(lambda s: s.l3.prefetched_tokens)),
-    Family("stagecache_backuped_tokens_total", "counter",
-           "Tokens written from the host tier to L3 (when the host tier got its copy)",
-           ("storage_backend",), _one(lambda s: s.l3.backuped_tokens)),
-    Family("stagecache_storage_prefetch_hit_tokens_total", "counter",
-           "Looked-up prompt tokens found in L3 (also stagecache_prefix_hit_tokens_total{tier=storage})",
-           ("storage_backend",), _one(lambda s: s.cache_tokens.storage)),
-    Family("stagecache_prefetch_bandwidth", "histogram",
-           "GB/s of each L3 prefetch batch (sglang's prefetch_bandwidth)", ("storage_backend",),
-           _bandwidth("prefetch_bandwidth")),
-    Family("stagecache_backup_bandwidth", "histogram",
-           "GB/s of each L3 backup batch (sglang's backup_bandwidth)", ("storage_backend",),
-           _bandwidth("backup_bandwidth")),
-    Family("stagecache_l3_bytes_total", "counter", "Bytes moved between the host tier and L3",
-           ("storage_backend", "l3_direction"),
-           _per_direction(lambda s, d: getattr(s.l3.bytes, d))),
-    Family("stagecache_l3_seconds_total", "counter",
-           "Seconds of L3 batch calls (rate(bytes_total) / rate(seconds_total) is the bandwidth)",
-           ("storage_backend", "l3_direction"),
-           _per_direction(lambda s, d: getattr(s.l3.seconds, d))),
+    _backend("stagecache_prefetched_tokens_total", "counter",
+             "Tokens read from L3 into the host tier (whole pages, every pool kind, checked)",
+             lambda s: s.l3.prefetched_tokens),
+    _backend("stagecache_backuped_tokens_total", "counter",
+             "Tokens written from the host tier to L3 (when the host tier got its copy)",
+             lambda s: s.l3.backuped_tokens),
+    _backend("stagecache_storage_prefetch_hit_tokens_total", "counter",
+             "Looked-up prompt tokens found in L3 (also stagecache_prefix_hit_tokens_total{tier=storage})",
+             lambda s: s.cache_tokens.storage),
+    _backend("stagecache_prefetch_bandwidth", "histogram",
+             "GB/s of each L3 prefetch batch (sglang's prefetch_bandwidth)", _bandwidth("prefetch_bandwidth")),
+    _backend("stagecache_backup_bandwidth", "histogram",
+             "GB/s of each L3 backup batch (sglang's backup_bandwidth)", _bandwidth("backup_bandwidth")),
+    _per_direction("stagecache_l3_bytes_total", "Bytes moved between the host tier and L3", "bytes"),
+    _per_direction("stagecache_l3_seconds_total",
+                   "Seconds of L3 batch calls (rate(bytes_total) / rate(seconds_total) is the bandwidth)",
+                   "seconds"),
     Family("stagecache_l3_errors_total", "counter",
            "L3 objects that failed: corrupt (a miss, never data), failed, no_space",
            ("storage_backend", "error"),
            _on(lambda s: [((s.l3.backend, e), s.l3.errors.get(e, 0)) for e in L3_ERRORS])),
-    Family("stagecache_l3_skipped_objects_total", "counter",
-           "L3 objects not tried while the backend was down", ("storage_backend",),
-           _one(lambda s: s.l3.skipped)),
-    Family("stagecache_l3_fallback_pages_total", "counter",
-           "Pages the head stage took from L3 that this stage could not read and rewrote",
-           ("storage_backend",), _one(lambda s: s.l3.fallback_pages)),
-    Family("stagecache_l3_evicted_objects_total", "counter",
-           "L3 objects the store dropped to make room (file: LRU under --l3-size-gb)",
-           ("storage_backend",), _one(lambda s: s.l3.evictions)),
-    Family("stagecache_l3_up", "gauge",
-           "1 while the L3 backend answers, 0 while it is down (the stage serves from device and host)",
-           ("storage_backend",), _one(lambda s: 1 if s.l3.up else 0)),
-    Family("stagecache_l3_used_bytes", "gauge", "Bytes of the stage's objects in L3 (file backend)",
-           ("storage_backend",), _one(lambda s: s.l3.used_bytes)),
-    Family("stagecache_l3_capacity_bytes", "gauge",
-           "The stage's L3 bound in bytes (file: its share of --l3-size-gb; mooncake: its segment)",
-           ("storage_backend",), _one(lambda s: s.l3.capacity_bytes)),
+    _backend("stagecache_l3_skipped_objects_total", "counter",
+             "L3 objects not tried while the backend was down", lambda s: s.l3.skipped),
+    _backend("stagecache_l3_fallback_pages_total", "counter",
+             "Pages the head stage took from L3 that this stage could not read and rewrote",
+             lambda s: s.l3.fallback_pages),
+    _backend("stagecache_l3_evicted_objects_total", "counter",
+             "L3 objects the store dropped to make room (file: LRU under --l3-size-gb)",
+             lambda s: s.l3.evictions),
+    _backend("stagecache_l3_up", "gauge",
+             "1 while the L3 backend answers, 0 while it is down (the stage serves from device and host)",
+             lambda s: 1 if s.l3.up else 0),
+    _backend("stagecache_l3_used_bytes", "gauge", "Bytes of the stage's objects in L3 (file backend)",
+             lambda s: s.l3.used_bytes),
+    _backend("stagecache_l3_capacity_bytes", "gauge",
+             "The stage's L3 bound in bytes (file: its share of --l3-size-gb; mooncake: its segment)",
+             lambda s: s.l3.capacity_bytes),
 )

@@ -7,9 +7,9 @@ disagreements are not Prometheus series; the stagecache dashboard lists them
 
 from __future__ import annotations
 
-from panels import GREEN_RED, RI, STAT_OPTS, TS_CUSTOM, TS_OPTS, S, panel, rate, row, tgt
+from panels import GREEN_RED, RI, STACK, STAT_OPTS, S, panel, rate, row, tgt, ts
 
-STACKED = {**TS_CUSTOM, "fillOpacity": 60, "stacking": {"mode": "normal", "group": "A"}}
+STACKED = {"fillOpacity": 60, **STACK}
 
 
 def _quantiles(metric: str) -> list[dict]:
@@ -31,12 +31,12 @@ def _agreement(y: int) -> list[dict]:
                    "stage {{pp_rank}} {{kind}}")],
               extra_defaults={"color": {"mode": "thresholds"}, "thresholds": GREEN_RED},
               options={**STAT_OPTS, "textMode": "value_and_name"}),
-        panel("timeseries", "Stage disagreements/s by stage and kind",
+        ts("Stage disagreements/s by stage and kind",
               "rate of stagecache_stage_disagreements_total; a healthy run is flat at zero, and the "
               "StagecacheStageDisagreement alert fires on any increase.",
               (8, y, 16, 6), [tgt(rate("stagecache_stage_disagreements_total", "pp_rank, kind"),
                                   "stage {{pp_rank}} {{kind}}")],
-              unit="reqps", custom=TS_CUSTOM, options=TS_OPTS),
+              unit="reqps"),
     ]
 
 
@@ -52,16 +52,15 @@ def _miss_reasons(y: int) -> list[dict]:
              "evicted_from_host, dropped, writeback_pending, partial_page_tail, "
              "stage_disagreement; per stage the reasons sum to its misses.")):
         sel = f'{{tier="{tier}",pp_rank=~"$pp_rank"}}'
-        out.append(panel("timeseries", title, desc, (x, y, 12, 9),
+        out.append(ts(title, desc, (x, y, 12, 9),
                          [tgt(rate("stagecache_prefix_miss_tokens_total", "pp_rank, reason", sel),
                               "stage {{pp_rank}} {{reason}}")],
-                         unit="short", custom=STACKED, options=TS_OPTS))
+                         unit="short", custom=STACKED))
     return out
 
 
 def _lifetimes(y: int) -> list[dict]:
-    return [panel("timeseries", title, desc, (x, y, 8, 8), _quantiles(metric), unit="s",
-                  custom=TS_CUSTOM, options=TS_OPTS)
+    return [ts(title, desc, (x, y, 8, 8), _quantiles(metric), unit="s")
             for x, metric, title, desc in (
                 (0, "stagecache_cache_entry_lifetime_seconds", "Entry lifetime by tier (p50, p90)",
                  "Seconds a page stayed in a tier, insert (or load, backup) to eviction, sampled."),

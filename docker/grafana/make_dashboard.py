@@ -22,15 +22,16 @@ from panels import (
     GREEN_RED,
     HOST,
     RED_GREEN,
+    STACK,
     STAT_OPTS,
-    TS_CUSTOM,
-    TS_OPTS,
     S,
+    bars,
     merged_table,
     panel,
     rate,
     row,
     tgt,
+    ts,
 )
 
 OUT = Path(__file__).resolve().parent / "dashboards" / "stagecache.json"
@@ -57,8 +58,7 @@ panels.append(panel(
     "(SWA at least) must hold exactly this many buffers.",
     (14, 1, 10, 5), [tgt(f"stagecache_stage_local_layers{S}", "stage {{pp_rank}}")],
     extra_defaults={"min": 0, "decimals": 0},
-    options={"orientation": "horizontal", "displayMode": "basic", "showUnfilled": True,
-             "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}}))
+    options=bars("basic")))
 panels.append(merged_table(
     "Buffers vs expected, per stage and pool",
     "Actual buffers a stage allocated per pool (stagecache_stage_buffers) next to what its local "
@@ -73,14 +73,13 @@ panels[-1]["fieldConfig"]["overrides"] = [{
                    {"id": "thresholds", "value": {"mode": "absolute", "steps": [
                        {"color": "red", "value": None}, {"color": "green", "value": 0},
                        {"color": "red", "value": 1}]}}]}]
-panels.append(panel(
-    "timeseries", "SWA buffers vs local layers",
+panels.append(ts("SWA buffers vs local layers",
     "The original bug: the SWA pool sized by the model's global layer count. Each stage's SWA "
     "buffer line must lie on its local-layers line.",
     (14, 6, 10, 10),
     [tgt('stagecache_stage_buffers{pool="swa",pp_rank=~"$pp_rank"}', "stage {{pp_rank}} swa buffers", "A"),
      tgt(f"stagecache_stage_local_layers{S}", "stage {{pp_rank}} local layers", "B")],
-    unit="short", custom={**TS_CUSTOM, "fillOpacity": 0}, options=TS_OPTS))
+    unit="short", custom={"fillOpacity": 0}))
 
 panels.append(row("Run: model, phase and progress", 16))
 panels.append(panel(
@@ -109,49 +108,42 @@ panels.append(panel(
     [tgt(f"max by (pp_rank) (stagecache_requests_total{S}) / "
          f"max by (pp_rank) (stagecache_stage_planned_requests{S} > 0)", "stage {{pp_rank}}")],
     unit="percentunit", extra_defaults={"min": 0, "max": 1},
-    options={"orientation": "horizontal", "displayMode": "basic", "showUnfilled": True,
-             "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}}))
+    options=bars("basic")))
 
 panels.append(row("KV cache: where looked-up tokens were found", 22))
-panels.append(panel(
-    "timeseries", "Host hit rate per stage",
+panels.append(ts("Host hit rate per stage",
     "Share of looked-up tokens found in the host (HiCache) tier, from the token counters: over "
     "Grafana's rate interval, and the 5-minute recording rule the collapse alert uses.",
     (0, 23, 12, 9),
     [tgt(f'{rate("stagecache_prefix_hit_tokens_total", sel=HOST)} / '
          f'{rate("stagecache_prefix_lookup_tokens_total")}', "stage {{pp_rank}}", "A"),
      tgt(f"stagecache:prefix_host_hit_ratio:rate5m{S}", "stage {{pp_rank}} last 5m", "B")],
-    unit="percentunit", extra_defaults={"min": 0, "max": 1}, custom=TS_CUSTOM, options=TS_OPTS))
-panels.append(panel(
-    "timeseries", "Prefix tokens/s by tier",
+    unit="percentunit", extra_defaults={"min": 0, "max": 1}))
+panels.append(ts("Prefix tokens/s by tier",
     "Looked-up tokens per second found on the device, in the host tier, and missed "
     "(lookups - hits).",
     (12, 23, 12, 9),
     [tgt(rate("stagecache_prefix_hit_tokens_total", "pp_rank, tier"), "stage {{pp_rank}} {{tier}}", "A"),
      tgt(f'{rate("stagecache_prefix_lookup_tokens_total")} - {rate("stagecache_prefix_hit_tokens_total")}',
          "stage {{pp_rank}} miss", "B")],
-    unit="short", custom={**TS_CUSTOM, "stacking": {"mode": "normal", "group": "A"}},
-    options=TS_OPTS))
+    unit="short", custom=STACK))
 
 panels.append(row("Transfers: host <-> device page copies", 32))
-panels.append(panel(
-    "timeseries", "Copy bandwidth by direction",
+panels.append(ts("Copy bandwidth by direction",
     "d2h = backup to host, h2d = load from host: bytes / seconds spent copying over the last "
     "minute (recording rule), and the bench ceiling from docker/alerts.yml.",
     (0, 33, 12, 9),
     [tgt(f"stagecache:transfer_bandwidth_bytes_per_second:rate1m{S}",
          "stage {{pp_rank}} {{direction}}", "A"),
      tgt("stagecache:transfer_bandwidth_ceiling_bytes_per_second", "bench ceiling", "B")],
-    unit="Bps", custom=TS_CUSTOM, options=TS_OPTS))
-panels.append(panel(
-    "timeseries", "Bytes moved by direction",
+    unit="Bps"))
+panels.append(ts("Bytes moved by direction",
     "rate of stagecache_transfer_bytes_total: how much the host tier is actually used.",
     (12, 33, 12, 9),
     [tgt(rate("stagecache_transfer_bytes_total", "pp_rank, direction"),
          "stage {{pp_rank}} {{direction}}")],
-    unit="Bps", custom=TS_CUSTOM, options=TS_OPTS))
-panels.append(panel(
-    "timeseries", "Transfer queue wait p50 / p99, DMA time mean",
+    unit="Bps"))
+panels.append(ts("Transfer queue wait p50 / p99, DMA time mean",
     "Per direction: queue wait (a transfer's call until its copy starts on the stream) quantiles "
     "from stagecache_transfer_queue_wait_seconds, and the mean DMA time (copy start to finish) of "
     "a transfer from stagecache_transfer_dma_seconds_sum / stagecache_transfers_total.",
@@ -162,7 +154,7 @@ panels.append(panel(
                                              "le, direction") + ")", "{{direction}} queue p99", "B"),
      tgt(f'{rate("stagecache_transfer_dma_seconds_sum", "direction")} / '
          f'{rate("stagecache_transfers_total", "direction")}', "{{direction}} DMA mean", "C")],
-    unit="s", custom=TS_CUSTOM, options=TS_OPTS))
+    unit="s"))
 panels.append(panel(
     "table", "Firing stagecache alerts",
     "Prometheus' ALERTS series for the rules in docker/alerts.yml (the full list is on "
@@ -176,8 +168,7 @@ panels.append(panel(
                           "deployment": True, "alertstate": True}}}]))
 
 panels.append(row("Page spaces and pools", 51))
-panels.append(panel(
-    "timeseries", "Pages used / capacity per page space",
+panels.append(ts("Pages used / capacity per page space",
     "A page id names one token page in every pool of its space, so pages are counted per space "
     "(stagecache_page_space_*_pages), never per pool: sums over stages are exact.",
     (0, 52, 12, 9),
@@ -185,7 +176,7 @@ panels.append(panel(
          "stage {{pp_rank}} {{space}} used", "A"),
      tgt(f"sum by (pp_rank, space) (stagecache_page_space_capacity_pages{S})",
          "stage {{pp_rank}} {{space}} capacity", "B")],
-    unit="short", custom=TS_CUSTOM, options=TS_OPTS))
+    unit="short"))
 panels.append(panel(
     "bargauge", "Page space usage",
     "stagecache_page_space_usage_ratio: used / capacity pages, per stage and space.",
@@ -196,41 +187,34 @@ panels.append(panel(
                                             {"color": "green", "value": None},
                                             {"color": "orange", "value": 0.8},
                                             {"color": "red", "value": 0.95}]}},
-    options={"orientation": "horizontal", "displayMode": "gradient", "showUnfilled": True,
-             "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}}))
-panels.append(panel(
-    "timeseries", "Pool bytes by tier",
+    options=bars("gradient")))
+panels.append(ts("Pool bytes by tier",
     "stagecache_pool_bytes: bytes each stage's pools hold on the device and in the host tier.",
     (0, 61, 24, 8),
     [tgt(f"sum by (pp_rank, tier) (stagecache_pool_bytes{S})", "stage {{pp_rank}} {{tier}}")],
-    unit="bytes", custom={**TS_CUSTOM, "stacking": {"mode": "normal", "group": "A"}},
-    options=TS_OPTS))
+    unit="bytes", custom=STACK))
 
 panels.append(row("Pipeline: traffic, bubbles and evictions per stage", 69))
-panels.append(panel(
-    "timeseries", "Requests / s per stage",
+panels.append(ts("Requests / s per stage",
     "rate of stagecache_requests_total: requests each PP stage processed.",
     (0, 70, 8, 8), [tgt(rate("stagecache_requests_total"), "stage {{pp_rank}}")],
-    unit="reqps", custom=TS_CUSTOM, options=TS_OPTS))
-panels.append(panel(
-    "timeseries", "Pipeline bubble fraction per stage",
+    unit="reqps"))
+panels.append(ts("Pipeline bubble fraction per stage",
     "Share of each stage's pipeline time spent waiting on a peer: bubble / (busy + bubble) "
     "seconds over the last minute (recording rule). The ideal GPipe bubble for pp stages and m "
     "micro-batches is (pp-1)/(m+pp-1).",
     (8, 70, 8, 8), [tgt(f"stagecache:pipeline_bubble_ratio:rate1m{S}", "stage {{pp_rank}}")],
-    unit="percentunit", extra_defaults={"min": 0, "max": 1}, custom=TS_CUSTOM, options=TS_OPTS))
-panels.append(panel(
-    "timeseries", "Evicted pages / s by tier",
+    unit="percentunit", extra_defaults={"min": 0, "max": 1}))
+panels.append(ts("Evicted pages / s by tier",
     "rate of stagecache_evicted_pages_total: pages pushed out of the device and host tiers.",
     (16, 70, 8, 8),
     [tgt(rate("stagecache_evicted_pages_total", "pp_rank, tier"), "stage {{pp_rank}} {{tier}}")],
-    unit="short", custom=TS_CUSTOM, options=TS_OPTS))
+    unit="short"))
 
 # -- transfers: queue wait vs DMA time, per stage and pool kind ----------------------------------
 panels.append(row("Transfers: queue wait vs DMA time, per pool kind", 78))
 _SPLIT = "pp_rank, direction"
-panels.append(panel(
-    "timeseries", "Queue wait vs DMA time per transfer, stage $pp_rank",
+panels.append(ts("Queue wait vs DMA time per transfer, stage $pp_rank",
     "Mean time of one transfer, stacked per direction: waiting (call until the copy starts on the "
     "stream) under copying (DMA, start to finish). A growing queue part with a flat DMA part is a "
     "queue (copies behind copies or behind the stage's compute), not a slow link. One panel per "
@@ -240,28 +224,26 @@ panels.append(panel(
          f'{rate("stagecache_transfer_queue_wait_seconds_count", _SPLIT)}', "{{direction}} queue wait", "A"),
      tgt(f'{rate("stagecache_transfer_dma_seconds_sum", _SPLIT)} / '
          f'{rate("stagecache_transfers_total", _SPLIT)}', "{{direction}} DMA", "B")],
-    unit="s", custom={**TS_CUSTOM, "fillOpacity": 40}, options=TS_OPTS))
+    unit="s", custom={"fillOpacity": 40}))
 panels[-1].update({"repeat": "pp_rank", "repeatDirection": "v", "maxPerRow": 1})
 panels[-1]["fieldConfig"]["overrides"] = [
     {"matcher": {"id": "byRegexp", "options": f"^{d} .*"},
      "properties": [{"id": "custom.stacking", "value": {"mode": "normal", "group": d}}]}
     for d in ("d2h", "h2d")]
-panels.append(panel(
-    "timeseries", "Bytes/s by pool kind",
+panels.append(ts("Bytes/s by pool kind",
     "rate of stagecache_transfer_bytes_total by direction and pool kind: which KV pools the host "
     "tier traffic is made of (pool `all`: a source without a per-kind split).",
     (0, 87, 12, 8),
     [tgt(rate("stagecache_transfer_bytes_total", "direction, pool"), "{{direction}} {{pool}}")],
-    unit="Bps", custom={**TS_CUSTOM, "stacking": {"mode": "normal", "group": "A"}}, options=TS_OPTS))
-panels.append(panel(
-    "timeseries", "Copy bandwidth by pool kind",
+    unit="Bps", custom=STACK))
+panels.append(ts("Copy bandwidth by pool kind",
     "bytes / DMA seconds per stage, direction and pool kind (recording rule). A stage move copies "
     "every kind in one launch whose DMA time is split by bytes, so there every kind shows the "
     "launch's bandwidth; a kind moved on its own shows its own.",
     (12, 87, 12, 8),
     [tgt(f"stagecache:transfer_pool_bandwidth_bytes_per_second:rate1m{S}",
          "stage {{pp_rank}} {{direction}} {{pool}}")],
-    unit="Bps", custom=TS_CUSTOM, options=TS_OPTS))
+    unit="Bps"))
 # -- host-tier sanity and pool occupancy (their own band of rows, from y=120) ------------------------
 HT = 120
 panels.append(row("Host tier and pool occupancy", HT))
@@ -281,15 +263,14 @@ panels[-1]["fieldConfig"]["overrides"] = [
      "properties": [{"id": "color", "value": {"mode": "fixed", "fixedColor": colour}}]}
     for status, colour in (("exceeds_ram", "red"), ("smaller_than_device", "orange"),
                            ("pin_refused", "orange"))]
-panels.append(panel(
-    "timeseries", "Host RAM available vs reserve",
+panels.append(ts("Host RAM available vs reserve",
     "stagecache_host_memory_available_bytes (MemAvailable, re-read by each stage every few "
     "seconds) against stagecache_host_memory_reserve_bytes: below the reserve the host tier "
     "status turns exceeds_ram.",
     (10, HT + 1, 14, 6),
     [tgt(f"max by (pp_rank) (stagecache_host_memory_available_bytes{S})", "stage {{pp_rank}} available", "A"),
      tgt(f"max by (pp_rank) (stagecache_host_memory_reserve_bytes{S})", "stage {{pp_rank}} reserve", "B")],
-    unit="bytes", custom=TS_CUSTOM, options=TS_OPTS))
+    unit="bytes"))
 panels.append(merged_table(
     "Pool occupancy per stage (pool kind x tier)",
     "stagecache_pool_usage_ratio: used / capacity of each pool kind's own space (pages; request "
@@ -310,14 +291,13 @@ panels[-1]["fieldConfig"]["overrides"] = [
     for name in ("used", "peak")] + [
     {"matcher": {"id": "byName", "options": "used bytes"},
      "properties": [{"id": "unit", "value": "bytes"}]}]
-panels.append(panel(
-    "timeseries", "Pool bytes used by tier",
+panels.append(ts("Pool bytes used by tier",
     "sum of stagecache_pool_used_bytes (each pool kind's own bytes: these sum) against "
     "stagecache_pool_bytes (what the pools hold), per stage and tier.",
     (14, HT + 7, 10, 12),
     [tgt(f"sum by (pp_rank, tier) (stagecache_pool_used_bytes{S})", "stage {{pp_rank}} {{tier}} used", "A"),
      tgt(f"sum by (pp_rank, tier) (stagecache_pool_bytes{S})", "stage {{pp_rank}} {{tier}} capacity", "B")],
-    unit="bytes", custom=TS_CUSTOM, options=TS_OPTS))
+    unit="bytes"))
 # -- stage agreement, miss reasons and tier lifetimes (their own band of rows, from y=140) --------
 panels += insight_panels(140)
 

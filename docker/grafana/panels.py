@@ -53,10 +53,24 @@ TS_OPTS = {"legend": {"displayMode": "table", "placement": "right", "showLegend"
 STAT_OPTS = {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
              "colorMode": "background", "graphMode": "none", "justifyMode": "auto",
              "orientation": "auto", "textMode": "value_and_name", "wideLayout": True}
+#: Stacked series (added to TS_CUSTOM).
+STACK = {"stacking": {"mode": "normal", "group": "A"}}
 RED_GREEN = {"mode": "absolute", "steps": [{"color": "red", "value": None}, {"color": "green", "value": 1}]}
 GREEN_RED = {"mode": "absolute", "steps": [{"color": "green", "value": None}, {"color": "red", "value": 1}]}
 
 RI = "[$__rate_interval]"
+
+
+def ts(title, desc, grid, targets, unit=None, custom=None, **kw):
+    """A time series panel: lines as ``TS_CUSTOM`` with ``custom``'s changes, the table legend."""
+    return panel("timeseries", title, desc, grid, targets, unit=unit, custom={**TS_CUSTOM, **(custom or {})},
+                 options=TS_OPTS, **kw)
+
+
+def bars(display):
+    """A horizontal bar gauge's options (``display``: basic or gradient) of each series' last value."""
+    return {"orientation": "horizontal", "displayMode": display, "showUnfilled": True,
+            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}}
 
 
 def rate(metric, by="pp_rank", sel=S):

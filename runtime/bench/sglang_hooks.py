@@ -1,12 +1,16 @@
 """``stagecache bench sglang-hooks``: what the deployment's hooks cost sglang's own cache work.
 
-One run builds one PP stage of DeepSeek-V4-Flash with sglang 0.5.23's own objects on CPU
-(``integrations.sglang.cpu_stage``: the pools, the HiCache host pools and the real
-``HybridCacheController``) and replays a multi-turn trace through two arms, alternated round by
-round on fresh radix caches with the same requests:
+One run builds one PP stage of a family's model with sglang 0.5.23's own objects on CPU
+(``integrations.sglang.cpu_stage``: the pools, the HiCache host pools of the assembler's strategy
+for the family and the real ``HybridCacheController``) -- DeepSeek-V4-Flash, and one model of
+every other family live on sglang (``cpu_stage.FAMILY_MODELS``: a Mamba hybrid, a DSA model, an
+SWA hybrid) -- and replays a multi-turn trace through two arms, alternated round by round on
+fresh radix caches with the same requests:
 
 * plain: per request, sglang's ``UnifiedRadixCache.match_prefix`` + ``insert``, a backup of the
-  request's new page of the C4, indexer and C128 pools (``write`` / ``start_writing``), its load
+  request's new page (the full KV and the pools that move with it: DeepSeek V4's C4, indexer and
+  C128 pools, DSA's indexer; a Mamba hybrid's attention KV and the request's Mamba state slot)
+  (``write`` / ``start_writing``), its load
   back (``load`` / ``start_loading``) and one scheduler step's event check, sglang's own
   ``check_hicache_events`` (``cpu_stage.StepLedger``: its ``_sync_hicache_ready_counts`` and ack
   consumption by ``writing_check`` / ``loading_check``);
@@ -44,12 +48,16 @@ SRC_ROW, DST_ROW = 256, 512
 class _Stage:
     """sglang's host pool group and controller of one stage, and one page's backup + load."""
 
-    def __init__(self, group: Any, controller: Any):
+    def __init__(self, group: Any, controller: Any, pools: tuple[str, ...] | None = None,
+                 states: tuple[str, ...] = ()):
         import torch
 
-        from ..integrations.sglang.cpu_stage import StepLedger
+        from ..integrations.sglang.cpu_stage import COMPRESSED_POOLS, StepLedger
 
         self.group, self.ctl = group, controller
+        self.pools = COMPRESSED_POOLS if pools is None else pools
+        # pools that move by request slot (a Mamba hybrid's state): slot 1 backed up, loaded into slot 2
+        self.states = {name: (torch.tensor([1]), torch.tensor([2])) for name in states}
         self.src = torch.arange(SRC_ROW, SRC_ROW + PAGE)
         self.dst = torch.arange(DST_ROW, DST_ROW + PAGE)
         self.ledger = StepLedger(controller)
@@ -60,7 +68,7 @@ class _Stage:
         """One page to host and back, then sglang's step (its ack checks); the host slots are freed again."""
         from ..integrations.sglang.cpu_stage import round_trip
 
-        host, hosts = round_trip(self.group, self.ctl, self.src, self.dst, node)
+        host, hosts = round_trip(self.group, self.ctl, self.src, self.dst, node, self.pools, self.states)
         ack = self.ctl.ack_write_queue[-1]
         self.page_bytes, self.tokens_by_pool = ack.num_bytes, dict(ack.num_tokens_by_pool or {})
         self.ledger.step()
@@ -69,39 +77,60 @@ class _Stage:
             self.group.free(idx, pool=name)
 
 
+#: The families the bench runs (``--family``), DeepSeek V4 first.
+FAMILIES = ("deepseek_v4", "linear_hybrid", "dsa", "swa_hybrid")
+#: Tokens of another family's stage: the rows the backups read and the loads write, and room.
+FAMILY_TOKENS = 2048
+
+
 @contextlib.contextmanager
-def _sglang_stage() -> Iterator[_Stage]:
-    """One stage of DeepSeek-V4-Flash (PP 1, 16,384 tokens) built by sglang on CPU."""
+def _sglang_stage(family: str = "deepseek_v4") -> Iterator[_Stage]:
+    """One PP-1 stage of the family's model built by sglang on CPU (DeepSeek-V4-Flash: 16,384
+    tokens; another family's model: ``FAMILY_TOKENS``), with the HiCache stack of the assembler's
+    own strategy for its pool."""
     from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as hpa
 
+    from ..integrations.sglang.agreement import PAGE_POOLS
     from ..integrations.sglang.cpu_stage import (
+        FAMILY_MODELS,
+        build_family_pools,
         build_stage,
         cache_params,
+        family_stack,
+        gpu_gates,
         model_dir,
         on_cpu,
         published,
     )
 
-    with tempfile.TemporaryDirectory(prefix="stagecache-bench-") as tmp, on_cpu(), \
-            published(model_dir(Path(tmp)), max_total_tokens=16_384, max_running_requests=4,
-                      hicache_io_backend="direct", hicache_mem_layout="layer_first") as (sa, mc):
-        stage = build_stage(sa, mc, 0, 1, device="cpu")
-        group, ctl = hpa.build_deepseek_v4_hicache_stack(params=cache_params(stage), kvcache=stage.kvcache,
-                                                         load_cache_event=None, storage_backend=None)
-        yield _Stage(group, ctl)
+    with tempfile.TemporaryDirectory(prefix="stagecache-bench-") as tmp, on_cpu():
+        if family == "deepseek_v4":
+            with published(model_dir(Path(tmp)), max_total_tokens=16_384, max_running_requests=4,
+                           hicache_io_backend="direct", hicache_mem_layout="layer_first") as (sa, mc):
+                stage = build_stage(sa, mc, 0, 1, device="cpu")
+                group, ctl = hpa.build_deepseek_v4_hicache_stack(
+                    params=cache_params(stage), kvcache=stage.kvcache, load_cache_event=None, storage_backend=None)
+                yield _Stage(group, ctl)
+            return
+        model = FAMILY_MODELS[family]
+        with gpu_gates(), published(model_dir(Path(tmp), model.preset), max_total_tokens=FAMILY_TOKENS,
+                                    max_running_requests=4, hicache_io_backend="direct", **model.server) as (sa, mc):
+            result = family_stack(build_family_pools(sa, mc), sa)
+            yield _Stage(result.host_pool_group, result.cache_controller, tuple(PAGE_POOLS.get(family, {})),
+                         states=("mamba",) if family == "linear_hybrid" else ())
 
 
 @contextlib.contextmanager
 def no_copies() -> Iterator[None]:
-    """The page copies skipped: what is left is the scheduler thread's part of a transfer."""
-    from sglang.srt.mem_cache import memory_pool_host
+    """The page copies skipped (in every host pool module): what is left is the scheduler thread's
+    part of a transfer."""
+    from ..integrations.sglang.cpu_stage import COPY_OPS, copy_ops
 
-    saved = memory_pool_host.transfer_kv_direct
-    memory_pool_host.transfer_kv_direct = lambda *a, **k: None
-    try:
+    def skip(*a: Any, **k: Any) -> None:
+        return None
+
+    with copy_ops({module: dict.fromkeys(names, skip) for module, names in COPY_OPS.items()}):
         yield
-    finally:
-        memory_pool_host.transfer_kv_direct = saved
 
 
 def _trace(sessions: int, turns: int) -> list[tuple[str, array]]:
@@ -311,8 +340,9 @@ def _ratios(arms: dict[str, list[float]], hooks_s: float) -> dict[str, Any]:
     }
 
 
-def run_bench(sessions: int = 32, turns: int = 8, rounds: int = 7) -> dict[str, Any]:
-    """Seconds of each arm per round, and the hooks' share of sglang's work (JSON-able)."""
+def run_bench(sessions: int = 32, turns: int = 8, rounds: int = 7, family: str = "deepseek_v4") -> dict[str, Any]:
+    """Seconds of each arm per round, and the hooks' share of sglang's work, for one family's
+    stage (JSON-able)."""
     import logging
 
     import torch
@@ -325,10 +355,13 @@ def run_bench(sessions: int = 32, turns: int = 8, rounds: int = 7) -> dict[str, 
     trace = _trace(sessions, turns)
     dep = Deployment()
     dep.rank = Rank(pp_rank=0, pp_size=1, tp_rank=0, tp_size=1)
-    with _sglang_stage() as stage:
-        # the stage's plan: every page moves its C4, indexer and C128 rows (the acks are checked)
-        dep.agreement.plan = TransferPlan.of("deepseek_v4", {k: [True] for k in ("c4", "indexer", "c128")},
-                                             stage.group, PAGE)
+    from ..integrations.sglang.agreement import PAGE_POOLS
+
+    with _sglang_stage(family) as stage:
+        # the stage's plan: every page moves the rows of the family's page pools (DeepSeek V4's C4,
+        # indexer and C128, DSA's indexer); the acks are checked against it
+        dep.agreement.plan = TransferPlan.of(family, {k: [True] for k in PAGE_POOLS.get(family, {}).values()},
+                                             stage.group, int(getattr(stage.ctl, "page_size", PAGE)))
         with_copies = _arms(trace, stage, dep, rounds)
         with no_copies():
             without = _arms(trace, stage, dep, rounds)
@@ -338,6 +371,7 @@ def run_bench(sessions: int = 32, turns: int = 8, rounds: int = 7) -> dict[str, 
         page_bytes = stage.page_bytes
     judged = _ratios(without, hooks_s)
     return {
+        "family": family, "model": _model_of(family),
         "requests_per_round": len(trace), "rounds": rounds, "page_bytes_moved": page_bytes,
         "hooks_alone_s": hooks_s, "hooks_alone_us_per_request": 1e6 * hooks_s / len(trace),
         "without_copies": judged, "with_copies": _ratios(with_copies, hooks_s),
@@ -347,9 +381,9 @@ def run_bench(sessions: int = 32, turns: int = 8, rounds: int = 7) -> dict[str, 
                                          "incomplete_transfers": len(records.backups)},
         "target": "without_copies.hooks_alone_ratio < 0.01",
         "meets_target": judged["hooks_alone_ratio"] < 0.01,
-        "note": "sglang 0.5.23's own objects on CPU: one DeepSeek-V4-Flash stage, its UnifiedRadixCache "
-                "match/insert, its HybridCacheController backing up and loading each request's page of the "
-                "C4, indexer and C128 pools, one check_hicache_events step per request (its ack sync and "
+        "note": f"sglang 0.5.23's own objects on CPU: one {_model_of(family)} stage, its UnifiedRadixCache "
+                f"match/insert, its HybridCacheController backing up and loading each request's page of "
+                f"{_MOVED[family]}, one check_hicache_events step per request (its ack sync and "
                 "writing_check/loading_check). hooks_alone_ratio: the hooks' own seconds, PP agreement "
                 "included (match hook and its record on real match results, wrapped minus bare ack "
                 "submission with each ack's plan check, wrapped minus bare check_hicache_events step with "
@@ -357,3 +391,23 @@ def run_bench(sessions: int = 32, turns: int = 8, rounds: int = 7) -> dict[str, 
                 "(noisy on a shared machine). without_copies skips the page copies, which on a GPU run "
                 "on the copy engine beside the scheduler thread: the target is judged there",
     }
+
+
+#: What one request's backup moves, per family (the note of its report).
+_MOVED = {"deepseek_v4": "the C4, indexer and C128 pools",
+          "linear_hybrid": "the attention KV pool and of the request's Mamba state slot (conv + SSM, every layer)",
+          "dsa": "the MLA KV and indexer pools", "swa_hybrid": "the full-attention KV sub-pool"}
+
+
+def _model_of(family: str) -> str:
+    from ..integrations.sglang.cpu_stage import FAMILY_MODELS, FLASH
+
+    return FLASH if family == "deepseek_v4" else FAMILY_MODELS[family].preset
+
+
+def run_families(families: tuple[str, ...] = FAMILIES, sessions: int = 32, turns: int = 8,
+                 rounds: int = 7) -> dict[str, Any]:
+    """``run_bench`` for each family, one after the other; the target must hold for every one."""
+    reports = {f: run_bench(sessions, turns, rounds, family=f) for f in families}
+    return {"families": reports, "meets_target": all(r["meets_target"] for r in reports.values()),
+            "target": "every family: without_copies.hooks_alone_ratio < 0.01"}

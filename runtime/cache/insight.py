@@ -49,17 +49,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from ..typed import Strict
 from .keytable import GHOST
 from .lifetimes import CLOCKS, INSIGHT_TIERS, InsightClock, Lifetimes
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class SampledHistogram(_Model):
+class SampledHistogram(Strict):
     """A sampled histogram: ``le`` upper bounds, cumulative ``counts`` (the last is +Inf), ``sum``."""
 
     le: list[float] = Field(default_factory=list)
@@ -67,7 +64,7 @@ class SampledHistogram(_Model):
     sum: float = 0.0
 
 
-class TierLifetimes(_Model):
+class TierLifetimes(Strict):
     """One tier's sampled histograms (``CacheInsightLive.clock`` units)."""
 
     lifetime: SampledHistogram = Field(default_factory=SampledHistogram,
@@ -78,7 +75,7 @@ class TierLifetimes(_Model):
                                         description="previous use to a hit in this tier")
 
 
-class CacheInsightLive(_Model):
+class CacheInsightLive(Strict):
     """Why the stage's lookups missed, and how long its entries live (``cache/insight.py``)."""
 
     clock: str = Field("seconds", description="unit of the histograms: seconds or requests")

@@ -19,16 +19,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from ..transfer.stats import TransferLive
+from ..typed import Strict
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class TierTokens(_Model):
+class TierTokens(Strict):
     """Prompt tokens by where the prefix cache found them."""
 
     device: int = 0
@@ -41,14 +38,14 @@ class TierTokens(_Model):
         return self.device + self.host + self.storage + self.miss
 
 
-class TierPages(_Model):
+class TierPages(Strict):
     """A per-tier page count (evictions: device = left the device tier, host = left the host)."""
 
     device: int = 0
     host: int = 0
 
 
-class CachePages(_Model):
+class CachePages(Strict):
     """Pages the stage's HiCache moved or lost, by reason."""
 
     backup: int = 0
@@ -57,7 +54,7 @@ class CachePages(_Model):
     backup_skipped: int = 0
 
 
-class CacheLive(_Model):
+class CacheLive(Strict):
     """A stage's prefix-cache numbers, as its ``StageLive`` holds them."""
 
     cache_tokens: TierTokens = Field(default_factory=TierTokens)

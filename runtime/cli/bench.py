@@ -16,8 +16,9 @@ from ..bench import check as bench_check
 from ..bench import hicache as bench_hicache
 from ..bench import insight_overhead
 from ..model.families.deepseek_v4 import HOST_CACHED
-from . import bench_advise, bench_http, bench_policies, bench_sglang
+from . import bench_http, bench_sglang, bench_trace
 from .common import (
+    add_host_tier_args,
     add_layout_command,
     add_trace_args,
     bench_device,
@@ -43,8 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     _register_hicache(bench_sub)
     _register_l3(bench_sub)
     bench_http.register(bench_sub)
-    bench_advise.register(bench_sub)
-    bench_policies.register(bench_sub)
+    bench_trace.register(bench_sub)
     bench_sglang.register(bench_sub)
 
 
@@ -231,17 +231,11 @@ def _register_hicache(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--session-gap", type=nonneg_float, default=1.5, help="mean seconds between session starts (default %(default)s)")
     p.add_argument("--device-pages", type=positive_int, default=defaults.DEVICE_PAGES,
                    help="device token pages per stage (default %(default)s)")
-    p.add_argument("--hicache-ratio", type=positive_float, default=defaults.HICACHE_RATIO,
-                   help="host pages per device page (default %(default)s, as sglang)")
-    p.add_argument("--hicache-write-policy", "--write-policy", dest="write_policy",
-                   choices=defaults.WRITE_POLICIES, default=defaults.WRITE_POLICY,
-                   help="when device pages are copied to host (sglang's flag; default %(default)s)")
+    add_host_tier_args(p)
     p.add_argument("--eviction-policy", choices=tuple(POLICIES), default=DEFAULT_POLICY,
                    help=f"which evictable page goes first, both tiers (default {DEFAULT_POLICY})")
     p.add_argument("--metadata-only", action="store_true",
                    help="no tensors: tree, tiers, eviction and counted transfers only (any capacity)")
-    p.add_argument("--hicache-layout", choices=defaults.HOST_LAYOUTS, default=defaults.HOST_LAYOUT,
-                   help="host pool memory layout (default %(default)s)")
     p.add_argument("--concurrency", type=int_range(1, 4096), default=4, help="requests in flight at once, their pages locked (default %(default)s)")
     p.add_argument("--stage", type=nonneg_int, action="append", default=None,
                    help="replay only this stage (repeatable; default all stages)")

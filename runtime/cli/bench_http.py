@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
 
-from .common import int_range, output_file, positive_int
+from .common import int_range, output_file, positive_int, print_json_result
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -40,9 +39,5 @@ def run(args: argparse.Namespace) -> int:
         url=args.url, clients=args.clients, requests=args.requests, idle_requests=args.idle_requests,
         while_serving=args.while_serving, baseline=not args.no_baseline,
         keep_alive_check=not args.no_keep_alive_check))
-    text = json.dumps(res, indent=2)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    print(text)
+    print_json_result(res, args.out)
     return 0 if res["ok"] else 1

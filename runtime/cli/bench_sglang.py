@@ -8,6 +8,10 @@ import json
 from ..errors import ConfigError
 from .common import int_range
 
+#: The families ``--family`` takes (runtime/bench/sglang_hooks.py's ``FAMILIES``; listed here so
+#: the parser does not import sglang).
+FAMILIES = ("deepseek_v4", "linear_hybrid", "dsa", "swa_hybrid")
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -16,6 +20,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sessions", type=int_range(1, 4096), default=32, help="chat sessions (default 32)")
     p.add_argument("--turns", type=int_range(1, 256), default=8, help="turns per session (default 8)")
     p.add_argument("--rounds", type=int_range(1, 1000), default=7, help="timed rounds per arm (default 7)")
+    p.add_argument("--family", choices=(*FAMILIES, "all"), default="all",
+                   help="the family whose stage is measured: deepseek_v4 (DeepSeek-V4-Flash), linear_hybrid "
+                        "(qwen3.5-0.8b), dsa (deepseek-v3.2), swa_hybrid (gpt-oss-20b), or all (default)")
     p.add_argument("--json", action="store_true", help="accepted for symmetry: the output is always JSON")
     p.set_defaults(func=_run)
 
@@ -26,8 +33,9 @@ def _run(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise ConfigError(f"stagecache bench sglang-hooks needs sglang: pip install '.[sglang]' in a "
                           f"stagecache checkout (import failed: {exc})") from None
-    from ..bench.sglang_hooks import run_bench
+    from ..bench.sglang_hooks import run_families
 
-    report = run_bench(args.sessions, args.turns, args.rounds)
+    families = FAMILIES if args.family == "all" else (args.family,)
+    report = run_families(families, args.sessions, args.turns, args.rounds)
     print(json.dumps(report, indent=2))
     return 0 if report["meets_target"] else 1

@@ -206,6 +206,26 @@ def add_trace_args(p: argparse.ArgumentParser, trace_help: str, *, required: boo
                    help="skip malformed trace lines (reported) instead of refusing the whole file")
 
 
+def add_host_tier_args(p: argparse.ArgumentParser) -> None:
+    """The HiCache host tier's flags as sglang names them (``serve`` and ``bench hicache``)."""
+    p.add_argument("--hicache-ratio", type=positive_float, default=defaults.HICACHE_RATIO,
+                   help="host pages per device page (default %(default)s, as sglang)")
+    p.add_argument("--hicache-write-policy", "--write-policy", dest="write_policy",
+                   choices=defaults.WRITE_POLICIES, default=defaults.WRITE_POLICY,
+                   help="when device pages are backed up to host (default %(default)s)")
+    p.add_argument("--hicache-layout", choices=defaults.HOST_LAYOUTS, default=defaults.HOST_LAYOUT,
+                   help="host pool memory layout (default %(default)s)")
+
+
+def add_listen_args(p: argparse.ArgumentParser) -> None:
+    """The dashboard's address and port, as ``dashboard`` and ``serve`` take them."""
+    p.add_argument("--host", default=defaults.HOST,
+                   help="dashboard bind address (default %(default)s: this machine only; any other "
+                   "address is warned about: the dashboard has no authentication)")
+    p.add_argument("--port", type=port_number, default=defaults.DASHBOARD_PORT,
+                   help="dashboard port (default %(default)s; 0 = any free port, the URL is printed)")
+
+
 def add_bench_trace_args(p: argparse.ArgumentParser, requests_default: int) -> None:
     """The trace flags of a benchmark that reads a trace or generates one (bench advise, policies)."""
     from ..traces.mooncake_trace import DEFAULT_BLOCK_TOKENS

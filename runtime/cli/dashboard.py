@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from .. import defaults
 from ..bounded_io import read_bounded_json
 from ..errors import ConfigError
-from .common import add_layout_args, plan_from_args, port_number
+from .common import add_layout_args, add_listen_args, plan_from_args
 
 if TYPE_CHECKING:
     from stagecache.dashboard.advise_models import AdviseReport
@@ -44,11 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--advise", metavar="FILE", type=Path, default=None,
                    help="also show a saved `stagecache advise --json` report at /advise (hit rate "
                    "against host GiB per stage)")
-    p.add_argument("--host", default=defaults.HOST,
-                   help="address to listen on (default %(default)s: this machine only; any other "
-                   "address is warned about)")
-    p.add_argument("--port", type=port_number, default=defaults.DASHBOARD_PORT,
-                   help="TCP port to listen on (default %(default)s; 0 = any free port, the URL is printed)")
+    add_listen_args(p)
     p.set_defaults(func=run)
 
 

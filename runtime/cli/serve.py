@@ -39,7 +39,9 @@ from ..serve.options import (
 from ..serve.rendezvous import resolve_dist_host
 from ..serve.run_root import RunDirLock, check_run_dir_flag, new_temp_run_dir, prepare_user_run_dir
 from .common import (
+    add_host_tier_args,
     add_layout_args,
+    add_listen_args,
     float_range,
     int_range,
     nonneg_float,
@@ -47,7 +49,6 @@ from .common import (
     nonneg_seconds,
     plan_from_args,
     port_number,
-    positive_float,
     positive_int,
     seconds,
 )
@@ -114,12 +115,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                       help=f"device token pages per stage (default {defaults.DEVICE_PAGES})")
     size.add_argument("--max-total-tokens", type=positive_int, default=None,
                       help="device capacity in tokens per stage (rounded up to whole pages)")
-    p.add_argument("--hicache-ratio", type=positive_float, default=defaults.HICACHE_RATIO,
-                   help="host pages per device page (default %(default)s, as sglang)")
-    p.add_argument("--hicache-write-policy", choices=defaults.WRITE_POLICIES, default=defaults.WRITE_POLICY,
-                   help="when device pages are backed up to host (default %(default)s)")
-    p.add_argument("--hicache-layout", choices=defaults.HOST_LAYOUTS, default=defaults.HOST_LAYOUT,
-                   help="host pool memory layout (default %(default)s)")
+    add_host_tier_args(p)
     add_l3_args(p, defaults.L3_BACKEND)
     p.add_argument("--trace", default=None, metavar="FILE",
                    help="JSONL request trace (default: a generated multi-turn chat trace)")
@@ -143,11 +139,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto (default): one GPU per stage with nccl if there are >= pp-size GPUs, "
                    "else CPU with gloo")
-    p.add_argument("--host", default=defaults.HOST,
-                   help="dashboard bind address (default %(default)s; any other address is warned about: "
-                   "the dashboard has no authentication)")
-    p.add_argument("--port", type=port_number, default=defaults.DASHBOARD_PORT,
-                   help="dashboard port (default %(default)s; 0 = any free port)")
+    add_listen_args(p)
     p.add_argument("--no-dashboard", action="store_true", help="do not start the dashboard / metrics server")
     p.add_argument("--dist-host", default=defaults.DIST_HOST, metavar="ADDR",
                    help="address the stages' gloo/nccl data plane binds (default %(default)s; any "
@@ -247,7 +239,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
     if not args.hidden_size and device == "cpu":
         hidden = min(hidden, CPU_HIDDEN_CAP)  # a 4096-wide stand-in compute would dominate on CPU
     return ServeOptions(
-        plan=plan, hicache_write_policy=args.hicache_write_policy, hicache_layout=args.hicache_layout,
+        plan=plan, hicache_write_policy=args.write_policy, hicache_layout=args.hicache_layout,
         trace=args.trace, requests=len(trace), seed=args.seed, micro_batch=args.micro_batch,
         in_flight=args.in_flight, rate=args.rate, hidden_size=hidden, device=device,
         host=args.host, port=args.port, dashboard=not args.no_dashboard, run_dir=args.run_dir,

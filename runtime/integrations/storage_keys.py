@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any
 
 PROPERTIES = ("pp_rank", "model", "dtype", "layout")
-SGLANG_VERSION = "0.5.23"
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,9 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from ..typed import Strict
 
 #: What every rank reports per request (the first prefix match) and per L3 probe.
 REQUEST_QUANTITIES = ("device_prefix_len", "host_hit_length")
@@ -65,10 +67,8 @@ MAX_RID = 128
 RECENT = 50
 
 
-class Divergence(BaseModel):
+class Divergence(Strict):
     """One key on which some ranks reported another value than the others."""
-
-    model_config = ConfigDict(extra="forbid")
 
     time: float = Field(description="unix time rank 0 compared the records")
     request: str | None = Field(None, description="the request id (request quantities)")
@@ -86,10 +86,8 @@ class Divergence(BaseModel):
                 f"{self.agreed} (values by rank: {self.values})")
 
 
-class IncompleteBackup(BaseModel):
+class IncompleteBackup(Strict):
     """A backup or load that did not move every pool kind the stage mirrors, in the plan's bytes."""
-
-    model_config = ConfigDict(extra="forbid")
 
     time: float
     stage: int
@@ -107,10 +105,8 @@ class IncompleteBackup(BaseModel):
                 f"moved, the stage's plan says {self.expected_bytes}")
 
 
-class DivergenceLive(BaseModel):
+class DivergenceLive(Strict):
     """The deployment's agreement as rank 0 knows it (the dashboard, /readyz, /metrics)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     pp_size: int
     compared: dict[str, int] = Field(default_factory=dict, description="quantity -> keys compared")
@@ -166,10 +162,8 @@ def _rows(raw: Any, name: str, width: int, keyed: bool) -> list[tuple[Any, ...]]
     return out
 
 
-class RankBatch(BaseModel):
+class RankBatch(Strict):
     """One rank's records since its last push (what rides on the push, validated by rank 0)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     requests: list[tuple[str, int, int]] = Field(default_factory=list,
                                                  description="(rid, device_prefix_len, host_hit_length)")

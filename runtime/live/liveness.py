@@ -27,10 +27,11 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from ..defaults import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S
 from ..memory.host_tier import NOT_READY_STATUSES
+from ..typed import Strict
 from ..validation.report import StartupReport
 from .divergence import readiness_lines
 from .numbers import Phase, RunInfo, StageLive
@@ -47,10 +48,8 @@ def disagreeing(per_stage: Iterable[tuple[int, Mapping[str, int]]]) -> dict[int,
     return {stage: counts for stage, counts in odd.items() if counts}
 
 
-class StageHealth(BaseModel):
+class StageHealth(Strict):
     """One stage's liveness: up or not, and the reason when not."""
-
-    model_config = ConfigDict(extra="forbid")
 
     stage: int
     up: bool
@@ -74,10 +73,8 @@ class StageHealth(BaseModel):
     l3_reason: str | None = Field(None, description="why L3 is down")
 
 
-class Liveness(BaseModel):
+class Liveness(Strict):
     """The run's readiness, with the stages and the reasons (the ``/readyz`` body)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     ready: bool
     phase: str = Field(description="the run's phase, 'unknown' without a serving parent")

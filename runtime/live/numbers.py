@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from ..cache.insight import CacheInsightLive, SampledHistogram, TierLifetimes
 from ..cache.stats import CacheLive, CachePages, TierPages, TierTokens
@@ -27,6 +27,7 @@ from ..transfer.stats import (
     TransferLive,
     TransferSplit,
 )
+from ..typed import Strict
 from .divergence import IncompleteBackup, incomplete_line
 
 #: The typed parts a stage's numbers are made of, re-exported where every reader finds them.
@@ -67,11 +68,7 @@ class Phase(str, Enum):
 STAGE_PHASES: tuple[Phase, ...] = tuple(p for p in Phase if p is not Phase.INTERRUPTED)
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class PageSpace(_Model):
+class PageSpace(Strict):
     """One page-id space: a page id names one token page in *every* pool listed.
 
     The pools of a stage share their page ids (``memory/pools.py``), so a page
@@ -89,7 +86,7 @@ class PageSpace(_Model):
 TIMELINE_EVENTS = 240
 
 
-class TimelineEvent(_Model):
+class TimelineEvent(Strict):
     """One span of a stage's pipeline time: its own work, or a wait (a bubble) and on what."""
 
     kind: str = Field(description="compute, recv_wait, credit_wait, send_wait or idle")
@@ -98,7 +95,7 @@ class TimelineEvent(_Model):
     micro_batch: int | None = None
 
 
-class PoolBytes(_Model):
+class PoolBytes(Strict):
     """Bytes one pool kind occupies on the device and in its host mirror."""
 
     device: int = 0
@@ -108,7 +105,7 @@ class PoolBytes(_Model):
 # -- host-tier sanity and pool occupancy (issue 19: points 5 and 6) ---------------------------------
 
 
-class HostTierLive(_Model):
+class HostTierLive(Strict):
     """The stage's host-tier verdict (``memory.host_tier``), re-checked while it runs.
 
     ``status`` lists every status that holds (``ok`` alone when none does); statuses in
@@ -131,7 +128,7 @@ class HostTierLive(_Model):
     checked_at: float = Field(0.0, description="unix time of the last /proc/meminfo read")
 
 
-class PoolOccupancy(_Model):
+class PoolOccupancy(Strict):
     """One pool kind on one tier: units of its own space (pages, or request slots) and bytes.
 
     Units are not to be summed across pools (kinds of one page-id space share its pages);
@@ -151,7 +148,7 @@ class PoolOccupancy(_Model):
 # -- cache insight and stage agreement: why lookups missed, entry lifetimes, do stages agree ----
 
 
-class Disagreement(_Model):
+class Disagreement(Strict):
     """One request on which some stages reported another value than the others (rank 0)."""
 
     time: float = Field(description="unix time rank 0 compared the records")
@@ -163,7 +160,7 @@ class Disagreement(_Model):
     values: list[int] = Field(description="every stage's value, by stage")
 
 
-class StageAgreement(_Model):
+class StageAgreement(Strict):
     """Do the stages agree, request by request (``serve/agreement.py``)."""
 
     disagreements: dict[str, int] = Field(
@@ -173,7 +170,7 @@ class StageAgreement(_Model):
         default_factory=list, description="rank 0 only: the latest disagreements, oldest first")
 
 
-class TransferCheckLive(_Model):
+class TransferCheckLive(Strict):
     """Every HiCache backup and load of a ``serve`` stage held against its plan (``plan.mirror``):
     each must move every pool kind the stage mirrors, in the plan's bytes per page."""
 
@@ -194,14 +191,14 @@ class TransferCheckLive(_Model):
         return incomplete_line(self.count, self.first)
 
 
-class L3Directions(_Model):
+class L3Directions(Strict):
     """One figure per L3 direction: prefetch = L3 to host, backup = host to L3."""
 
     prefetch: float = 0.0
     backup: float = 0.0
 
 
-class L3Live(_Model):
+class L3Live(Strict):
     """The stage's L3 tier (``cache/storage_tier.py``): its backend's health and its traffic."""
 
     backend: str = Field("none", description="none, file or mooncake")
@@ -228,7 +225,7 @@ class L3Live(_Model):
         default_factory=SampledHistogram, description="GB/s of each backup batch")
 
 
-class CapacityLive(_Model):
+class CapacityLive(Strict):
     """The stage's token capacity against the deployment's (sglang takes the minimum over PP ranks).
 
     0 everywhere when the source does not know it (no memory-budget sizing seen).
@@ -244,8 +241,6 @@ class StageLive(CacheLive, TransferLive):
     """Everything one PP stage reports while it runs (``stage-<k>.json``): its prefix-cache
     numbers (``CacheLive``, made by ``CacheStats.live()``) and transfer numbers
     (``TransferLive``, made by ``TransferStats.live()``) as those produce them, and the rest."""
-
-    model_config = ConfigDict(extra="forbid")
 
     stage: int
     model_name: str = ""
@@ -304,7 +299,7 @@ class StageLive(CacheLive, TransferLive):
         return self.bubble_seconds / busy if busy > 0 else 0.0
 
 
-class RunInfo(_Model):
+class RunInfo(Strict):
     """The serving parent's view of the run (``run.json``): phase, processes, the failure.
 
     Written by the supervisor, read by the dashboard, the probes and the exporter

@@ -200,19 +200,25 @@ class Family:
     architectures: tuple[str, ...]  # the config.json ``architectures`` it reads
     entry: type[LayerEntry]  # its layer entries
     layer_kinds: tuple[LayerKind, ...]  # legend order
-    legend_title: str  # the layer map's colour bar title
-    id_spaces: tuple[IdSpace, ...]
+    legend_title: str = "attention"  # the layer map's colour bar title
+    id_spaces: tuple[IdSpace, ...] = ()  # numberings besides the local id
     pool_kinds: tuple[PoolKind, ...]  # display order
-    kv_dtype: str  # what sglang stores its KV as (part of a deployment's fingerprint)
+    kv_dtype: str = "bf16"  # what sglang stores its KV as (part of a deployment's fingerprint)
     faults: tuple[FaultKind, ...] = ()
-    #: why a host size in bytes (``--hicache-size``) is refused, where sglang refuses it
-    host_size_refused: str | None = None
+    #: why sglang refuses a host size in bytes (``--hicache-size``) for the family, where it does
+    host_size_reason: str | None = None
     #: sglang's default SWA tokens / full tokens (``--swa-full-tokens-ratio``) for the family
     swa_full_tokens_ratio: float = 1.0
 
     def matches(self, cfg: dict[str, Any]) -> bool:
-        """Whether ``cfg`` (a parsed config.json) is a model of this family."""
-        raise NotImplementedError
+        """Whether ``cfg`` (a parsed config.json) is a model of this family: by default, any of
+        its ``architectures`` is one of the family's."""
+        return any(a in self.architectures for a in cfg.get("architectures") or ())
+
+    def first_architecture_listed(self, cfg: dict[str, Any]) -> bool:
+        """sglang's rule for MHA, MLA and DSA: the config's *first* architecture is the family's."""
+        arch = cfg.get("architectures") or ()
+        return isinstance(arch, list) and bool(arch) and arch[0] in self.architectures
 
     def spec_from_config(self, cfg: dict[str, Any], name: str) -> ModelSpec:
         """Validate a parsed config.json and build this family's spec."""
@@ -221,6 +227,13 @@ class Family:
     def kind_table(self, spec: ModelSpec, page_size: int) -> KindTable:
         """Every pool kind sized for ``spec`` at ``page_size`` (the page size is checked here)."""
         raise NotImplementedError
+
+    @staticmethod
+    def positive_page_size(page_size: object) -> int:
+        """Any positive page size (a family with a stricter rule checks it after this)."""
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
+            raise ConfigError(f"--page-size must be a positive integer, got {page_size!r}")
+        return page_size
 
     def with_kv_cache_dtype(self, spec: ModelSpec, dtype: str) -> ModelSpec:
         """``spec`` with sglang's ``--kv-cache-dtype``; ``auto`` keeps the family's dtype, and a
@@ -260,6 +273,12 @@ class Family:
         """Tokens an SWA pool must hold beyond one page to admit one request (sglang's
         ``validate_swa_pool_size``): the sliding window, 0 for a family without SWA pools."""
         return 0
+
+    def host_size_refusal(self) -> str:
+        """The one line ``--hicache-size`` gets: stagecache sizes host pools by ratio only, and
+        says why where sglang itself refuses a byte size (``host_size_reason``)."""
+        why = self.host_size_reason or f"not modelled for {self.label} models"
+        return f"--hicache-size: {why}; size the host pools with --hicache-ratio"
 
     def fault_kind(self, name: str) -> FaultKind | None:
         return next((f for f in self.faults if f.name == name), None)

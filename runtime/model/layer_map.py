@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, model_validator
 
@@ -48,10 +48,13 @@ class LayerEntry(BaseModel):
     local: int = Field(ge=0, description="the layer's index in its stage")
     global_id: int = Field(ge=0, alias="global", description="the layer's index in the model")
 
+    #: the family's field that holds the layer's kind (an entry whose kind is derived overrides ``kind``)
+    kind_field: ClassVar[str] = ""
+
     @property
     def kind(self) -> str:
         """The layer's cache kind (one of its family's ``layer_kinds``)."""
-        raise NotImplementedError
+        return getattr(self, self.kind_field)
 
     def describe(self) -> str:
         """What the layer is, in a message ("compress ratio 4")."""
@@ -206,10 +209,6 @@ class ModelLayout:
     def pp_size(self) -> int:
         """One stage map per PP rank, so the PP size is never a second, separate number."""
         return len(self.stages)
-
-    @property
-    def slices(self) -> tuple[StageSlice, ...]:
-        return tuple(s.slice for s in self.stages)
 
 
 def partition_without_problems(spec: ModelSpec, pp_size: int, tries: int = 4096,

@@ -238,17 +238,9 @@ class KindTable:
         except KeyError:
             raise ConfigError(f"unknown pool {name!r}; pools are {', '.join(self.kinds)}") from None
 
-    def kind(self, name: str) -> PoolKind:
-        return self[name].kind
-
     @property
     def pools(self) -> tuple[str, ...]:
         return tuple(self.kinds)
-
-    @property
-    def host_cached(self) -> tuple[str, ...]:
-        """The kinds a HiCache host mirror holds and transfers move."""
-        return tuple(n for n, k in self.kinds.items() if k.kind.host_cached)
 
     def page_bytes(self, name: str) -> int:
         return self[name].page_bytes

@@ -11,7 +11,9 @@ index and the value.  Reading the file itself (bounded, presets, Hub repo ids) i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
@@ -39,17 +41,20 @@ class ModelSpec:
 
     @property
     def family(self) -> Family:
-        """The family that read this spec (and sizes, numbers and validates its pools)."""
-        raise NotImplementedError
+        """The family that read this spec (and sizes, numbers and validates its pools): the
+        ``FAMILY`` of the spec's module, as each family is one module of ``model/families``."""
+        return sys.modules[type(self).__module__].FAMILY  # type: ignore[no-any-return]
 
     @property
     def layer_kinds(self) -> tuple[str, ...]:
-        """The cache kind of every layer, by global layer id (names of ``family.layer_kinds``)."""
-        raise NotImplementedError
+        """The cache kind of every layer, by global layer id (names of ``family.layer_kinds``); by
+        default every layer has the family's first kind, as in a one-kind family (MHA, MLA)."""
+        return (self.family.layer_kinds[0].name,) * self.num_layers
 
     def to_dict(self) -> dict[str, Any]:
-        """The spec's fields as plain JSON: what ``pools --json`` shows and the config hash covers."""
-        raise NotImplementedError
+        """The spec's fields as plain JSON (tuples as lists), in declaration order: what ``pools
+        --json`` shows and the config hash covers.  A family whose JSON names differ overrides it."""
+        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in fields(self)}
 
     @property
     def pp_refused(self) -> str | None:
@@ -104,6 +109,14 @@ class ConfigFields:
         if not isinstance(values, list) or not values:
             raise self.error(f"{key!r} must be a non-empty list, got {shown(values)}")
         return values
+
+    def kinds(self, key: str, values: Sequence[Any], table: Mapping[str, str]) -> list[str]:
+        """Each entry of ``values`` (the list or pattern under ``key``) as the layer kind ``table``
+        gives it: the one rule every family's layer-type field follows."""
+        for i, v in enumerate(values):
+            if not isinstance(v, str) or v not in table:
+                raise self.error(f"{key}[{i}] = {shown(v)} is not supported (supported: {', '.join(table)})")
+        return [table[v] for v in values]
 
     def check_ints(self, key: str, values: list[Any], allowed: tuple[int, ...]) -> list[int]:
         """Every entry of ``values`` (the list under ``key``) is an integer from ``allowed``."""

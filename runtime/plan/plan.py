@@ -36,7 +36,6 @@ from .. import defaults
 from ..errors import ConfigError
 from ..model.family import Family, StageBudget, is_unbounded
 from ..model.layer_map import ModelLayout, StageLayerMap, build_layout
-from ..model.partition import StageSlice
 from ..model.pool_kinds import KindTable, PoolKind
 from ..model.spec import ModelSpec
 from .faults import Fault, apply_layout_faults, fault_names, faulty_buffers
@@ -352,10 +351,6 @@ class RunPlan:
         return ModelLayout(self.spec, self.tp_size, tuple(s.layer_map for s in self.stages))
 
     @property
-    def slices(self) -> tuple[StageSlice, ...]:
-        return tuple(s.layer_map.slice for s in self.stages)
-
-    @property
     def fingerprint(self) -> Fingerprint:
         return fingerprint_of(self.spec, self.page_size, self.tp_size,
                               tuple(s.layer_map.local_layers for s in self.stages))
@@ -425,9 +420,7 @@ def build_plan(spec: ModelSpec, pp_size: int = defaults.PP_SIZE, *, tp_size: int
     layout = build_layout(spec, pp_size, tp_size, explicit)
     sizing = (sizing if sizing is not None else Sizing.runtime()).for_family(spec.family).for_table(table)
     if sizing.hicache_size_bytes is not None:
-        raise ConfigError(spec.family.host_size_refused or
-                          f"--hicache-size: not modelled for {spec.family.label} models; size the "
-                          "host pools with --hicache-ratio")
+        raise ConfigError(spec.family.host_size_refusal())
     healthy = _assemble(spec, tp_size, table.page_size, explicit, sizing, (), list(layout.stages),
                         [faulty_buffers(m, spec) for m in layout.stages])
     return apply_faults(healthy, faults)

@@ -9,7 +9,7 @@ configurators (DeepSeek V4's ``DSV4PoolConfigurator`` first):
   ``int(full_tokens x swa_full_tokens_ratio)`` tokens' worth (0.1 for DeepSeek-V4 by default);
 * per-request kinds (``c128_state``) get ``max_running_requests + 1`` request slots;
 * host (HiCache) pages are ``int(device pages x --hicache-ratio)`` of each kind's budget
-  (a family whose sglang refuses a host size in bytes says so: ``Family.host_size_refused``).
+  (a family whose sglang refuses a host size in bytes says so: ``Family.host_size_refusal``).
 
 stagecache's own runtime (``StagePools``) allocates the budget pages only, with one page-id
 space (SWA pages == full pages: ``runtime_budget``).  The plan (``plan.py``) is the only

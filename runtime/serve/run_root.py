@@ -32,11 +32,12 @@ from pathlib import Path
 
 from ..bounded_io import path_kind
 from ..errors import ConfigError
+from ..live.run_dir import RENDEZVOUS_FILE, RUN_FILE, SNAPSHOT_FILE, STARTUP_FILE
 from ..private_fs import check_ancestors, check_private_dir, ensure_private_dir, user_state_base
 
 LOCK_FILE = ".lock"
 #: Files of a previous run that a reused ``--run-dir`` is emptied of.
-RUN_FILES = ("startup.json", "run.json", "snapshot.json", "rendezvous.json")
+RUN_FILES = (STARTUP_FILE, RUN_FILE, SNAPSHOT_FILE, RENDEZVOUS_FILE)
 #: A directory without a lock file is young only while its creator is about to lock it.
 UNLOCKED_GRACE_S = 60.0
 

@@ -101,7 +101,8 @@ def _curve_json(curves: TraceCurves, marked: Sequence[int]) -> dict[str, list[An
 
 def sglang_notes(plan: RunPlan) -> list[str]:
     """What the suggested flags mean in sglang 0.5.23 for this model."""
-    refused = plan.spec.family.host_size_refused
+    family = plan.spec.family
+    refused = family.host_size_refusal() if family.host_size_reason else None
     state = [p for p in plan.stage(0).pools if p.kind.budget == "state"]
     return [
         *([f"host tier: {refused}"] if refused else []),

@@ -75,7 +75,12 @@ class StoreStats:
     def error_count(self) -> int:
         return sum(self.errors.values())
 
-    def count(self, outcomes: Sequence[Outcome], nbytes: Sequence[int], read: bool) -> None:
+    def count(self, outcomes: Sequence[Outcome], nbytes: Sequence[int], read: bool, seconds: float) -> None:
+        """One batch call's outcomes, bytes and wall time, in the read or the write counters."""
+        if read:
+            self.read_seconds += seconds
+        else:
+            self.write_seconds += seconds
         for o, n in zip(outcomes, nbytes, strict=True):
             if o is Outcome.OK:
                 if read:
@@ -110,26 +115,23 @@ class L3Store(ABC):
     # -- pages, zero-copy --------------------------------------------------------------------
     def batch_get_into(self, keys: Sequence[str], views: Sequence[Segments]) -> list[Outcome]:
         """Read each key's object into its segments; OK only when every byte arrived and checked."""
-        if len(keys) != len(views):
-            raise ValueError(f"batch_get_into: {len(keys)} keys for {len(views)} views")
-        if not keys:
-            return []
-        t0 = time.perf_counter()
-        out = self._get_into(keys, views) if self.stats.up else [Outcome.DOWN] * len(keys)
-        self.stats.read_seconds += time.perf_counter() - t0
-        self.stats.count(out, [segments_bytes(v) for v in views], read=True)
-        return out
+        return self._batch(keys, views, read=True)
 
     def batch_set_from(self, keys: Sequence[str], views: Sequence[Segments]) -> list[Outcome]:
         """Write each key's object from its segments (a key already stored is kept as it is)."""
+        return self._batch(keys, views, read=False)
+
+    def _batch(self, keys: Sequence[str], views: Sequence[Segments], read: bool) -> list[Outcome]:
+        """One batch call either way: timed, counted, and all DOWN without a call while down."""
         if len(keys) != len(views):
-            raise ValueError(f"batch_set_from: {len(keys)} keys for {len(views)} views")
+            name = "batch_get_into" if read else "batch_set_from"
+            raise ValueError(f"{name}: {len(keys)} keys for {len(views)} views")
         if not keys:
             return []
         t0 = time.perf_counter()
-        out = self._set_from(keys, views) if self.stats.up else [Outcome.DOWN] * len(keys)
-        self.stats.write_seconds += time.perf_counter() - t0
-        self.stats.count(out, [segments_bytes(v) for v in views], read=False)
+        call = self._get_into if read else self._set_from
+        out = call(keys, views) if self.stats.up else [Outcome.DOWN] * len(keys)
+        self.stats.count(out, [segments_bytes(v) for v in views], read, time.perf_counter() - t0)
         return out
 
     def batch_exists(self, keys: Sequence[str]) -> int:

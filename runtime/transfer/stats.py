@@ -33,7 +33,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from ..typed import Strict
 
 #: Transfer directions: ``d2h`` backs pages up to host, ``h2d`` loads them back.
 DIRECTIONS = ("d2h", "h2d")
@@ -49,23 +51,19 @@ SPLIT_BUCKETS: tuple[float, ...] = (0.00001, 0.000025, 0.00005, *DURATION_BUCKET
 FOLD_EVERY = 4096
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class Directions(_Model):
+class Directions(Strict):
     """One figure per transfer direction: d2h = backup to host, h2d = load from host."""
 
     d2h: float = 0.0
     h2d: float = 0.0
 
 
-class DirectionCounts(_Model):
+class DirectionCounts(Strict):
     d2h: int = 0
     h2d: int = 0
 
 
-class DurationBuckets(_Model):
+class DurationBuckets(Strict):
     """Cumulative transfer-duration histogram: ``le`` upper bounds (s), counts per direction.
 
     Each count list has ``len(le) + 1`` entries, the last being +Inf (= the total count).
@@ -76,7 +74,7 @@ class DurationBuckets(_Model):
     h2d: list[int] = Field(default_factory=list)
 
 
-class TransferKind(_Model):
+class TransferKind(Strict):
     """One (direction, pool kind) of a stage's transfers (the split: see the module docstring).
 
     ``queue_seconds``: each transfer that moved the kind adds its whole wait (call to copy
@@ -93,7 +91,7 @@ class TransferKind(_Model):
     dma_buckets: list[int] = Field(default_factory=list)
 
 
-class TransferSplit(_Model):
+class TransferSplit(Strict):
     """Queue wait vs DMA time: per-transfer queue seconds by direction, and per pool kind."""
 
     le: list[float] = Field(default_factory=list, description="histogram upper bounds (s)")
@@ -104,7 +102,7 @@ class TransferSplit(_Model):
     h2d: dict[str, TransferKind] = Field(default_factory=dict)
 
 
-class TransferLive(_Model):
+class TransferLive(Strict):
     """A stage's transfer numbers, as its ``StageLive`` holds them."""
 
     transfer_bytes: DirectionCounts = Field(default_factory=DirectionCounts)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from cli_traces import mooncake_file, run_json, tokens_file
+from cli_traces import advise_json, trace_fixtures
 from stagecache.runtime.cli.main import main
 from stagecache.runtime.model.families.deepseek_v4 import FAMILY
 from stagecache.runtime.plan.inputs import resolve_plan
@@ -15,21 +15,10 @@ from stagecache.runtime.sizing.advice import TARGETS, hicache_ratio_for
 from stagecache.runtime.sizing.curves import page_views, trace_curves
 from stagecache.runtime.traces.readers import load_requests
 
-HICACHE_SIZE_REFUSED = FAMILY.host_size_refused
+HICACHE_SIZE_REFUSED = FAMILY.host_size_refusal()
 
 
-@pytest.fixture(scope="module")
-def mooncake(tmp_path_factory):
-    return mooncake_file(tmp_path_factory.mktemp("advise"))
-
-
-@pytest.fixture(scope="module")
-def tokens(tmp_path_factory):
-    return tokens_file(tmp_path_factory.mktemp("advise"), requests=150, seed=2)
-
-
-def advise_json(capsys, *argv: str) -> dict:
-    return run_json(capsys, "advise", *argv)
+mooncake, tokens = trace_fixtures("advise", requests=150)
 
 
 def test_report_is_the_curves_priced_by_the_plan(mooncake, capsys):

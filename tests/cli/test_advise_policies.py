@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from cli_traces import mooncake_file, run_json, tokens_file
+from cli_traces import advise_json, trace_fixtures
 from stagecache.runtime.cli.main import main
 from stagecache.runtime.plan.inputs import resolve_plan
 from stagecache.runtime.plan.plan import Sizing
@@ -17,19 +17,7 @@ from stagecache.runtime.sizing.curves import page_views, trace_curves
 from stagecache.runtime.sizing.policy_advice import POLICY_TARGETS, stage_pricing
 from stagecache.runtime.traces.readers import load_requests
 
-
-@pytest.fixture(scope="module")
-def mooncake(tmp_path_factory):
-    return mooncake_file(tmp_path_factory.mktemp("pol"))
-
-
-@pytest.fixture(scope="module")
-def tokens(tmp_path_factory):
-    return tokens_file(tmp_path_factory.mktemp("pol"), requests=120, seed=2)
-
-
-def advise_json(capsys, *argv: str) -> dict:
-    return run_json(capsys, "advise", *argv)
+mooncake, tokens = trace_fixtures("pol", requests=120)
 
 
 @pytest.fixture(scope="module")

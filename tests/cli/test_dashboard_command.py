@@ -6,11 +6,10 @@ import json
 import socket
 import subprocess
 import sys
-import time
 
-import httpx
 import pytest
 from plans import report
+from serve_helpers import get_once_up
 from stagecache.runtime.cli.main import main
 
 
@@ -64,14 +63,7 @@ def test_cli_from_json_serves_a_saved_check_report(tmp_path, free_port):
     try:
         line = proc.stdout.readline()
         assert f"http://127.0.0.1:{free_port}/" in line and "MAPPING ERRORS" in line
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                r = httpx.get(f"http://127.0.0.1:{free_port}/api/stages", timeout=5)
-                break
-            except httpx.TransportError:
-                assert proc.poll() is None and time.monotonic() < deadline, "dashboard did not start"
-                time.sleep(0.1)
+        r = get_once_up(proc, f"http://127.0.0.1:{free_port}/api/stages")
         body = r.json()
         assert body["faults"] == ["missing-c4-state"]
         bad = {(row["stage"], p["pool"]) for row in body["stages"] for p in row["pools"] if not p["ok"]}

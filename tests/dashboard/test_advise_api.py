@@ -8,12 +8,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 from mooncake_sample import write_sample
 from plans import report
+from serve_helpers import get_once_up
 from stagecache.dashboard.advise_page import NO_REPORT, load_advise_report
 from stagecache.dashboard.server import dashboard_in_thread
 from stagecache.runtime.cli.main import main
@@ -157,14 +157,7 @@ def test_dashboard_process_serves_the_report(saved, free_port):
     try:
         line = proc.stdout.readline()
         assert f"advise: http://127.0.0.1:{free_port}/advise" in line, line
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                r = httpx.get(f"http://127.0.0.1:{free_port}/api/advise", timeout=5)
-                break
-            except httpx.TransportError:
-                assert proc.poll() is None and time.monotonic() < deadline, "dashboard did not start"
-                time.sleep(0.1)
+        r = get_once_up(proc, f"http://127.0.0.1:{free_port}/api/advise")
         assert r.status_code == 200 and r.json()["report"]["targets"] == saved[1]["targets"]
     finally:
         proc.terminate()

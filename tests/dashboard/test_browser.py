@@ -100,10 +100,8 @@ def test_a_run_goes_live_shows_rates_per_stage_and_timeline_then_done(driver, fr
 
     source = ScriptedRun()
     with dashboard_in_thread(source, port=free_port) as url:
-        go_running(driver, source, url + "/?window=3")
+        go_running(driver, source, url + "/?window=3", points=3)
         hit = "document.getElementById('chart-hit-rate').data"
-        _wait(lambda: js(driver, f"{hit}.every(t => t.y.filter(v => v !== null).length >= 3)"),
-              timeout=20, what="three windowed hit-rate points on every stage's line")
         polls = js(driver, "window.stagecacheDashboard.polls")
         time.sleep(3.2)
         assert js(driver, "window.stagecacheDashboard.polls") - polls >= 3  # updates at <= 1 s

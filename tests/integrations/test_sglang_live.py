@@ -391,7 +391,7 @@ def test_sglang_plugin_entry_point(monkeypatch):
         kinds = {t: [h[0] for h in HookRegistry._hooks[t]] for t in integ.deployment.TARGETS.values()}
         targets = integ.deployment.TARGETS
         for name in ("stack", "capacity", "pools", "write", "load", "step", "write_check", "load_check",
-                     "prefetch", "prefetch_hybrid"):
+                     "prefetch", "prefetch_hybrid", "stack_mamba", "stack_swa", "stack_dsa", "stack_kv"):
             assert kinds[targets[name]] == [HookType.AROUND], name
         assert kinds[targets["match"]] == [HookType.AFTER]
         for target in integ.deployment.TARGETS.values():  # every target resolves in sglang 0.5.23
@@ -581,3 +581,19 @@ def test_a_release_whose_hooked_function_changed_leaves_the_plugin_off(monkeypat
     [line] = [r.getMessage() for r in caplog.records if "stays off" in r.getMessage()]
     assert "UnifiedRadixCache.match_prefix takes (self, request), expected (self, params, ...)" in line
     assert "tested with (0.5.22, 0.5.23)" in line
+
+
+def test_a_release_without_a_familys_stack_strategy_leaves_the_plugin_off(monkeypatch, caplog):
+    """Every family's hook point is checked at load too: an assembler without ``_SwaStrategy`` (a
+    release that renamed it) leaves the plugin off with one line naming the missing target."""
+    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as hpa
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    monkeypatch.delattr(hpa, "_SwaStrategy")
+    monkeypatch.setenv("STAGECACHE_SGLANG", "1")
+    monkeypatch.setattr(integ.deployment, "_PLUGIN", None)
+    with caplog.at_level(logging.WARNING, logger="stagecache"):
+        assert integ.sglang_plugin() is None
+    assert not any(t in HookRegistry._hooks for t in integ.deployment.TARGETS.values())
+    [line] = [r.getMessage() for r in caplog.records if "stays off" in r.getMessage()]
+    assert "hybrid_pool_assembler._SwaStrategy.build is missing (AttributeError)" in line, line

@@ -78,6 +78,9 @@ LIVE_SUITES = ("tests/integrations/test_sglang_live.py", "tests/integrations/tes
 DEPLOYMENT_SUITE = "tests/integrations/test_sglang_live_deployment.py"
 #: The ranks that stop agreeing (its own process too, for the same reason).
 AGREEMENT_SUITE = "tests/integrations/test_sglang_live_agreement.py"
+#: Every other family live (a Mamba hybrid, DSA, an SWA hybrid at pp 2 and 4, a dense model; its own process too):
+#: their pools are modelled on the pinned release, so it runs there.
+FAMILIES_SUITE = "tests/integrations/test_sglang_live_families.py"
 #: Comparisons with the pinned release's own objects (model families' pools, the eviction order):
 #: stagecache claims them for that release, so they run on it alone, beside the live suites.
 PINNED_SUITES = ("tests/integrations/test_sglang_policies.py",
@@ -88,7 +91,7 @@ PINNED_SUITES = ("tests/integrations/test_sglang_policies.py",
 #: The agreement suite (about 2.5 minutes) runs on the pinned release, beside the comparisons, so
 #: that the three runs take about as long each on two workers.
 RUNS = {"live": ((LIVE_SUITES, 50), ((DEPLOYMENT_SUITE,), 8)),
-        "pinned": ((PINNED_SUITES, 150), ((AGREEMENT_SUITE,), 6))}
+        "pinned": ((PINNED_SUITES, 150), ((AGREEMENT_SUITE,), 6), ((FAMILIES_SUITE,), 26))}
 #: One pytest run of a suite set (the families' suites take about 2.5 minutes on a loaded 2-core machine).
 SUITE_TIMEOUT_S = 900
 

@@ -152,8 +152,9 @@ def phase_is(driver, text: str):
     return _wait(lambda: badge(driver)[0] == text, timeout=20, what=f"the badge to read {text!r}")
 
 
-def go_running(driver, source: ScriptedRun, url: str) -> None:
-    """starting -> validating -> running, as the page sees it (one reload when the report arrives)."""
+def go_running(driver, source: ScriptedRun, url: str, points: int = 0) -> None:
+    """starting -> validating -> running, as the page sees it (one reload when the report arrives);
+    then, with ``points``, that many windowed points on every stage's hit-rate line."""
     from selenium.webdriver.common.by import By
 
     load(driver, url)
@@ -165,5 +166,9 @@ def go_running(driver, source: ScriptedRun, url: str) -> None:
     _wait(lambda: len(driver.find_elements(By.CSS_SELECTOR, ".layer-map.js-plotly-plot")) == PP,
           timeout=20, what="the reload with the layer maps")
     phase_is(driver, "live · running")
+    hit = "document.getElementById('chart-hit-rate').data"
+    if points:
+        _wait(lambda: js(driver, f"{hit}.every(t => t.y.filter(v => v !== null).length >= {points})"),
+              timeout=20, what=f"{points} windowed hit-rate points on every stage's line")
 
 

@@ -40,6 +40,40 @@ CLONE_NEWNET = 0x40000000
 SUBNET_AB, SUBNET_AC = "10.231.1", "10.231.2"
 NAMES = {"a": "stagecache-host-a", "b": "stagecache-host-b", "c": "stagecache-host-c"}
 FAKETIME_LIB = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
+PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
+#: Seconds the two-host tests cut the A-B link for.
+CUT_S = 20.0
+
+
+def two_host_marks(timeout: int) -> list:
+    """A two-host test module's ``pytestmark``: its time limit, a skip without libfaketime, and
+    host B's clock skews (one run each)."""
+    return [pytest.mark.timeout(timeout), pytest.mark.skipif(
+        not os.path.exists(FAKETIME_LIB), reason=f"no {FAKETIME_LIB} (Debian package libfaketime)"),
+        pytest.mark.parametrize("skew", ["+30s", "-30s"], ids=["B-ahead-30s", "B-behind-30s"])]
+
+
+class Prometheus:
+    """Prometheus on host A (``proc``, its own session), scraping A's advertised name on
+    ``target_port`` every second and answering on ``port``."""
+
+    def __init__(self, hosts: Hosts, folder: Path, port: int, target_port: int):
+        self.hosts, self.port = hosts, port
+        folder.mkdir()
+        (folder / "prometheus.yml").write_text(
+            "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+            f"scrape_configs: [{{job_name: stagecache, static_configs: [{{targets: ['{NAMES['a']}:{target_port}']}}]}}]\n")
+        self.proc = subprocess.Popen(
+            hosts.argv("a", [PROMETHEUS, f"--config.file={folder / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={folder / 'data'}", f"--web.listen-address={hosts.addr['a']}:{port}"]),
+            stdout=(folder / "log").open("w"), stderr=subprocess.STDOUT, start_new_session=True, cwd=folder)
+
+    def query(self, q: str) -> list:
+        """An instant query: its result ([] until Prometheus answers)."""
+        from urllib.parse import quote
+
+        status, body = self.hosts.http("a", f"http://{self.hosts.addr['a']}:{self.port}/api/v1/query?query={quote(q)}")
+        return json.loads(body)["data"]["result"] if status == 200 else []
 
 
 def skip_reason() -> str | None:
@@ -219,6 +253,20 @@ class Watch:
         except ValueError:
             self.last_ready = (status, {"raw": body[:500]})
         return self.last_ready
+
+    def through_cut(self, cut: float, restore_s: float, show=None) -> tuple[float, dict]:
+        """The rest of a ``CUT_S`` link cut begun at ``cut`` (monotonic): /readyz 503 throughout and
+        no stage crashed; then the link back and /readyz 200 within ``restore_s``.  Returns the
+        seconds that took and that /readyz body."""
+        while time.monotonic() - cut < CUT_S:
+            status, body = self.ready()
+            assert status == 503 and "crashed" not in stage_states(body).values(), body
+            time.sleep(0.5)
+        self.hosts.set_link(True)
+        back = time.monotonic()
+        _, body = wait(lambda: (lambda r: r if r[0] == 200 else None)(self.ready()), restore_s,
+                       "/readyz 200 after the link is back", show=show)
+        return time.monotonic() - back, body
 
     def metrics(self) -> None:
         status, body = self.get("/metrics")

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 SMALL = ["--model", "tiny-v4", "--pp-size", "4", "--rate", "0", "--requests", "40",
@@ -36,6 +37,17 @@ def wait_for(pred, timeout: float, what: str, proc: subprocess.Popen | None = No
         time.sleep(0.2)
     text = out.read_text() if out else ""
     pytest.fail(f"timed out after {timeout} s waiting for {what}:\n{text}")
+
+
+def get_once_up(proc: subprocess.Popen, url: str, timeout: float = 30) -> httpx.Response:
+    """GET ``url`` as soon as the server ``proc`` starts answers (``proc`` must stay up meanwhile)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return httpx.get(url, timeout=5)
+        except httpx.TransportError:
+            assert proc.poll() is None and time.monotonic() < deadline, "dashboard did not start"
+            time.sleep(0.1)
 
 
 def read_json(path: Path):

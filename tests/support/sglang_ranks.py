@@ -127,7 +127,8 @@ def _small_host_reserve() -> None:
 
 
 def _rank_main(rank: int, pp: int, dist_port: int, folder: str, env: dict[str, str], server: dict[str, Any],
-               budget: int, after: Callable[[int, dict[str, Any]], Any] | None, out: Any, done: Any) -> None:
+               budget: int, after: Callable[[int, dict[str, Any]], Any] | None, out: Any, done: Any,
+               build: Callable[[int, int, int], tuple[Any, Any]] = _build) -> None:
     os.environ.update(env)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung rank can be asked where it is
     result: dict[str, Any] = {"rank": rank}
@@ -159,7 +160,7 @@ def _rank_main(rank: int, pp: int, dist_port: int, folder: str, env: dict[str, s
 
         ctx: dict[str, Any] = {"deployment": deployment._PLUGIN}
         try:
-            ctx["pools"], ctx["stack"] = _build(rank, pp, budget)
+            ctx["pools"], ctx["stack"] = build(rank, pp, budget)
             result["built"] = True
         except Exception as exc:  # the case decides whether this is expected
             result["error"] = f"{type(exc).__name__}: {exc}"
@@ -183,14 +184,18 @@ def _rank_main(rank: int, pp: int, dist_port: int, folder: str, env: dict[str, s
 def launch(tmp: Path, pp: int, *, env: dict[int, dict[str, str]] | None = None,
            common_env: dict[str, str] | None = None, server: dict[str, Any] | None = None,
            budget: int = FLASH_BUDGET, after: Callable[[int, dict[str, Any]], Any] | None = None,
-           timeout: float = 150.0) -> Launch:
+           timeout: float = 150.0, preset: str | None = None,
+           build: Callable[[int, int, int], tuple[Any, Any]] | None = None) -> Launch:
     """Run ``pp`` real sglang ranks (see the module docstring); each rank's result by rank.
+
+    ``preset``/``build``: another model (a preset's config.json) and its pools' build (default:
+    DeepSeek-V4-Flash and ``_build``; tests/support/sglang_family_ranks.py builds the others).
 
     A rank that dies without reporting (killed by the case) has no result; its exit code says how.
     """
     from sglang_real import model_dir
 
-    folder = model_dir(tmp)
+    folder = model_dir(tmp) if preset is None else model_dir(tmp, preset)
     ctx = mp.get_context("fork")
     # a flag, not an Event: Event.set() blocks forever once a waiter was SIGKILLed (case d)
     out, done = ctx.Queue(), ctx.RawValue("b", 0)
@@ -200,7 +205,8 @@ def launch(tmp: Path, pp: int, *, env: dict[int, dict[str, str]] | None = None,
     srv = {"enable_hierarchical_cache": True, "max_running_requests": 4, "hicache_io_backend": "direct",
            "hicache_mem_layout": "layer_first", **(server or {})}
     procs = {r: ctx.Process(target=_rank_main, daemon=True, args=(
-        r, pp, port, str(folder), {**base, **(env or {}).get(r, {})}, srv, budget, after, out, done))
+        r, pp, port, str(folder), {**base, **(env or {}).get(r, {})}, srv, budget, after, out, done,
+        build or _build))
         for r in range(pp)}
     for p in procs.values():
         p.start()

@@ -1,13 +1,15 @@
-"""stagecache for a live sglang DeepSeek-V4 pool: inspect, validate, export.
+"""stagecache for a live sglang pool of any family it models: inspect, validate, export.
 
-sglang builds one ``DeepSeekV4TokenToKVPool`` per PP rank and hands it to the
-HiCache assembler (``build_deepseek_v4_hicache_stack``).  The PP + HiCache bug
-stagecache exists for lived exactly between those two: the pool and the host
-stack disagreed about how many layers a stage owns.
+sglang builds one KV pool per PP rank (``DeepSeekV4TokenToKVPool``, ``HybridLinearKVPool`` with a
+Mamba state pool, ``DSATokenToKVPool``, ``SWAKVPool``, an MLA / MHA pool) and hands it to the
+HiCache assembler (``build_deepseek_v4_hicache_stack``, or the strategy ``build`` of the other
+families).  The PP + HiCache bug stagecache exists for lived exactly between those two: the
+pool and the host stack disagreed about how many layers a stage owns.
 
 * ``reader`` reads a real pool into stagecache's ``StageLayerMap`` +
   ``PoolInventory`` and validates it like ``stagecache check``
-  (``inspect_pool``/``inspect_pools``, ``read_pool``, ``partition_findings``);
+  (``inspect_pool``/``inspect_pools``, ``read_pool``, ``partition_findings``; any other family's
+  pool: ``read_family_pool``, the same record);
 * ``deployment`` makes a served PP deployment one instrument: the ``sglang_plugin``
   entry point registers hooks with sglang's ``HookRegistry`` (the one way stagecache hooks
   sglang); the ranks exchange their stage records (``record_exchange``) and validate the
@@ -47,6 +49,8 @@ from .reader import (
     inspect_pools,
     model_num_layers,
     partition_findings,
+    pool_family,
+    read_family_pool,
     read_pool,
     sglang_partition,
 )
@@ -54,5 +58,5 @@ from .reader import (
 __all__ = [
     "PARTITION_ENV", "PLUGIN_ENV", "SGLANG_TESTED_VERSIONS", "Deployment", "DeploymentOptions", "PoolView",
     "SglangSource", "deployment", "inspect_pool", "inspect_pools", "model_num_layers",
-    "partition_findings", "read_pool", "sglang_partition", "sglang_plugin",
+    "partition_findings", "pool_family", "read_family_pool", "read_pool", "sglang_partition", "sglang_plugin",
 ]

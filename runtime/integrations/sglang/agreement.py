@@ -39,6 +39,8 @@ from ...plan.mirror import transfer_gap
 #: and stagecache's pool kind for each.  Another family adds its row; the check reads only this.
 PAGE_POOLS: dict[str, dict[str, str]] = {
     "deepseek_v4": {"deepseek_v4_c4": "c4", "deepseek_v4_c4_indexer": "indexer", "deepseek_v4_c128": "c128"},
+    # DSA's index keys move with the MLA KV page (SWA and Mamba state move by indices of their own)
+    "dsa": {"indexer": "indexer"},
 }
 #: sglang's name of the full-KV pool whose token count is a transfer's page count.
 ANCHOR_POOL = "kv"

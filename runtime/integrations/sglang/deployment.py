@@ -9,8 +9,10 @@ same order:
 * ``KVCacheConfigurator._apply_token_constraints`` (AROUND): its argument is the token
   capacity this stage's budget fits alone, its result the deployment's (sglang's MIN over
   the ranks) -- the capacity ledger;
-* ``build_deepseek_v4_hicache_stack`` (AROUND), or ``KVCacheConfigurator._init_pools`` when
-  HiCache is off: the rank reads its live pool once into a ``StageRecord`` (``reader``), the
+* ``build_deepseek_v4_hicache_stack`` (AROUND) for DeepSeek V4, the HiCache assembler's strategy
+  ``build`` (AROUND: ``_MambaStrategy``, ``_SwaStrategy``, ``_DsaStrategy``, ``_PlainKvStrategy``)
+  for every other family, or ``KVCacheConfigurator._init_pools`` when HiCache is off: the rank
+  reads its live pool once into a ``StageRecord`` (``reader``), the
   ranks exchange records over ``get_pp_group().cpu_group`` (``record_exchange.py``), and every
   rank validates the whole deployment (``validation.deployment``).  Strict: every rank raises
   the same ``StageMappingInvalid``; otherwise the errors are published and sglang goes on.
@@ -49,13 +51,21 @@ from ...defaults import (
 from ...errors import ConfigError, StageMappingInvalid
 from ...live.numbers import CapacityLive, PageSpace, PoolBytes, StageLive
 from ...live.remote import host_id, start_ticks
+from ...model.spec import ModelSpec
 from ...validation.deployment import deployment_report
 from ...validation.record import StageRecord
 from ...validation.report import StartupReport
 from .agreement import FAULT_ENV, RankAgreement, TransferPlan, parse_live_fault
 from .push import Pusher, PushReceiver
 from .rank_source import Moves, SglangSource
-from .reader import model_num_layers, read_pool
+from .reader import (
+    PoolView,
+    model_num_layers,
+    pool_family,
+    read_family_pool,
+    read_pool,
+    sglang_model_spec,
+)
 from .record_exchange import exchange_records
 
 log = logging.getLogger(__name__)
@@ -65,6 +75,11 @@ TARGETS = {
     "capacity": "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._apply_token_constraints",
     "pools": "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._init_pools",
     "stack": "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler.build_deepseek_v4_hicache_stack",
+    # every other family's HiCache stack: its assembler strategy's build (kvcache=, params=)
+    "stack_mamba": "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler._MambaStrategy.build",
+    "stack_swa": "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler._SwaStrategy.build",
+    "stack_dsa": "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler._DsaStrategy.build",
+    "stack_kv": "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler._PlainKvStrategy.build",
     "match": "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.match_prefix",
     "write": "sglang.srt.managers.cache_controller.HiCacheController.start_writing",
     "load": "sglang.srt.managers.cache_controller.HiCacheController.start_loading",
@@ -79,6 +94,7 @@ TARGETS = {
 #: The leading parameters each hook relies on, as the tested releases have them.
 TARGET_PARAMS = {
     "capacity": ("self", "token_capacity"), "pools": ("self",), "stack": ("params", "kvcache"),
+    **dict.fromkeys(("stack_mamba", "stack_swa", "stack_dsa", "stack_kv"), ("self", "cache", "kvcache", "params")),
     "match": ("self", "params"), "write": ("self",), "load": ("self",),
     "step": ("self",), "write_check": ("self",), "load_check": ("self",),
     "prefetch": ("self", "operation", "storage_hit_count"),
@@ -317,6 +333,10 @@ class Deployment:
         for name, hook, kind in (("capacity", self.around_token_constraints, HookType.AROUND),
                                  ("pools", self.around_init_pools, HookType.AROUND),
                                  ("stack", self.around_stack_build, HookType.AROUND),
+                                 ("stack_mamba", self.around_strategy_build, HookType.AROUND),
+                                 ("stack_swa", self.around_strategy_build, HookType.AROUND),
+                                 ("stack_dsa", self.around_strategy_build, HookType.AROUND),
+                                 ("stack_kv", self.around_strategy_build, HookType.AROUND),
                                  ("match", self.after_match_prefix, HookType.AFTER),
                                  ("write", self.around_start_writing, HookType.AROUND),
                                  ("load", self.around_start_loading, HookType.AROUND),
@@ -343,8 +363,12 @@ class Deployment:
         from sglang.srt.runtime_context import get_server_args
 
         pool = getattr(pools, "token_to_kv_pool", None)
-        if not get_server_args().enable_hierarchical_cache and _is_dsv4_pool(pool):
-            self.join(pool, page_size=int(configurator.page_size), host_pages={})
+        if not get_server_args().enable_hierarchical_cache:
+            family = pool_family(pool)
+            if family == "deepseek_v4":
+                self.join(pool, page_size=int(configurator.page_size), host_pages={})
+            elif family is not None:
+                self._join_family(pool, int(configurator.page_size), getattr(pools, "req_to_token_pool", None))
         return pools
 
     def around_stack_build(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -354,13 +378,43 @@ class Deployment:
             raise ConfigError("build_deepseek_v4_hicache_stack called without kvcache= and params=")
         self.join(kvcache, page_size=int(params.page_size), host_pages=_host_pages(params, kvcache))
         host_pool_group, controller = original(*args, **kwargs)
+        self._stack_built(host_pool_group, int(params.page_size))
+        return host_pool_group, controller
+
+    def around_strategy_build(self, original: Callable[..., Any], strategy: Any, *args: Any, **kwargs: Any) -> Any:
+        """Every family but DeepSeek V4 (whose strategy calls ``build_deepseek_v4_hicache_stack``,
+        hooked above): the assembler strategy's ``build`` gets the live pool (``kvcache=``) and the
+        scheduler's cache parameters (``params=``, whose ``req_to_token_pool`` owns a Mamba pool).
+        Exchange and validate before sglang builds host pools, as for DeepSeek V4."""
+        kvcache, params = kwargs.get("kvcache"), kwargs.get("params")
+        if kvcache is None or params is None:
+            raise ConfigError(f"{type(strategy).__name__}.build called without kvcache= and params=")
+        if pool_family(kvcache) not in (None, "deepseek_v4"):
+            self._join_family(kvcache, int(params.page_size), getattr(params, "req_to_token_pool", None))
+        result = original(strategy, *args, **kwargs)
+        self._stack_built(result.host_pool_group, int(params.page_size))
+        return result
+
+    def _join_family(self, kvcache: Any, page_size: int, req_pool: Any) -> None:
+        """Join with a pool of any family but DeepSeek V4, whose kinds come from the served
+        config.json: a model stagecache does not read leaves the plugin off in this process, with
+        one log line -- it never stops sglang (every rank reads the same config, so every rank
+        stays off alike)."""
+        try:
+            spec = sglang_model_spec(self.options.model_name)
+        except ConfigError as exc:
+            log.warning("stagecache: sglang serves a model stagecache does not read (%s); the plugin stays off", exc)
+            return
+        self.join(kvcache, page_size=page_size, host_pages={}, req_pool=req_pool, spec=spec)
+
+    def _stack_built(self, host_pool_group: Any, page_size: int) -> None:
+        """sglang built the stage's host pools: the transfer plan's bytes, host use on each read."""
         self.host_pool = host_pool_group
         if self.record is not None:
             self.agreement.plan = TransferPlan.of(self.record.family, self.record.inventory, host_pool_group,
-                                                  int(params.page_size))
+                                                  page_size)
             self.agreement.arm_fault(self.record.family, self.rank.pp_size if self.rank else 1)
         self.source.on_read = self._refresh_host_used
-        return host_pool_group, controller
 
     def around_start_writing(self, original: Callable[..., Any], controller: Any, *a: Any, **k: Any) -> Any:
         """A backup submission: count the acks it queued (bytes, seconds)."""
@@ -455,14 +509,23 @@ class Deployment:
         self._matched.clear()
 
     # -- the exchange ------------------------------------------------------------------------
-    def join(self, kvcache: Any, *, page_size: int, host_pages: dict[str, int]) -> StartupReport:
+    def _read(self, kvcache: Any, rank: Rank, page_size: int, req_pool: Any, spec: ModelSpec | None) -> PoolView:
+        """The rank's live pool, read once: DeepSeek V4's by ``read_pool``, any other family's by
+        ``read_family_pool`` (its kinds and ids named by the family module)."""
+        if _is_dsv4_pool(kvcache):
+            n = model_num_layers([kvcache], rank.pp_size)
+            return read_pool(kvcache, rank.pp_rank, n, self.options.model_name, page_size)
+        return read_family_pool(kvcache, rank.pp_rank, rank.pp_size, req_pool=req_pool, spec=spec,
+                                name=self.options.model_name, page_size=page_size)
+
+    def join(self, kvcache: Any, *, page_size: int, host_pages: dict[str, int],
+             req_pool: Any = None, spec: ModelSpec | None = None) -> StartupReport:
         """Record, exchange, validate, publish, serve; strict: every rank raises the same error."""
         if self.rank is not None:
             raise ConfigError("stagecache: this sglang process built a second KV cache stack; "
                               "the record exchange runs once per scheduler process")
         rank = self.rank = _this_rank()
-        n = model_num_layers([kvcache], rank.pp_size)
-        record = read_pool(kvcache, rank.pp_rank, n, self.options.model_name, page_size).record(
+        record = self._read(kvcache, rank, page_size, req_pool, spec).record(
             pp_size=rank.pp_size, tp_size=rank.tp_size, model_name=self.options.model_name,
             capacity=self.capacity, host_pages=host_pages, pool_tokens=int(getattr(kvcache, "size", 0) or 0))
         self.record = record

@@ -28,6 +28,7 @@ from ...errors import ConfigError, MappingError
 from ...model.families.deepseek_v4 import FAMILY, SUPPORTED_RATIOS, DeepSeekV4Layer, DeepSeekV4Spec
 from ...model.layer_map import StageLayerMap, number_layers
 from ...model.partition import parse_partition, partition_layers
+from ...model.spec import ModelSpec
 from ...plan.fingerprint import Fingerprint, config_hash
 from ...plan.inventory import PoolInventory
 from ...plan.plan import plan_stage
@@ -41,9 +42,9 @@ PARTITION_ENV = "SGLANG_PP_LAYER_PARTITION"
 
 @dataclass(frozen=True)
 class PoolView:
-    """Everything stagecache reads from one live ``DeepSeekV4TokenToKVPool``, read once."""
+    """Everything stagecache reads from one live pool (``read_pool``, ``read_family_pool``), read once."""
 
-    spec: DeepSeekV4Spec
+    spec: ModelSpec  # DeepSeekV4Spec for a DeepSeekV4TokenToKVPool; the family's spec otherwise
     stage_map: StageLayerMap
     inventory: PoolInventory
     pool_bytes: dict[str, int]  # device bytes per stagecache pool kind
@@ -326,3 +327,164 @@ def inspect_pools(
 def inspect_pool(kvcache: Any, *, pp_size: int, pp_rank: int | None = None, **kw: Any) -> StartupReport:
     """One rank's pool: ``inspect_pools([kvcache], ...)``."""
     return inspect_pools([kvcache], pp_size=pp_size, pp_ranks=None if pp_rank is None else [pp_rank], **kw)
+
+
+# -- the other families: SWA hybrid, Mamba hybrid, DSA, dense MLA / MHA ----------------------------
+#: stagecache's family of each sglang pool class the reader reads, most specific first (a
+#: ``DSATokenToKVPool`` is an ``MLATokenToKVPool``; a ``DeepSeekV4TokenToKVPool`` is read by
+#: ``read_pool``).
+POOL_FAMILIES = (
+    ("sglang.srt.mem_cache.deepseek_v4_memory_pool", "DeepSeekV4TokenToKVPool", "deepseek_v4"),
+    ("sglang.srt.mem_cache.memory_pool", "HybridLinearKVPool", "linear_hybrid"),
+    ("sglang.srt.mem_cache.swa_memory_pool", "SWAKVPool", "swa_hybrid"),
+    ("sglang.srt.mem_cache.memory_pool", "DSATokenToKVPool", "dsa"),
+    ("sglang.srt.mem_cache.memory_pool", "MLATokenToKVPool", "mla"),
+    ("sglang.srt.mem_cache.memory_pool", "MHATokenToKVPool", "mha"),
+)
+
+
+def pool_family(kvcache: Any) -> str | None:
+    """stagecache's family name for a live sglang pool (None: a pool stagecache does not read,
+    such as MiniMax's sparse pool)."""
+    import importlib
+
+    for module, cls, family in POOL_FAMILIES:
+        pool_cls = getattr(importlib.import_module(module), cls, None)
+        if pool_cls is not None and isinstance(kvcache, pool_cls):
+            return family
+    return None
+
+
+def sglang_model_spec(name: str = "sglang", model_path: str | None = None) -> ModelSpec:
+    """The model's spec from the config.json sglang serves (``--model-path``: a folder, or a
+    Hugging Face repo id in the local cache), read by stagecache's own family rules -- the same
+    spec ``stagecache check --model`` builds for it."""
+    from ...model.config_file import load_config
+    from ...model.families import spec_from_config
+
+    if model_path is None:
+        from sglang.srt.runtime_context import get_server_args
+
+        model_path = str(get_server_args().model_path)
+    cfg, _ = load_config(model_path)
+    return spec_from_config(cfg, name)
+
+
+def _flags(buffers: Any) -> list[bool]:
+    return [b is not None for b in (buffers or ())]
+
+
+def _kv_bytes(pool: Any) -> int:
+    """K + V (or the MLA latent) bytes of one sglang KV pool."""
+    if pool is None:
+        return 0
+    return sum(_nbytes(t) for attr in ("k_buffer", "v_buffer", "kv_buffer") for t in (getattr(pool, attr, None) or ()))
+
+
+def _mamba_state(req_pool: Any) -> tuple[list[bool], int]:
+    """One flag per layer of the Mamba pool's state tensors (conv + SSM), and their bytes."""
+    mamba = getattr(req_pool, "mamba_pool", None) if req_pool is not None else None
+    cache = getattr(mamba, "mamba_cache", None)
+    if cache is None:
+        return [], 0
+    temporal = cache.temporal
+    conv = list(cache.conv) if isinstance(cache.conv, (list, tuple)) else [cache.conv]
+    return [True] * int(temporal.shape[0]), int(temporal.nbytes) + sum(int(c.nbytes) for c in conv)
+
+
+def _family_buffers(family: str, kvcache: Any, req_pool: Any) -> tuple[dict[str, list[bool]], dict[str, int]]:
+    """Per stagecache pool kind: one flag per buffer the live pool holds, and its device bytes."""
+    if family == "swa_hybrid" and hasattr(kvcache, "swa_kv_pool"):
+        swa, full = kvcache.swa_kv_pool, kvcache.full_kv_pool
+        return ({"swa": _flags(swa.k_buffer), "full": _flags(full.k_buffer)},
+                {"swa": _kv_bytes(swa), "full": _kv_bytes(full)})
+    if family == "linear_hybrid":
+        full = kvcache.full_kv_pool
+        flags, state_bytes = _mamba_state(req_pool)
+        attention = getattr(full, "k_buffer", None)
+        if attention is None:  # an MLA attention pool (Kimi-Linear)
+            attention = getattr(full, "kv_buffer", None)
+        return {"attention": _flags(attention), "mamba": flags}, {"attention": _kv_bytes(full), "mamba": state_bytes}
+    if family == "dsa":
+        index = list(getattr(getattr(kvcache, "index_key_cache", None), "buffer", None) or ())
+        # a layer that shares its top-k keeps a 0-row placeholder: no index keys of its own
+        owned = [True for t in index if t is not None and int(t.shape[0]) > 0]
+        return ({"kv": _flags(kvcache.kv_buffer), "indexer": owned},
+                {"kv": _kv_bytes(kvcache), "indexer": sum(_nbytes(t) for t in index)})
+    buffers = getattr(kvcache, "kv_buffer", None) if family == "mla" else getattr(kvcache, "k_buffer", None)
+    return {"kv": _flags(buffers)}, {"kv": _kv_bytes(kvcache)}
+
+
+def _live_ids(family: str, kvcache: Any, req_pool: Any, stage_map: StageLayerMap
+              ) -> tuple[StageLayerMap, list[MappingError]]:
+    """The stage map with the ids the live pool really indexes by (where sglang keeps a map), and
+    the layers whose kind the pool disagrees with."""
+    stage, errors, layers = stage_map.stage, [], []
+    if family == "swa_hybrid" and hasattr(kvcache, "layers_mapping"):
+        mapping, base = dict(kvcache.layers_mapping), int(getattr(kvcache, "start_layer", 0) or 0)
+        for e in stage_map.layers:
+            live = mapping.get(e.global_id)
+            if live is None:
+                errors.append(MappingError(stage, e.kind, "a layers_mapping entry", None,
+                                           f"SWAKVPool.layers_mapping has no entry for global layer {e.global_id}"))
+                layers.append(e)
+                continue
+            index, is_swa = int(live[0]), bool(live[1])
+            if is_swa != (e.kind == "swa"):
+                errors.append(MappingError(stage, e.kind, e.kind, "swa" if is_swa else "full",
+                                           f"global layer {e.global_id}: sglang's pool holds it as "
+                                           f"{'sliding-window' if is_swa else 'full attention'}, the model config "
+                                           f"says {e.describe()}"))
+            tid = e.global_id - base
+            layers.append(e.model_copy(update={"sub_pool_id": index, "transfer_id": tid, "wait_id": tid}))
+    elif family == "linear_hybrid":
+        attention = dict(getattr(kvcache, "full_attention_layer_id_mapping", {}) or {})
+        mamba = dict(getattr(req_pool, "mamba_map", {}) or {}) if req_pool is not None else {}
+        for e in stage_map.layers:
+            update: dict[str, Any] = {}
+            if e.attention_id is not None and e.global_id in attention:
+                update["attention_id"] = int(attention[e.global_id])
+            if e.mamba_id is not None and e.global_id in mamba:
+                update["mamba_id"] = int(mamba[e.global_id])
+            for name, live in (("attention", attention), ("mamba", mamba)):
+                if getattr(e, f"{name}_id") is not None and e.global_id not in live:
+                    errors.append(MappingError(stage, name, f"global layer {e.global_id}", None,
+                                               f"sglang's {name} pool has no entry for global layer {e.global_id}, "
+                                               f"which the model config gives a {name} state"))
+            layers.append(e.model_copy(update=update) if update else e)
+    else:
+        return stage_map, []
+    return stage_map.with_layers(stage_map.start, stage_map.end, layers), errors
+
+
+def read_family_pool(kvcache: Any, pp_rank: int, pp_size: int, *, req_pool: Any = None,
+                     spec: ModelSpec | None = None, name: str = "sglang", page_size: int | None = None
+                     ) -> PoolView:
+    """Read one rank's live pool of any family but DeepSeek V4 (``read_pool``) into the same
+    ``PoolView`` -- and so the same ``StageRecord`` and report -- as the offline plan.
+
+    The family module names the layer kinds and id spaces, from the model's config.json
+    (``sglang_model_spec``); the stage's range is sglang's ``get_pp_indices`` on this rank; the
+    pool gives what it really holds (buffers per pool kind, their bytes) and the ids it really
+    indexes by: SWA sub-pool indices from ``SWAKVPool.layers_mapping`` and HiCache transfer ids
+    in its global space (``start_layer`` 0, ids below the stage are holes); Mamba hybrids'
+    attention / Mamba indices from ``full_attention_layer_id_mapping`` / ``mamba_map``, transfer
+    ids stage-local.  ``req_pool``: the ``HybridReqToTokenPool`` that owns a Mamba pool."""
+    family = pool_family(kvcache)
+    if family is None or family == "deepseek_v4":
+        raise ConfigError(f"stage {pp_rank}: sglang pool {type(kvcache).__name__} is not read by read_family_pool")
+    spec = spec if spec is not None else sglang_model_spec(name)
+    if spec.family.name != family and not (family == "mha" and spec.family.name == "swa_hybrid"):
+        raise ConfigError(f"stage {pp_rank}: sglang built a {type(kvcache).__name__} ({family}) for a model "
+                          f"stagecache reads as {spec.family.label} ({spec.family.name})")
+    start, end = (int(x) for x in get_pp_indices(spec.num_layers, pp_rank, pp_size))
+    expected = number_layers(spec, pp_rank, start, end)
+    stage_map, findings = _live_ids(family, kvcache, req_pool, expected)
+    flags, nbytes = _family_buffers(family, kvcache, req_pool)
+    inventory = PoolInventory(pp_rank, {k: tuple(v) for k, v in flags.items()})
+    page = int(page_size if page_size is not None else getattr(kvcache, "page_size", 1))
+    dtype = getattr(kvcache, "dtype", None)
+    if dtype is None and hasattr(kvcache, "full_kv_pool"):
+        dtype = getattr(kvcache.full_kv_pool, "dtype", None)
+    return PoolView(spec, stage_map, inventory, {k: nbytes.get(k, 0) for k in stage_map.pools if k in flags},
+                    tuple(findings), page, str(dtype or "unknown"))

@@ -75,28 +75,12 @@ class DeepSeekV4Spec(ModelSpec):
     num_nextn_predict_layers: int = 0
 
     @property
-    def family(self) -> DeepSeekV4:
-        return FAMILY
-
-    @property
     def layer_kinds(self) -> tuple[str, ...]:
         return tuple(KIND_OF_RATIO[r] for r in self.compress_ratios)
 
     @property
     def nope_head_dim(self) -> int:
         return self.head_dim - self.qk_rope_head_dim
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "num_layers": self.num_layers,
-            "compress_ratios": list(self.compress_ratios),
-            "sliding_window": self.sliding_window,
-            "head_dim": self.head_dim,
-            "qk_rope_head_dim": self.qk_rope_head_dim,
-            "index_head_dim": self.index_head_dim,
-            "num_nextn_predict_layers": self.num_nextn_predict_layers,
-        }
 
 
 class DeepSeekV4Layer(LayerEntry):
@@ -156,8 +140,7 @@ _C4_POOLS = tuple(k.name for k in _POOL_KINDS if k.owner_ratio == 4)
 
 def check_page_size(spec: DeepSeekV4Spec, page_size: object) -> int:
     """A page must hold whole compressed rows of every ratio the model uses."""
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-        raise ConfigError(f"--page-size must be a positive integer, got {page_size!r}")
+    page_size = Family.positive_page_size(page_size)
     largest = max((r for r in spec.compress_ratios if r), default=1)
     if page_size % largest:
         raise ConfigError(
@@ -179,8 +162,7 @@ class DeepSeekV4(Family):
     #: sglang 0.5.23's V4 FP8 layout (FP8 nope, BF16 rope, UE8M0 scales) and FP8 indexer keys
     kv_dtype = "fp8_v4"
     swa_full_tokens_ratio = defaults.SWA_FULL_TOKENS_RATIO
-    host_size_refused = ("--hicache-size: DeepSeek V4 HiCache does not support a host size in bytes "
-                         "(sglang 0.5.23 refuses it); size the host pools with --hicache-ratio")
+    host_size_reason = "DeepSeek V4 HiCache does not support a host size in bytes (sglang 0.5.23 refuses it)"
     faults = (
         FaultKind("global-swa", "SWA KV pool sized by the model's global layer count (the original "
                   "PP+HiCache bug)", count=sized_globally("swa")),
@@ -197,8 +179,7 @@ class DeepSeekV4(Family):
     )
 
     def matches(self, cfg: dict[str, Any]) -> bool:
-        return (any(a in self.architectures for a in cfg.get("architectures") or ())
-                or cfg.get("model_type") == "deepseek_v4" or "compress_ratios" in cfg)
+        return (super().matches(cfg) or cfg.get("model_type") == "deepseek_v4" or "compress_ratios" in cfg)
 
     def spec_from_config(self, cfg: dict[str, Any], name: str) -> DeepSeekV4Spec:
         f = ConfigFields(cfg, name)

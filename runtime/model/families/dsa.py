@@ -32,7 +32,7 @@ shared layer takes the previous stage's top-k through the PP proxy (sglang #2853
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
@@ -49,7 +49,7 @@ from ..family import (
 from ..layer_map import IdSpace, LayerEntry, StageLayerMap
 from ..pool_kinds import LOCAL, KindTable, KvPages, PoolKind, TokenRows, token_host_pages
 from ..spec import MAX_DIM, ConfigFields, ModelSpec, shown
-from .mha import BF16, check_page_size, kv_cache_dtype
+from .mha import BF16, kv_cache_dtype
 from .mla import mla_fields
 
 #: The architectures sglang's ``is_deepseek_dsa`` lists whose models split over PP stages.
@@ -114,10 +114,6 @@ class DsaSpec(ModelSpec):
     kv_cache_dtype: Literal["bf16", "fp8_e4m3"] = "bf16"
 
     @property
-    def family(self) -> DsaFamily:
-        return FAMILY
-
-    @property
     def layer_kinds(self) -> tuple[str, ...]:
         return tuple(SHARED if s else INDEXER for s in self.shared_topk)
 
@@ -144,16 +140,13 @@ class DsaSpec(ModelSpec):
 class DsaLayer(LayerEntry):
     """A DSA layer: whether it computes its top-k, its indexer id, and whose top-k it uses."""
 
+    kind_field: ClassVar[str] = "topk"
     topk: Literal["indexer", "shared"] = Field(
         description="indexer: computes its own top-k (owns an indexer buffer); shared: reuses the previous layer's")
     indexer_id: int | None = Field(description="index among the stage's top-k computing layers; None if shared")
     topk_from: int | None = Field(
         description="global layer whose top-k this layer uses (itself, or the layer before it); None: it "
                     "gets none")
-
-    @property
-    def kind(self) -> str:
-        return self.topk
 
     def describe(self) -> str:
         return "its own top-k" if self.topk == INDEXER else f"the top-k of layer {self.topk_from} (shared)"
@@ -211,7 +204,6 @@ class DsaFamily(Family):
     legend_title = "top-k"
     id_spaces = (INDEXER_IDS,)
     pool_kinds = (_KV, _INDEXER)
-    kv_dtype = "bf16"
     faults = (
         FaultKind("global-dsa", "DSA MLA KV and indexer pools sized by the model's global layer counts "
                   "instead of the stage's", count=sized_globally("kv", "indexer")),
@@ -227,9 +219,7 @@ class DsaFamily(Family):
 
     def matches(self, cfg: dict[str, Any]) -> bool:
         """sglang's ``is_deepseek_dsa``: a listed first architecture and ``index_topk`` set."""
-        arch = cfg.get("architectures") or ()
-        return (isinstance(arch, list) and bool(arch) and arch[0] in self.architectures
-                and cfg.get("index_topk") is not None)
+        return self.first_architecture_listed(cfg) and cfg.get("index_topk") is not None
 
     def spec_from_config(self, cfg: dict[str, Any], name: str) -> DsaSpec:
         f = ConfigFields(cfg, name)
@@ -258,7 +248,7 @@ class DsaFamily(Family):
         return kv_cache_dtype(spec, dtype)
 
     def kind_table(self, spec: DsaSpec, page_size: int) -> KindTable:  # type: ignore[override]
-        page = check_page_size(page_size)
+        page = self.positive_page_size(page_size)
         return KindTable(spec, page, {
             "kv": TokenRows(_KV, spec.kv_row_bytes, page),
             "indexer": IndexerPages(_INDEXER, spec.indexer_row_bytes, page, reserve_pages=1),

@@ -40,10 +40,10 @@ linear layers (``mamba_map``); HiCache signals a layer's completion by its stage
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field
 
@@ -91,10 +91,6 @@ class LinearHybridSpec(ModelSpec):
     pp_refusal: str | None = None
 
     @property
-    def family(self) -> LinearHybrid:
-        return FAMILY
-
-    @property
     def layer_kinds(self) -> tuple[str, ...]:
         return self.kinds
 
@@ -128,16 +124,13 @@ class LinearHybridLayer(LayerEntry):
     """A layer of a linear hybrid: its kind, its ids in the stage's two pools, and the id HiCache
     signals its transfers with (``transfer_id``; readers wait on its local id)."""
 
+    kind_field: ClassVar[str] = "layer_type"
     layer_type: Literal["attention", "mamba", "hybrid", "none"]
     attention_id: int | None = Field(description="index among the stage's attention layers; None otherwise")
     mamba_id: int | None = Field(description="index among the stage's Mamba layers; None otherwise")
     transfer_id: int | None = Field(
         description="the id HiCache signals this layer's transfers with (sglang: its stage-local id); "
                     "None: never signalled (no cache, or past the controller's bound)")
-
-    @property
-    def kind(self) -> str:
-        return self.layer_type
 
     def describe(self) -> str:
         return {"attention": "full attention", "mamba": "a Mamba / linear-attention state",
@@ -187,6 +180,7 @@ PP_REFUSALS = {
 }
 NEMOTRON_SYMBOLS = {"M": MAMBA, "*": ATTENTION, "-": NONE, "E": NONE}
 GRANITE_TYPES = {"mamba": MAMBA, "linear_attention": MAMBA, "attention": ATTENTION, "full_attention": ATTENTION}
+LFM2_TYPES = {"full_attention": ATTENTION, "conv": MAMBA, "short_conv": MAMBA}
 
 
 def _arch(cfg: dict[str, Any]) -> str | None:
@@ -205,11 +199,40 @@ def _ssm_dtype(f: ConfigFields, cfg: dict[str, Any]) -> str:
     return str(value)
 
 
+def _layer_types(f: ConfigFields, layers: int, table: dict[str, str]) -> tuple[str, ...]:
+    """``layer_types``: exactly one entry per layer, each a kind of ``table``."""
+    types = f.cfg.get("layer_types")
+    if not isinstance(types, list) or len(types) != layers:
+        raise f.error(f"'layer_types' must list num_hidden_layers={layers} entries, got {shown(types)}")
+    return tuple(f.kinds("layer_types", types, table))
+
+
 def _mamba2(conv_dim: int, heads: int, head_dim: int, state: int, kernel: int
             ) -> tuple[tuple[int, int], tuple[int, int, int]]:
     """``Mamba2StateShape.create`` at TP 1: conv ``(conv_dim, kernel - 1)``, SSM ``(heads, head_dim,
     state)``."""
     return (conv_dim, kernel - 1), (heads, head_dim, state)
+
+
+def _state_fields(f: ConfigFields, heads: str, head_dim: str, groups: str, state: str, kernel: str
+                  ) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    """A Mamba2 state shape from the five required fields each architecture names its own way; the
+    conv state is ``heads x head_dim + 2 x groups x state`` wide."""
+    h, d = f.positive_int(heads, MAX_HEADS), f.positive_int(head_dim, MAX_DIM)
+    g, s = f.positive_int(groups, MAX_HEADS), f.positive_int(state, MAX_DIM)
+    return _mamba2(h * d + 2 * g * s, h, d, s, f.positive_int(kernel, 64))
+
+
+def _mamba_fields(f: ConfigFields, inter: int, head_dim: Callable[[int], int]
+                  ) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    """The ``mamba_*`` fields GraniteMoeHybrid and Falcon-H1 share (with their configs' defaults) as
+    sglang's state shape; ``head_dim`` of the head count is where the two differ."""
+    heads = f.positive_int("mamba_n_heads", MAX_HEADS, 128)
+    dim = head_dim(heads)
+    state = f.positive_int("mamba_d_state", MAX_DIM, 256)
+    groups = f.positive_int("mamba_n_groups", MAX_HEADS, 1)
+    kernel = f.positive_int("mamba_d_conv", 64, 4)
+    return _mamba2(inter + 2 * groups * state, heads, dim, state, kernel)
 
 
 def _mha(f: ConfigFields, cfg: dict[str, Any], default_head_dim: int | None = None) -> tuple[int, str]:
@@ -237,12 +260,9 @@ def _qwen(cfg: dict[str, Any], name: str, arch: str) -> LinearHybridSpec:
     interval = f.positive_int("full_attention_interval", MAX_LAYERS)
     kinds = tuple(ATTENTION if (i + 1) % interval == 0 else MAMBA for i in range(layers))
     row, layout = _mha(f, text)
-    k_heads = f.positive_int("linear_num_key_heads", MAX_HEADS)
-    v_heads = f.positive_int("linear_num_value_heads", MAX_HEADS)
-    k_dim = f.positive_int("linear_key_head_dim", MAX_DIM)
-    v_dim = f.positive_int("linear_value_head_dim", MAX_DIM)
-    kernel = f.positive_int("linear_conv_kernel_dim", 64)
-    conv, temporal = _mamba2(v_dim * v_heads + 2 * k_heads * k_dim, v_heads, v_dim, k_dim, kernel)
+    # GatedDeltaNet: the value heads are the state's heads, the key heads its groups
+    conv, temporal = _state_fields(f, "linear_num_value_heads", "linear_value_head_dim", "linear_num_key_heads",
+                                   "linear_key_head_dim", "linear_conv_kernel_dim")
     return LinearHybridSpec(name=name, num_layers=layers, architecture=arch, kinds=kinds,
                             attention_row_bytes=row, attention_layout=layout, conv_shape=conv,
                             temporal_shape=temporal, ssm_dtype=_ssm_dtype(f, text),
@@ -255,18 +275,10 @@ def _nemotron(cfg: dict[str, Any], name: str, arch: str) -> LinearHybridSpec:
     if not isinstance(pattern, str) or not 0 < len(pattern) <= MAX_LAYERS:
         raise f.error(f"'hybrid_override_pattern' must be a non-empty string of at most {MAX_LAYERS} "
                       f"characters, got {shown(pattern)}")
-    for i, ch in enumerate(pattern):
-        if ch not in NEMOTRON_SYMBOLS:
-            raise f.error(f"hybrid_override_pattern[{i}] = {ch!r} is not supported (supported: "
-                          f"{', '.join(NEMOTRON_SYMBOLS)})")
-    kinds = tuple(NEMOTRON_SYMBOLS[ch] for ch in pattern)
+    kinds = tuple(f.kinds("hybrid_override_pattern", pattern, NEMOTRON_SYMBOLS))
     row, layout = _mha(f, cfg, 128)  # NemotronHConfig: head_dim defaults to 128
-    heads = f.positive_int("mamba_num_heads", MAX_HEADS)
-    head_dim = f.positive_int("mamba_head_dim", MAX_DIM)
-    state = f.positive_int("ssm_state_size", MAX_DIM)
-    groups = f.positive_int("n_groups", MAX_HEADS)
-    kernel = f.positive_int("conv_kernel", 64)
-    conv, temporal = _mamba2(heads * head_dim + 2 * groups * state, heads, head_dim, state, kernel)
+    conv, temporal = _state_fields(f, "mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_state_size",
+                                   "conv_kernel")
     return LinearHybridSpec(name=name, num_layers=len(kinds), architecture=arch, kinds=kinds,
                             attention_row_bytes=row, attention_layout=layout, conv_shape=conv,
                             temporal_shape=temporal, ssm_dtype=_ssm_dtype(f, cfg))
@@ -304,28 +316,15 @@ def _kimi(cfg: dict[str, Any], name: str, arch: str) -> LinearHybridSpec:
 def _granite(cfg: dict[str, Any], name: str, arch: str) -> LinearHybridSpec:
     f = ConfigFields(cfg, name)
     layers = f.positive_int("num_hidden_layers", MAX_LAYERS)
-    types = cfg.get("layer_types")
-    if types is None:
+    if cfg.get("layer_types") is None:
         kinds = tuple(ATTENTION if (i + 1) % 6 == 0 else MAMBA for i in range(layers))
     else:
-        if not isinstance(types, list) or len(types) != layers:
-            raise f.error(f"'layer_types' must list num_hidden_layers={layers} entries, got {shown(types)}")
-        for i, t in enumerate(types):
-            if t not in GRANITE_TYPES:
-                raise f.error(f"layer_types[{i}] = {shown(t)} is not supported (supported: "
-                              f"{', '.join(GRANITE_TYPES)})")
-        kinds = tuple(GRANITE_TYPES[t] for t in types)
+        kinds = _layer_types(f, layers, GRANITE_TYPES)
     if MAMBA not in kinds:
         raise f.error("has no mamba layer: sglang 0.5.23 serves it as a plain attention model, not a hybrid")
     row, layout = _mha(f, cfg, _hidden_per_head(f))
-    hidden = f.positive_int("hidden_size", 1 << 20)
-    inter = f.positive_int("mamba_expand", 64, 2) * hidden
-    heads = f.positive_int("mamba_n_heads", MAX_HEADS, 128)
-    head_dim = f.positive_int("mamba_d_head", MAX_DIM, inter // heads if heads else 1)
-    state = f.positive_int("mamba_d_state", MAX_DIM, 256)
-    groups = f.positive_int("mamba_n_groups", MAX_HEADS, 1)
-    kernel = f.positive_int("mamba_d_conv", 64, 4)
-    conv, temporal = _mamba2(inter + 2 * groups * state, heads, head_dim, state, kernel)
+    inter = f.positive_int("mamba_expand", 64, 2) * f.positive_int("hidden_size", 1 << 20)
+    conv, temporal = _mamba_fields(f, inter, lambda heads: f.positive_int("mamba_d_head", MAX_DIM, inter // heads))
     return LinearHybridSpec(name=name, num_layers=layers, architecture=arch, kinds=kinds,
                             attention_row_bytes=row, attention_layout=layout, conv_shape=conv,
                             temporal_shape=temporal)
@@ -339,13 +338,8 @@ def _falcon(cfg: dict[str, Any], name: str, arch: str) -> LinearHybridSpec:
     d_ssm = cfg.get("mamba_d_ssm")
     inter = f.positive_int("mamba_d_ssm", 1 << 20) if d_ssm is not None else \
         f.positive_int("mamba_expand", 64, 2) * hidden
-    heads = f.positive_int("mamba_n_heads", MAX_HEADS, 128)
-    head_dim = cfg.get("mamba_d_head", "auto")
-    head_dim = inter // heads if head_dim == "auto" else f.positive_int("mamba_d_head", MAX_DIM)
-    state = f.positive_int("mamba_d_state", MAX_DIM, 256)
-    groups = f.positive_int("mamba_n_groups", MAX_HEADS, 1)
-    kernel = f.positive_int("mamba_d_conv", 64, 4)
-    conv, temporal = _mamba2(inter + 2 * groups * state, heads, head_dim, state, kernel)
+    conv, temporal = _mamba_fields(f, inter, lambda heads: inter // heads if cfg.get("mamba_d_head", "auto")
+                                   == "auto" else f.positive_int("mamba_d_head", MAX_DIM))
     return LinearHybridSpec(name=name, num_layers=layers, architecture=arch, kinds=(HYBRID,) * layers,
                             attention_row_bytes=row, attention_layout=layout, conv_shape=conv,
                             temporal_shape=temporal, ssm_dtype=_ssm_dtype(f, cfg),
@@ -355,19 +349,13 @@ def _falcon(cfg: dict[str, Any], name: str, arch: str) -> LinearHybridSpec:
 def _lfm2(cfg: dict[str, Any], name: str, arch: str) -> LinearHybridSpec:
     f = ConfigFields(cfg, name)
     layers = f.positive_int("num_hidden_layers", MAX_LAYERS)
-    types = cfg.get("layer_types")
-    if not isinstance(types, list) or len(types) != layers:
-        raise f.error(f"'layer_types' must list num_hidden_layers={layers} entries, got {shown(types)}")
-    known = {"full_attention": ATTENTION, "conv": MAMBA, "short_conv": MAMBA}
-    for i, t in enumerate(types):
-        if t not in known:
-            raise f.error(f"layer_types[{i}] = {shown(t)} is not supported (supported: {', '.join(known)})")
+    kinds = _layer_types(f, layers, LFM2_TYPES)
     row, layout = _mha(f, cfg, _hidden_per_head(f))
     hidden = f.positive_int("hidden_size", 1 << 20)
     kernel = f.positive_int("conv_L_cache", 64)
     # conv-only state: Mamba2StateShape with n_groups 1, state 0 -> SSM (1, hidden, 0), no bytes
     return LinearHybridSpec(name=name, num_layers=layers, architecture=arch,
-                            kinds=tuple(known[t] for t in types), attention_row_bytes=row,
+                            kinds=kinds, attention_row_bytes=row,
                             attention_layout=layout, conv_shape=(hidden, kernel - 1),
                             temporal_shape=(1, hidden, 0), ssm_dtype=_ssm_dtype(f, cfg), state_kind="conv",
                             pp_refusal=PP_REFUSALS[arch])
@@ -436,10 +424,8 @@ class LinearHybrid(Family):
     legend_title = "layer"
     id_spaces = (ATTENTION_IDS, MAMBA_IDS)
     pool_kinds = _POOL_KINDS
-    kv_dtype = "bf16"
-    host_size_refused = ("--hicache-size: not modelled for linear-attention / Mamba hybrids (sglang "
-                         "splits a byte size between the KV and Mamba host pools by their device bytes); "
-                         "size the host pools with --hicache-ratio")
+    host_size_reason = ("not modelled for linear-attention / Mamba hybrids (sglang splits a byte size "
+                        "between the KV and Mamba host pools by their device bytes)")
     faults = (
         FaultKind("global-attention", "attention KV pool sized by the model's global attention layer "
                   "count", count=sized_globally("attention")),
@@ -458,9 +444,6 @@ class LinearHybrid(Family):
                   tokens=_own_tokens, refused=_needs_stage_without_attention),
     )
 
-    def matches(self, cfg: dict[str, Any]) -> bool:
-        return _arch(cfg) is not None
-
     def spec_from_config(self, cfg: dict[str, Any], name: str) -> LinearHybridSpec:
         arch = _arch(cfg)
         if arch is None:
@@ -468,8 +451,7 @@ class LinearHybrid(Family):
         return _READERS[arch](cfg, name, arch)
 
     def kind_table(self, spec: LinearHybridSpec, page_size: int) -> KindTable:  # type: ignore[override]
-        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-            raise ConfigError(f"--page-size must be a positive integer, got {page_size!r}")
+        page_size = self.positive_page_size(page_size)
         kinds = {"attention": TokenRows(KINDS["attention"], spec.attention_row_bytes, page_size),
                  "mamba": RequestState(KINDS["mamba"], spec.state_slot_bytes, 1)}
         return KindTable(spec, page_size, kinds)

@@ -14,11 +14,10 @@ sglang derives the geometry as ``ModelConfig`` does: ``head_dim`` falls back to
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from ...errors import ConfigError
 from ..family import Family, FaultKind, LayerKind, sized_globally
 from ..layer_map import LayerEntry
 from ..pool_kinds import LOCAL, KindTable, PoolKind, TokenRows
@@ -41,13 +40,6 @@ def kv_cache_dtype(spec: Any, dtype: str) -> Any:
     return replace(spec, kv_cache_dtype="bf16" if dtype in ("bf16", "bfloat16") else dtype)
 
 
-def check_page_size(page_size: object) -> int:
-    """Any positive page size (sglang's MHA and MLA pools take any)."""
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-        raise ConfigError(f"--page-size must be a positive integer, got {page_size!r}")
-    return page_size
-
-
 @dataclass(frozen=True)
 class MhaSpec(ModelSpec):
     """What the KV cache needs to know about a plain-attention model."""
@@ -57,38 +49,35 @@ class MhaSpec(ModelSpec):
     v_head_dim: int
     kv_cache_dtype: Literal["bf16", "fp8_e4m3"] = "bf16"
 
-    @property
-    def family(self) -> MhaFamily:
-        return FAMILY
-
-    @property
-    def layer_kinds(self) -> tuple[str, ...]:
-        return (MHA,) * self.num_layers
-
     def tp_refused(self, tp_size: int) -> str | None:
         return (f"sglang splits MHA's {self.num_kv_heads} KV heads over the TP ranks; stagecache sizes "
                 "MHA pools at --tp-size 1 only")
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
-                "head_dim": self.head_dim, "v_head_dim": self.v_head_dim, "kv_cache_dtype": self.kv_cache_dtype}
+    @property
+    def row_bytes(self) -> int:
+        """One token of one layer: K and V of every KV head."""
+        return self.num_kv_heads * (self.head_dim + self.v_head_dim) * ELEMENT_BYTES[self.kv_cache_dtype]
+
+class OneKindLayer(LayerEntry):
+    """A layer of a one-kind family (MHA, dense MLA): one buffer of the ``kv`` pool, by its local
+    id.  Each family narrows ``attention`` to a ``Literal`` of its kind, so a record's entries
+    parse back into their own family."""
+
+    kind_field: ClassVar[str] = "attention"
+    attention: str
+
+    def describe(self) -> str:
+        return f"{self.attention.upper()} attention"
+
+    @classmethod
+    def make(cls, local: int, global_id: int, kind: str, ids: dict[str, int | None]) -> OneKindLayer:
+        return cls.model_construct(local=local, global_id=global_id, attention=kind)
 
 
-class MhaLayer(LayerEntry):
+class MhaLayer(OneKindLayer):
     """An MHA layer: one buffer (K and V) of the ``kv`` pool, by its local id."""
 
     attention: Literal["mha"] = Field(MHA, description="the layer's attention: MHA, K and V per token")
-
-    @property
-    def kind(self) -> str:
-        return MHA
-
-    def describe(self) -> str:
-        return "MHA attention"
-
-    @classmethod
-    def make(cls, local: int, global_id: int, kind: str, ids: dict[str, int | None]) -> MhaLayer:
-        return cls.model_construct(local=local, global_id=global_id, attention=MHA)
 
 
 _KV = PoolKind("kv", "MHA KV", None, LOCAL, "full", True,
@@ -96,25 +85,37 @@ _KV = PoolKind("kv", "MHA KV", None, LOCAL, "full", True,
                              "{expected} local layers")
 
 
-class MhaFamily(Family):
+def global_kv_fault(family: str, label: str) -> FaultKind:
+    """A one-kind family's PP bug: its ``kv`` pool sized by the whole model's layers."""
+    return FaultKind(f"global-{family}", f"{label} KV pool sized by the model's global layer count "
+                     "instead of the stage's", count=sized_globally("kv"))
+
+
+class OneKindFamily(Family):
+    """MHA and dense MLA: one ``kv`` pool of one token row per layer (``spec.row_bytes``) by the
+    local id, any page size, BF16 or FP8; sglang tells them by the config's first architecture."""
+
+    def matches(self, cfg: dict[str, Any]) -> bool:
+        return self.first_architecture_listed(cfg)
+
+    def with_kv_cache_dtype(self, spec: ModelSpec, dtype: str) -> ModelSpec:
+        return kv_cache_dtype(spec, dtype)
+
+    def kind_table(self, spec: ModelSpec, page_size: int) -> KindTable:
+        page = self.positive_page_size(page_size)
+        row = spec.row_bytes  # type: ignore[attr-defined]
+        return KindTable(spec, page, {"kv": TokenRows(self.pool_kinds[0], row, page)})
+
+
+class MhaFamily(OneKindFamily):
     name = "mha"
     label = "MHA"
     architectures = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                      "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
     entry = MhaLayer
     layer_kinds = (LayerKind(MHA, "MHA K and V"),)
-    legend_title = "attention"
-    id_spaces = ()
     pool_kinds = (_KV,)
-    kv_dtype = "bf16"
-    faults = (
-        FaultKind("global-mha", "MHA KV pool sized by the model's global layer count instead of the "
-                  "stage's", count=sized_globally("kv")),
-    )
-
-    def matches(self, cfg: dict[str, Any]) -> bool:
-        arch = cfg.get("architectures") or ()
-        return isinstance(arch, list) and bool(arch) and arch[0] in self.architectures
+    faults = (global_kv_fault("mha", "MHA"),)
 
     def spec_from_config(self, cfg: dict[str, Any], name: str) -> MhaSpec:
         f = ConfigFields(cfg, name)
@@ -131,14 +132,6 @@ class MhaFamily(Family):
             head_dim = f.positive_int("head_dim", MAX_DIM)
         return MhaSpec(name=name, num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
                        v_head_dim=head_dim)
-
-    def with_kv_cache_dtype(self, spec: MhaSpec, dtype: str) -> MhaSpec:  # type: ignore[override]
-        return kv_cache_dtype(spec, dtype)
-
-    def kind_table(self, spec: MhaSpec, page_size: int) -> KindTable:  # type: ignore[override]
-        page = check_page_size(page_size)
-        row = spec.num_kv_heads * (spec.head_dim + spec.v_head_dim) * ELEMENT_BYTES[spec.kv_cache_dtype]
-        return KindTable(spec, page, {"kv": TokenRows(_KV, row, page)})
 
 
 FAMILY = MhaFamily()

@@ -15,11 +15,10 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from ..family import Family, FaultKind, LayerKind, sized_globally
-from ..layer_map import LayerEntry
-from ..pool_kinds import LOCAL, KindTable, PoolKind, TokenRows
+from ..family import LayerKind
+from ..pool_kinds import LOCAL, PoolKind
 from ..spec import MAX_DIM, MAX_LAYERS, ConfigFields, ModelSpec
-from .mha import ELEMENT_BYTES, check_page_size, kv_cache_dtype
+from .mha import ELEMENT_BYTES, OneKindFamily, OneKindLayer, global_kv_fault
 
 #: The layer kind of every dense MLA layer.
 MLA = "mla"
@@ -34,38 +33,15 @@ class MlaSpec(ModelSpec):
     kv_cache_dtype: Literal["bf16", "fp8_e4m3"] = "bf16"
 
     @property
-    def family(self) -> MlaFamily:
-        return FAMILY
-
-    @property
-    def layer_kinds(self) -> tuple[str, ...]:
-        return (MLA,) * self.num_layers
-
-    @property
-    def latent_row_bytes(self) -> int:
+    def row_bytes(self) -> int:
         """One token's latent row: BF16, or one byte per value in FP8 (dense MLA has no scales)."""
         return (self.kv_lora_rank + self.qk_rope_head_dim) * ELEMENT_BYTES[self.kv_cache_dtype]
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "num_layers": self.num_layers, "kv_lora_rank": self.kv_lora_rank,
-                "qk_rope_head_dim": self.qk_rope_head_dim, "kv_cache_dtype": self.kv_cache_dtype}
 
-
-class MlaLayer(LayerEntry):
+class MlaLayer(OneKindLayer):
     """A dense MLA layer: one latent buffer of the ``kv`` pool, by its local id."""
 
     attention: Literal["mla"] = Field(MLA, description="the layer's attention: MLA, one latent row per token")
-
-    @property
-    def kind(self) -> str:
-        return MLA
-
-    def describe(self) -> str:
-        return "MLA attention"
-
-    @classmethod
-    def make(cls, local: int, global_id: int, kind: str, ids: dict[str, int | None]) -> MlaLayer:
-        return cls.model_construct(local=local, global_id=global_id, attention=MLA)
 
 
 _KV = PoolKind("kv", "MLA latent KV", None, LOCAL, "full", True,
@@ -79,36 +55,21 @@ def mla_fields(f: ConfigFields) -> tuple[int, int, int]:
             f.positive_int("qk_rope_head_dim", MAX_DIM))
 
 
-class MlaFamily(Family):
+class MlaFamily(OneKindFamily):
     name = "mla"
     label = "MLA"
     architectures = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "KimiK2ForCausalLM")
     entry = MlaLayer
     layer_kinds = (LayerKind(MLA, "MLA latent KV"),)
-    legend_title = "attention"
-    id_spaces = ()
     pool_kinds = (_KV,)
-    kv_dtype = "bf16"
-    faults = (
-        FaultKind("global-mla", "MLA KV pool sized by the model's global layer count instead of the "
-                  "stage's", count=sized_globally("kv")),
-    )
+    faults = (global_kv_fault("mla", "MLA"),)
 
     def matches(self, cfg: dict[str, Any]) -> bool:
-        arch = cfg.get("architectures") or ()
-        return (isinstance(arch, list) and bool(arch) and arch[0] in self.architectures
-                and "kv_lora_rank" in cfg)
+        return super().matches(cfg) and "kv_lora_rank" in cfg
 
     def spec_from_config(self, cfg: dict[str, Any], name: str) -> MlaSpec:
         layers, rank, rope = mla_fields(ConfigFields(cfg, name))
         return MlaSpec(name=name, num_layers=layers, kv_lora_rank=rank, qk_rope_head_dim=rope)
-
-    def with_kv_cache_dtype(self, spec: MlaSpec, dtype: str) -> MlaSpec:  # type: ignore[override]
-        return kv_cache_dtype(spec, dtype)
-
-    def kind_table(self, spec: MlaSpec, page_size: int) -> KindTable:  # type: ignore[override]
-        page = check_page_size(page_size)
-        return KindTable(spec, page, {"kv": TokenRows(_KV, spec.latent_row_bytes, page)})
 
 
 FAMILY = MlaFamily()

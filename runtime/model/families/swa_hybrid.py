@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field
 
@@ -47,7 +47,6 @@ from ..spec import (
     MAX_SLIDING_WINDOW,
     ConfigFields,
     ModelSpec,
-    shown,
 )
 
 if TYPE_CHECKING:
@@ -64,8 +63,6 @@ MIMO_V2 = ("MiMoV2ForCausalLM", "MiMoV2FlashForCausalLM")
 STEP3P5 = ("Step3p5ForCausalLM",)
 GEMMA23 = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 LLAMA4 = ("Llama4ForConditionalGeneration",)
-#: Architectures whose SWA sub-pool takes the ``swa_*`` shape (sglang's ``is_hybrid_swa_compress``).
-SWA_SHAPED = (*MIMO_V2, *GEMMA4)
 
 LayerKindName = Literal["swa", "full", "kv"]
 LAYER_TYPES = {"sliding_attention": "swa", "full_attention": "full"}
@@ -100,10 +97,6 @@ class SwaHybridSpec(ModelSpec):
     no_pp: str = ""  # why sglang does not split it over PP ("" where it does)
 
     @property
-    def family(self) -> SwaHybrid:
-        return FAMILY
-
-    @property
     def layer_kinds(self) -> tuple[str, ...]:
         return self.kinds
 
@@ -128,15 +121,12 @@ class SwaHybridSpec(ModelSpec):
 class SwaHybridLayer(LayerEntry):
     """A layer of an SWA hybrid: its kind, its sub-pool index and its HiCache transfer ids."""
 
+    kind_field: ClassVar[str] = "layer_kind"
     layer_kind: LayerKindName = Field(description="swa (sliding window), full, or kv (one plain MHA pool)")
     sub_pool_id: int | None = Field(description="index among the stage's layers of its kind: what the "
                                     "device pool reads (sglang's layers_mapping)")
     transfer_id: int | None = Field(description="id HiCache signals the layer's transfer with")
     wait_id: int | None = Field(description="id the pool waits on before reading the layer")
-
-    @property
-    def kind(self) -> str:
-        return self.layer_kind
 
     def describe(self) -> str:
         return KIND_TEXT[self.layer_kind]
@@ -202,13 +192,7 @@ def _layer_types(f: ConfigFields, key: str, n: int, *, cut: bool = False) -> lis
     if len(types) < n or (len(types) != n and not cut):
         raise f.error(f"'{key}' has {len(types)} entries; expected num_hidden_layers={n}"
                       + (" or more" if cut else ""))
-    kinds = []
-    for i, t in enumerate(types[:n]):
-        if t not in LAYER_TYPES:
-            raise f.error(f"{key}[{i}] = {shown(t)} is not supported (supported: "
-                          f"{', '.join(LAYER_TYPES)})")
-        kinds.append(LAYER_TYPES[t])
-    return kinds
+    return f.kinds(key, types[:n], LAYER_TYPES)
 
 
 def _kv_heads(f: ConfigFields) -> int:
@@ -242,13 +226,10 @@ class SwaHybrid(Family):
     entry = SwaHybridLayer
     layer_kinds = (LayerKind("swa", "sliding window"), LayerKind("full", "full attention"),
                    LayerKind("kv", "plain MHA"))
-    legend_title = "attention"
     id_spaces = (SUB_POOL_IDS,)
     pool_kinds = _POOL_KINDS
-    kv_dtype = "bf16"
     swa_full_tokens_ratio = SWA_FULL_TOKENS_RATIO
-    host_size_refused = ("--hicache-size: a host size in bytes is not modelled for SWA hybrids "
-                         "(sglang splits it by device bytes); size the host pools with --hicache-ratio")
+    host_size_reason = "a host size in bytes is not modelled for SWA hybrids (sglang splits it by device bytes)"
     faults = (
         FaultKind("global-swa-subpool", "SWA sub-pool sized by the model's global sliding-window layer "
                   "count", count=sized_globally("swa")),
@@ -261,9 +242,6 @@ class SwaHybrid(Family):
                   "waits on global ids (sglang #38866 / #39699)", stages=later_stages, min_pp=2,
                   layer_map=_stage_local_transfer_ids),
     )
-
-    def matches(self, cfg: dict[str, Any]) -> bool:
-        return any(a in self.architectures for a in cfg.get("architectures") or ())
 
     def spec_from_config(self, cfg: dict[str, Any], name: str) -> SwaHybridSpec:
         arch = next(a for a in cfg.get("architectures") or () if a in self.architectures)
@@ -321,8 +299,7 @@ class SwaHybrid(Family):
                              sliding_window=window, full=full, swa=swa, plain_reason=plain, no_pp=no_pp)
 
     def kind_table(self, spec: SwaHybridSpec, page_size: int) -> KindTable:  # type: ignore[override]
-        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-            raise ConfigError(f"--page-size must be a positive integer, got {page_size!r}")
+        page_size = self.positive_page_size(page_size)
         kinds = {
             "swa": TokenRows(KINDS["swa"], spec.swa.token_bytes, page_size),
             "full": TokenRows(KINDS["full"], spec.full.token_bytes, page_size),
