@@ -82,7 +82,9 @@ def agreement_view(stages: Sequence[StageLive], max_disagreements: int | None,
                     reverse=True)[:SHOWN_DISAGREEMENTS]
     return {
         "total": total, "kinds": kinds, "per_stage": per_stage,
-        "pp_lines": readiness_lines(divergence),
+        # the PP ranks' first divergence and incomplete transfers (sglang), each stage's
+        # incomplete transfers (serve: ``StageLive.transfer_check``)
+        "pp_lines": readiness_lines(divergence) + [line for s in stages if (line := s.transfer_check.line())],
         "compared": min((s.agreement.compared_requests for s in stages), default=0),
         "max_disagreements": max_disagreements,
         "over": max_disagreements is not None and total > max_disagreements,

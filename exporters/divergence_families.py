@@ -8,7 +8,7 @@ own per-request agreement, ``stagecache_stage_disagreements_total``).
 
 from __future__ import annotations
 
-from stagecache.runtime.live.divergence import QUANTITIES, QUANTITY_MEANINGS, DivergenceLive
+from stagecache.runtime.live.divergence import QUANTITIES, QUANTITY_MEANINGS
 
 from .family import Family, Samples, one, per
 
@@ -19,8 +19,8 @@ DIVERGENCE_LABELS: dict[str, str] = {
 DIVERGENCE_LABEL_VALUES: dict[str, tuple[str, ...]] = {"quantity": QUANTITIES}
 
 
-def _incomplete(d: DivergenceLive) -> Samples:
-    return [((kind,), n) for kind, n in sorted(d.incomplete.items())]
+def _incomplete(counts: dict[str, int]) -> Samples:
+    return [((kind,), n) for kind, n in sorted(counts.items())]
 
 
 DIVERGENCE_FAMILIES: tuple[Family, ...] = (
@@ -37,8 +37,15 @@ DIVERGENCE_FAMILIES: tuple[Family, ...] = (
     Family("stagecache_pp_dropped_records_total", "counter",
            "Agreement records ranks dropped unsent because their per-push size limit was reached",
            samples=one(lambda d: d.dropped)),
+)
+
+#: Incomplete HiCache transfers of the whole deployment, by pool kind: from the PP ranks' compare
+#: on the sglang endpoint (``DivergenceLive.incomplete``), from every stage's own check in ``serve``
+#: (``StageLive.transfer_check``).  Input: pool kind -> transfers.  The stage and page are named on
+#: /readyz, the dashboard and in the log.
+INCOMPLETE_FAMILIES: tuple[Family, ...] = (
     Family("stagecache_hicache_incomplete_transfers_total", "counter",
-           "HiCache backups and loads of full-KV pages that lacked a pool kind the stage mirrors, or "
-           "moved other bytes than the stage's plan says, by the pool kind missing (`bytes`: none "
-           "missing, the bytes differ)", ("pool",), _incomplete),
+           "HiCache backups and loads of pages that lacked a pool kind the stage mirrors, or moved "
+           "other bytes than the stage's plan says, by the pool kind missing (`bytes`: none missing, "
+           "the bytes differ)", ("pool",), _incomplete),
 )

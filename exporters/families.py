@@ -29,7 +29,12 @@ from stagecache.runtime.memory.host_tier import HOST_TIER_STATUSES
 from stagecache.runtime.transfer.stats import DIRECTIONS
 from stagecache.runtime.validation.report import StageReport, StartupReport
 
-from .divergence_families import DIVERGENCE_FAMILIES, DIVERGENCE_LABEL_VALUES, DIVERGENCE_LABELS
+from .divergence_families import (
+    DIVERGENCE_FAMILIES,
+    DIVERGENCE_LABEL_VALUES,
+    DIVERGENCE_LABELS,
+    INCOMPLETE_FAMILIES,
+)
 from .family import Family, Samples, cumulative_buckets, one, per
 from .insight_families import CACHE_INSIGHT_FAMILIES, INSIGHT_LABEL_VALUES, INSIGHT_LABELS
 from .l3_families import L3_FAMILIES, L3_LABEL_VALUES, L3_LABELS
@@ -327,11 +332,11 @@ BUILD_INFO = Family("stagecache_build_info", "info", "stagecache's version (valu
 
 def all_families() -> tuple[tuple[str, Family], ...]:
     """``(scope, family)`` in exposition order; scope is build, run, startup, live, liveness,
-    parent or deployment (the PP ranks' agreement)."""
+    parent, deployment (the PP ranks' agreement) or transfers (incomplete HiCache transfers)."""
     return (("build", BUILD_INFO), *(("run", f) for f in RUN_FAMILIES),
             *(("startup", f) for f in STARTUP_FAMILIES), *(("live", f) for f in LIVE_FAMILIES),
             *(("liveness", f) for f in LIVENESS_FAMILIES), *(("parent", f) for f in PARENT_FAMILIES),
-            *(("deployment", f) for f in DIVERGENCE_FAMILIES))
+            *(("deployment", f) for f in DIVERGENCE_FAMILIES), *(("transfers", f) for f in INCOMPLETE_FAMILIES))
 
 
 def label_names(scope: str, fam: Family) -> tuple[str, ...]:

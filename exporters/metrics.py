@@ -94,13 +94,16 @@ class StageCollector(Collector):
         metrics = {fam.name: new_family(scope, fam) for scope, fam in all_families()}
         for scope, fam in all_families():
             inputs = self._parent() if scope == "parent" else self._deployment() if scope == "deployment" \
-                else self._inputs(scope, report, live, model, verdict)
+                else self._transfers(live) if scope == "transfers" else self._inputs(scope, report, live, model, verdict)
             for prefix, item in inputs:
                 for values, value in fam.samples(item):
                     add_sample(metrics[fam.name], scope, fam, prefix, values, value)
         metrics["stagecache_build_info"].add_metric([], {"version": _version()})
-        # the PP ranks' agreement exists only where the source compares ranks (the sglang endpoint)
+        # the PP ranks' agreement exists only where the source compares ranks (the sglang endpoint);
+        # incomplete transfers where it does or stages report live numbers (serve)
         absent = {f.name for scope, f in all_families() if scope == "deployment"} if not self._deployment() else set()
+        if not self._transfers(live):
+            absent |= {f.name for scope, f in all_families() if scope == "transfers"}
         yield from (m for name, m in metrics.items() if name not in absent)
 
     def _parent(self) -> list[tuple[tuple[str, ...], Any]]:
@@ -113,6 +116,21 @@ class StageCollector(Collector):
         divergence = getattr(self.source, "divergence", None)
         d = divergence() if callable(divergence) else None
         return [((), d)] if d is not None else []
+
+    def _transfers(self, live: Mapping[int, StageLive]) -> list[tuple[tuple[str, ...], Any]]:
+        """Incomplete HiCache transfers by pool kind: the sglang endpoint's compare of its ranks, or
+        the sum of every stage's own check (``serve``)."""
+        deployment = self._deployment()
+        if deployment:
+            return [((), deployment[0][1].incomplete)]
+        if not live:
+            return []  # a preflight view: no transfers at all
+        counts: dict[str, int] = {}
+        for s in live.values():  # every kind checked starts at 0 (a counter rate() can read)
+            counts.update({kind: counts.get(kind, 0) for kind in s.transfer_check.kinds})
+            for kind, n in s.transfer_check.incomplete.items():
+                counts[kind] = counts.get(kind, 0) + n
+        return [((), counts)]
 
     @staticmethod
     def _inputs(scope: str, report: StartupReport | None, live: Mapping[int, StageLive],

@@ -24,7 +24,8 @@ END = "<!-- END GENERATED -->"
 DOC = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
 SCOPES = {"build": "package", "run": "run (startup report)", "startup": "stage (startup report)", "liveness": "stage (liveness verdict, as /readyz)",
           "live": "stage (live numbers)", "parent": "serving parent",
-          "deployment": "deployment (PP ranks compared, sglang endpoint)"}
+          "deployment": "deployment (PP ranks compared, sglang endpoint)",
+          "transfers": "deployment (every stage's HiCache transfers; serve and the sglang endpoint)"}
 
 
 class _NoSource:

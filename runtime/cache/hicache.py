@@ -28,16 +28,25 @@ tier gets one of, when it gets it: so writes to L3 follow the host tier's write 
 stage that must take the same pages as its pipeline's head stage (``begin(..., follow=)``) and
 cannot read some of them has them rewritten by ``refill`` (what a recompute would produce),
 counted as ``fallback_pages``: the stages' decisions never depend on one stage's L3.
+
+Complete transfers (payload mode, given the stage's ``mirror``: ``plan.mirror.mirror_bytes``):
+every backup and load is held against the plan as it is made -- it must move every pool kind the
+stage mirrors, in the plan's bytes per page (``plan.mirror.transfer_gap``).  One that does not is
+kept in ``incomplete`` (the first host page, the kinds it lacked, the bytes) for the stage's live
+numbers; the cache goes on (what the pages then hold is the KV check's to find).  ``backup_pools``
+narrows what backups move: ``--fault backup-without-indexer`` leaves the indexer out that way.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from .. import defaults
 from ..errors import ConfigError
 from ..memory.allocator import OutOfPagesError, PageAllocator
+from ..plan.mirror import transfer_gap
 from .eviction import DEFAULT_POLICY, make_policy
 from .handle import CacheOutOfPagesError, Handle, HandleError
 from .insight import DEFAULT_INSIGHT, DROPPED, FROM_HOST, WRITEBACK, CacheInsight, InsightConfig
@@ -49,7 +58,23 @@ from .storage_tier import StorageTier
 #: ``refill(page keys, host pages)``: write the bytes of pages L3 could not give back.
 Refill = Callable[[Sequence[int], Sequence[int]], None]
 
-__all__ = ["CacheOutOfPagesError", "Handle", "HandleError", "HiCache"]
+__all__ = ["CacheOutOfPagesError", "Handle", "HandleError", "HiCache", "IncompleteCopy"]
+
+#: Incomplete transfers a cache keeps (the first is kept apart: it is the one named).
+KEPT_INCOMPLETE = 50
+
+
+@dataclass(frozen=True)
+class IncompleteCopy:
+    """A backup (d2h) or load (h2d) that did not move every pool kind the stage mirrors, in the
+    plan's bytes: its first host page, how many pages, the kinds it lacked, the bytes."""
+
+    direction: str
+    page: int
+    pages: int
+    missing: tuple[str, ...]
+    expected_bytes: int
+    got_bytes: int
 
 
 class HiCache:
@@ -59,7 +84,8 @@ class HiCache:
                  write_policy: str = "write_back", stats: CacheStats | None = None,
                  selective_threshold: int = 2, hash_salt: int = 0,
                  eviction_policy: str = DEFAULT_POLICY, insight: InsightConfig | None = DEFAULT_INSIGHT,
-                 storage: StorageTier | None = None):
+                 storage: StorageTier | None = None, mirror: Mapping[str, int] | None = None,
+                 backup_pools: Sequence[str] | None = None):
         if storage is not None and host_pools is None:
             raise ConfigError("an L3 tier needs a host tier (L3 pages are read into host pages)")
         if host_pools is not None and controller is None:
@@ -75,6 +101,9 @@ class HiCache:
                     host_pools.allocator if host_pools is not None else None,
                     write_policy, stats, selective_threshold, hash_salt, eviction_policy, insight)
         self.storage = storage
+        #: kind -> bytes per page every transfer must move (None: transfers are not checked)
+        self.mirror = dict(mirror) if mirror else None
+        self.backup_pools = tuple(backup_pools) if backup_pools is not None else None
 
     @classmethod
     def metadata_only(cls, page_size: int, device_pages: int, host_pages: int = 0, stage: int = 0,
@@ -108,6 +137,12 @@ class HiCache:
         self._pending: dict[int, int] = {}  # host page -> device page: write-back copies not yet made
         self._pending_keys: dict[int, int] = {}  # host page -> its page key (for the L3 copy)
         self.storage: StorageTier | None = None
+        self.mirror: dict[str, int] | None = None
+        self.backup_pools: tuple[str, ...] | None = None
+        self.checked_transfers = 0
+        self.incomplete: list[IncompleteCopy] = []  # the first, then the latest KEPT_INCOMPLETE
+        self.incomplete_count = 0
+        self.incomplete_kinds: dict[str, int] = {}
         #: miss reasons and sampled lifetimes (``insight.py``); None: not kept
         self.insight = None if insight is None else CacheInsight(insight, stats, self.tree._node)
 
@@ -263,9 +298,34 @@ class HiCache:
         if self.controller is None:
             return
         if direction == "d2h":
-            _ordered(self.controller.backup(src, dst))
+            result = self.controller.backup(src, dst, pools=self.backup_pools)
         else:
-            _ordered(self.controller.load(src, dst))
+            result = self.controller.load(src, dst)
+        _ordered(result)
+        if self.mirror is not None:
+            self._check_copy(direction, dst if direction == "d2h" else src, result)
+
+    def _check_copy(self, direction: str, host_pages: list[int], result: Any) -> None:
+        """One transfer against the stage's plan (``plan.mirror``); an incomplete one is kept."""
+        self.checked_transfers += 1
+        pages = int(result.pages)
+        kinds = result.kinds
+        moved = {kind: pages for kind, _ in kinds}
+        per_page = dict(kinds)
+        # a kind moved in other bytes per page than the plan says is wrong too: the mirrored kinds'
+        # bytes against the plan's (kinds the plan does not mirror are not the check's)
+        gap = transfer_gap(self.mirror, moved, pages, pages * sum(per_page.get(k, 0) for k in self.mirror))
+        if gap is None:
+            return
+        missing, expected = gap
+        self.incomplete_count += 1
+        for kind in missing or ["bytes"]:
+            self.incomplete_kinds[kind] = self.incomplete_kinds.get(kind, 0) + 1
+        found = IncompleteCopy(direction, int(host_pages[0]) if len(host_pages) else -1, pages,
+                               tuple(missing), expected, int(result.nbytes))
+        if len(self.incomplete) > KEPT_INCOMPLETE:
+            del self.incomplete[1]  # the first stays: it is the one named
+        self.incomplete.append(found)
 
     def _load(self, nodes: list[int], watch: bool = False) -> None:
         host = self.tree.host

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..plan.plan import RunPlan
 from ..validation.deployment import preflight
 from ..validation.report import StartupReport
 from .check_storage import add_storage_args, print_findings, storage_findings
@@ -19,9 +20,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def live_only_lines(plan: RunPlan) -> list[str]:
+    """One line per fault of the plan that only a serving stage acts on (``FaultKind.scope ==
+    "serve"``): the layout it leaves is healthy, so ``check`` passes it -- and says so."""
+    out = []
+    for f in plan.faults:
+        if f.kind.scope != "serve":
+            continue
+        where = "stagecache serve" + (", or the sglang plugin's STAGECACHE_FAULT" if f.kind.backup_left_out else "")
+        out.append(f"--fault {f.name}: live only: it leaves the layout healthy and acts on a serving stage "
+                   f"({where}); check has nothing to find")
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
-    report = preflight(plan_from_args(args))
+    plan = plan_from_args(args)
+    report = preflight(plan)
     storage = storage_findings(args, report.pp_size)
+    live_only = live_only_lines(plan)
     if args.json:
         out = report.to_dict()
         if args.sglang_storage:
@@ -31,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
         print_report(report)
         if storage:
             print_findings(storage)
+        for line in live_only:
+            output_console().print(line)
     return 0 if report.ok and not any(f["level"] == "error" for f in storage) else 1
 
 

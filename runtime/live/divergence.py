@@ -310,6 +310,13 @@ class DivergenceTracker:
                 "waiting": waiting})
 
 
+def incomplete_line(count: int, first: IncompleteBackup) -> str:
+    """The one line that names incomplete transfers (``/readyz``, the dashboard, the log): how
+    many, and the first with its stage, pool kinds and page -- on the sglang endpoint and in
+    ``serve`` alike."""
+    return f"{count} incomplete HiCache transfer(s); first: {first.text()}"
+
+
 def readiness_lines(d: DivergenceLive | None) -> list[str]:
     """What /readyz says about agreement: the first divergence and the first incomplete backup
     (a warning, or -- when the operator made agreement strict -- why the deployment is not ready)."""
@@ -319,6 +326,5 @@ def readiness_lines(d: DivergenceLive | None) -> list[str]:
     if d.first is not None:
         out.append(f"PP ranks diverged {d.total} time(s); first at {d.first.text()}")
     if d.first_incomplete is not None:
-        n = sum(d.incomplete.values())
-        out.append(f"{n} incomplete HiCache transfer(s); first: {d.first_incomplete.text()}")
+        out.append(incomplete_line(sum(d.incomplete.values()), d.first_incomplete))
     return out

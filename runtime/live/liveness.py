@@ -10,7 +10,9 @@ Kubernetes separates three questions, and so does ``serve``:
   (``exceeds_ram``), and the stages agreeing on their cache decisions: no more
   than ``--max-disagreements`` per-request disagreements (``agreement.py``) --
   stages that disagree compute on different prefixes, so their output cannot be
-  trusted.  The other host-tier statuses (``smaller_than_device``,
+  trusted; and (``serve``) every HiCache backup and load complete -- one that lacked a
+  pool kind the stage mirrors (``StageLive.transfer_check``) leaves host pages that load
+  back wrong.  The other host-tier statuses (``smaller_than_device``,
   ``pin_refused``) are listed in ``warnings``: shown, still ready.
 
 A stage process beats from a thread of its own (``stage_worker.Heartbeat``), so a
@@ -188,6 +190,13 @@ def assess(run: RunInfo | None, startup: StartupReport | None,
     total, why = agreement_verdict([stages.get(k) for k in ids], limit)
     if why:
         reasons.append(why)
+    # incomplete transfers: not ready under a serving parent (its pages load back wrong), a
+    # warning where only stages report (the sglang endpoint says it from ``divergence()``)
+    for k in ids:
+        live = stages.get(k)
+        line = live.transfer_check.line() if live is not None else None
+        if line:
+            (reasons if run is not None else warnings).append(line)
     return Liveness(
         ready=not reasons, warnings=warnings, phase=run.phase.value if run else "unknown", startup_ok=ok,
         heartbeat_timeout_s=timeout, failure=run.failure if run else None,

@@ -28,6 +28,7 @@ from ..transfer.stats import (
     TransferSplit,
 )
 from ..typed import Strict
+from .divergence import IncompleteBackup, incomplete_line
 
 #: The typed parts a stage's numbers are made of, re-exported where every reader finds them.
 __all__ = [
@@ -169,6 +170,27 @@ class StageAgreement(Strict):
         default_factory=list, description="rank 0 only: the latest disagreements, oldest first")
 
 
+class TransferCheckLive(Strict):
+    """Every HiCache backup and load of a ``serve`` stage held against its plan (``plan.mirror``):
+    each must move every pool kind the stage mirrors, in the plan's bytes per page."""
+
+    kinds: list[str] = Field(default_factory=list, description="pool kinds every transfer must move "
+                                                                "(the plan's mirror)")
+    checked: int = Field(0, description="backups and loads checked")
+    count: int = Field(0, description="of them incomplete")
+    incomplete: dict[str, int] = Field(
+        default_factory=dict, description="pool kind -> transfers that lacked it (`bytes`: none missing, "
+                                          "the bytes differ)")
+    first: IncompleteBackup | None = Field(None, description="the first incomplete transfer")
+    recent: list[IncompleteBackup] = Field(default_factory=list, description="the latest, oldest first")
+
+    def line(self) -> str | None:
+        """What /readyz, the dashboard and the log say (None: every transfer was complete)."""
+        if self.first is None:
+            return None
+        return incomplete_line(self.count, self.first)
+
+
 class L3Directions(Strict):
     """One figure per L3 direction: prefetch = L3 to host, backup = host to L3."""
 
@@ -255,6 +277,9 @@ class StageLive(CacheLive, TransferLive):
     # cache insight and stage agreement
     insight: CacheInsightLive = Field(default_factory=CacheInsightLive)
     agreement: StageAgreement = Field(default_factory=StageAgreement)
+    # every HiCache backup and load against the stage's plan (serve; the sglang endpoint compares
+    # its ranks' transfers in ``live.divergence``)
+    transfer_check: TransferCheckLive = Field(default_factory=TransferCheckLive)
     # the storage tier behind the host tier
     l3: L3Live = Field(default_factory=L3Live)
     # what the deployment's minimum token capacity leaves stranded on this stage

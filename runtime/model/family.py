@@ -95,8 +95,26 @@ class FaultKind:
     present: Callable[[PoolKind, list[bool]], list[bool]] | None = None
     #: pool kinds a hit stage leaves out of its HiCache host set (sglang #38031)
     host_left_out: frozenset[str] = frozenset()
+    #: pool kinds a hit stage's HiCache backups leave out while its host set holds them (sglang
+    #: #38031's pages): start-up validation cannot see it, the live transfer check flags it
+    backup_left_out: frozenset[str] = frozenset()
     tokens: Callable[[ModelSpec, StageLayerMap, int, int], int] | None = None
     refused: Callable[[ModelLayout, int | None], str | None] | None = None
+
+
+#: The one fault name and help of a stage whose backups skip its indexer kinds (each family that
+#: has an indexer names its kinds: ``backup_without_indexer``).
+BACKUP_WITHOUT_INDEXER = "backup-without-indexer"
+
+
+def backup_without_indexer(*kinds: str) -> FaultKind:
+    """The stage's HiCache backups leave ``kinds`` (the family's indexer kinds) out while its host
+    set mirrors them: pages come back without their index keys (sglang #38031).  Live only: a
+    serving stage (``serve``, the sglang plugin's ``STAGECACHE_FAULT``) acts on it."""
+    return FaultKind(BACKUP_WITHOUT_INDEXER, "the stage's HiCache backups leave the indexer kind(s) out "
+                     "while its host set holds them (sglang #38031's pages); start-up validation passes, "
+                     "the live transfer check flags the first incomplete page (live only: serve and the "
+                     "sglang plugin's STAGECACHE_FAULT)", scope="serve", backup_left_out=frozenset(kinds))
 
 
 @dataclass(frozen=True)

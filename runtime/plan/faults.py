@@ -150,6 +150,12 @@ def faulty_buffers(stage_map: StageLayerMap, spec: ModelSpec, faults: Sequence[F
     return buffers
 
 
+def backup_left_out(faults: Sequence[Fault], stage: int, pp_size: int) -> frozenset[str]:
+    """Pool kinds stage ``stage``'s HiCache backups leave out (``--fault backup-without-indexer``
+    hitting it); empty: every mirrored kind."""
+    return frozenset().union(*(f.kind.backup_left_out for f in faults if f.hits(stage, pp_size)))
+
+
 def fault_names(faults: Sequence[Fault]) -> list[str]:
     """The faults as typed on the command line (``NAME`` or ``NAME@STAGE``)."""
     return [f.name if f.stage is None else f"{f.name}@{f.stage}" for f in faults]

@@ -53,6 +53,19 @@ class KvMismatchError(StageCacheError):
     """Bytes loaded back from host are not the bytes written: the cache returned wrong KV."""
 
 
+def transfer_check_live(cache: Any, stage: int) -> Any:
+    """The cache's checked transfers (``HiCache.incomplete``) as ``StageLive.transfer_check``."""
+    from ..live.divergence import IncompleteBackup
+    from ..live.numbers import TransferCheckLive
+
+    found = [IncompleteBackup(time=0.0, stage=stage, direction=c.direction, page=c.page, pages=c.pages,
+                              missing=list(c.missing), expected_bytes=c.expected_bytes, got_bytes=c.got_bytes)
+             for c in cache.incomplete]
+    return TransferCheckLive(kinds=list(cache.mirror or ()), checked=cache.checked_transfers, count=cache.incomplete_count,
+                             incomplete=dict(cache.incomplete_kinds), first=found[0] if found else None,
+                             recent=found)
+
+
 def build_trace(trace: str | None, requests: int, seed: int, fmt: str = "auto") -> list[Any]:
     """The request stream every stage replays: a JSONL file (first ``requests``, in format ``fmt``)
     or a generated one."""
@@ -135,7 +148,8 @@ class StageCache:
         from ..cache.stats import CacheStats
         from ..memory.host_pools import HostPools
         from ..memory.pools import StagePools
-        from ..plan.faults import HOST_TIER_FAULTS
+        from ..plan.faults import HOST_TIER_FAULTS, backup_left_out
+        from ..plan.mirror import mirror_bytes
         from ..transfer.controller import TransferController
         from ..transfer.stats import TransferStats
         from ..validation.checks import validate_stage
@@ -167,8 +181,13 @@ class StageCache:
         if self.valid:  # an invalid stage never serves; its transfer stack is not needed
             self.controller = TransferController(self.pools, self.host, self.transfer_stats)
             self.stats = CacheStats(self.stage, cfg.opts.page_size, transfer=self.transfer_stats)
+            # every backup and load is checked against the plan; a backup-without-indexer fault
+            # makes this stage's backups leave the kinds out while the host set holds them
+            left_out = backup_left_out(cfg.opts.plan.faults, self.stage, cfg.opts.pp_size)
+            backup_pools = [k for k in self.host.kinds if k not in left_out] if left_out else None
             self.cache = HiCache(self.pools, self.host, self.controller, cfg.opts.hicache_write_policy,
-                                 stats=self.stats, insight=SERVE_INSIGHT, storage=self.l3.open())
+                                 stats=self.stats, insight=SERVE_INSIGHT, storage=self.l3.open(),
+                                 mirror=mirror_bytes(cfg.plan), backup_pools=backup_pools)
             self.writer = KvWriter(self.pools)
         self._agreement_setup()
         self.compute = LayerCompute([e.global_id for e in self.stage_map.layers], cfg.opts.hidden_size,
@@ -312,6 +331,7 @@ class StageCache:
         if self.cache.insight is not None:
             fields["insight"] = self.cache.insight.live(self.skewed_pages)
         fields["agreement"] = self.agreement.live()
+        fields["transfer_check"] = transfer_check_live(self.cache, self.stage)
         fields["kv_verified_pages"] = self.verified_pages
         from .stage_l3 import l3_live
 

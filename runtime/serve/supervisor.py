@@ -98,6 +98,7 @@ class Supervisor:
         self.failed_at: float | None = None
         self.finished_at: float | None = None  # when every stage finished the trace
         self.stale: set[int] = set()  # stages whose heartbeat the supervisor saw go stale
+        self.incomplete_said: set[int] = set()  # stages whose incomplete transfer was logged
         self.started_at = time.time()
         self.url = url  # the dashboard's, for run.json
         self.exit_codes: dict[int, int | None] = {}
@@ -282,6 +283,15 @@ class Supervisor:
                 self.stale.discard(h.stage)
                 self.log(f"stage {h.stage} (pid {h.pid}): heartbeat again")
 
+    def _watch_transfers(self, stages: dict[int, StageLive]) -> None:
+        """Say, once per stage, when its first incomplete HiCache transfer is reported (the same
+        line as /readyz): its host pages lack a pool kind and will load back wrong."""
+        for k, live in stages.items():
+            line = live.transfer_check.line()
+            if line and k not in self.incomplete_said:
+                self.incomplete_said.add(k)
+                self.log(f"not ready: {line}")
+
     def _step(self, first_seen: dict[int, float], deadline: float,
               progress: Observer) -> bool:
         """One supervisor tick; True when the run is over (done, refused or failed)."""
@@ -297,6 +307,7 @@ class Supervisor:
         stages = self.source.stages()
         progress.update(stages)
         self._watch_heartbeats(stages)
+        self._watch_transfers(stages)
         dead = self._dead_stage(first_seen)
         if dead is not None:
             self.fail(*dead)
@@ -333,7 +344,9 @@ class Supervisor:
             for p in self.procs:
                 p.process.join(5.0)
         self.stop()
-        progress.update(self.source.stages())
+        final = self.source.stages()
+        self._watch_transfers(final)  # a stage's last report (a failed one publishes on its way out)
+        progress.update(final)
         self.write_run_file()
         return self.phase
 
@@ -385,7 +398,7 @@ SUMMARY_FIELDS = {
     "stage", "pid", "phase", "local_layers", "requests", "steps", "cache_tokens", "host_hit_ratio",
     "evictions", "transfer_bytes", "transfer_count", "bandwidth_bytes_per_second",
     "stage_seconds", "bubble_seconds", "idle_seconds", "activation_bytes_sent",
-    "kv_verified_pages", "error", "l3",
+    "kv_verified_pages", "error", "l3", "transfer_check",
 }
 
 

@@ -83,6 +83,12 @@ class TransferResult:
         return self.ids.count
 
     @property
+    def kinds(self) -> tuple[tuple[str, int], ...]:
+        """``(pool kind, bytes of one token page of it)`` this transfer moved: what a check of
+        the transfer against the stage's plan reads (``plan.mirror``)."""
+        return self._kinds
+
+    @property
     def done(self) -> bool:
         return self.seconds is not None or (self._end is not None and self._end.query())
 

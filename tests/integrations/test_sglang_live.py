@@ -506,6 +506,50 @@ def test_agreement_records_ride_on_the_push_and_a_failed_push_sends_them_again()
         assert stage1.disagreements == {"host_hit_length": 1} and stage1.recent[0].request == "r1"
 
 
+def test_rank_0_logs_an_incomplete_transfer_with_its_stage_kind_and_page(caplog):
+    from stagecache.runtime.integrations.sglang.agreement import RankAgreement
+    from stagecache.runtime.live.divergence import IncompleteBackup, RankBatch
+
+    source = integ.SglangSource(push_timeout_s=5.0)
+    source.enable_agreement(2, RankAgreement().drain)
+    bad = IncompleteBackup(time=0.0, stage=1, direction="d2h", page=7, pages=2, missing=["indexer"],
+                           expected_bytes=300, got_bytes=200)
+    with caplog.at_level(logging.WARNING, logger="stagecache"):
+        source.put_agreement(1, RankBatch(backups=[bad, bad]).wire())
+    lines = [r.getMessage() for r in caplog.records if "incomplete HiCache transfer" in r.getMessage()]
+    assert lines == ["stagecache: incomplete HiCache transfer #1: stage 1: backup of host page 7 (2 page(s)) "
+                     "lacks pool kind(s) indexer: 200 bytes moved, the stage's plan says 300"]
+    assert source.divergence().incomplete == {"indexer": 2}
+
+
+def test_the_plugins_fault_is_the_products_live_fault_and_bad_values_are_one_line():
+    from stagecache.runtime.errors import ConfigError
+    from stagecache.runtime.integrations.sglang.agreement import RankAgreement
+
+    assert integ.DeploymentOptions.from_env({}).fault is None
+    assert integ.DeploymentOptions.from_env({"STAGECACHE_FAULT": "backup-without-indexer@1"}).fault == (
+        "backup-without-indexer", 1)
+    for text, words in (("global-swa", "the sglang plugin plants backup-without-indexer"),
+                        ("backup-without-indexer@", "expected a stage number"),
+                        ("backup-without-indexer@x", "expected a stage number")):
+        with pytest.raises(ConfigError, match=words):
+            integ.DeploymentOptions.from_env({"STAGECACHE_FAULT": text})
+    # armed at the stack build: the family's indexer kinds as its sglang pools, on the hit stage only
+    hit, missed = RankAgreement(), RankAgreement()
+    hit.fault = missed.fault = ("backup-without-indexer", 1)
+    hit.stage, missed.stage = 1, 2
+    hit.arm_fault("deepseek_v4", 4)
+    missed.arm_fault("deepseek_v4", 4)
+    assert hit.left_out == {"deepseek_v4_c4_indexer", "deepseek_v4_c4_indexer_state", "deepseek_v4_c4_indexer_scale"}
+    assert missed.left_out == frozenset()
+    with pytest.raises(ConfigError, match="stage 1 out of range for pp_size 1"):
+        hit.arm_fault("deepseek_v4", 1)
+    mha = RankAgreement()
+    mha.fault = ("backup-without-indexer", None)
+    with pytest.raises(ConfigError, match="is not a fault of MHA models"):
+        mha.arm_fault("mha", 2)
+
+
 def _free_port() -> int:
     import socket
 

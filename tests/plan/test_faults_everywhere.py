@@ -21,7 +21,8 @@ FAULTS = sorted({k.name for k in (*V4.faults, *GENERIC_FAULTS)})
 #: one with two C128 layers, which duplicate-compress-id needs).
 FAULT_SETS = (
     ("global-swa@0", "duplicate-compress-id@1", "missing-c4-state@2", "overlap@3"),
-    ("global-c4@0", "radix-skew@1", "gap@2", "global-compress-ids@3", "pin-refused@0", "host-ram-short@3"),
+    ("global-c4@0", "radix-skew@1", "gap@2", "global-compress-ids@3", "pin-refused@0", "host-ram-short@3",
+     "backup-without-indexer@2"),
 )
 LAYOUT = ["--model", "tiny-v4", "--pp-size", "4"]
 

@@ -20,9 +20,10 @@ Every rank of a launch (``sglang_ranks.launch``) runs the same request stream th
 
 Injections (environment of one rank): ``STAGECACHE_TEST_DELAY_LOAD_AT=s`` submits that step's
 loads (``start_loading``) after the step's event check -- the ack one step late;
-``STAGECACHE_TEST_SHORT_L3=rid`` makes this rank's L3 hold one page less of ``rid``;
-``STAGECACHE_TEST_FAULT=backup-without-indexer`` backs pages up without the indexer pool (sglang
-#38031's layout).  A smaller host pool is a server argument (``STAGECACHE_TEST_HICACHE_RATIO``).  A rank whose traffic
+``STAGECACHE_TEST_SHORT_L3=rid`` makes this rank's L3 hold one page less of ``rid``.  A smaller
+host pool is a server argument (``STAGECACHE_TEST_HICACHE_RATIO``).  Backups without the indexer
+pool (sglang #38031) are the product's own fault, ``STAGECACHE_FAULT=backup-without-indexer[@STAGE]``:
+the plugin drops the pool from the writes this driver queues.  A rank whose traffic
 fails writes ``STAGECACHE_TEST_STOP_FILE``, and the others stop at their next step instead of
 waiting on it in sglang's PP sync.
 The page copies themselves are skipped (``no_copies``): agreement is about which transfers each
@@ -77,8 +78,6 @@ class Traffic:
         self.ctl.prefetch_hits_sync_groups = [torch.distributed.new_group(backend="gloo")]
         self.names = [e.name for e in self.group.entries
                       if e.name.value in ("deepseek_v4_c4", "deepseek_v4_c4_indexer", "deepseek_v4_c128")]
-        if os.environ.get("STAGECACHE_TEST_FAULT") == "backup-without-indexer":
-            self.names = [n for n in self.names if n.value != "deepseek_v4_c4_indexer"]
         self.device: OrderedDict[tuple[int, int], None] = OrderedDict()
         self.host: OrderedDict[tuple[int, int], tuple[torch.Tensor, dict[Any, torch.Tensor]]] = OrderedDict()
         self.delay_at = int(os.environ.get("STAGECACHE_TEST_DELAY_LOAD_AT", "0"))

@@ -110,6 +110,22 @@ def _build(rank: int, pp: int, budget: int) -> tuple[Any, Any]:
         params=cache_params(_Stage), kvcache=_Stage.kvcache, load_cache_event=None, storage_backend=None)
 
 
+#: What sglang keeps of the host's RAM out of its HiCache pools here (its own: 10 GiB).  These
+#: ranks' host pools are tens of MB; on a shared 23 GiB test machine whose other jobs left less
+#: than 10 GiB available, sglang refused them (``Not enough host memory for V4 paged pool swa.
+#: Requesting 0.02 GB but only have -0.02 GB free``) and a case failed for the machine's sake.
+TEST_HOST_RESERVE_BYTES = 1 << 30
+
+
+def _small_host_reserve() -> None:
+    try:
+        from sglang.srt.mem_cache.pool_host import base
+    except ImportError:  # a release without it
+        return
+    if hasattr(base, "HICACHE_HOST_MEMORY_RESERVE_BYTES"):
+        base.HICACHE_HOST_MEMORY_RESERVE_BYTES = TEST_HOST_RESERVE_BYTES
+
+
 def _rank_main(rank: int, pp: int, dist_port: int, folder: str, env: dict[str, str], server: dict[str, Any],
                budget: int, after: Callable[[int, dict[str, Any]], Any] | None, out: Any, done: Any,
                build: Callable[[int, int, int], tuple[Any, Any]] = _build) -> None:
@@ -139,6 +155,7 @@ def _rank_main(rank: int, pp: int, dist_port: int, folder: str, env: dict[str, s
         load_plugins()  # sglang's own: the stagecache entry point registers, sglang applies
         cpu = on_cpu()
         cpu.__enter__()  # for the rank's whole life, which ends in os._exit (keep the reference)
+        _small_host_reserve()
         from stagecache.runtime.integrations.sglang import deployment
 
         ctx: dict[str, Any] = {"deployment": deployment._PLUGIN}

@@ -26,6 +26,12 @@ ADDED = {
 
 GOLDEN = load()
 
+#: Faults added after the golden outputs were recorded, and where their outputs are held instead.
+LATER = {
+    "backup-without-indexer": "live only: its plan is the healthy plan (tests/plan/test_mirror.py), what it "
+                              "does is serve's (tests/serve/test_serve_transfer_check.py)",
+}
+
 
 def normal(doc: dict[str, Any]) -> dict[str, Any]:
     """``pools --json`` parsed, less what this host's free RAM moves (``this_host``)."""
@@ -67,7 +73,7 @@ def test_every_fault_is_covered():
     from stagecache.runtime.plan.faults import GENERIC_FAULTS
 
     # DeepSeek V4's faults and every family's; each other family tests its own with its presets
-    faults = {k.name for k in (*V4.faults, *GENERIC_FAULTS)}
+    faults = {k.name for k in (*V4.faults, *GENERIC_FAULTS)} - set(LATER)
     covered = {arg.split("@")[0] for _, argv in cases() for arg in argv if arg in faults or "@" in arg}
     assert covered == faults
 

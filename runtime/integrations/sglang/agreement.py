@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...live.divergence import MAX_BATCH, MAX_RID, RECENT, IncompleteBackup, RankBatch
+from ...plan.mirror import transfer_gap
 
 #: Per family: sglang's host pool names that move with a full-KV page (by the same token indices),
 #: and stagecache's pool kind for each.  Another family adds its row; the check reads only this.
@@ -43,6 +44,37 @@ PAGE_POOLS: dict[str, dict[str, str]] = {
 }
 #: sglang's name of the full-KV pool whose token count is a transfer's page count.
 ANCHOR_POOL = "kv"
+#: Per family: sglang's host pools of the kinds a planted ``STAGECACHE_FAULT`` may leave out of a
+#: backup, beyond ``PAGE_POOLS`` (pools indexed by other indices, kinds split over two pools).
+FAULT_POOLS: dict[str, dict[str, str]] = {
+    "deepseek_v4": {"deepseek_v4_c4_indexer_state": "c4_indexer_state",
+                    "deepseek_v4_c4_indexer_scale": "indexer"},
+    "dsa": {"indexer": "indexer"},
+}
+#: The environment variable of the plugin's planted fault (``NAME[@STAGE]``).
+FAULT_ENV = "STAGECACHE_FAULT"
+
+
+def parse_live_fault(text: str | None) -> tuple[str, int | None] | None:
+    """``STAGECACHE_FAULT``'s ``NAME[@STAGE]``: a fault a live sglang rank plants (one whose
+    backups leave kinds out: ``backup-without-indexer``); ``ConfigError`` naming the variable
+    otherwise.  Which family has it, and whether the stage exists, is known at the stack build."""
+    from ...errors import ConfigError
+    from ...plan.faults import FAULTS, fault_kind
+
+    if not text:
+        return None
+    name, at, stage_text = text.strip().partition("@")
+    planted = sorted({k for k in FAULTS if fault_kind(k).backup_left_out})
+    if name not in planted:
+        raise ConfigError(f"{FAULT_ENV}={text[:80]!r}: the sglang plugin plants {', '.join(planted)} "
+                          "(the other faults build a layout: stagecache check --fault NAME)")
+    if not at:
+        return name, None
+    if not (stage_text.isdigit() and len(stage_text) < 6):
+        raise ConfigError(f"{FAULT_ENV}={text[:80]!r}: expected a stage number (integer >= 0) after '@', "
+                          f"got {stage_text[:20]!r}")
+    return name, int(stage_text)
 
 
 @dataclass(frozen=True)
@@ -72,19 +104,20 @@ class TransferPlan:
 
     def check(self, tokens_by_pool: dict[str, int] | None, num_bytes: int) -> tuple[list[str], int] | None:
         """(missing kinds, expected bytes) when a transfer of full-KV pages is incomplete; None when
-        it is complete or moves no full-KV page (an SWA or state transfer)."""
+        it is complete or moves no full-KV page (an SWA or state transfer).  The rule is
+        ``plan.mirror.transfer_gap``'s (``stagecache serve`` checks its transfers by it too); the
+        bytes are compared where every pool the ack moved has its bytes per token here."""
         moved = {name: n for name, n in (tokens_by_pool or {}).items() if n}
         tokens = moved.get(ANCHOR_POOL, 0)
         if not tokens or not self.kinds:
             return None
         per = self.bytes_per_token
-        missing = [name for name in self.kinds if name not in moved]
-        moved_bytes = sum(n * per.get(name, 0) for name, n in moved.items())
-        expected = moved_bytes + sum(tokens * per[name] for name in missing)
         known = all(name in per for name in moved)
-        if missing or (known and num_bytes != moved_bytes):
-            return [self.kinds[name] for name in missing], expected
-        return None
+        gap = transfer_gap(per, moved, tokens, int(num_bytes) if known else None)
+        if gap is None:
+            return None
+        missing, expected = gap
+        return [self.kinds[name] for name in missing if name in self.kinds], expected
 
 
 def _first_page(op: Any, page_size: int) -> int:
@@ -113,10 +146,49 @@ class RankAgreement:
         self.stage = 0
         #: called after a step in which sglang raised: push now, the process may be going
         self.on_fatal: Callable[[], None] | None = None
+        #: ``STAGECACHE_FAULT`` (``parse_live_fault``) and, once armed, the sglang pools this
+        #: rank's backups leave out
+        self.fault: tuple[str, int | None] | None = None
+        self.left_out: frozenset[str] = frozenset()
+
+    # -- the planted fault ----------------------------------------------------------------------
+    def arm_fault(self, family: str, pp_size: int) -> None:
+        """At the stack build (the family and the deployment known): the sglang pools this rank's
+        backups leave out under ``STAGECACHE_FAULT`` -- the fault's kinds (``FaultKind.
+        backup_left_out``, the family's one fact) as this family's sglang pools."""
+        if self.fault is None:
+            return
+        from ...errors import ConfigError
+        from ...model.families import family_named
+        from ...plan.faults import Fault, fault_kind
+
+        name, stage = self.fault
+        kind = fault_kind(name, family_named(family))
+        if stage is not None and stage >= pp_size:
+            raise ConfigError(f"{FAULT_ENV}={name}@{stage}: stage {stage} out of range for pp_size {pp_size}")
+        if not Fault(kind, stage).hits(self.stage, pp_size):
+            return
+        pools = {**PAGE_POOLS.get(family, {}), **FAULT_POOLS.get(family, {})}
+        self.left_out = frozenset(p for p, k in pools.items() if k in kind.backup_left_out)
+
+    def leave_out(self, controller: Any) -> None:
+        """Before sglang submits the queued backups (``start_writing``): drop the left-out pools'
+        transfers from them, as sglang #38031's stack did -- the host set still holds the pools."""
+        skip = self.left_out
+        if not skip:
+            return
+        for op in getattr(controller, "write_queue", ()):
+            transfers = op.pool_transfers
+            if transfers:
+                op.pool_transfers = [t for t in transfers if getattr(t.name, "value", t.name) not in skip] or None
 
     # -- recording (scheduler thread, prefetch thread) ----------------------------------------
-    def _put(self, rows: list[Any], row: Any) -> None:
+    def _put(self, kind: str, row: Any) -> None:
+        """Append ``row`` to the list of ``kind``, looked up under the lock: ``drain`` swaps the
+        lists, and a row appended to the list it just handed out would be lost (a request's or a
+        step's record missing on rank 0: 999 of 1,000 compared)."""
         with self._lock:
+            rows = self.__dict__[kind]
             if len(rows) < MAX_BATCH:
                 rows.append(row)
             else:
@@ -124,7 +196,7 @@ class RankAgreement:
 
     def request(self, rid: str, device: int, host: int) -> None:
         """A request's first prefix match (the deployment's match hook calls this)."""
-        self._put(self._requests, (str(rid)[:MAX_RID], int(device), int(host)))
+        self._put("_requests", (str(rid)[:MAX_RID], int(device), int(host)))
 
     def around_check_hicache_events(self, original: Callable[..., Any], cache: Any, *a: Any, **k: Any) -> Any:
         """One scheduler step: the acks pending at its start, the acks it consumed."""
@@ -140,7 +212,7 @@ class RankAgreement:
             ok = True
             return result
         finally:
-            self._put(self._steps, (self.step, *pending, *self._consumed))
+            self._put("_steps", (self.step, *pending, *self._consumed))
             if not ok and self.on_fatal is not None:
                 self.on_fatal()
 
@@ -169,7 +241,7 @@ class RankAgreement:
         """The L3 hit length of this rank's own store, before sglang's MIN over the ranks."""
         rid = getattr(operation, "request_id", None)
         if rid is not None:
-            self._put(self._prefetch, (str(rid)[:MAX_RID], int(storage_hit_count)))
+            self._put("_prefetch", (str(rid)[:MAX_RID], int(storage_hit_count)))
         return original(controller, operation, storage_hit_count, *a, **k)
 
     # -- complete transfers -------------------------------------------------------------------

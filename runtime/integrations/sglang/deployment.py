@@ -55,7 +55,7 @@ from ...model.spec import ModelSpec
 from ...validation.deployment import deployment_report
 from ...validation.record import StageRecord
 from ...validation.report import StartupReport
-from .agreement import RankAgreement, TransferPlan
+from .agreement import FAULT_ENV, RankAgreement, TransferPlan, parse_live_fault
 from .push import Pusher, PushReceiver
 from .rank_source import Moves, SglangSource
 from .reader import (
@@ -155,6 +155,8 @@ class DeploymentOptions:
     model_name: str = "sglang"
     #: a PP divergence or an incomplete transfer makes /readyz 503 (default: a warning)
     strict_agreement: bool = False
+    #: ``STAGECACHE_FAULT``: a planted live fault (``agreement.parse_live_fault``), None: none
+    fault: tuple[str, int | None] | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> DeploymentOptions:
@@ -174,6 +176,7 @@ class DeploymentOptions:
             sync_transfers=env.get("STAGECACHE_SGLANG_SYNC_TRANSFERS", "0") == "1",
             model_name=env.get("STAGECACHE_SGLANG_MODEL_NAME", "sglang"),
             strict_agreement=env.get("STAGECACHE_SGLANG_STRICT_AGREEMENT", "0") == "1",
+            fault=parse_live_fault(env.get(FAULT_ENV)),
         )
 
 
@@ -319,6 +322,7 @@ class Deployment:
         self._matched: OrderedDict[str, None] = OrderedDict()
         self._stack = contextlib.ExitStack()
         self.agreement = RankAgreement()
+        self.agreement.fault = self.options.fault
         self.record: StageRecord | None = None
 
     # -- registration ---------------------------------------------------------------------
@@ -409,10 +413,12 @@ class Deployment:
         if self.record is not None:
             self.agreement.plan = TransferPlan.of(self.record.family, self.record.inventory, host_pool_group,
                                                   page_size)
+            self.agreement.arm_fault(self.record.family, self.rank.pp_size if self.rank else 1)
         self.source.on_read = self._refresh_host_used
 
     def around_start_writing(self, original: Callable[..., Any], controller: Any, *a: Any, **k: Any) -> Any:
         """A backup submission: count the acks it queued (bytes, seconds)."""
+        self.agreement.leave_out(controller)  # STAGECACHE_FAULT=backup-without-indexer only
         return self._count(original, controller, controller.ack_write_queue,
                            getattr(controller, "write_queue", ()), "d2h", a, k)
 
@@ -616,6 +622,9 @@ PLUGIN_ENV = {
     "STAGECACHE_SGLANG_STRICT_AGREEMENT": "1: a PP divergence or an incomplete HiCache transfer makes /readyz "
                                           "answer 503 (default 0: a warning on /readyz, the dashboard, the log)",
     "STAGECACHE_SGLANG_MODEL_NAME": "the model_name label (default sglang)",
+    "STAGECACHE_FAULT": "NAME[@STAGE]: plant a live fault on the ranks of that stage (default: every stage); "
+                        "backup-without-indexer: backups leave the indexer pools out (sglang #38031), for the "
+                        "transfer check to flag",
 }
 
 _PLUGIN: Deployment | None = None

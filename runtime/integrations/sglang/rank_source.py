@@ -87,6 +87,7 @@ class SglangSource:
         self._tracker: DivergenceTracker | None = None
         self._own_records: Callable[[], RankBatch] | None = None
         self._logged = 0
+        self._incomplete_logged = 0  # incomplete transfers seen (the first and every 100th logged)
         #: a divergence makes the deployment not ready (else: a warning)
         self.strict_agreement = False
 
@@ -104,6 +105,7 @@ class SglangSource:
         batch = RankBatch.parse(raw)
         self._take_own()
         self._logged_divergences(self._tracker.add(stage, batch))
+        self._logged_incomplete(batch)
 
     def _take_own(self) -> None:
         """This rank's own records, moved into the compare off sglang's scheduler thread."""
@@ -112,12 +114,20 @@ class SglangSource:
             if own.requests or own.prefetch or own.steps or own.backups or own.dropped:
                 rank = (self._own or 0) if self._tracker.pp_size > 1 else 0  # alone: index 0
                 self._logged_divergences(self._tracker.add(rank, own))
+                self._logged_incomplete(own)
 
     def _logged_divergences(self, found: list[Divergence]) -> None:
         for d in found:
             self._logged += 1
             if self._logged == 1 or self._logged % LOG_EVERY == 0:
                 log.warning("stagecache: PP divergence #%d: %s", self._logged, d.text())
+
+    def _logged_incomplete(self, batch: RankBatch) -> None:
+        """Incomplete transfers in the log of rank 0, as divergences: the first, then every 100th."""
+        for b in batch.backups:
+            self._incomplete_logged += 1
+            if self._incomplete_logged == 1 or self._incomplete_logged % LOG_EVERY == 0:
+                log.warning("stagecache: incomplete HiCache transfer #%d: %s", self._incomplete_logged, b.text())
 
     def divergence(self) -> DivergenceLive | None:
         """The ranks' agreement now (None: this process compares nothing)."""

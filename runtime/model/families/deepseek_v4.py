@@ -37,6 +37,7 @@ from ..family import (
     Family,
     FaultKind,
     LayerKind,
+    backup_without_indexer,
     duplicate_id,
     ids_counted_globally,
     last_buffer_none,
@@ -174,6 +175,7 @@ class DeepSeekV4(Family):
                   "inside the stage", layer_map=ids_counted_globally(COMPRESS_IDS, C4_STATE_IDS)),
         FaultKind("duplicate-compress-id", "two C128 layers of a stage share one compress id",
                   layer_map=duplicate_id("c128", COMPRESS_IDS.name)),
+        backup_without_indexer("indexer", "c4_indexer_state"),
     )
 
     def matches(self, cfg: dict[str, Any]) -> bool:

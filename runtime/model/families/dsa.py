@@ -41,6 +41,7 @@ from ..family import (
     Family,
     FaultKind,
     LayerKind,
+    backup_without_indexer,
     ids_counted_globally,
     later_stages,
     sized_globally,
@@ -213,6 +214,7 @@ class DsaFamily(Family):
                   layer_map=_lose_topk),
         FaultKind("indexer-not-host-cached", "HiCache's host set leaves the DSA indexer out, so a load-back "
                   "leaves the index keys stale (sglang #38031)", host_left_out=frozenset({"indexer"})),
+        backup_without_indexer("indexer"),
     )
 
     def matches(self, cfg: dict[str, Any]) -> bool:
