@@ -566,19 +566,27 @@ def test_the_tested_releases_are_the_ones_the_suites_run_on():
     assert integ.deployment.changed_targets() == []  # this release: every target as the hooks expect
 
 
-def test_a_release_whose_hooked_function_changed_leaves_the_plugin_off(monkeypatch, caplog):
-    """One target renamed its parameter: the plugin logs one line naming it and registers nothing
-    -- the server starts as if stagecache were not installed."""
-    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+def plugin_off_line(monkeypatch, caplog) -> str:
+    """Load the plugin as sglang would: it must register nothing and log the one "stays off" line,
+    which is returned."""
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    monkeypatch.setattr(UnifiedRadixCache, "match_prefix", lambda self, request: None)
     monkeypatch.setenv("STAGECACHE_SGLANG", "1")
     monkeypatch.setattr(integ.deployment, "_PLUGIN", None)
     with caplog.at_level(logging.WARNING, logger="stagecache"):
         assert integ.sglang_plugin() is None
     assert not any(t in HookRegistry._hooks for t in integ.deployment.TARGETS.values())
     [line] = [r.getMessage() for r in caplog.records if "stays off" in r.getMessage()]
+    return line
+
+
+def test_a_release_whose_hooked_function_changed_leaves_the_plugin_off(monkeypatch, caplog):
+    """One target renamed its parameter: the plugin logs one line naming it and registers nothing
+    -- the server starts as if stagecache were not installed."""
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    monkeypatch.setattr(UnifiedRadixCache, "match_prefix", lambda self, request: None)
+    line = plugin_off_line(monkeypatch, caplog)
     assert "UnifiedRadixCache.match_prefix takes (self, request), expected (self, params, ...)" in line
     assert "tested with (0.5.22, 0.5.23)" in line
 
@@ -587,13 +595,7 @@ def test_a_release_without_a_familys_stack_strategy_leaves_the_plugin_off(monkey
     """Every family's hook point is checked at load too: an assembler without ``_SwaStrategy`` (a
     release that renamed it) leaves the plugin off with one line naming the missing target."""
     from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as hpa
-    from sglang.srt.plugins.hook_registry import HookRegistry
 
     monkeypatch.delattr(hpa, "_SwaStrategy")
-    monkeypatch.setenv("STAGECACHE_SGLANG", "1")
-    monkeypatch.setattr(integ.deployment, "_PLUGIN", None)
-    with caplog.at_level(logging.WARNING, logger="stagecache"):
-        assert integ.sglang_plugin() is None
-    assert not any(t in HookRegistry._hooks for t in integ.deployment.TARGETS.values())
-    [line] = [r.getMessage() for r in caplog.records if "stays off" in r.getMessage()]
+    line = plugin_off_line(monkeypatch, caplog)
     assert "hybrid_pool_assembler._SwaStrategy.build is missing (AttributeError)" in line, line
