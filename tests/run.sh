@@ -10,6 +10,8 @@
 # the end of its log and its exit code: a foreground one when it returns, a background one when
 # it is seen (after each set-up step, then every second while pytest runs: pytest is stopped).
 # Ctrl-C stops pytest (its own process group) and everything started here: exit 130.
+# The tests marked `alone` (timing-sensitive) are not in the parallel run: they run after it, in
+# one pytest process with nothing else running, and their time counts in the suite's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . tests/setup.d/progress.bash
@@ -136,15 +138,23 @@ parallel=()
 [ "$workers" -gt 1 ] && parallel=(-n "$workers" --dist loadfile)
 wait_gone() { while kill -0 "$1" 2>/dev/null; do sleep 1; done; }
 rc=0
-# pytest in its own process group (setsid), watched every second: a failed background step stops it
-setsid $PY -m pytest -q "${parallel[@]}" --durations=15 "$@" &
-pytest_pid=$!
-while kill -0 "$pytest_pid" 2>/dev/null; do
-    check_background
-    sleep 1
-done
-wait "$pytest_pid" || rc=$?
-pytest_pid=
+run_pytest() {  # pytest in its own process group (setsid), watched every second: a failed
+    # background step stops it.  Its exit status is kept in $rc (the first failure's).
+    local status=0
+    setsid $PY -m pytest "$@" &
+    pytest_pid=$!
+    while kill -0 "$pytest_pid" 2>/dev/null; do
+        check_background
+        sleep 1
+    done
+    wait "$pytest_pid" || status=$?
+    pytest_pid=
+    [ "$rc" != 0 ] || rc=$status
+}
+# The tests marked `alone` (latencies that hold only on a machine to itself) are left out of the
+# parallel run, which lists them here, and run after it in one process of their own.
+alone=$STAGECACHE_TEST_SETUP_DIR/alone.txt
+STAGECACHE_TEST_ALONE_FILE=$alone run_pytest -q "${parallel[@]}" --durations=15 "$@"
 
 # A background step the tests did not wait for (a subset was run) still finishes: its result is
 # cached for the next run, and a failed set-up fails the command (with the step's exit code).
@@ -156,5 +166,11 @@ for entry in "${background[@]}"; do
     check_background
     tail -n 2 "$STAGECACHE_TEST_SETUP_DIR/$name.log"
 done
+# after the background steps: nothing else runs beside them
+if [ -s "$alone" ]; then
+    echo "== pytest: the $(wc -l <"$alone") timing-sensitive test(s), alone on the machine"
+    mapfile -t alone_ids <"$alone"
+    run_pytest -q "${alone_ids[@]}"
+fi
 echo "== tests/run.sh: exit $rc after $(( SECONDS - started )) s"
 exit "$rc"

@@ -198,14 +198,19 @@ def _fd_limit_1024() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
 
 
-def test_under_ulimit_1024_a_flood_of_2000_idle_sockets_leaves_healthz_answering(tmp_path):
+#: The issue's figure: every /healthz probe from the first second of the flood on answers within this.
+PROBE_MS = 100
+
+
+@pytest.mark.alone
+def test_under_ulimit_1024_a_flood_of_2000_idle_sockets_leaves_healthz_fast(tmp_path):
     """The issue's measurement: a real ``stagecache dashboard`` in a shell with ``ulimit -n 1024``,
     2,000 idle connections opened as fast as a client can (half with half-sent heads), and a
     /healthz probe every 50 ms for 12 s (the flood outnumbers the descriptors the process may
     open).  Before the gate, probes timed out for about 10 s.  Every probe from the first second on
-    must answer within 1 s and their median within 100 ms: on a 2-core machine whose other core
-    runs the rest of the suite, single probes reach a few hundred ms; the 100 ms for every probe
-    holds on an idle machine (its slowest probe is printed)."""
+    must answer within 100 ms.  That is a latency of the machine as much as of the server (a core
+    taken by another job delays a probe by a scheduler slice), so the test is marked ``alone``:
+    tests/run.sh runs it after the parallel run, with nothing else running."""
     import subprocess
     import sys
 
@@ -245,11 +250,10 @@ def test_under_ulimit_1024_a_flood_of_2000_idle_sockets_leaves_healthz_answering
             time.sleep(max(0.0, 0.05 - (time.monotonic() - t0 - at)))
         assert flood.poll() is None and flood.stdout.readline().strip() == "2000", "the flood did not open 2,000"
         assert proc.poll() is None, out.read_text()[-2000:]
-        late = [(round(at, 2), ms) for at, ms in probes if at >= 1.0 and (ms is None or ms > 1000)]
+        late = [(round(at, 2), ms) for at, ms in probes if at >= 1.0 and (ms is None or ms > PROBE_MS)]
         worst = max((ms or 3000.0) for at, ms in probes if at >= 1.0)
         print(f"{len(probes)} probes; slowest from 1 s on: {worst:.1f} ms")
-        assert not late, f"{len(late)} probes from 1 s on failed or took > 1 s: {late[:10]}"
-        assert statistics.median(ms for at, ms in probes if at >= 1.0) < 100, probes
+        assert not late, f"{len(late)} of {len(probes)} probes from 1 s on failed or took > {PROBE_MS} ms: {late[:10]}"
         assert "Too many open files" not in out.read_text()
     finally:
         if flood is not None:

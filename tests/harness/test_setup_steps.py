@@ -113,7 +113,7 @@ def _checkout(tmp_path: Path, steps: dict[str, str]) -> tuple[Path, dict[str, st
         (co / "tests" / "setup.d" / name).write_text(f"set -euo pipefail\n{body}\n")
     (tmp_path / "pytest.py").write_text(FAKE_PYTEST)
     fake = tmp_path / "python"
-    fake.write_text(f'#!/usr/bin/env bash\n[ "$1 $2" = "-m pytest" ] && exec {sys.executable} {tmp_path}/pytest.py\n'
+    fake.write_text(f'#!/usr/bin/env bash\n[ "$1 $2" = "-m pytest" ] && exec {sys.executable} {tmp_path}/pytest.py "${{@:3}}"\n'
                     "exit 0\n")
     fake.chmod(0o755)
     return co, {**os.environ, "PYTHON": str(fake), "MARKS": str(marks), "PROGRESS_EVERY": "60"}
@@ -201,3 +201,63 @@ def test_ctrl_c_stops_pytest_and_the_background_step_and_exits_130(tmp_path):
     assert proc.returncode == 130, out + err
     assert "interrupted" in err
     assert not _alive(int(pid_file.read_text())) and not _alive(int(bg_file.read_text()))
+
+
+# A pytest that notes each run (its arguments, whether it was told where to list the `alone`
+# tests) and, told so, lists two; $ALONE_RC: the exit status of a run of those.
+PHASES_PYTEST = """
+import json, os, sys
+alone = os.environ.get("STAGECACHE_TEST_ALONE_FILE")
+with open(os.path.join(os.environ["MARKS"], "runs"), "a") as f:
+    f.write(json.dumps({"argv": sys.argv[1:], "listed_to": bool(alone)}) + "\\n")
+if alone:
+    with open(alone, "w") as f:
+        f.write(os.environ.get("ALONE_IDS", ""))
+    sys.exit(0)
+sys.exit(int(os.environ.get("ALONE_RC", "0")))
+"""
+
+
+def _phases(tmp_path: Path, ids: str, alone_rc: int = 0) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    import json
+
+    tmp_path.mkdir(exist_ok=True)
+    co, env = _checkout(tmp_path, {})
+    (tmp_path / "pytest.py").write_text(PHASES_PYTEST)
+    proc, _ = _run(co, {**env, "ALONE_IDS": ids, "ALONE_RC": str(alone_rc)})
+    runs = [json.loads(line) for line in (tmp_path / "marks" / "runs").read_text().splitlines()]
+    return proc, runs
+
+
+def test_the_alone_tests_run_after_the_parallel_run_in_a_pytest_of_their_own(tmp_path):
+    ids = "tests/a/test_x.py::test_fast\ntests/b/test_y.py::test_flood[2000]\n"
+    proc, runs = _phases(tmp_path, ids)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert len(runs) == 2, runs
+    assert runs[0]["listed_to"] and runs[0]["argv"][:4] == ["-q", "-n", "2", "--dist"], runs[0]
+    # the second run: those tests alone, in one process (no -n), not told to set any aside
+    assert runs[1] == {"argv": ["-q", "tests/a/test_x.py::test_fast", "tests/b/test_y.py::test_flood[2000]"],
+                       "listed_to": False}, runs[1]
+    assert "== pytest: the 2 timing-sensitive test(s), alone on the machine" in proc.stdout
+
+
+def test_a_failing_alone_run_fails_the_command_and_none_listed_means_no_second_run(tmp_path):
+    proc, runs = _phases(tmp_path / "fails", "tests/a/test_x.py::test_fast\n", alone_rc=1)
+    assert proc.returncode == 1 and len(runs) == 2, proc.stdout + proc.stderr
+    proc, runs = _phases(tmp_path / "none", "")
+    assert proc.returncode == 0 and len(runs) == 1, proc.stdout + proc.stderr
+    assert "timing-sensitive" not in proc.stdout
+
+
+def test_the_parallel_run_sets_the_alone_tests_aside_and_lists_them(tmp_path):
+    """tests/conftest.py, as tests/run.sh's parallel run uses it (real pytest, collection only)."""
+    listed = tmp_path / "alone.txt"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
+                           "tests/dashboard/test_guard.py"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "STAGECACHE_TEST_ALONE_FILE": str(listed)})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    flood = "tests/dashboard/test_guard.py::test_under_ulimit_1024_a_flood_of_2000_idle_sockets_leaves_healthz_fast"
+    assert listed.read_text().splitlines() == [flood]
+    assert "(1 deselected)" in proc.stdout
+    collected = [line for line in proc.stdout.splitlines() if line.startswith("tests/")]
+    assert flood not in collected and len(collected) >= 5, collected
