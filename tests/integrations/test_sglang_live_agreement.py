@@ -36,7 +36,8 @@ def _flush(pusher: Any, within_s: float = 20.0) -> bool:
     """Push until rank 0 took one push made after the traffic: it carries every record left (a
     fixed sleep of a few push intervals is no bound on a loaded machine, where the pusher
     thread's push may come late or time out before the rank's process ends).  False when rank 0
-    took none: a case that named its divergence may have ended rank 0 already."""
+    took none: a case that named its divergence may have ended rank 0 already (its endpoint, up
+    since before the traffic, refuses the connection: no use trying again)."""
     if pusher is None:
         return False
     end = time.monotonic() + within_s
@@ -44,8 +45,8 @@ def _flush(pusher: Any, within_s: float = 20.0) -> bool:
         try:
             pusher.push_once()
             return True
-        except OSError:
-            if time.monotonic() > end:
+        except OSError as exc:
+            if isinstance(getattr(exc, "reason", exc), ConnectionRefusedError) or time.monotonic() > end:
                 return False
             time.sleep(0.2)
 

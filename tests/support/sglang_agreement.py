@@ -35,6 +35,7 @@ from __future__ import annotations
 import os
 from array import array
 from collections import OrderedDict
+from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
 
@@ -74,8 +75,11 @@ class Traffic:
         self.rank = rank
         self.group, self.ctl = stack
         self.ledger = StepLedger(self.ctl, pp_rank=rank, pp_size=pp_size, pp_group=get_pp_group().cpu_group)
-        # sglang's prefetch hit sync groups are built when storage attaches: one real gloo group here
-        self.ctl.prefetch_hits_sync_groups = [torch.distributed.new_group(backend="gloo")]
+        # sglang's prefetch hit sync groups are built when storage attaches: one real gloo group here,
+        # with the rank's gloo timeout (a rank that failed leaves the others waiting in its MIN
+        # all-reduce: they give up as they do in the PP group's sync, not after gloo's default)
+        wait = timedelta(seconds=int(os.environ.get("STAGECACHE_TEST_GLOO_TIMEOUT_S", "60")))
+        self.ctl.prefetch_hits_sync_groups = [torch.distributed.new_group(backend="gloo", timeout=wait)]
         self.names = [e.name for e in self.group.entries
                       if e.name.value in ("deepseek_v4_c4", "deepseek_v4_c4_indexer", "deepseek_v4_c128")]
         self.device: OrderedDict[tuple[int, int], None] = OrderedDict()
