@@ -116,8 +116,12 @@ pip_install() {
 }
 echo "== set-up: the test environment"
 # The CPU build of torch lies on local disk; a plain `torch` would pull a multi-GB CUDA build.
-foreground "torch 2.13.0 (CPU)" pip_install "torch==2.13.0"
-foreground "stagecache and its test tools" pip_install -e ".[test]"
+# One pip run (one resolve): torch, stagecache with its test tools and the Mooncake wheel (l3;
+# tests/setup.d/60-mooncake.sh then finds it importable once its Debian library is there).
+foreground "torch 2.13.0 (CPU), stagecache and its test tools" pip_install "torch==2.13.0" -e ".[test,l3]"
+# The checkout's modules byte-compiled once: where PYTHONDONTWRITEBYTECODE is set, each of the
+# suite's hundreds of Python processes would otherwise compile them again.
+foreground "byte-compile the checkout" $PY -m compileall -q -j 0 runtime exporters dashboard entry tests
 
 for step in tests/setup.d/*.sh; do
     [ -e "$step" ] || continue
