@@ -64,7 +64,7 @@ PER_TEST_FILES = ("tests/integrations/test_sglang_venv.py",)
 #: order of the queue depends on these figures: longest first, so both workers end together.
 EXPECTED_S = {
     **{f"tests/integrations/test_sglang_venv.py::test_real_sglang_suite_in_its_venv[{case}]": s
-       for case, s in (("pinned-families-1", 150), ("pinned-families-2", 125), ("pinned-families-0", 70), ("pinned-live-0", 45),
+       for case, s in (("pinned-families-1", 50), ("pinned-families-2", 125), ("pinned-families-0", 70), ("pinned-live-0", 45),
                        ("0.5.22-live-0", 45), ("pinned-live-1", 30), ("0.5.22-live-1", 30))},
     "tests/integrations/test_sglang_two_hosts.py": 120,
     "tests/serve/test_serve_two_hosts.py": 80,

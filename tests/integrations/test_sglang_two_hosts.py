@@ -32,15 +32,24 @@ PORT, PROM_PORT, MASTER_PORT = 18000, 19090, 29500
 pytestmark = [pytest.mark.sglang_venv, *two_host_marks(420)]
 
 
-def test_sglang_pp4_over_two_hosts(tmp_path, skew):
+@pytest.fixture(scope="module")
+def sglang_model(tmp_path_factory) -> tuple[Path, str, str]:
+    """.venv-sglang's python, the PYTHONPATH of its processes (this checkout first) and the model
+    folder (sglang's own ``model_dir``): made once, in a process that imports sglang (about 10 CPU
+    seconds), for both skews."""
     python = sglang_python()
+    tmp = tmp_path_factory.mktemp("sglang-model")
+    path = f"{checkout_on_path(tmp)}:{SUPPORT}"
+    made = subprocess.run([str(python), "-c", "import sys, pathlib; from stagecache.runtime.integrations.sglang."
+                           "cpu_stage import model_dir; print(model_dir(pathlib.Path(sys.argv[1])))", str(tmp)],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": path})
+    assert made.returncode == 0, made.stderr[-2000:]
+    return python, path, made.stdout.strip().splitlines()[-1]
+
+
+def test_sglang_pp4_over_two_hosts(tmp_path, skew, sglang_model):
+    python, path, folder = sglang_model
     with three_hosts() as hosts:
-        path = f"{checkout_on_path(tmp_path)}:{SUPPORT}"
-        made = subprocess.run([str(python), "-c", "import sys, pathlib; from stagecache.runtime.integrations.sglang."
-                               "cpu_stage import model_dir; print(model_dir(pathlib.Path(sys.argv[1])))", str(tmp_path)],
-                              capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": path})
-        assert made.returncode == 0, made.stderr[-2000:]
-        folder = made.stdout.strip().splitlines()[-1]
         ab, ba = hosts.link
         procs: dict[int, subprocess.Popen] = {}
         logs: dict[int, Path] = {}

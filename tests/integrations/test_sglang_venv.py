@@ -88,7 +88,7 @@ PINNED_SUITES = ("tests/integrations/test_sglang_policies.py",
                  "tests/integrations/test_sglang_swa_hybrid.py",
                  "tests/integrations/test_sglang_linear_hybrid.py")
 #: One pytest run per suite set: (suites, the fewest tests that must pass).
-#: The agreement suite (about 2.5 minutes) runs on the pinned release, beside the comparisons.
+#: The agreement suite (about a minute) runs on the pinned release, beside the comparisons.
 RUNS = {"live": ((LIVE_SUITES, 50), ((DEPLOYMENT_SUITE,), 8)),
         "pinned": ((PINNED_SUITES, 150), ((AGREEMENT_SUITE,), 6), ((FAMILIES_SUITE,), 26))}
 #: One pytest run of a suite set (the families' suites take about 2.5 minutes on a loaded 2-core machine).
