@@ -213,18 +213,19 @@ with open(os.path.join(os.environ["MARKS"], "runs"), "a") as f:
 if alone:
     with open(alone, "w") as f:
         f.write(os.environ.get("ALONE_IDS", ""))
-    sys.exit(0)
+    sys.exit(int(os.environ.get("PARALLEL_RC", "0")))
 sys.exit(int(os.environ.get("ALONE_RC", "0")))
 """
 
 
-def _phases(tmp_path: Path, ids: str, alone_rc: int = 0) -> tuple[subprocess.CompletedProcess, list[dict]]:
+def _phases(tmp_path: Path, ids: str, alone_rc: int = 0,
+            parallel_rc: int = 0) -> tuple[subprocess.CompletedProcess, list[dict]]:
     import json
 
     tmp_path.mkdir(exist_ok=True)
     co, env = _checkout(tmp_path, {})
     (tmp_path / "pytest.py").write_text(PHASES_PYTEST)
-    proc, _ = _run(co, {**env, "ALONE_IDS": ids, "ALONE_RC": str(alone_rc)})
+    proc, _ = _run(co, {**env, "ALONE_IDS": ids, "ALONE_RC": str(alone_rc), "PARALLEL_RC": str(parallel_rc)})
     runs = [json.loads(line) for line in (tmp_path / "marks" / "runs").read_text().splitlines()]
     return proc, runs
 
@@ -261,3 +262,14 @@ def test_the_parallel_run_sets_the_alone_tests_aside_and_lists_them(tmp_path):
     assert "(1 deselected)" in proc.stdout
     collected = [line for line in proc.stdout.splitlines() if line.startswith("tests/")]
     assert flood not in collected and len(collected) >= 5, collected
+
+
+def test_a_selection_of_alone_tests_only_runs_them_alone_and_a_failed_parallel_run_fails(tmp_path):
+    # the parallel run had nothing left (pytest's 5: no tests ran): not a failure
+    proc, runs = _phases(tmp_path / "only", "tests/a/test_x.py::test_fast\n", parallel_rc=5)
+    assert proc.returncode == 0 and len(runs) == 2, proc.stdout + proc.stderr
+    proc, runs = _phases(tmp_path / "none", "", parallel_rc=5)  # nothing selected at all
+    assert proc.returncode == 5 and len(runs) == 1, proc.stdout + proc.stderr
+    # a failed parallel run fails the command, and the alone tests still run
+    proc, runs = _phases(tmp_path / "failed", "tests/a/test_x.py::test_fast\n", parallel_rc=1)
+    assert proc.returncode == 1 and len(runs) == 2, proc.stdout + proc.stderr
