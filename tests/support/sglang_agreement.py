@@ -61,6 +61,21 @@ def requests(n: int, sessions: int = 12, turns: int = 8) -> list[tuple[str, int,
     return out[:n]
 
 
+def _tell_the_others(stop: str, rank: int, step: int) -> None:
+    """Write ``step`` (the one this rank failed in: every rank finishes it) to the stop file, whole
+    or not at all.  The first rank to fail names the step: the ranks that then give up waiting on
+    it (gloo's timeout, at about the same moment) leave the file as it is."""
+    tmp = f"{stop}.{rank}.tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{step}\n")
+    try:
+        os.link(tmp, stop)
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(tmp)
+
+
 class _Stopped(Exception):
     """Another rank failed: this one stops before a PP sync that rank would never join."""
 
@@ -209,8 +224,6 @@ class Traffic:
             except Exception as exc:  # the case decides whether this is expected
                 error = f"{type(exc).__name__}: {exc}"[:300]
                 if stop:
-                    with open(stop + ".tmp", "w") as f:
-                        f.write(f"{self.step_no}\n")  # the step it failed in: every rank finishes it
-                    os.replace(stop + ".tmp", stop)
+                    _tell_the_others(stop, self.rank, self.step_no)
         return {"steps": self.step_no, "matches": self.matches, "prefetch": self.prefetch,
                 "host_tokens": int(self.group.logical_size), "error": error}
