@@ -1,31 +1,12 @@
 """``stagecache bench sglang-hooks``: what the deployment's hooks cost sglang's own cache work.
 
-One run builds one PP stage of a family's model with sglang 0.5.23's own objects on CPU
-(``integrations.sglang.cpu_stage``: the pools, the HiCache host pools of the assembler's strategy
-for the family and the real ``HybridCacheController``) -- DeepSeek-V4-Flash, and one model of
-every other family live on sglang (``cpu_stage.FAMILY_MODELS``: a Mamba hybrid, a DSA model, an
-SWA hybrid) -- and replays a multi-turn trace through two arms, alternated round by round on
-fresh radix caches with the same requests:
-
-* plain: per request, sglang's ``UnifiedRadixCache.match_prefix`` + ``insert``, a backup of the
-  request's new page (the full KV and the pools that move with it: DeepSeek V4's C4, indexer and
-  C128 pools, DSA's indexer; a Mamba hybrid's attention KV and the request's Mamba state slot)
-  (``write`` / ``start_writing``), its load
-  back (``load`` / ``start_loading``) and one scheduler step's event check, sglang's own
-  ``check_hicache_events`` (``cpu_stage.StepLedger``: its ``_sync_hicache_ready_counts`` and ack
-  consumption by ``writing_check`` / ``loading_check``);
-* hooked: the same, with ``match_prefix``, the controller's ``start_writing`` / ``start_loading``
-  and the step's ``check_hicache_events`` / ``writing_check`` / ``loading_check`` wrapped by
-  sglang's ``HookRegistry`` wrapper (``_wrap_fn``: AFTER around ``Deployment.after_match_prefix``,
-  AROUND around ``around_start_writing`` / ``around_start_loading`` -- which check each ack against
-  the stage's transfer plan -- and the agreement hooks of ``integrations/sglang/agreement.py``,
-  which record the per-request match and per-step ack counts every rank pushes to rank 0): what a
-  served rank runs.
-
-Each arm runs twice: with the page copies (torch row copies standing in for ``sgl_kernel``'s
-``transfer_kv_direct``) and without them.  On a GPU host the copies run on the copy engine while
-the scheduler thread goes on, so the copy-free arm is the scheduler-thread work the hooks add to;
-the target is judged there.  Needs sglang (``.venv-sglang``).
+One PP stage of a family's model, built with sglang's own objects on CPU (``cpu_stage``), replays
+a multi-turn trace through two arms alternated round by round on fresh radix caches: plain
+(sglang's match, insert, a page's backup and load, one ``check_hicache_events`` step) and hooked
+(the same, wrapped by sglang's ``HookRegistry`` wrapper as a served rank runs it).  Each arm runs
+with and without the page copies: on a GPU host the copies run on the copy engine beside the
+scheduler thread, so the target is judged on the copy-free arm.  docs/sglang.md ("What the hooks
+cost") describes the figures.  Needs sglang (``.venv-sglang``).
 """
 
 from __future__ import annotations

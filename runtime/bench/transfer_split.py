@@ -61,9 +61,11 @@ def _sync(cuda: bool) -> None:
         torch.cuda.synchronize()
 
 
-def _us(r: TransferResult) -> dict[str, float]:
-    assert r.seconds is not None
-    return {"queue_us": round(r.queue_seconds * 1e6, 2), "dma_us": round(r.seconds * 1e6, 2)}
+def _us(results: list[TransferResult]) -> dict[str, float]:
+    """Median queue wait and DMA time of ``results``, µs."""
+    assert all(r.seconds is not None for r in results)
+    return {"queue_us": statistics.median(round(r.queue_seconds * 1e6, 2) for r in results),
+            "dma_us": statistics.median(round(r.seconds * 1e6, 2) for r in results)}
 
 
 def _behind(c: TransferController, cuda: bool, big: list[int], small: list[int]) -> tuple[Any, Any]:
@@ -109,16 +111,10 @@ def split(spec: ModelSpec, s: SplitSettings) -> dict[str, Any]:
     live = stats.live()
     split = live.transfer_split
     kinds_sum = {d: sum(k.bytes for k in getattr(split, d).values()) for d in DIRECTIONS}
-    med = statistics.median
     return {
         "path": c.path, "pool_kinds": [k for k, _ in c.selection().kinds],
         "small_bytes": c.selection().nbytes(1), "big_bytes": c.selection().nbytes(s.big_pages),
-        "alone": {"queue_us": med(_us(r)["queue_us"] for r in alone),
-                  "dma_us": med(_us(r)["dma_us"] for r in alone)},
-        "long_backup": {"queue_us": med(_us(a)["queue_us"] for a, _ in pairs),
-                        "dma_us": med(_us(a)["dma_us"] for a, _ in pairs)},
-        "behind": {"queue_us": med(_us(b)["queue_us"] for _, b in pairs),
-                   "dma_us": med(_us(b)["dma_us"] for _, b in pairs)},
+        "alone": _us(alone), "long_backup": _us([a for a, _ in pairs]), "behind": _us([b for _, b in pairs]),
         "bytes": live.transfer_bytes.model_dump(),
         "kind_bytes_sum": kinds_sum,
         "kinds": {d: {k: {f: round(getattr(v, f), 6) for f in ("bytes", "moves", "queue_seconds", "dma_seconds")}

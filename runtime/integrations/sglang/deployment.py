@@ -2,31 +2,14 @@
 
 sglang loads plugins first thing in each scheduler process, before its distributed state
 exists, so nothing can be exchanged then.  ``Deployment.register()`` instead registers hooks
-with sglang's ``HookRegistry`` (applied by ``load_plugins`` right after) -- the one way
-stagecache hooks sglang -- on calls every PP rank reaches in ``Scheduler.__init__`` in the
-same order:
-
-* ``KVCacheConfigurator._apply_token_constraints`` (AROUND): its argument is the token
-  capacity this stage's budget fits alone, its result the deployment's (sglang's MIN over
-  the ranks) -- the capacity ledger;
-* ``build_deepseek_v4_hicache_stack`` (AROUND) for DeepSeek V4, the HiCache assembler's strategy
-  ``build`` (AROUND: ``_MambaStrategy``, ``_SwaStrategy``, ``_DsaStrategy``, ``_PlainKvStrategy``)
-  for every other family, or ``KVCacheConfigurator._init_pools`` when HiCache is off: the rank
-  reads its live pool once into a ``StageRecord`` (``reader``), the
-  ranks exchange records over ``get_pp_group().cpu_group`` (``record_exchange.py``), and every
-  rank validates the whole deployment (``validation.deployment``).  Strict: every rank raises
-  the same ``StageMappingInvalid``; otherwise the errors are published and sglang goes on.
-  Then rank 0 serves the one dashboard (every stage, ``/readyz``, ``/metrics`` with
-  ``pp_rank``) and the other ranks push their numbers to it (``push.py``).  With
-  ``STAGECACHE_SGLANG_PER_RANK=1`` each rank is a deployment of size 1: it validates its own
-  stage, exchanges nothing and serves its own endpoint on ``PORT + pp_rank``;
-* ``UnifiedRadixCache.match_prefix`` (AFTER): device-hit, host-hit and miss tokens of each
-  request's first match; ``HiCacheController.start_writing``/``start_loading`` (AROUND; sglang's
-  ``HybridCacheController`` inherits them): backup and load bytes and seconds from their acks,
-  each ack checked against the stage's transfer plan (``agreement.TransferPlan``);
-* ``UnifiedRadixCache.check_hicache_events`` / ``writing_check`` / ``loading_check`` and
-  ``HiCacheController._sync_prefetch_hit_query`` (AROUND): the per-step ack counts and the L3
-  lengths every rank reports for rank 0 to compare (``agreement.py``, ``live.divergence``).
+(``HOOKS``) with sglang's ``HookRegistry`` -- the one way stagecache hooks sglang -- on calls
+every PP rank reaches in ``Scheduler.__init__`` in the same order: the token capacity (the
+capacity ledger), then the stack build (or the pool build without HiCache), where each rank reads
+its live pool into a ``StageRecord`` (``reader``), the ranks exchange records
+(``record_exchange``) and every rank validates the whole deployment; rank 0 then serves the one
+endpoint the others push to (``push``).  At run time the prefix match, the transfer submissions
+and the per-step ack checks feed the stage's numbers (``rank_source``) and the records rank 0
+compares (``agreement``, ``live.divergence``).  docs/sglang.md describes each hook.
 """
 
 from __future__ import annotations
