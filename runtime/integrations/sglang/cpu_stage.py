@@ -1,22 +1,13 @@
-"""One PP rank of sglang 0.5.23's own DeepSeek-V4 KV cache on a CPU machine.
+"""One PP rank of sglang 0.5.23's own KV cache (DeepSeek V4, or any other family) on a CPU machine.
 
 sglang sizes and builds a rank's pools in ``ModelRunner`` and its HiCache stack in
-``Scheduler.__init__``.  This module runs those same steps on CPU, with sglang's own
-objects, so the benchmark (``bench sglang-hooks``) and the tests can drive sglang's real
-match / insert / backup / load paths without a GPU:
-
-* ``published`` resolves and publishes a ``ServerArgs`` for a folder holding a real
-  ``config.json`` (sglang reads it through its ``RuntimeContext``);
-* ``build_stage`` sizes one rank with ``KVCacheConfigurator`` / ``DSV4PoolConfigurator``
-  and builds its pools with ``_init_pools``;
-* ``on_cpu`` swaps in CPU versions of the CUDA-only pieces HiCache calls: pinning host
-  pages (``cudaHostRegister``) and ``sgl_kernel``'s direct copy ops (``transfer_kv_direct``, and
-  the page-first ones a Mamba hybrid's host pools use), in every host pool module.  With
-  ``hicache_io_backend="direct"`` sglang's ``HybridCacheController``, host pools and
-  ``L2TransferEngine`` then move real bytes between real tensors;
-* ``AckLedger`` consumes the controller's acks with sglang's own
-  ``UnifiedRadixCache.writing_check`` / ``loading_check``, which feed sglang's
-  ``hicache_backup_bytes_total`` / ``load_back_bytes_total`` counters.
+``Scheduler.__init__``.  This module runs those same steps on CPU, with sglang's own objects
+(``published``, ``build_stage``, ``build_family_pools``), so the benchmark (``bench sglang-hooks``)
+and the tests can drive sglang's real match / insert / backup / load paths without a GPU:
+``on_cpu`` swaps in CPU versions of the CUDA-only pieces HiCache calls (pinning host pages,
+``sgl_kernel``'s direct copy ops), so that with ``hicache_io_backend="direct"`` sglang's controller
+and host pools move real bytes between real tensors, and ``AckLedger`` consumes the acks with
+sglang's own ``writing_check`` / ``loading_check`` (which feed sglang's counters).
 
 ``device="meta"`` gives real shapes and ``nbytes`` without allocating (full-size pools in
 milliseconds); ``device="cpu"`` allocates, for transfers.
