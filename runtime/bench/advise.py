@@ -78,13 +78,12 @@ def timed_curve(path: str, fmt: str, page_size: int | None, block_tokens: int) -
             "pass_seconds": t2 - t1, "rss_before_mib": rss0, "peak_rss_mib": _rss_mib()}
 
 
-def replay_sizes(longest: int, full_pages: int, sizes: int) -> list[tuple[int, int]]:
-    """``sizes`` (device pages, host pages): host pages geometric from twice the longest request
-    to where the curve reaches the ceiling, device pages half of them (at least the longest)."""
+def geometric_sizes(longest: int, full_pages: int, sizes: int) -> list[int]:
+    """``sizes`` page counts, geometric from twice the longest request to where the curve reaches
+    the ceiling (fewer where they round to the same count)."""
     low = 2 * longest
     high = max(full_pages, low + sizes)
-    hosts = np.unique(np.rint(np.geomspace(low, high, sizes)).astype(np.int64)).tolist()
-    return [(max(longest, h // 2), h) for h in hosts]
+    return [int(x) for x in np.unique(np.rint(np.geomspace(low, high, sizes)).astype(np.int64))]
 
 
 def replay_at(views: Sequence[Any], page_size: int, device_pages: int, host_pages: int
@@ -149,7 +148,8 @@ def _measure(args: Any, core: int | None) -> dict[str, Any]:
         curve = timed_curve(path, args.trace_format, args.page_size, args.block_tokens)
     views, curves = curve.pop("views"), curve.pop("curves")
     longest = max(v.pages for v in views)
-    sizes = replay_sizes(longest, curves.total.full_pages, args.sizes)
+    # host pages at each size, device pages half of them (at least the longest request)
+    sizes = [(max(longest, h // 2), h) for h in geometric_sizes(longest, curves.total.full_pages, args.sizes)]
     rows = []
     t0 = time.perf_counter()
     for i, (dev, host) in enumerate(sizes):
