@@ -311,6 +311,7 @@ def _run_hicache(args: argparse.Namespace) -> int:
     from ..bench import hicache_report
     from ..errors import ConfigError
 
+    bench_device(args.device)
     if args.verify and args.metadata_only:
         raise ConfigError("--verify checks page bytes; --metadata-only has none: use one of them")
     args.l3_options = l3_options(args)
