@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -234,16 +235,9 @@ class AckLedger:
         self.ongoing_load_back: dict[int, tuple[None, None, None]] = {}
         self.tree_core = self
 
-    def _finish_write_through_ack(self, ack_id: int) -> None:
-        return None
-
-    def finish_load_back(self, node: Any) -> None:
-        return None
-
-    def dec_lock_ref(self, node: Any, params: Any = None) -> None:
-        return None
-
-    dec_host_lock_ref = dec_lock_ref
+    # the tree's lock bookkeeping sglang calls per ack: no tree node owns these transfers
+    _finish_write_through_ack = finish_load_back = dec_lock_ref = dec_host_lock_ref = staticmethod(
+        lambda *a, **k: None)
 
     def drain(self) -> None:
         """Every queued ack through sglang's own completion checks (counters included)."""
@@ -381,18 +375,12 @@ def sliding_window(mc: ModelConfig) -> int | None:
         resolve_sliding_window_size,
     )
 
-    class _Model:
-        def __init__(self, window: int | None):
-            self.window = window
-
-        def get_attention_sliding_window_size(self) -> int | None:
-            return self.window
-
     arch = mc.hf_config.architectures[0]
     if arch.startswith(("GptOss", "Gemma4")):
         from sglang.srt.models.gpt_oss import get_attention_sliding_window_size
 
-        return resolve_sliding_window_size(_Model(get_attention_sliding_window_size(mc.hf_text_config)), mc)
+        window = get_attention_sliding_window_size(mc.hf_text_config)
+        return resolve_sliding_window_size(SimpleNamespace(get_attention_sliding_window_size=lambda: window), mc)
     return resolve_sliding_window_size(object(), mc)
 
 
