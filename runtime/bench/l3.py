@@ -151,12 +151,10 @@ def _mooncake_rounds(store: Any, src: torch.Tensor, dst: torch.Tensor, rounds: i
         sk = [f"sc1.0123456789abcdef.t0.p0.L0-1.swa.{r:08x}{i:08x}" for i in range(len(src))]
         times["direct_write"].append(_timed(lambda dk=dk: client.batch_put_from(dk, ptrs, sizes)))
         times["store_write"].append(_timed(lambda sk=sk: store.batch_set_from(sk, [[p] for p in src])))
-        for kind, keys in (("direct_read", dk), ("store_read", sk)):
+        for kind, read in (("direct_read", lambda dk=dk: client.batch_get_into(dk, dptrs, sizes)),
+                           ("store_read", lambda sk=sk: store.batch_get_into(sk, [[p] for p in dst]))):
             dst.zero_()
-            if kind == "direct_read":
-                times[kind].append(_timed(lambda keys=keys: client.batch_get_into(keys, dptrs, sizes)))
-            else:
-                times[kind].append(_timed(lambda keys=keys: store.batch_get_into(keys, [[p] for p in dst])))
+            times[kind].append(_timed(read))
             if not torch.equal(dst, src):
                 raise RuntimeError(f"bench l3: mooncake {kind} read back other bytes than were written")
         client.remove_by_regex(rf"^(direct\.{r}\.|sc1\.)", True)
@@ -185,11 +183,7 @@ def bench_mooncake(pages: int, page_bytes: int, rounds: int) -> dict[str, Any]:
 def run_bench(backends: list[str], pages: int, page_mib: float, rounds: int,
               directory: str | None) -> dict[str, Any]:
     page_bytes = int(page_mib * (1 << 20))
-    out: dict[str, Any] = {"page_bytes": page_bytes, "pages": pages, "results": []}
-    for b in backends:
-        if b == "file":
-            out["results"].append(bench_file(pages, page_bytes, rounds, directory))
-        else:
-            out["results"].append(bench_mooncake(pages, page_bytes, rounds))
-    out["meets_targets"] = all(r["meets_target"] for r in out["results"])
-    return out
+    results = [bench_file(pages, page_bytes, rounds, directory) if b == "file"
+               else bench_mooncake(pages, page_bytes, rounds) for b in backends]
+    return {"page_bytes": page_bytes, "pages": pages, "results": results,
+            "meets_targets": all(r["meets_target"] for r in results)}

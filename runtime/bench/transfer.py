@@ -108,12 +108,8 @@ def launch_shape(chunk_bytes: int | None, programs_per_sm: int | None, num_warps
     return LaunchShape(**{k: v for k, v in given.items() if v is not None})
 
 
-_log = logging.getLogger(__name__)
-
-
-def log(msg: str) -> None:
-    """Progress of the bench, on stderr (the CLI shows the bench's INFO lines)."""
-    _log.info("[bench transfer] %s", msg)
+#: Progress of the bench, on stderr (the CLI shows the bench's INFO lines).
+log = logging.getLogger(__name__)
 
 
 # -- the clock: wall time from a call until the device is idle again, sampled in interleaved rounds.
@@ -448,13 +444,14 @@ def run_bench(cases: list[Case], s: Settings, model: str) -> dict[str, Any]:
                                       "native": native.module() is not None, "rows": []}
     t0 = time.perf_counter()
     for i, case in enumerate(cases, 1):
-        log(f"{i}/{len(cases)} {case.name} ({case.pages} pages) ... [{time.perf_counter() - t0:.0f} s]")
+        log.info("[bench transfer] %d/%d %s (%d pages) ... [%.0f s]", i, len(cases), case.name, case.pages,
+                 time.perf_counter() - t0)
         rows, notes = run_case(case, s)
         report["rows"] += rows
         report["techniques"] = report.get("techniques", {}) | notes
         for r in rows:
-            log(f"  {r['direction']} ms " + " ".join(f"{k}={v}" for k, v in r["ms"].items())
-                + f"  vs best peer {r['stagecache_vs_best_peer']}  issue {r['issue_us']} us")
+            log.info("[bench transfer]   %s ms %s  vs best peer %s  issue %s us", r["direction"],
+                     " ".join(f"{k}={v}" for k, v in r["ms"].items()), r["stagecache_vs_best_peer"], r["issue_us"])
         if s.device.startswith("cuda"):
             torch.cuda.empty_cache()
             torch._C._host_emptyCache()
