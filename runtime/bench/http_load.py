@@ -34,6 +34,7 @@ import tempfile
 import threading
 import time
 import urllib.parse
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -156,9 +157,7 @@ def load(url: str, paths: list[str], clients: int, total: int) -> dict[str, Any]
         t.join()
     wall = time.perf_counter() - t0
     flat = [r for rs in results for r in rs]
-    statuses: dict[str, int] = {}
-    for _k, _ms, st in flat:
-        statuses[str(st)] = statuses.get(str(st), 0) + 1
+    statuses = dict(Counter(str(st) for _, _, st in flat))
     per_path = {p: {"requests": sum(1 for k, _, _ in flat if k == i),
                     **percentiles([ms for k, ms, st in flat if k == i and st > 0])}
                 for i, p in enumerate(paths)}

@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ..memory.host_pools import HostPools
 from ..memory.pools import StagePools
 from ..model.spec import ModelSpec
@@ -52,13 +54,6 @@ def _pools(spec: ModelSpec, s: SplitSettings) -> tuple[StagePools, HostPools]:
     dp.allocator.alloc(pages)
     hp.allocator.alloc(pages)
     return dp, hp
-
-
-def _sync(cuda: bool) -> None:
-    if cuda:
-        import torch
-
-        torch.cuda.synchronize()
 
 
 def _us(results: list[TransferResult]) -> dict[str, float]:
@@ -159,8 +154,6 @@ def _record_cost(kinds: tuple[tuple[str, int], ...], calls: int) -> dict[str, fl
 
 def _clock_cost(dp: StagePools, calls: int) -> float:
     """µs of one ``host_time`` conversion of a finished start event (the CUDA-only addition)."""
-    import torch
-
     from ..transfer.clock import EventClock, host_time
 
     clock = EventClock(dp.device)
@@ -198,7 +191,8 @@ def accounting(spec: ModelSpec, s: SplitSettings) -> dict[str, Any]:
     a, b = _alternate(block(with_stats), block(bare), s.calls)
     with_stats.synchronize()
     bare.synchronize()
-    _sync(cuda)
+    if cuda:
+        torch.cuda.synchronize()
     out["call_with_stats_us"] = round(a / 2, 2)
     out["call_without_stats_us"] = round(b / 2, 2)
     out["stats_ratio"] = round(a / b, 4) if b else None
@@ -206,8 +200,6 @@ def accounting(spec: ModelSpec, s: SplitSettings) -> dict[str, Any]:
 
 
 def run_bench(spec: ModelSpec, s: SplitSettings) -> dict[str, Any]:
-    import torch
-
     return {
         "bench": "transfer-split", "model": spec.name, "device": s.device,
         "gpu": torch.cuda.get_device_name() if s.device.startswith("cuda") else None,
