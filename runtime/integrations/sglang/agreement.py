@@ -171,13 +171,13 @@ class RankAgreement:
                 op.pool_transfers = [t for t in transfers if getattr(t.name, "value", t.name) not in skip] or None
 
     # -- recording (scheduler thread, prefetch thread) ----------------------------------------
-    def _put(self, kind: str, row: Any) -> None:
-        """Append ``row`` to the list of ``kind``, looked up under the lock: ``drain`` swaps the
-        lists, and a row appended to the list it just handed out would be lost (a request's or a
-        step's record missing on rank 0: 999 of 1,000 compared)."""
+    def _put(self, kind: str, row: Any, limit: int = MAX_BATCH) -> None:
+        """Append ``row`` to the list of ``kind`` (at most ``limit`` rows), looked up under the lock:
+        ``drain`` swaps the lists, and a row appended to the list it just handed out would be lost
+        (a request's or a step's record missing on rank 0: 999 of 1,000 compared)."""
         with self._lock:
             rows = self.__dict__[kind]
-            if len(rows) < MAX_BATCH:
+            if len(rows) < limit:
                 rows.append(row)
             else:
                 self._dropped += 1
@@ -248,11 +248,7 @@ class RankAgreement:
                                    page=_first_page(first_op, plan.page_size),
                                    pages=-(-tokens // max(1, plan.page_size)), missing=missing,
                                    expected_bytes=expected, got_bytes=int(ack.num_bytes))
-        with self._lock:
-            if len(self._backups) < RECENT:
-                self._backups.append(finding)
-            else:
-                self._dropped += 1
+        self._put("_backups", finding, RECENT)
 
     # -- leaving the rank ---------------------------------------------------------------------
     def drain(self) -> RankBatch:
