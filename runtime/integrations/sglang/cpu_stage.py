@@ -167,22 +167,16 @@ def transfer_kv_per_layer_direct_pf_lf(src_ptrs: list[torch.Tensor], dst_ptrs: l
         dst.index_copy_(0, dst_indices.to(dst.device), src[pages, layer_id, offsets].to(dst.device))
 
 
+_DIRECT = {"transfer_kv_direct": transfer_kv_direct}
+#: the ops of host pools that also copy page-first (MHA and Mamba: a Mamba hybrid's layout)
+_PAGE_FIRST = {**_DIRECT, "transfer_kv_all_layer_direct_lf_pf": transfer_kv_all_layer_direct_lf_pf,
+               "transfer_kv_per_layer_direct_pf_lf": transfer_kv_per_layer_direct_pf_lf}
 #: The host pool modules that bind sglang's copy ops at import (CUDA builds only), and the
 #: CPU stand-ins ``on_cpu`` gives each: DeepSeek V4's pools, MHA / MLA pools and DSA's indexer (SWA hybrids, DSA,
 #: dense models, a Mamba hybrid's attention) and the Mamba state pool.
-COPY_OPS = {
-    "sglang.srt.mem_cache.memory_pool_host": {"transfer_kv_direct": transfer_kv_direct},
-    "sglang.srt.mem_cache.pool_host.mha": {
-        "transfer_kv_direct": transfer_kv_direct,
-        "transfer_kv_all_layer_direct_lf_pf": transfer_kv_all_layer_direct_lf_pf,
-        "transfer_kv_per_layer_direct_pf_lf": transfer_kv_per_layer_direct_pf_lf},
-    "sglang.srt.mem_cache.pool_host.mla": {"transfer_kv_direct": transfer_kv_direct},
-    "sglang.srt.mem_cache.pool_host.dsa": {"transfer_kv_direct": transfer_kv_direct},
-    "sglang.srt.mem_cache.pool_host.mamba": {
-        "transfer_kv_direct": transfer_kv_direct,
-        "transfer_kv_all_layer_direct_lf_pf": transfer_kv_all_layer_direct_lf_pf,
-        "transfer_kv_per_layer_direct_pf_lf": transfer_kv_per_layer_direct_pf_lf},
-}
+COPY_OPS = {f"sglang.srt.mem_cache.{module}": ops for module, ops in (
+    ("memory_pool_host", _DIRECT), ("pool_host.mha", _PAGE_FIRST), ("pool_host.mla", _DIRECT),
+    ("pool_host.dsa", _DIRECT), ("pool_host.mamba", _PAGE_FIRST))}
 
 
 @contextlib.contextmanager
