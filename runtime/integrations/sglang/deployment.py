@@ -92,6 +92,7 @@ HOOKS = {
     "prefetch_hybrid": Hook("sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller.HybridCacheController."
                             "_sync_prefetch_hit_query", "agreement.around_prefetch_hit_query", _PREFETCH),
 }
+#: Each hook's sglang target, by name.
 TARGETS = {name: hook.target for name, hook in HOOKS.items()}
 
 
