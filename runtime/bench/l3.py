@@ -1,19 +1,13 @@
 """``stagecache bench l3``: each L3 backend against the plain I/O beneath it, same run, same bytes.
 
-* **file**: the store's ``batch_set_from`` / ``batch_get_into`` of ``pages`` objects of
-  ``page_mib`` MiB (a record each: head, CRC-32C, appended to a segment file) against one plain
-  sequential ``write`` / ``readinto`` of the same bytes into one file in the same directory
-  (same disk).  Writes go to the page cache in both (nothing is fsynced); *cold* reads come from
-  the disk in both (every file is fsynced and dropped from the page cache with
-  ``posix_fadvise(DONTNEED)`` first, untimed); *warm* reads (page cache) are reported too.
-* **mooncake**: the store's calls against direct ``batch_put_from`` / ``batch_get_into`` calls of
-  the same client on the same registered buffers and object sizes (a real ``mooncake_master``
-  on 127.0.0.1, started and stopped here).
+* **file**: the store's batch calls against one plain sequential ``write`` / ``readinto`` of the
+  same bytes into one file on the same disk; cold reads come from the disk in both (fsynced and
+  dropped from the page cache first, untimed), warm reads from the page cache;
+* **mooncake**: the store's calls against direct calls of the same client on the same registered
+  buffers (a real ``mooncake_master`` on 127.0.0.1, started and stopped here).
 
-Each technique runs ``rounds`` times, interleaved (which goes first alternates), with fresh keys
-and files per round; the median round counts, and every round's figures are printed too (on a
-shared machine they vary by several times: ``round_ratio_median`` is the median of the rounds'
-own ratios, each technique against the baseline timed beside it).  Every read is checked byte for byte against what was written.
+The techniques run interleaved, ``rounds`` times with fresh keys and files, the median round
+counting; every read is checked byte for byte.  docs/l3.md ("Speed") describes the figures.
 """
 
 from __future__ import annotations
