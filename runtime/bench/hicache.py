@@ -1,27 +1,15 @@
 """``stagecache bench hicache``: replay a trace through each stage's HiCache, with its bounds.
 
-One run, same trace, same page size, same device pages per stage:
+One run, same trace, same page size, same device pages per stage: ``hicache`` (device + host
+tier, the configuration under test), ``device_only`` (no host tier: what HiCache adds is the
+difference), ``ceiling`` (an infinite cache) and ``belady`` (the offline bound at the host tier's
+capacity, ``sizing/bounds.py``).  docs/hicache.md describes the modes and flags.
 
-* ``hicache``     -- device tier + host tier (the configuration under test);
-* ``device_only`` -- the same device pages, no host tier (what HiCache adds is the difference);
-* ``ceiling``     -- an infinite cache: every page ever kept stays reusable;
-* ``belady``      -- the offline bound: one tier of the host tier's capacity that
-  evicts the page used farthest in the future (``sizing/bounds.py``).
-
-Traces: stagecache's token JSONL or Mooncake's block-hash JSONL (detected, or
-``--trace-format``), or a generated chat trace.  In Mooncake format a block is a
-page, so the page size is ``--block-tokens``.
-
-``--l3 file|mooncake``: the ``hicache`` mode gets an L3 tier behind the host tier (payload mode
-only: L3 holds real bytes); every stage keeps its own key space in one store, which starts empty.
-
-``--metadata-only``: no tensors.  Every stage sees the same requests and has the
-same page-id space, so its decisions are the same; the cache is replayed once
-and each stage's bytes are its pages moved times its bytes per page (memory
-layer).  The transfer time a run implies uses a bandwidth measured in the same
-run by real copies through the transfer controller.  Without it (payload mode),
-each stage replays on its real pools, and ``--verify`` compares every reused
-page with the bytes written for it (``kv_writer``); a mismatch exits 1.
+``--metadata-only`` replays the cache once with no tensors: every stage sees the same requests
+and has the same page-id space, so its decisions are the same, and each stage's bytes are its
+pages moved times its bytes per page; the transfer time they imply uses a bandwidth measured in
+the same run by real copies.  Payload mode replays each stage on its real pools (``--verify``:
+every reused page checked against the bytes written for it; a mismatch exits 1).
 """
 
 from __future__ import annotations
