@@ -53,14 +53,11 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
 
 
 def read_json(path: str | os.PathLike[str]) -> Any | None:
-    """The parsed file, or None when it does not exist (yet)."""
+    """The parsed file, or None when it cannot be read (not written yet, being replaced; only a
+    non-atomic writer makes it unparsable)."""
     try:
-        with open(path, "rb") as f:
-            return json.loads(f.read())
-    except FileNotFoundError:
-        return None
-    except ValueError:
-        # Only a non-atomic writer could cause this; treat it as "not there yet".
+        return json.loads(Path(path).read_bytes())
+    except (OSError, ValueError):
         return None
 
 

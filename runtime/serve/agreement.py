@@ -31,10 +31,11 @@ miss reasons lag its hit counters by at most the pipeline window.
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..live.divergence import agreed_value  # a tie goes to the larger (the longer prefix)
 from ..live.numbers import DECISION_NAMES, Disagreement, StageAgreement
 
 FIELDS = ("device_pages", "host_pages", "backed_up_pages", "cached_pages", "completed",
@@ -48,12 +49,6 @@ def decision_values(rec: Sequence[int]) -> tuple[int, int, int, int]:
     """A record's value per decision; completion is the pages it cached, or -1 if it did not complete."""
     l3 = rec[5] if len(rec) > 5 else 0
     return rec[0] + rec[1] + l3, rec[1] + l3, rec[2], rec[3] if rec[4] else -1
-
-
-def agreed_value(values: Sequence[int]) -> int:
-    """The value most stages reported; a tie goes to the larger (the longer prefix)."""
-    counts = Counter(values)
-    return max(counts, key=lambda v: (counts[v], v))
 
 
 def compare(records: Sequence[Sequence[Sequence[int]]]) -> list[tuple[list[int], list[int]]]:
