@@ -24,9 +24,9 @@ from collections.abc import Callable
 from operator import attrgetter
 from typing import Any
 
-from stagecache.runtime.live.numbers import STAGE_PHASES, StageLive, TransferKind
+from stagecache.runtime.live.numbers import STAGE_PHASES, StageLive
 from stagecache.runtime.memory.host_tier import HOST_TIER_STATUSES
-from stagecache.runtime.transfer.stats import DIRECTIONS
+from stagecache.runtime.transfer.stats import DIRECTIONS, TransferKind
 from stagecache.runtime.validation.report import StageReport, StartupReport
 
 from .divergence_families import (

@@ -178,5 +178,3 @@ def process_registry() -> CollectorRegistry:
 
 #: Names as they appear in the exposition (counters with ``_total``, histograms by base name).
 METRIC_NAMES: tuple[str, ...] = tuple(fam.name for _scope, fam in all_families())
-
-__all__ = ["METRIC_NAMES", "StageCollector", "exposed_name", "make_registry", "process_registry"]

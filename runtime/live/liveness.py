@@ -29,16 +29,13 @@ from collections.abc import Iterable, Mapping
 
 from pydantic import Field
 
-from ..defaults import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S
+from ..defaults import HEARTBEAT_TIMEOUT_S
 from ..memory.host_tier import NOT_READY_STATUSES
 from ..typed import Strict
 from ..validation.report import StartupReport
 from .divergence import readiness_lines
 from .numbers import Phase, RunInfo, StageLive
 from .source import SnapshotSource
-
-__all__ = ["HEARTBEAT_INTERVAL_S", "HEARTBEAT_TIMEOUT_S", "Liveness", "StageHealth",
-           "assess", "disagreeing", "finished_reason", "liveness_of", "utc_text"]
 
 
 def disagreeing(per_stage: Iterable[tuple[int, Mapping[str, int]]]) -> dict[int, dict[str, int]]:
