@@ -1,22 +1,13 @@
 """One PP stage as one OS process: dist init, own pools + host stack, startup gather, request loop.
 
-``serve`` starts ``stage_main(config)`` once per stage (forked from a forkserver).  A stage
-builds *only its own* pools, from its own ``StagePlan`` -- nothing global is allocated
-anywhere, which is the point of stage-local pools -- and sends the ``StageRecord`` of those
-real tensors to rank 0 (sealed JSON, ``exchange``).  Rank 0 turns the records into the
-``StartupReport`` (``validation.deployment``: per-stage validation plus the cross-stage
-checks, as ``check`` does), writes it to the run directory, and broadcasts the verdict:
-every stage then either serves the trace or stops before touching a request.
+A stage builds *only its own* pools, from its own ``StagePlan`` (nothing global is allocated
+anywhere: the point of stage-local pools), and sends the ``StageRecord`` of those real tensors to
+rank 0 (sealed JSON, ``exchange``), which turns the records into the ``StartupReport`` (the checks
+``check`` runs) and broadcasts the verdict: every stage then serves the trace or stops before
+touching a request.  Live numbers go to ``stage-<k>.json`` in the run directory (``run_dir``).
 
-While serving, each stage runs its own prefix cache over its own pools on the
-same request stream (so every stage takes the same hit/miss decisions, which
-the pipeline header checks), and the activation of every micro-batch travels
-stage to stage with ``torch.distributed`` send/recv (``pipeline.StagePipe``).
-Live numbers go to ``stage-<k>.json`` in the run directory (``run_dir``).
-
-Exit codes: 0 done (or startup refused, see ``startup.json``), 1 this stage
-failed, 4 a peer went away (connection closed / timed out) -- so the parent can
-name the stage that really died rather than the neighbours that noticed.
+Exit codes: 0 done (or startup refused, see ``startup.json``), 1 this stage failed, 4 a peer went
+away -- so the parent can name the stage that really died rather than the neighbours that noticed.
 """
 
 from __future__ import annotations
