@@ -47,7 +47,6 @@ from .probes import add_probes
 from .rates import DEFAULT_WINDOW_S, MAX_WINDOW_S
 from .reader import STARTING_DETAIL, NotReady, Reader, status_of
 from .view import (
-    find_stage,
     layer_map_cells,
     pool_label,
     pool_statuses,
@@ -73,17 +72,13 @@ def plotly_js_path() -> Path:
     return path
 
 
-def _error_body(status: str, detail: str) -> dict[str, str]:
-    return {"status": status, "detail": detail}
-
-
 def layer_map(reader: Reader, rep: StartupReport, stage: int) -> LayerMapResponse | None:
     """Drawn once per report and stage (a Plotly figure costs ~10 ms; a report never changes)."""
     return reader.derived.get(rep, ("layer-map", stage), lambda: build_layer_map(rep, stage))
 
 
 def build_layer_map(rep: StartupReport, stage: int) -> LayerMapResponse | None:
-    s = find_stage(rep, stage)
+    s = rep.stage(stage)
     if s is None:
         return None
     pools, cells = pool_statuses(s), layer_map_cells(s)
@@ -112,7 +107,7 @@ def _gib(n: int) -> str:
 
 def page_context(reader: Reader, title: str, window_s: float) -> dict[str, Any]:
     """Everything index.html renders; the live charts start with the rate history so far."""
-    rep = reader.optional_report()
+    rep = reader.source.startup()
     live = reader.stages()
     stage_ids = [s.stage for s in rep.stages] if rep else [s.stage for s in live]
     history = reader.history
@@ -292,7 +287,7 @@ def create_app(source: SnapshotSource, *, title: str = "stagecache",
     app.state.reader = reader
     @app.exception_handler(NotReady)
     async def _not_ready(request: Request, exc: NotReady) -> JSONResponse:
-        return JSONResponse(_error_body("starting", STARTING_DETAIL), status_code=503)
+        return JSONResponse({"status": "starting", "detail": STARTING_DETAIL}, status_code=503)
 
     add_page_routes(app, reader, title)
     add_api_routes(app, reader)

@@ -34,6 +34,9 @@ EXIT_FAILED = 1
 EXIT_PEER_LOST = 4
 
 PUBLISH_INTERVAL_S = 0.25
+#: ``PipelineClock`` totals a ``StageLive`` holds under the same names.
+CLOCK_FIELDS = ("stage_seconds", "bubble_seconds", "idle_seconds", "activation_bytes_sent",
+                "activation_bytes_received")
 
 
 class PeerLost(RuntimeError):
@@ -358,14 +361,10 @@ class StageWorker:
         fields: dict[str, Any] = self.cache.live_fields() if self.cache is not None else {}
         if self.pipe is not None:
             clock = self.pipe.clock
-            fields.update(stage_seconds=clock.stage_seconds, bubble_seconds=clock.bubble_seconds,
-                          idle_seconds=clock.idle_seconds,
-                          activation_bytes_sent=clock.activation_bytes_sent,
-                          activation_bytes_received=clock.activation_bytes_received,
-                          timeline=clock.timeline())
+            fields.update({f: getattr(clock, f) for f in CLOCK_FIELDS}, timeline=clock.timeline())
         return StageLive(
-            stage=self.rank, model_name=self.cfg.opts.plan.spec.name, time=time.time(), pid=self.pid, phase=self.phase, error=self.error,
-            started_at=self.t_start, start_layer=self.stage_map.start, end_layer=self.stage_map.end,
+            stage=self.rank, model_name=self.cfg.opts.plan.spec.name, time=time.time(), pid=self.pid,
+            phase=self.phase, error=self.error, started_at=self.t_start, start_layer=self.stage_map.start, end_layer=self.stage_map.end,
             local_layers=self.stage_map.local_layers, steps=self.steps_done,
             requests=self.requests_done, total_steps=self.total_micro_batches,
             total_requests=self.total_requests, **fields,
