@@ -148,6 +148,7 @@ class StageCache:
         from ..transfer.controller import TransferController
         from ..transfer.stats import TransferStats
         from ..validation.checks import validate_stage
+        from .agreement import Agreement
         from .host_tier_live import StageHostTier
 
         self.cfg = cfg
@@ -184,7 +185,13 @@ class StageCache:
                                  stats=self.stats, insight=SERVE_INSIGHT, storage=self.l3.open(),
                                  mirror=mirror_bytes(cfg.plan), backup_pools=backup_pools)
             self.writer = KvWriter(self.pools)
-        self._agreement_setup()
+        # stage agreement (``agreement.py``) and the ``radix-skew`` fault that tests it
+        self.agreement = Agreement(self.stage, cfg.opts.pp_size, self._on_verdict,
+                                   describe=lambda req: f"{req.session}/{req.turn}")
+        self._misses: dict[int, list[Any]] = {}  # micro-batch -> deferred miss records
+        self.skew = "radix-skew" in faults
+        self.skewed_pages = 0
+        self._finished = 0
         self.compute = LayerCompute([e.global_id for e in self.stage_map.layers], cfg.opts.hidden_size,
                                     self.device)
         self.verified_pages = 0
@@ -194,17 +201,6 @@ class StageCache:
     def load_trace(self) -> list[Any]:
         return build_trace(self.cfg.opts.trace, self.cfg.opts.requests, self.cfg.opts.seed,
                            self.cfg.opts.trace_format)
-
-    def _agreement_setup(self) -> None:
-        """Stage agreement (``agreement.py``) and the ``radix-skew`` fault that tests it."""
-        from .agreement import Agreement
-
-        self.agreement = Agreement(self.stage, self.cfg.opts.pp_size, self._on_verdict,
-                                   describe=lambda req: f"{req.session}/{req.turn}")
-        self._misses: dict[int, list[Any]] = {}  # micro-batch -> deferred miss records
-        self.skew = "radix-skew" in self.cfg.opts.plan.stage_faults(self.stage)
-        self.skewed_pages = 0
-        self._finished = 0
 
     def _on_verdict(self, index: int, agreed: list[int]) -> None:
         """The stages' verdict on a micro-batch: book its deferred miss reasons."""
