@@ -61,15 +61,6 @@ def read_json(path: str | os.PathLike[str]) -> Any | None:
         return None
 
 
-def read_stage_files(run_dir: str | os.PathLike[str]) -> dict[int, StageLive]:
-    """Every ``stage-<k>.json`` in the directory, parsed, by stage id (no caching).
-
-    A file that does not parse as a ``StageLive`` is skipped like a missing one:
-    only a non-atomic writer (or a stranger's file) can produce it.
-    """
-    return ParsedFiles().stages(run_dir)
-
-
 def _stage_id(name: str) -> int | None:
     if not (name.startswith("stage-") and name.endswith(".json")):
         return None
