@@ -53,20 +53,22 @@ class DashboardThread:
 
     def __init__(self, source: Any, sock: socket.socket | None, title: str, *, host: str = "127.0.0.1",
                  port: int = 8000, keep_alive_s: float = KEEP_ALIVE_S,
-                 header_timeout_s: float = HEADER_TIMEOUT_S, **app: Any):
+                 header_timeout_s: float = HEADER_TIMEOUT_S, advise: AdviseReport | None = None,
+                 configure: Callable[[Any], None] | None = None, extra_hosts: Iterable[str] = ()):
         if sock is not None:
             host, port = sock.getsockname()[:2]
         self.sock = sock
         self.url = f"http://{f'[{host}]' if ':' in host else host}:{port}/"
         self.server = make_server(source, host, port, title=title, keep_alive_s=keep_alive_s,
-                                  header_timeout_s=header_timeout_s, **app)
+                                  header_timeout_s=header_timeout_s, advise=advise, configure=configure,
+                                  extra_hosts=extra_hosts)
         self.thread = threading.Thread(target=self._run, name=f"stagecache-dashboard:{port}", daemon=True)
         self.error: BaseException | None = None
 
     def _run(self) -> None:
         try:
             self.server.run(sockets=[self.sock] if self.sock is not None else None)
-        except BaseException as exc:  # noqa: BLE001 - reported by the caller (uvicorn sys.exit()s when it cannot bind)
+        except BaseException as exc:  # noqa: BLE001 - the caller reports it (uvicorn exits when it cannot bind)
             self.error = exc
 
     def start(self, timeout: float = 10.0) -> None:
@@ -140,14 +142,16 @@ def serve_dashboard(
 @contextmanager
 def dashboard_in_thread(
     source: SnapshotSource, host: str = "127.0.0.1", port: int = 8000, *,
-    title: str = "stagecache", startup_timeout_s: float = 15.0, **app: Any,
+    title: str = "stagecache", startup_timeout_s: float = 15.0, advise: AdviseReport | None = None,
+    configure: Callable[[Any], None] | None = None, extra_hosts: Iterable[str] = (),
 ) -> Iterator[str]:
     """Serve the dashboard in a daemon thread while the block runs; yields its base URL.
 
-    ``app``: ``make_server``'s ``advise``, ``configure`` and ``extra_hosts``.  Startup waits are
-    bounded; a port that cannot be bound is a RuntimeError naming it, not a silently dead thread.
+    Startup waits are bounded; a port that cannot be bound is a RuntimeError naming it, not a
+    silently dead thread.
     """
-    dash = DashboardThread(source, None, title, host=host, port=port, **app)
+    dash = DashboardThread(source, None, title, host=host, port=port, advise=advise, configure=configure,
+                           extra_hosts=extra_hosts)
     dash.start(startup_timeout_s)
     if not dash.server.started:
         dash.stop()

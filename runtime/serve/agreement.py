@@ -23,6 +23,8 @@ from typing import Any
 from ..live.divergence import agreed_value  # a tie goes to the larger (the longer prefix)
 from ..live.numbers import DECISION_NAMES, Disagreement, StageAgreement
 
+#: A request's record: pages matched on device and host (loaded h2d), backed up (d2h) while serving
+#: it, newly cached at its end, whether it completed, and taken from L3 (matched and loaded too).
 FIELDS = ("device_pages", "host_pages", "backed_up_pages", "cached_pages", "completed",
           "storage_pages")
 NFIELDS = len(FIELDS)

@@ -364,8 +364,8 @@ class StageWorker:
             fields.update({f: getattr(clock, f) for f in CLOCK_FIELDS}, timeline=clock.timeline())
         return StageLive(
             stage=self.rank, model_name=self.cfg.opts.plan.spec.name, time=time.time(), pid=self.pid,
-            phase=self.phase, error=self.error, started_at=self.t_start, start_layer=self.stage_map.start, end_layer=self.stage_map.end,
-            local_layers=self.stage_map.local_layers, steps=self.steps_done,
+            phase=self.phase, error=self.error, started_at=self.t_start, start_layer=self.stage_map.start,
+            end_layer=self.stage_map.end, local_layers=self.stage_map.local_layers, steps=self.steps_done,
             requests=self.requests_done, total_steps=self.total_micro_batches,
             total_requests=self.total_requests, **fields,
         )
