@@ -231,8 +231,9 @@ DOCS_CSP = ("default-src 'self'; img-src 'self' data:; style-src 'self' 'unsafe-
 
 
 def add_docs_pages(app: FastAPI) -> None:
-    """/docs and /redoc over the fastapi-offline files, with the title HTML-escaped: FastAPI puts
-    it into ``<title>`` as it is, and the title holds the model's name (a config's path)."""
+    """/docs and /redoc over the fastapi-offline files, with the title HTML-escaped (FastAPI puts
+    it into ``<title>`` as it is, and the title holds the model's name: a config's path), served
+    with ``DOCS_CSP``."""
     title = html.escape(app.title)
     favicon = "static/favicon.svg"
 
@@ -251,14 +252,10 @@ def add_docs_pages(app: FastAPI) -> None:
                               redoc_js_url=f"{DOCS_ASSETS}/redoc.standalone.js",
                               with_google_fonts=False, redoc_favicon_url=favicon)
 
-
-def add_docs_policy(app: FastAPI) -> None:
-    docs = {DOCS_URL, REDOC_URL}
-
-    @app.middleware("http")
+    @app.middleware("http")  # added after the gzip middleware, so it is the outer one
     async def same_origin_docs(request: Request, call_next: Any) -> Response:
         response = await call_next(request)
-        if request.url.path in docs:
+        if request.url.path in (DOCS_URL, REDOC_URL):
             response.headers["Content-Security-Policy"] = DOCS_CSP
         return response
 
@@ -277,9 +274,8 @@ def create_app(source: SnapshotSource, *, title: str = "stagecache",
         docs_url=None, redoc_url=None, static_url=DOCS_ASSETS,  # the pages: add_docs_pages
         swagger_ui_parameters={"validatorUrl": None},  # never call the online spec validator
     )
-    add_docs_pages(app)
     app.add_middleware(GZipMiddleware, minimum_size=2048)  # plotly.min.js is ~4.8 MB raw
-    add_docs_policy(app)
+    add_docs_pages(app)
     app.mount("/static", StaticFiles(directory=str(HERE / "static")), name="static")
     reader = Reader(source)
     reader.watch()
