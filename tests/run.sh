@@ -142,6 +142,7 @@ parallel=()
 [ "$workers" -gt 1 ] && parallel=(-n "$workers" --dist loadfile)
 wait_gone() { while kill -0 "$1" 2>/dev/null; do sleep 1; done; }
 rc=0
+unset STAGECACHE_TEST_ALONE_FILE  # set below for the parallel run alone (not one a caller set)
 run_pytest() {  # pytest in its own process group (setsid), watched every second: a failed
     # background step stops it.  Returns pytest's exit status.
     local status=0

@@ -225,25 +225,26 @@ def _phases(tmp_path: Path, ids: str, alone_rc: int = 0,
     tmp_path.mkdir(exist_ok=True)
     co, env = _checkout(tmp_path, {})
     (tmp_path / "pytest.py").write_text(PHASES_PYTEST)
+    env = {k: v for k, v in env.items() if k != "STAGECACHE_TEST_ALONE_FILE"}  # this suite's own, if any
     proc, _ = _run(co, {**env, "ALONE_IDS": ids, "ALONE_RC": str(alone_rc), "PARALLEL_RC": str(parallel_rc)})
     runs = [json.loads(line) for line in (tmp_path / "marks" / "runs").read_text().splitlines()]
     return proc, runs
 
 
 def test_the_alone_tests_run_after_the_parallel_run_in_a_pytest_of_their_own(tmp_path):
-    ids = "tests/a/test_x.py::test_fast\ntests/b/test_y.py::test_flood[2000]\n"
+    ids = "suite/a.py::test_fast\nsuite/b.py::test_flood[2000]\n"
     proc, runs = _phases(tmp_path, ids)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert len(runs) == 2, runs
     assert runs[0]["listed_to"] and runs[0]["argv"][:4] == ["-q", "-n", "2", "--dist"], runs[0]
     # the second run: those tests alone, in one process (no -n), not told to set any aside
-    assert runs[1] == {"argv": ["-q", "tests/a/test_x.py::test_fast", "tests/b/test_y.py::test_flood[2000]"],
+    assert runs[1] == {"argv": ["-q", "suite/a.py::test_fast", "suite/b.py::test_flood[2000]"],
                        "listed_to": False}, runs[1]
     assert "== pytest: the 2 timing-sensitive test(s), alone on the machine" in proc.stdout
 
 
 def test_a_failing_alone_run_fails_the_command_and_none_listed_means_no_second_run(tmp_path):
-    proc, runs = _phases(tmp_path / "fails", "tests/a/test_x.py::test_fast\n", alone_rc=1)
+    proc, runs = _phases(tmp_path / "fails", "suite/a.py::test_fast\n", alone_rc=1)
     assert proc.returncode == 1 and len(runs) == 2, proc.stdout + proc.stderr
     proc, runs = _phases(tmp_path / "none", "")
     assert proc.returncode == 0 and len(runs) == 1, proc.stdout + proc.stderr
@@ -266,10 +267,23 @@ def test_the_parallel_run_sets_the_alone_tests_aside_and_lists_them(tmp_path):
 
 def test_a_selection_of_alone_tests_only_runs_them_alone_and_a_failed_parallel_run_fails(tmp_path):
     # the parallel run had nothing left (pytest's 5: no tests ran): not a failure
-    proc, runs = _phases(tmp_path / "only", "tests/a/test_x.py::test_fast\n", parallel_rc=5)
+    proc, runs = _phases(tmp_path / "only", "suite/a.py::test_fast\n", parallel_rc=5)
     assert proc.returncode == 0 and len(runs) == 2, proc.stdout + proc.stderr
     proc, runs = _phases(tmp_path / "none", "", parallel_rc=5)  # nothing selected at all
     assert proc.returncode == 5 and len(runs) == 1, proc.stdout + proc.stderr
     # a failed parallel run fails the command, and the alone tests still run
-    proc, runs = _phases(tmp_path / "failed", "tests/a/test_x.py::test_fast\n", parallel_rc=1)
+    proc, runs = _phases(tmp_path / "failed", "suite/a.py::test_fast\n", parallel_rc=1)
     assert proc.returncode == 1 and len(runs) == 2, proc.stdout + proc.stderr
+
+
+def test_a_list_file_named_by_the_caller_is_neither_used_nor_written(tmp_path):
+    """run.sh run by a run.sh (this suite's parallel run names its own list file): its runs are
+    told only of the list file it made itself."""
+    outer = tmp_path / "outer-alone.txt"
+    outer.write_text("the outer list\n")
+    tmp_path.mkdir(exist_ok=True)
+    co, env = _checkout(tmp_path, {})
+    (tmp_path / "pytest.py").write_text(PHASES_PYTEST)
+    proc, _ = _run(co, {**env, "ALONE_IDS": "suite/a.py::test_fast\n", "STAGECACHE_TEST_ALONE_FILE": str(outer)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert outer.read_text() == "the outer list\n"
