@@ -270,9 +270,6 @@ class StagePlan:
     def buffers(self) -> dict[str, tuple[bool, ...]]:
         return {p.pool: p.buffers for p in self.pools}
 
-    def buffer_counts(self) -> dict[str, int]:
-        return {p.pool: len(p.buffers) for p in self.pools}
-
     def expected_buffers(self) -> dict[str, int]:
         """What the layer map says each pool must hold (validation compares the two)."""
         return self.layer_map.expected_buffers()

@@ -18,7 +18,7 @@ safe file name.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..plan.plan import RunPlan
@@ -71,11 +71,6 @@ class KeySpace:
     def owns(self, key: str) -> bool:
         return key.startswith(self.prefix + ".")
 
-    def overlaps(self, other: KeySpace) -> bool:
-        """Could one key belong to both?  Same deployment and TP rank, intersecting layers."""
-        return (self.digest == other.digest and self.tp_rank == other.tp_rank
-                and self.start < other.end and other.start < self.end) or self.prefix == other.prefix
-
     def describe(self) -> str:
         return (f"stage {self.pp_rank} (layers [{self.start}, {self.end}), tp rank {self.tp_rank}, "
                 f"deployment {self.digest})")
@@ -85,11 +80,6 @@ def key_space(plan: RunPlan, stage: int, tp_rank: int = 0) -> KeySpace:
     """Stage ``stage``'s key space in ``plan``: the deployment's digest and the stage's layers."""
     m = plan.stage(stage).layer_map
     return KeySpace(plan.fingerprint.digest, tp_rank, stage, m.start, m.end)
-
-
-def overlapping(spaces: Sequence[KeySpace]) -> list[tuple[KeySpace, KeySpace]]:
-    """Every pair of key spaces that could share a key (a run's stages must have none)."""
-    return [(a, b) for i, a in enumerate(spaces) for b in spaces[i + 1:] if a.overlaps(b)]
 
 
 def check_key(key: str) -> str:
