@@ -124,8 +124,8 @@ class TransferResult:
             self._mover.recycle(self._start, self._end)  # type: ignore[union-attr]
         stats, self._stats = self._stats, None
         if stats is not None:
-            stats.record(self.direction, self.nbytes, self.seconds or 0.0, self.pages, len(self.layers), self.path,
-                         self.queue_seconds, self._kinds)
+            stats.record(self.direction, self.nbytes, self.seconds or 0.0, self.pages, self.queue_seconds,
+                         self._kinds)
 
     def __repr__(self) -> str:
         state = f"{self.seconds * 1e3:.3f} ms" if self.seconds is not None else "in flight"
