@@ -59,7 +59,8 @@ class TokenBudget:
         return out
 
 
-def _positive(value: object, flag: str) -> None:
+def check_positive(value: object, flag: str) -> None:
+    """``flag`` must be a positive integer (a ConfigError naming it otherwise)."""
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"{flag} must be a positive integer, got {value!r}")
 
@@ -73,8 +74,8 @@ def _check_ratio(ratio: float, flag: str) -> float:
 def runtime_budget(page_size: int, device_pages: int, swa_ratio: float = 1.0,
                    request_slots: int = 4) -> TokenBudget:
     """stagecache's runtime pools: ``device_pages`` full pages, SWA pages by ``swa_ratio``."""
-    _positive(device_pages, "number of device pages")
-    _positive(request_slots, "number of request slots")
+    check_positive(device_pages, "number of device pages")
+    check_positive(request_slots, "number of request slots")
     swa_pages = int(device_pages * _check_ratio(swa_ratio, "swa ratio"))
     if swa_pages < 1:
         raise ConfigError(f"swa ratio {swa_ratio} x {device_pages} device pages gives no SWA page")
@@ -91,8 +92,8 @@ def sglang_budget(page_size: int, full_tokens: int, sliding_window: int,
     ``validate_swa_pool_size``), and the request slots are ``min(max_running_requests,
     full // 2) + 1`` (``resolve_max_num_reqs`` and ``ReqToTokenPool``'s extra row).
     """
-    _positive(full_tokens, "--max-total-tokens")
-    _positive(max_running_requests, "--max-running-requests")
+    check_positive(full_tokens, "--max-total-tokens")
+    check_positive(max_running_requests, "--max-running-requests")
     ratio = _check_ratio(defaults.SWA_FULL_TOKENS_RATIO if swa_ratio is None else swa_ratio,
                          "--swa-full-tokens-ratio")
     full = full_tokens // page_size * page_size
@@ -115,7 +116,7 @@ def host_pages_for(device_pages: int, hicache_ratio: float | None = None) -> int
 
 def pages_for_tokens(max_total_tokens: int, page_size: int) -> int:
     """``--max-total-tokens`` -> pages (rounded up, so every token fits)."""
-    _positive(max_total_tokens, "--max-total-tokens")
+    check_positive(max_total_tokens, "--max-total-tokens")
     return -(-max_total_tokens // page_size)
 
 
