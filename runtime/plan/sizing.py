@@ -1,19 +1,11 @@
 """Pure sizing of a stage's pools: how many pages (or request slots) each pool kind gets.
 
-Bytes per page come from the model's pool-kind table (its family's ``kind_table``); this
-module only decides *how many* pages each kind gets, following sglang 0.5.23's pool
-configurators (DeepSeek V4's ``DSV4PoolConfigurator`` first):
-
-* full-budget kinds (``c4``, ``c128``, ``indexer``) get ``full_tokens / page_size`` pages;
-* SWA-budget kinds (``swa``, ``c4_state``, ``c4_indexer_state``) get
-  ``int(full_tokens x swa_full_tokens_ratio)`` tokens' worth (0.1 for DeepSeek-V4 by default);
-* per-request kinds (``c128_state``) get ``max_running_requests + 1`` request slots;
-* host (HiCache) pages are ``int(device pages x --hicache-ratio)`` of each kind's budget
-  (a family whose sglang refuses a host size in bytes says so: ``Family.host_size_refusal``).
-
-stagecache's own runtime (``StagePools``) allocates the budget pages only, with one page-id
-space (SWA pages == full pages: ``runtime_budget``).  The plan (``plan.py``) is the only
-caller that turns these budgets into bytes.
+Bytes per page come from the model's pool-kind table (its family's ``kind_table``); this module
+only decides *how many* pages each budget gets, following sglang 0.5.23's pool configurators
+(DeepSeek V4's ``DSV4PoolConfigurator`` first: docs/pools.md, "How sglang sizes a stage").
+stagecache's own runtime allocates the budget pages only, with one page-id space (SWA pages ==
+full pages: ``runtime_budget``).  The plan (``plan.py``) is the only caller that turns these
+budgets into bytes.
 """
 
 from __future__ import annotations

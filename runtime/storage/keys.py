@@ -1,18 +1,14 @@
 """The one L3 key scheme: deployment, TP rank, stage, pool kind, page.
 
 sglang 0.5.23 keys an L3 page by a chained hash of its token ids, which names neither the model
-nor the stage; some of its backends add the PP rank, none but one adds the dtype or the layout
-(docs/l3.md has the table).  Each PP stage stores *different layers* under the same token
-prefix, so a key without the stage lets one stage read another's bytes, and a key without the
-layout lets a cache written under one partition be read back under another.  Here a key is::
+nor the stage; but each PP stage stores *different layers* under the same token prefix, so a key
+without the stage lets one stage read another's bytes, and one without the layout lets a cache
+written under one partition be read back under another.  Here a key is::
 
     sc1.<fingerprint digest>.t<tp rank>.p<pp rank>.L<start>-<end>.<pool kind>.<page key, 16 hex>
 
-The digest (``plan/fingerprint.py``) covers the config hash, KV dtype, page size, partition,
-PP and TP size; the stage part repeats the PP rank and its global layer range, so two key
-spaces are equal exactly when their deployment, TP rank and stage are.  Every field is made of
-``[A-Za-z0-9_-]`` and fields are split by dots, so a key parses back unambiguously and is a
-safe file name.
+made of ``[A-Za-z0-9_-]`` fields split by dots, so it parses back unambiguously and is a safe
+file name (docs/l3.md, "Keys").
 """
 
 from __future__ import annotations
