@@ -19,7 +19,7 @@ from .kv_writer import page_hashes
 
 @dataclass(frozen=True, eq=False)
 class PageView:
-    """The page keys of one request and its hit/keep rules (see module docstring)."""
+    """The page keys of one request and its hit/keep rules (docs/hicache.md, "Page keys")."""
 
     keys: np.ndarray  # uint64, one per page the request occupies while it runs
     input_len: int  # prompt tokens: what a lookup is accounted against

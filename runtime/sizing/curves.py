@@ -194,7 +194,7 @@ class Distances:
 
 def stack_distances(views: Sequence[PageView], progress: Progress | None = None,
                     name: Callable[[int], str] | None = None) -> Distances:
-    """The stack distance of every page a lookup may match (module docstring), in one pass.
+    """The stack distance of every page a lookup may match (docs/advise.md, "Method"), in one pass.
 
     ``name(i)``: how a message names request ``i`` (default ``request i``).
     """

@@ -2,7 +2,8 @@
 
 Private (0700, owner-checked, ``O_NOFOLLOW``, ``O_EXCL``), append-only (a crash loses recent
 objects, never returns a torn one: every byte is checked when read), bounded by emptying the
-oldest segment with a second chance for what was used.  docs/l3.md describes the layout.
+oldest segment with a second chance for what was used.  Small objects (manifests, probes) are
+files of their own, renamed into place.  docs/l3.md describes the layout.
 """
 
 from __future__ import annotations
