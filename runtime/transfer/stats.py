@@ -5,7 +5,7 @@ and never touch the lock.  Durations go into fixed cumulative buckets, so a hist
 exported without keeping every sample.  ``gbps`` is the only place bytes and seconds become a
 bandwidth, so every figure means the same.  The per-kind queue/DMA split (docs/metrics.md,
 "Transfers: queue wait vs DMA time") splits each transfer's DMA time over its kinds by bytes:
-one launch moves every kind, so a kind's own share cannot be timed apart, and so split the
+one launch moves every kind, so a kind's own share cannot be timed apart; split by bytes, the
 shares sum to the measured time and ``bytes / dma seconds`` is the launch's bandwidth.
 """
 
