@@ -47,7 +47,6 @@ from .probes import add_probes
 from .rates import DEFAULT_WINDOW_S, MAX_WINDOW_S
 from .reader import STARTING_DETAIL, NotReady, Reader, status_of
 from .view import (
-    find_stage,
     layer_map_cells,
     pool_label,
     pool_statuses,
@@ -73,17 +72,13 @@ def plotly_js_path() -> Path:
     return path
 
 
-def _error_body(status: str, detail: str) -> dict[str, str]:
-    return {"status": status, "detail": detail}
-
-
 def layer_map(reader: Reader, rep: StartupReport, stage: int) -> LayerMapResponse | None:
     """Drawn once per report and stage (a Plotly figure costs ~10 ms; a report never changes)."""
     return reader.derived.get(rep, ("layer-map", stage), lambda: build_layer_map(rep, stage))
 
 
 def build_layer_map(rep: StartupReport, stage: int) -> LayerMapResponse | None:
-    s = find_stage(rep, stage)
+    s = rep.stage(stage)
     if s is None:
         return None
     pools, cells = pool_statuses(s), layer_map_cells(s)
@@ -112,7 +107,7 @@ def _gib(n: int) -> str:
 
 def page_context(reader: Reader, title: str, window_s: float) -> dict[str, Any]:
     """Everything index.html renders; the live charts start with the rate history so far."""
-    rep = reader.optional_report()
+    rep = reader.source.startup()
     live = reader.stages()
     stage_ids = [s.stage for s in rep.stages] if rep else [s.stage for s in live]
     history = reader.history
@@ -236,8 +231,9 @@ DOCS_CSP = ("default-src 'self'; img-src 'self' data:; style-src 'self' 'unsafe-
 
 
 def add_docs_pages(app: FastAPI) -> None:
-    """/docs and /redoc over the fastapi-offline files, with the title HTML-escaped: FastAPI puts
-    it into ``<title>`` as it is, and the title holds the model's name (a config's path)."""
+    """/docs and /redoc over the fastapi-offline files, with the title HTML-escaped (FastAPI puts
+    it into ``<title>`` as it is, and the title holds the model's name: a config's path), served
+    with ``DOCS_CSP``."""
     title = html.escape(app.title)
     favicon = "static/favicon.svg"
 
@@ -256,14 +252,10 @@ def add_docs_pages(app: FastAPI) -> None:
                               redoc_js_url=f"{DOCS_ASSETS}/redoc.standalone.js",
                               with_google_fonts=False, redoc_favicon_url=favicon)
 
-
-def add_docs_policy(app: FastAPI) -> None:
-    docs = {DOCS_URL, REDOC_URL}
-
-    @app.middleware("http")
+    @app.middleware("http")  # added after the gzip middleware, so it is the outer one
     async def same_origin_docs(request: Request, call_next: Any) -> Response:
         response = await call_next(request)
-        if request.url.path in docs:
+        if request.url.path in (DOCS_URL, REDOC_URL):
             response.headers["Content-Security-Policy"] = DOCS_CSP
         return response
 
@@ -282,9 +274,8 @@ def create_app(source: SnapshotSource, *, title: str = "stagecache",
         docs_url=None, redoc_url=None, static_url=DOCS_ASSETS,  # the pages: add_docs_pages
         swagger_ui_parameters={"validatorUrl": None},  # never call the online spec validator
     )
-    add_docs_pages(app)
     app.add_middleware(GZipMiddleware, minimum_size=2048)  # plotly.min.js is ~4.8 MB raw
-    add_docs_policy(app)
+    add_docs_pages(app)
     app.mount("/static", StaticFiles(directory=str(HERE / "static")), name="static")
     reader = Reader(source)
     reader.watch()
@@ -292,7 +283,7 @@ def create_app(source: SnapshotSource, *, title: str = "stagecache",
     app.state.reader = reader
     @app.exception_handler(NotReady)
     async def _not_ready(request: Request, exc: NotReady) -> JSONResponse:
-        return JSONResponse(_error_body("starting", STARTING_DETAIL), status_code=503)
+        return JSONResponse({"status": "starting", "detail": STARTING_DETAIL}, status_code=503)
 
     add_page_routes(app, reader, title)
     add_api_routes(app, reader)

@@ -1,33 +1,13 @@
 """What keeps a hostile or careless client from starving the dashboard or abusing its origin.
 
-Per connection (``GuardedH11Protocol``, uvicorn's h11 protocol with two rules added):
-
-* a request head must arrive within ``HEADER_TIMEOUT_S`` of connecting, or of the previous
-  response; a socket that sends nothing, or half a request (slowloris), is closed then
-  (``CLOSE_PER_PASS`` per event-loop pass, so a flood's deadlines do not stall the loop).
-  Between requests uvicorn's own keep-alive timeout (``server.KEEP_ALIVE_S``) applies too.
-* at most ``max_connections`` are open at once; one more evicts the connection that has
-  waited longest without a request in flight, so sockets held open by one client cannot lock
-  everyone else out.  Evicted connections are aborted, not closed: the descriptor is free on
-  the next loop pass, not after a goodbye the client may never read.
-
-Per listening socket (``GatedListener``, the socket asyncio accepts on):
-
-* the sockets accepted and not yet closed are counted, and accepting stops at a ceiling that
-  the process's real file-descriptor limit leaves room for (``socket_budget``).  asyncio
-  accepts a whole burst (up to the backlog) before any protocol sees a connection, so a cap on
-  connections alone cannot keep a flood from running the process out of descriptors;
-* out of descriptors anyway (``EMFILE``: something else opened files), the oldest idle
-  connection is dropped and accepting resumes on the next loop pass, instead of asyncio's
-  one-second pause during which nothing, /healthz included, is answered.
-
-Per request (``RequestGuard``, plain ASGI middleware in front of the app):
-
-* the ``Host`` header must name this server (127.0.0.1, localhost, [::1] or the configured
-  ``--host``), else 400: a web page elsewhere cannot read the dashboard through DNS
-  rebinding;
-* HEAD is answered on every GET route (the GET response's headers, no body);
-* at most ``MAX_IN_FLIGHT`` requests are handled at once; more get 503 with Retry-After.
+Per connection (``GuardedH11Protocol``): a request head must arrive within ``HEADER_TIMEOUT_S``
+(slowloris), and one connection past ``max_connections`` evicts the one that has waited longest
+without a request in flight, so sockets one client holds open cannot lock everyone else out.
+Per listening socket (``GatedListener``): no more accepted sockets than the process's descriptor
+limit leaves room for, since asyncio accepts a whole burst before any protocol sees it; out of
+descriptors anyway, an idle connection is shed instead of asyncio's one-second accept pause.
+Per request (``RequestGuard``): a ``Host`` that names this server (DNS rebinding), HEAD on every
+GET route, and at most ``MAX_IN_FLIGHT`` requests at once (503 with Retry-After beyond).
 """
 
 from __future__ import annotations

@@ -59,47 +59,38 @@ def _layout(fig: go.Figure, title: str, ytitle: str, live: bool, **yaxis: Any) -
                            x=0.5, y=0.5, font=dict(size=16, color="#777"))
 
 
-def _points(series: Sequence[StageRates], key: str, scale: float = 1.0) -> tuple[list, list]:
-    xs = [r.time * 1000 for r in series]
-    ys = [None if getattr(r, key) is None else getattr(r, key) * scale for r in series]
-    return xs, ys
-
-
 def rate_lines(stage_ids: Sequence[int], history: Mapping[int, Sequence[StageRates]],
-               keys: Sequence[tuple[str, str, str | None]], live: bool) -> go.Figure:
+               keys: Sequence[tuple[str, str, str | None]]) -> go.Figure:
     """One line per (stage, key): ``keys`` are (``StageRates`` field, legend suffix, dash)."""
     fig = go.Figure()
     for s in stage_ids:
         for key, suffix, dash in keys:
-            xs, ys = _points(history.get(s, ()), key)
+            series = history.get(s, ())
             fig.add_trace(go.Scatter(
-                x=xs, y=ys, mode="lines+markers", name=f"stage {s}{suffix}",
+                x=[r.time * 1000 for r in series], y=[getattr(r, key) for r in series],
+                mode="lines+markers", name=f"stage {s}{suffix}",
                 meta={"stage": s, "key": key}, connectgaps=False, **stage_style(s, dash)))
     return fig
 
 
-def hit_rate_figure(stage_ids: Sequence[int], history: Mapping[int, Sequence[StageRates]],
-                    window_s: float, live: bool) -> go.Figure:
-    fig = rate_lines(stage_ids, history, [("host_hit_rate", "", None)], live)
-    _layout(fig, f"host hit rate per stage (last {window_s:g} s)", "host hits / lookups", live,
-            range=[0, 1.05], tickformat=".0%")
-    return fig
+_SHARE = {"range": [0, 1.05], "tickformat": ".0%"}
+#: The rate line charts, by ``<div>`` id suffix: (lines, title, y title, y axis).
+RATE_CHARTS: dict[str, tuple[tuple[tuple[str, str, str | None], ...], str, str, dict[str, Any]]] = {
+    "hit-rate": ((("host_hit_rate", "", None),), "host hit rate per stage (last {window:g} s)",
+                 "host hits / lookups", _SHARE),
+    "transfer": ((("d2h_bytes_per_s", " d2h", "solid"), ("h2d_bytes_per_s", " h2d", "dot")),
+                 "host<->device bytes/s (last {window:g} s; d2h solid, h2d dotted)", "bytes/s",
+                 {"tickformat": "~s"}),
+    "bubble": ((("bubble_fraction", "", None),), "pipeline bubble per stage (last {window:g} s)",
+               "bubble / (busy + bubble)", _SHARE),
+}
 
 
-def transfer_figure(stage_ids: Sequence[int], history: Mapping[int, Sequence[StageRates]],
-                    window_s: float, live: bool) -> go.Figure:
-    keys = [("d2h_bytes_per_s", " d2h", "solid"), ("h2d_bytes_per_s", " h2d", "dot")]
-    fig = rate_lines(stage_ids, history, keys, live)
-    _layout(fig, f"host<->device bytes/s (last {window_s:g} s; d2h solid, h2d dotted)", "bytes/s",
-            live, tickformat="~s")
-    return fig
-
-
-def bubble_figure(stage_ids: Sequence[int], history: Mapping[int, Sequence[StageRates]],
-                  window_s: float, live: bool) -> go.Figure:
-    fig = rate_lines(stage_ids, history, [("bubble_fraction", "", None)], live)
-    _layout(fig, f"pipeline bubble per stage (last {window_s:g} s)", "bubble / (busy + bubble)",
-            live, range=[0, 1.05], tickformat=".0%")
+def rate_figure(chart: str, stage_ids: Sequence[int], history: Mapping[int, Sequence[StageRates]],
+                window_s: float, live: bool) -> go.Figure:
+    keys, title, ytitle, yaxis = RATE_CHARTS[chart]
+    fig = rate_lines(stage_ids, history, keys)
+    _layout(fig, title.format(window=window_s), ytitle, live, **yaxis)
     return fig
 
 
@@ -186,10 +177,10 @@ def live_figures(stage_ids: Sequence[int], stages: Sequence[StageLive],
     """Every live chart of the page, by the id suffix of its ``<div>``."""
     live = bool(stages)
     return {
-        "hit-rate": hit_rate_figure(stage_ids, history, window_s, live),
+        "hit-rate": rate_figure("hit-rate", stage_ids, history, window_s, live),
         "tokens": tokens_figure(stage_ids, rates, window_s, live),
-        "transfer": transfer_figure(stage_ids, history, window_s, live),
-        "bubble": bubble_figure(stage_ids, history, window_s, live),
+        "transfer": rate_figure("transfer", stage_ids, history, window_s, live),
+        "bubble": rate_figure("bubble", stage_ids, history, window_s, live),
         "transfer-split": transfer_split_figure(stage_ids, rates, window_s, live),
         "timeline": timeline_figure(stage_ids, stages, live),
     }

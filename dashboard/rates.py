@@ -46,6 +46,9 @@ COUNTERS: dict[str, Callable[[StageLive], float]] = {
        for r in MISS_REASONS},
 }
 NAMES = tuple(COUNTERS)
+#: Counters a ``StageRates`` shows as ``<name>_per_s``.
+PER_SECOND = ("requests", "lookup_tokens", "device_hit_tokens", "host_hit_tokens", "storage_hit_tokens",
+              "miss_tokens", "d2h_bytes", "h2d_bytes")
 
 DEFAULT_WINDOW_S = 10.0
 MAX_WINDOW_S = 300.0
@@ -103,14 +106,10 @@ def rates_of(stage: int, times: Sequence[float], rows: Sequence[Sequence[float]]
     per_s = {name: v / span for name, v in inc.items()}
     return StageRates(
         stage=stage, time=times[-1], window_s=span,
-        requests_per_s=per_s["requests"], lookup_tokens_per_s=per_s["lookup_tokens"],
-        device_hit_tokens_per_s=per_s["device_hit_tokens"],
-        host_hit_tokens_per_s=per_s["host_hit_tokens"], miss_tokens_per_s=per_s["miss_tokens"],
-        storage_hit_tokens_per_s=per_s["storage_hit_tokens"],
+        **{f"{name}_per_s": per_s[name] for name in PER_SECOND},
         host_hit_rate=_ratio(inc["host_hit_tokens"], inc["lookup_tokens"]),
         hit_rate=_ratio(inc["host_hit_tokens"] + inc["device_hit_tokens"] + inc["storage_hit_tokens"],
                         inc["lookup_tokens"]),
-        d2h_bytes_per_s=per_s["d2h_bytes"], h2d_bytes_per_s=per_s["h2d_bytes"],
         d2h_copy_bandwidth=_ratio(inc["d2h_bytes"], inc["d2h_seconds"]),
         h2d_copy_bandwidth=_ratio(inc["h2d_bytes"], inc["h2d_seconds"]),
         bubble_fraction=_ratio(inc["bubble_seconds"], inc["busy_seconds"] + inc["bubble_seconds"]),

@@ -71,11 +71,8 @@ class Reader:
 
         threading.Thread(target=loop, name="stagecache-outages", daemon=True).start()
 
-    def optional_report(self) -> StartupReport | None:
-        return self.source.startup()
-
     def report(self) -> StartupReport:
-        rep = self.optional_report()
+        rep = self.source.startup()
         if rep is None:
             raise NotReady()
         return rep
@@ -98,7 +95,7 @@ class Reader:
         return run_state(rep, live, self.run())
 
     def summary(self, window_s: float = DEFAULT_WINDOW_S) -> MetricsSummary:
-        rep = self.optional_report()
+        rep = self.source.startup()
         live = self.stages()
         now = time.time()
         verdict = liveness_of(self.source, now)

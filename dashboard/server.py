@@ -48,23 +48,27 @@ def bind_dashboard_socket(host: str, port: int) -> socket.socket:
 
 
 class DashboardThread:
-    """The dashboard app (with /metrics) on a pre-bound socket, in a daemon thread of the parent."""
+    """The dashboard app (with /metrics) in a daemon thread: on a pre-bound socket (``serve``),
+    or (``sock`` None) on ``host:port``, bound by the server itself."""
 
-    def __init__(self, source: Any, sock: socket.socket, title: str,
-                 keep_alive_s: float = KEEP_ALIVE_S, header_timeout_s: float = HEADER_TIMEOUT_S,
-                 extra_hosts: Iterable[str] = ()):
-        host, port = sock.getsockname()[:2]
+    def __init__(self, source: Any, sock: socket.socket | None, title: str, *, host: str = "127.0.0.1",
+                 port: int = 8000, keep_alive_s: float = KEEP_ALIVE_S,
+                 header_timeout_s: float = HEADER_TIMEOUT_S, advise: AdviseReport | None = None,
+                 configure: Callable[[Any], None] | None = None, extra_hosts: Iterable[str] = ()):
+        if sock is not None:
+            host, port = sock.getsockname()[:2]
         self.sock = sock
         self.url = f"http://{f'[{host}]' if ':' in host else host}:{port}/"
         self.server = make_server(source, host, port, title=title, keep_alive_s=keep_alive_s,
-                                  header_timeout_s=header_timeout_s, extra_hosts=extra_hosts)
-        self.thread = threading.Thread(target=self._run, name="dashboard", daemon=True)
+                                  header_timeout_s=header_timeout_s, advise=advise, configure=configure,
+                                  extra_hosts=extra_hosts)
+        self.thread = threading.Thread(target=self._run, name=f"stagecache-dashboard:{port}", daemon=True)
         self.error: BaseException | None = None
 
     def _run(self) -> None:
         try:
-            self.server.run(sockets=[self.sock])
-        except BaseException as exc:  # noqa: BLE001 - reported by the supervisor
+            self.server.run(sockets=[self.sock] if self.sock is not None else None)
+        except BaseException as exc:  # noqa: BLE001 - the caller reports it (uvicorn exits when it cannot bind)
             self.error = exc
 
     def start(self, timeout: float = 10.0) -> None:
@@ -76,8 +80,9 @@ class DashboardThread:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=5)
-        with contextlib.suppress(OSError):
-            self.sock.close()
+        if self.sock is not None:
+            with contextlib.suppress(OSError):
+                self.sock.close()
 
 
 def make_server(
@@ -137,40 +142,22 @@ def serve_dashboard(
 @contextmanager
 def dashboard_in_thread(
     source: SnapshotSource, host: str = "127.0.0.1", port: int = 8000, *,
-    title: str = "stagecache", startup_timeout_s: float = 15.0,
-    advise: AdviseReport | None = None,
-    configure: Callable[[Any], None] | None = None,
-    extra_hosts: Iterable[str] = (),
+    title: str = "stagecache", startup_timeout_s: float = 15.0, advise: AdviseReport | None = None,
+    configure: Callable[[Any], None] | None = None, extra_hosts: Iterable[str] = (),
 ) -> Iterator[str]:
     """Serve the dashboard in a daemon thread while the block runs; yields its base URL.
 
-    For processes that already do something else in the main thread (``serve``'s
-    rank 0, tests).  Startup waits are bounded; a port that cannot be bound is a
-    RuntimeError naming it instead of a silently dead thread.
+    Startup waits are bounded; a port that cannot be bound is a RuntimeError naming it, not a
+    silently dead thread.
     """
-    server = make_server(source, host, port, title=title, advise=advise, configure=configure,
-                         extra_hosts=extra_hosts)
-    failure: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            server.run()
-        except (SystemExit, Exception) as exc:  # uvicorn sys.exit()s when it cannot bind
-            failure.append(exc)
-
-    thread = threading.Thread(target=run, name=f"stagecache-dashboard:{port}", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + startup_timeout_s
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            server.should_exit = True
-            why = f" ({failure[0]!r}; uvicorn logged the cause)" if failure else ""
-            raise RuntimeError(
-                f"dashboard did not start on {host}:{port} within {startup_timeout_s:.0f} s{why}"
-            )
-        time.sleep(0.02)
+    dash = DashboardThread(source, None, title, host=host, port=port, advise=advise, configure=configure,
+                           extra_hosts=extra_hosts)
+    dash.start(startup_timeout_s)
+    if not dash.server.started:
+        dash.stop()
+        why = f" ({dash.error!r}; uvicorn logged the cause)" if dash.error else ""
+        raise RuntimeError(f"dashboard did not start on {host}:{port} within {startup_timeout_s:.0f} s{why}")
     try:
         yield f"http://{host}:{port}"
     finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+        dash.stop()

@@ -97,10 +97,6 @@ def layer_map_cells(stage: StageReport) -> list[LayerMapCell]:
     return cells
 
 
-def find_stage(report: StartupReport, stage: int) -> StageReport | None:
-    return report.stage(stage)
-
-
 def _progress(stages: Sequence[StageLive]) -> tuple[int, int, float | None]:
     """Requests through the whole pipeline (the slowest stage) of the trace length."""
     done = min((s.requests for s in stages), default=0)

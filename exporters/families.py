@@ -1,21 +1,11 @@
-"""Every Prometheus family stagecache exposes, as one declarative table.
+"""Every Prometheus family stagecache exposes, as declarative tables.
 
-A family is a name, a type, a help text, its label names and a function that
-turns one input into samples.  The collector (``metrics.py``) walks the tables;
-the metrics reference in docs/metrics.md is generated from them
-(``reference.py``).  Adding a family is adding one ``Family`` to a table:
-nothing else needs to know.
-
-Three inputs, three tables:
-
-* ``RUN_FAMILIES``: the startup report as a whole (one series per run);
-* ``STARTUP_FAMILIES``: one stage of the startup report (its ``StageReport``);
-* ``LIVE_FAMILIES``: one stage's ``StageLive`` (counters and states).
-
-Per-stage families carry ``STAGE_LABELS`` first (sglang's own label names), so
-stagecache series join sglang's ``on (model_name, pp_rank, tp_rank)``.
-Counters count since the stage started; any ratio or bandwidth is left to
-``rate()`` in recording rules (docker/alerts.yml).  Gauges hold states only.
+A family is a name, a type, a help text, its label names and a function that turns one input into
+samples; the collector (``metrics.py``) walks the tables and docs/metrics.md is generated from
+them (``reference.py``), so adding a family is adding one ``Family`` to a table.  Per-stage
+families carry ``STAGE_LABELS`` first (sglang's own label names), so stagecache series join
+sglang's ``on (model_name, pp_rank, tp_rank)``.  Counters count since the stage started; ratios
+and bandwidths are left to ``rate()`` in recording rules (docker/alerts.yml).  Gauges hold states.
 """
 
 from __future__ import annotations
@@ -24,9 +14,9 @@ from collections.abc import Callable
 from operator import attrgetter
 from typing import Any
 
-from stagecache.runtime.live.numbers import STAGE_PHASES, StageLive, TransferKind
+from stagecache.runtime.live.numbers import STAGE_PHASES, StageLive
 from stagecache.runtime.memory.host_tier import HOST_TIER_STATUSES
-from stagecache.runtime.transfer.stats import DIRECTIONS
+from stagecache.runtime.transfer.stats import DIRECTIONS, TransferKind
 from stagecache.runtime.validation.report import StageReport, StartupReport
 
 from .divergence_families import (

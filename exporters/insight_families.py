@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from stagecache.runtime.cache.insight import INSIGHT_TIERS, MISS_REASONS
-from stagecache.runtime.live.numbers import DECISION_NAMES, DECISIONS, SampledHistogram, StageLive
+from stagecache.runtime.cache.insight import INSIGHT_TIERS, MISS_REASONS, SampledHistogram
+from stagecache.runtime.live.numbers import DECISION_NAMES, DECISIONS, StageLive
 
 from .family import Family, Samples, cumulative_buckets, one, per
 

@@ -1,13 +1,9 @@
 """Prometheus exposition of every stage's startup validation and live numbers.
 
-A prometheus-client *custom collector*: nothing is stored here.  On each
-scrape ``collect()`` asks the ``SnapshotSource`` once for the startup report
-and the stages' ``StageLive`` and turns them into the families of
-``families.py``, so ``/metrics`` can never disagree with the dashboard or the
-JSON snapshot (they read the same source), and a multi-process ``serve`` needs
-no prometheus multiprocess mode: the stage processes publish plain numbers and
-the one parent process exposes them.  Exposition, content negotiation
-(OpenMetrics or text) and family types are prometheus-client's own.
+A prometheus-client *custom collector*: nothing is stored here.  Each scrape asks the
+``SnapshotSource`` once and turns its answers into the families of ``families.py``, so ``/metrics``
+never disagrees with the dashboard or the JSON snapshot, and a multi-process ``serve`` needs no
+prometheus multiprocess mode: the stages publish plain numbers, the one parent exposes them.
 """
 
 from __future__ import annotations
@@ -178,5 +174,3 @@ def process_registry() -> CollectorRegistry:
 
 #: Names as they appear in the exposition (counters with ``_total``, histograms by base name).
 METRIC_NAMES: tuple[str, ...] = tuple(fam.name for _scope, fam in all_families())
-
-__all__ = ["METRIC_NAMES", "StageCollector", "exposed_name", "make_registry", "process_registry"]

@@ -16,6 +16,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from stagecache.runtime.live.source import StaticSource
+
 from .families import LABEL_VALUES, LABELS, all_families, label_names
 from .metrics import StageCollector, exposed_name
 
@@ -28,17 +30,9 @@ SCOPES = {"build": "package", "run": "run (startup report)", "startup": "stage (
           "transfers": "deployment (every stage's HiCache transfers; serve and the sglang endpoint)"}
 
 
-class _NoSource:
-    def startup(self) -> None:
-        return None
-
-    def stages(self) -> dict:
-        return {}
-
-
 def render() -> str:
     """The generated Markdown: one row per family, then one row per label."""
-    described = {m.name: m for m in StageCollector(_NoSource()).describe()}
+    described = {m.name: m for m in StageCollector(StaticSource(None)).describe()}
     rows = ["| name | type | labels | from | help |", "| --- | --- | --- | --- | --- |"]
     for scope, fam in all_families():
         metric = described[exposed_name(fam)]

@@ -25,19 +25,19 @@
     return ["bad", "warn", "ok"].find(function (c) { return classes.indexOf(c) >= 0; }) || "unknown";
   }
 
+  function fill(row, cells) { // CSS class of a cell -> its text
+    Object.keys(cells).forEach(function (cls) { row.querySelector("." + cls).textContent = cells[cls]; });
+  }
+
   function updateTable(stages) {
     stages.forEach(function (s) {
       var row = document.querySelector('#host-tier-table tr[data-stage="' + s.stage + '"]');
       var t = s.host_tier;
       if (!row || !t || !t.status.length) return;
-      var cell = row.querySelector(".host-tier-status");
-      cell.textContent = t.status.join(", ");
-      cell.className = "host-tier-status " + worst(t.status);
-      row.querySelector(".host-tier-pinned").textContent = t.pinned ? "yes" : "no";
-      row.querySelector(".host-tier-available").textContent = bytes(t.mem_available_bytes);
-      row.querySelector(".host-tier-reserve").textContent = bytes(t.reserve_bytes);
-      row.querySelector(".host-tier-reasons").textContent =
-        t.reasons.filter(function (_, i) { return t.status[i] !== "ok"; }).join("; ");
+      row.querySelector(".host-tier-status").className = "host-tier-status " + worst(t.status);
+      fill(row, { "host-tier-status": t.status.join(", "), "host-tier-pinned": t.pinned ? "yes" : "no",
+                  "host-tier-available": bytes(t.mem_available_bytes), "host-tier-reserve": bytes(t.reserve_bytes),
+                  "host-tier-reasons": t.reasons.filter(function (_, i) { return t.status[i] !== "ok"; }).join("; ") });
     });
   }
 
@@ -46,18 +46,12 @@
       var row = document.querySelector('#l3-table tr[data-stage="' + s.stage + '"]');
       var t = s.l3;
       if (!row || !t || t.backend === "none") return;
-      var cell = row.querySelector(".l3-state");
-      cell.textContent = t.up ? "up" : "down";
-      cell.className = "l3-state " + (t.up ? "ok" : "warn");
-      row.querySelector(".l3-backend").textContent = t.backend;
-      row.querySelector(".l3-used").textContent = bytes(t.used_bytes);
-      row.querySelector(".l3-capacity").textContent = t.capacity_bytes ? bytes(t.capacity_bytes) : "backend's";
-      row.querySelector(".l3-prefetched").textContent = t.prefetched_tokens;
-      row.querySelector(".l3-backuped").textContent = t.backuped_tokens;
-      row.querySelector(".l3-errors").textContent =
-        Object.keys(t.errors).reduce(function (n, k) { return n + t.errors[k]; }, 0);
-      row.querySelector(".l3-fallback").textContent = t.fallback_pages;
-      row.querySelector(".l3-reason").textContent = t.down_reason || "";
+      row.querySelector(".l3-state").className = "l3-state " + (t.up ? "ok" : "warn");
+      fill(row, { "l3-state": t.up ? "up" : "down", "l3-backend": t.backend, "l3-used": bytes(t.used_bytes),
+                  "l3-capacity": t.capacity_bytes ? bytes(t.capacity_bytes) : "backend's",
+                  "l3-prefetched": t.prefetched_tokens, "l3-backuped": t.backuped_tokens,
+                  "l3-errors": Object.keys(t.errors).reduce(function (n, k) { return n + t.errors[k]; }, 0),
+                  "l3-fallback": t.fallback_pages, "l3-reason": t.down_reason || "" });
     });
   }
 

@@ -89,12 +89,7 @@ def _install_signal_handlers(fired: list[int]) -> dict[int, Any]:
         fired.append(signum)
         raise _Stop(signum)
 
-    old = {}
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        old[sig] = signal.signal(sig, handler)
-    return old
-
-
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -190,17 +185,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+#: What a --trace path that is not a regular file is, by ``path_kind``.
+TRACE_PROBLEMS = {"dir": " is a directory", None: ": no such file",
+                  "other": " is not a regular file (a FIFO, device or socket is never read)"}
+
+
 def _check_paths(args: argparse.Namespace) -> None:
     """File and directory flags: exit 2 naming the flag before anything is read or started."""
     if args.trace is not None:
-        kind = path_kind(args.trace, f"--trace {args.trace!r}")
-        if kind == "dir":
-            raise ConfigError(f"--trace {args.trace!r} is a directory; expected a JSONL trace file")
-        if kind is None:
-            raise ConfigError(f"--trace {args.trace!r}: no such file; expected a JSONL trace file")
-        if kind == "other":
-            raise ConfigError(f"--trace {args.trace!r} is not a regular file (a FIFO, device or "
-                              "socket is never read); expected a JSONL trace file")
+        problem = TRACE_PROBLEMS.get(path_kind(args.trace, f"--trace {args.trace!r}"))
+        if problem:
+            raise ConfigError(f"--trace {args.trace!r}{problem}; expected a JSONL trace file")
     if args.run_dir is not None:  # used by its real path from here on
         args.run_dir = str(check_run_dir_flag(args.run_dir))
 

@@ -1,30 +1,18 @@
 """Do the PP ranks of a live deployment still agree?  Rank 0's bounded compare of every rank's records.
 
 sglang's PP ranks each run their own radix cache and HiCache controller over the same requests;
-they must take the same decisions, or the pipeline computes on different prefixes and, in the
-worst case, a rank consumes an ack another rank never queued and the server dies (sglang
-#22607; #27285 added the ``pp_sync`` of completion counts, #27010 the MIN all-reduce of L3
-prefetch lengths -- both make the ranks *act* alike, neither *shows* that they were about to
-differ).  Every rank therefore reports compact records (``RankBatch``):
+if they decide differently the pipeline computes on different prefixes and, at worst, a rank
+consumes an ack another rank never queued and the server dies (sglang #22607).  sglang's
+``pp_sync`` (#27285) and the MIN all-reduce of L3 prefetch lengths (#27010) make the ranks *act*
+alike; neither *shows* that they were about to differ.  So every rank reports compact records
+(``RankBatch``: per request its first prefix match and L3 prefix, per scheduler step the acks
+pending and consumed), and rank 0 compares each key once every rank's record arrived, within a
+bounded window (keys that fall out are counted ``unmatched``, never compared late).  Nothing here
+waits: a rank's scheduler only appends to a bounded list, sent with the push it makes anyway.
 
-* per request, its first prefix match: ``device_prefix_len`` and ``host_hit_length`` tokens;
-* per request that probed L3, the prefix length its own L3 holds (``l3_prefetch_tokens``: the
-  value each rank feeds into sglang's MIN all-reduce, before the MIN hides a shorter one);
-* per scheduler step (one ``check_hicache_events``), the write and load acks pending at the
-  step's start (``write_pending`` / ``load_pending``: queued by the rank's own decisions, not
-  yet consumed) and the acks the step consumed (``write_acks`` / ``load_acks``).
-
-Rank 0 keeps a window of keys (a request id, a step number) whose records have not arrived from
-every rank yet; when the last rank's record of a key arrives, each quantity is compared once
-(linear in the ranks), counted as agreed or divergent, and a divergence names the key, the
-quantity, the ranks off the majority and every rank's value.  Keys that fall out of the window
-before every rank reported are counted (``unmatched``), never compared late.  Nothing here waits:
-a rank's scheduler only appends to a bounded list (``integrations/sglang/agreement.py``) and the
-records travel with the push the rank makes anyway.
-
-Complete backups are the second check: a backup or load that moves fewer pool kinds, or other
-bytes, than the stage's plan says one page of it must (sglang #38031 backed up pages without their
-indexer buffers and produced wrong output silently) is flagged with the pool kinds and the page.
+The second check is complete backups: a backup or load that moves fewer pool kinds, or other
+bytes, than the plan says (sglang #38031 backed up pages without their indexer buffers and
+produced wrong output silently) is flagged with the pool kinds and the page.
 """
 
 from __future__ import annotations

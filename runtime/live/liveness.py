@@ -1,25 +1,17 @@
 """Is each stage up, and is the run ready?  One pure verdict for the probes and the exporter.
 
-Kubernetes separates three questions, and so does ``serve``:
+Kubernetes separates three questions, and so does ``serve``: liveness (``/healthz``: the serving
+process answers), startup (``/startupz``: startup validation passed) and readiness (``/readyz``:
+can the pipeline take work *now*).  Readiness needs every stage process alive, past starting, its
+layer map valid and its heartbeat fresh; a host tier not in ``NOT_READY_STATUSES``; no more than
+``--max-disagreements`` stage disagreements (stages that disagree compute on different prefixes);
+and (``serve``) every HiCache transfer complete (one that lacked a pool kind loads back wrong).
+What is wrong but leaves the run ready (other host-tier statuses, L3 down) is in ``warnings``.
 
-* liveness (``/healthz``): does the serving process answer?  Answering is the proof.
-* startup (``/startupz``): did startup validation pass?  The startup report says.
-* readiness (``/readyz``): can the pipeline take work *now*?  Every stage process
-  alive and done starting (``serve``: its phase is past "starting"), its layer map valid, a heartbeat newer than the heartbeat timeout, a
-  host tier whose status is not one of ``memory.host_tier.NOT_READY_STATUSES``
-  (``exceeds_ram``), and the stages agreeing on their cache decisions: no more
-  than ``--max-disagreements`` per-request disagreements (``agreement.py``) --
-  stages that disagree compute on different prefixes, so their output cannot be
-  trusted; and (``serve``) every HiCache backup and load complete -- one that lacked a
-  pool kind the stage mirrors (``StageLive.transfer_check``) leaves host pages that load
-  back wrong.  The other host-tier statuses (``smaller_than_device``,
-  ``pin_refused``) are listed in ``warnings``: shown, still ready.
-
-A stage process beats from a thread of its own (``stage_worker.Heartbeat``), so a
-stage that waits in a collective still beats, while a stage that is stopped
-(SIGSTOP), killed or wedged stops beating.  The verdict is computed from what the
-run directory holds and the clock -- nothing here is stored -- so ``/readyz``,
-``stagecache_stage_up`` and the supervisor can never disagree about a stage.
+A stage beats from a thread of its own (``heartbeat``), so a stage waiting in a collective still
+beats while a stopped, killed or wedged one does not.  The verdict is computed from the run
+directory and the clock -- nothing is stored -- so ``/readyz``, ``stagecache_stage_up`` and the
+supervisor never disagree about a stage.
 """
 
 from __future__ import annotations
@@ -29,16 +21,13 @@ from collections.abc import Iterable, Mapping
 
 from pydantic import Field
 
-from ..defaults import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S
+from ..defaults import HEARTBEAT_TIMEOUT_S
 from ..memory.host_tier import NOT_READY_STATUSES
 from ..typed import Strict
 from ..validation.report import StartupReport
 from .divergence import readiness_lines
 from .numbers import Phase, RunInfo, StageLive
 from .source import SnapshotSource
-
-__all__ = ["HEARTBEAT_INTERVAL_S", "HEARTBEAT_TIMEOUT_S", "Liveness", "StageHealth",
-           "assess", "disagreeing", "finished_reason", "liveness_of", "utc_text"]
 
 
 def disagreeing(per_stage: Iterable[tuple[int, Mapping[str, int]]]) -> dict[int, dict[str, int]]:

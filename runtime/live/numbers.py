@@ -17,27 +17,11 @@ from enum import Enum
 
 from pydantic import Field
 
-from ..cache.insight import CacheInsightLive, SampledHistogram, TierLifetimes
-from ..cache.stats import CacheLive, CachePages, TierPages, TierTokens
-from ..transfer.stats import (
-    DirectionCounts,
-    Directions,
-    DurationBuckets,
-    TransferKind,
-    TransferLive,
-    TransferSplit,
-)
+from ..cache.insight import CacheInsightLive, SampledHistogram
+from ..cache.stats import CacheLive
+from ..transfer.stats import TransferLive
 from ..typed import Strict
 from .divergence import IncompleteBackup, incomplete_line
-
-#: The typed parts a stage's numbers are made of, re-exported where every reader finds them.
-__all__ = [
-    "DECISIONS", "DECISION_NAMES", "STAGE_PHASES", "TIMELINE_EVENTS", "CacheInsightLive", "CacheLive",
-    "CachePages", "CapacityLive", "DirectionCounts", "Directions", "Disagreement", "DurationBuckets",
-    "HostTierLive", "L3Directions", "L3Live", "PageSpace", "Phase", "PoolBytes", "PoolOccupancy",
-    "RunInfo", "SampledHistogram", "StageAgreement", "StageLive", "TierLifetimes", "TierPages",
-    "TierTokens", "TimelineEvent", "TransferKind", "TransferLive", "TransferSplit",
-]
 
 #: The decisions every stage must take alike for each request, each with its one meaning: a stage
 #: whose value differs from the agreed one disagrees (``serve.agreement``).

@@ -53,24 +53,12 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
 
 
 def read_json(path: str | os.PathLike[str]) -> Any | None:
-    """The parsed file, or None when it does not exist (yet)."""
+    """The parsed file, or None when it cannot be read (not written yet, being replaced; only a
+    non-atomic writer makes it unparsable)."""
     try:
-        with open(path, "rb") as f:
-            return json.loads(f.read())
-    except FileNotFoundError:
+        return json.loads(Path(path).read_bytes())
+    except (OSError, ValueError):
         return None
-    except ValueError:
-        # Only a non-atomic writer could cause this; treat it as "not there yet".
-        return None
-
-
-def read_stage_files(run_dir: str | os.PathLike[str]) -> dict[int, StageLive]:
-    """Every ``stage-<k>.json`` in the directory, parsed, by stage id (no caching).
-
-    A file that does not parse as a ``StageLive`` is skipped like a missing one:
-    only a non-atomic writer (or a stranger's file) can produce it.
-    """
-    return ParsedFiles().stages(run_dir)
 
 
 def _stage_id(name: str) -> int | None:

@@ -1,42 +1,30 @@
 """Do the PP stages agree?  Per-request records, compared at rank 0, without stalling the pipe.
 
-Every stage runs its own prefix cache over the same request stream, so they
-must take the same decisions.  Engines that do not check this have crashed when
-stages disagreed on a request's matched prefix or on its completion; here each
-stage reports, per request, a compact record (``FIELDS``):
-
-    device pages matched, host pages matched (loaded h2d), pages backed up (d2h)
-    while serving it, pages it newly cached at the end, whether it completed, and the pages it
-    took from L3 (read into host, then loaded h2d: they count as matched and loaded).
-
-The records ride on messages the pipeline sends anyway (``pipeline.StagePipe``):
-
-1. stage ``k`` appends its records for micro-batch ``i`` to the ones it received
-   and forwards them in the activation header to ``k + 1``;
-2. the last stage sends all of them back to rank 0 with the credit of ``i``;
-3. rank 0 compares them (``compare``): per request and decision (``DECISIONS``) the
-   agreed value is the one most stages reported (a tie: the larger), and every
-   stage with another value disagrees.  It keeps the recent disagreements (the
-   request, the stages, their values) for the dashboard;
-4. rank 0 forwards the verdict (per request: the agreed matched prefix and each
-   stage's disagreeing decisions) in the header of its next micro-batch, so every
-   stage counts its *own* disagreements and books the pages it matched below
-   the agreed prefix as ``stage_disagreement`` misses (``cache/insight.py``).
-   The verdicts still owed when the trace ends go out in one broadcast.
-
-No stage ever waits for a verdict: a stage's disagreement counters and deferred
-miss reasons lag its hit counters by at most the pipeline window.
+Every stage runs its own prefix cache over the same request stream, so they must take the same
+decisions; engines that do not check this have crashed when stages disagreed on a request's
+matched prefix or on its completion.  Each stage reports, per request, a compact record
+(``FIELDS``) that rides on messages the pipeline sends anyway (``pipeline.StagePipe``): forwarded
+stage to stage with the activation, returned to rank 0 with the credit.  Rank 0 compares them per
+decision (``DECISIONS``: the agreed value is the one most stages reported, a tie the larger) and
+forwards the verdict in the header of its next micro-batch, so every stage counts its *own*
+disagreements and books the pages it matched below the agreed prefix as ``stage_disagreement``
+misses (``cache/insight.py``); the verdicts still owed when the trace ends go out in one broadcast.
+No stage ever waits for a verdict: its disagreement counters lag its hit counters by at most the
+pipeline window.
 """
 
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..live.divergence import agreed_value  # a tie goes to the larger (the longer prefix)
 from ..live.numbers import DECISION_NAMES, Disagreement, StageAgreement
 
+#: A request's record: pages matched on device and host (loaded h2d), backed up (d2h) while serving
+#: it, newly cached at its end, whether it completed, and taken from L3 (matched and loaded too).
 FIELDS = ("device_pages", "host_pages", "backed_up_pages", "cached_pages", "completed",
           "storage_pages")
 NFIELDS = len(FIELDS)
@@ -48,12 +36,6 @@ def decision_values(rec: Sequence[int]) -> tuple[int, int, int, int]:
     """A record's value per decision; completion is the pages it cached, or -1 if it did not complete."""
     l3 = rec[5] if len(rec) > 5 else 0
     return rec[0] + rec[1] + l3, rec[1] + l3, rec[2], rec[3] if rec[4] else -1
-
-
-def agreed_value(values: Sequence[int]) -> int:
-    """The value most stages reported; a tie goes to the larger (the longer prefix)."""
-    counts = Counter(values)
-    return max(counts, key=lambda v: (counts[v], v))
 
 
 def compare(records: Sequence[Sequence[Sequence[int]]]) -> list[tuple[list[int], list[int]]]:

@@ -19,8 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..defaults import HEARTBEAT_INTERVAL_S
 from ..live import run_dir as rd
-from ..live.liveness import HEARTBEAT_INTERVAL_S
 from ..live.numbers import StageLive
 
 

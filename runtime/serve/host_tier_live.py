@@ -53,6 +53,4 @@ class StageHostTier:
 
 def occupancy_live(pools: Any, host: Any | None) -> list[PoolOccupancy]:
     """``memory.occupancy`` rows as ``StageLive.pool_occupancy``."""
-    return [PoolOccupancy(pool=o.pool, tier=o.tier, unit=o.unit, used=o.used, capacity=o.capacity,
-                          peak=o.peak, used_bytes=o.used_bytes, capacity_bytes=o.capacity_bytes)
-            for o in stage_occupancy(pools, host)]
+    return [PoolOccupancy.model_validate(o, from_attributes=True) for o in stage_occupancy(pools, host)]

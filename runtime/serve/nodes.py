@@ -407,17 +407,12 @@ class NodeLink:
                     ch.sock.settimeout(2.0)
                 ch.send({"op": "report", "node": self._node, "sent_at": time.time(), **self._report()})
                 self._on_reply(ch.recv())
-            except HubRefused as exc:
+            except (HubRefused, OSError, ConnectionError, ValueError) as exc:
                 self.failures += 1
                 self.last_error = str(exc)
-                log.error("node %d: the hub refused this node: %s", self._node, exc)
-                if ch is not None:
-                    ch.sock.close()
-                ch = None
-            except (OSError, ConnectionError, ValueError) as exc:
-                self.failures += 1
-                self.last_error = str(exc)
-                if self.failures in (1, 10) or self.failures % 100 == 0:
+                if isinstance(exc, HubRefused):
+                    log.error("node %d: the hub refused this node: %s", self._node, exc)
+                elif self.failures in (1, 10) or self.failures % 100 == 0:
                     log.warning("node %d: report to the hub failed (%d so far): %s", self._node, self.failures, exc)
                 if ch is not None:
                     with contextlib.suppress(OSError):
@@ -432,14 +427,6 @@ def local_ranks(pp_size: int, nnodes: int, node_rank: int) -> range:
     """The stages node ``node_rank`` runs: an equal contiguous share (``--pp-size`` % ``--nnodes`` == 0)."""
     per = pp_size // nnodes
     return range(node_rank * per, (node_rank + 1) * per)
-
-
-def stage_payload(path: Path) -> Any:
-    """A stage file's JSON, or None (being replaced, or not written yet)."""
-    try:
-        return json.loads(path.read_bytes())
-    except (OSError, ValueError):
-        return None
 
 
 # -- wiring a node's supervisor ---------------------------------------------------------------------------
@@ -481,7 +468,7 @@ def attach(sup: Any, opts: Any, run_dir: str) -> Callable[[], None]:
         return hub.close
 
     def report() -> dict[str, Any]:
-        stages = {str(k): stage_payload(rd.stage_file(run_dir, k)) for k in opts.local_ranks}
+        stages = {str(k): rd.read_json(rd.stage_file(run_dir, k)) for k in opts.local_ranks}
         return {"stages": stages, "exit_codes": {str(p.rank): p.exitcode for p in sup.procs},
                 "pids": {str(p.rank): p.pid for p in sup.procs}}
 

@@ -17,6 +17,7 @@ from ..errors import ConfigError
 from ..memory.host_tier import MemInfo
 from ..plan.plan import RunPlan, StagePlan
 from ..storage.options import L3Options
+from .nodes import local_ranks
 
 #: Upper bounds of flags whose size is otherwise only limited by memory (each stage holds the trace).
 MAX_REQUESTS = 100_000
@@ -70,8 +71,7 @@ class ServeOptions:
     @property
     def local_ranks(self) -> range:
         """The stages this node runs (all of them on one host)."""
-        per = self.plan.pp_size // self.nnodes
-        return range(self.node_rank * per, (self.node_rank + 1) * per)
+        return local_ranks(self.plan.pp_size, self.nnodes, self.node_rank)
 
     @property
     def hub_address(self) -> tuple[str, int]:

@@ -1,37 +1,19 @@
 """Forward-only pipeline schedule over ``torch.distributed`` point-to-point, with bubble accounting.
 
-Every stage walks the same micro-batch list.  Stage 0 starts micro-batch ``i``
-as soon as fewer than ``window`` micro-batches are in flight; stage ``k > 0``
-starts it when stage ``k-1``'s activation arrives; the last stage returns a
-one-element *credit* to stage 0 so at most ``window`` micro-batches are inside
-the pipe (``window = pp_size`` keeps every stage busy in steady state).
+Stage 0 starts micro-batch ``i`` while fewer than ``window`` are in flight; stage ``k > 0`` starts
+it when stage ``k-1``'s activation arrives; the last stage returns a *credit* to stage 0
+(``window = pp_size`` keeps every stage busy in steady state).  Time is measured around the real
+calls, not by formula: ``stage_seconds`` is the stage's own work, ``bubble_seconds`` its waits on
+a peer (activation, credit, send drain), kept with a ring of recent spans (``timeline()``) so the
+dashboard shows *where* the pipeline waits; ``ideal_bubble_fraction`` is the textbook figure.
 
-Time is split in two, measured with ``perf_counter`` around real calls:
-
-* ``stage_seconds``  -- the stage doing its own work (cache decisions, KV
-  writes, host<->device copies, the layer compute on the activation);
-* ``bubble_seconds`` -- the stage blocked on a peer: waiting for an activation,
-  for a credit, or for its own sends to drain.  This is the pipeline bubble as
-  this stage experienced it, not a formula; ``ideal_bubble_fraction`` gives the
-  textbook figure to compare with.
-
-Every span is also kept in a bounded ring of recent events (``timeline()``:
-kind, wall-clock start, seconds, micro-batch), so the dashboard can draw each
-stage's timeline and show *where* the pipeline waits.
-
-Each activation is preceded by a 5-integer header ``[index, rows, digest,
-idle_us, words]``: the receiver checks the index (ordering), takes the shape from
-``rows``, and compares ``digest`` -- a hash of the prefix-cache decisions the
-sender made for that micro-batch -- with its own.  ``idle_us`` is how long the
-micro-batch waited for its requests to *arrive* (``serve --rate``) upstream:
-that part of a downstream wait is no work to do, not a bubble, so it is booked
-as ``idle_seconds`` instead.  Stages run their own caches over the same
-request stream, so a different digest means the stages' caches diverged.
-Without an ``Agreement`` that is an error naming both stages and the
-micro-batch; with one (``serve``), ``words`` int64 words follow the header --
-the stages' per-request records and rank 0's verdicts (``agreement.py``) -- the
-last stage returns the records with the credit, and a disagreement is counted
-and shown while the run goes on.
+Each activation is preceded by a header ``[index, rows, digest, idle_us, words]``: the receiver
+checks the order, takes the shape, and compares ``digest`` (a hash of the sender's cache decisions
+for the micro-batch) with its own, since stages that diverge compute on different prefixes.
+``idle_us`` is how long the micro-batch waited for its requests to *arrive* (``serve --rate``):
+that part of a downstream wait is booked as ``idle_seconds``, not as bubble.  With an
+``Agreement`` (``serve``), ``words`` int64 words of per-request records and verdicts follow the
+header (``agreement.py``) and a disagreement is counted instead of raised.
 """
 
 from __future__ import annotations

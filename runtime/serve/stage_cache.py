@@ -1,12 +1,7 @@
 """What one stage process serves with: its own pools, host stack, HiCache and layer compute.
 
-Kept apart from ``stage_worker`` (process, dist, publishing) so the per-stage
-work is one object, built from the stage's config alone, with the calls the worker needs:
-``pools`` (their inventory and measured bytes) for the startup record, ``load_trace()``,
-``work(micro_batch, activation)`` for the pipeline, and ``live_fields()`` for the stage's
-``StageLive``.
-
-Per micro-batch, on every stage, in the same order::
+Kept apart from ``stage_worker`` (process, dist, publishing) so the per-stage work is one object,
+built from the stage's config alone.  Per micro-batch, on every stage, in the same order::
 
     begin(request) for each request   # HiCache: match, load host hits (h2d), allocate new pages
     verify the host-loaded pages      # their KV bytes must be exactly what was written
@@ -14,12 +9,10 @@ Per micro-batch, on every stage, in the same order::
     layer compute on the activation   # [computed tokens, hidden] through the local layers
     finish(request) for each request  # insert into the radix tree; write-through backups (d2h)
 
-The stages hold different layers (different pools and bytes) but the same
-page-id space size, so their cache decisions are identical.  Each stage records,
-per request, what it matched, loaded, backed up and cached; the records travel
-with the pipeline's messages to rank 0, which compares them (``agreement.py``).
-A lookup's miss reasons wait for that verdict: the pages this stage matched
-below the stages' agreed prefix are ``stage_disagreement`` misses.
+The stages hold different layers but the same page-id space size, so their cache decisions are
+identical; each stage's per-request records go to rank 0, which compares them (``agreement.py``).
+A lookup's miss reasons wait for that verdict: the pages this stage matched below the stages'
+agreed prefix are ``stage_disagreement`` misses.
 """
 
 from __future__ import annotations
@@ -55,12 +48,12 @@ class KvMismatchError(StageCacheError):
 
 def transfer_check_live(cache: Any, stage: int) -> Any:
     """The cache's checked transfers (``HiCache.incomplete``) as ``StageLive.transfer_check``."""
+    from dataclasses import asdict
+
     from ..live.divergence import IncompleteBackup
     from ..live.numbers import TransferCheckLive
 
-    found = [IncompleteBackup(time=0.0, stage=stage, direction=c.direction, page=c.page, pages=c.pages,
-                              missing=list(c.missing), expected_bytes=c.expected_bytes, got_bytes=c.got_bytes)
-             for c in cache.incomplete]
+    found = [IncompleteBackup(time=0.0, stage=stage, **asdict(c)) for c in cache.incomplete]
     return TransferCheckLive(kinds=list(cache.mirror or ()), checked=cache.checked_transfers, count=cache.incomplete_count,
                              incomplete=dict(cache.incomplete_kinds), first=found[0] if found else None,
                              recent=found)
@@ -80,20 +73,22 @@ def request_pages(req: Any, page_size: int) -> int:
     return -(-(len(req.input_ids) + len(req.output_ids)) // page_size)
 
 
-def trace_device_pages(requests: Sequence[Any], page_size: int, micro_batch: int) -> int:
-    """Device pages the trace's largest micro-batch needs at once (a floor for any size advice)."""
+def _micro_batch_pages(requests: Sequence[Any], page_size: int, micro_batch: int) -> list[tuple[Any, int]]:
+    """Each micro-batch with the device pages its requests need at once (they run together)."""
     from .pipeline import split_micro_batches
 
-    return max((sum(request_pages(r, page_size) for r in mb.requests)
-                for mb in split_micro_batches(requests, micro_batch)), default=1)
+    return [(mb, sum(request_pages(r, page_size) for r in mb.requests))
+            for mb in split_micro_batches(requests, micro_batch)]
+
+
+def trace_device_pages(requests: Sequence[Any], page_size: int, micro_batch: int) -> int:
+    """Device pages the trace's largest micro-batch needs at once (a floor for any size advice)."""
+    return max((need for _, need in _micro_batch_pages(requests, page_size, micro_batch)), default=1)
 
 
 def check_trace_fits(requests: Sequence[Any], page_size: int, device_pages: int, micro_batch: int) -> None:
-    """Every micro-batch's requests must fit the device pages at once (they run together)."""
-    from .pipeline import split_micro_batches
-
-    for mb in split_micro_batches(requests, micro_batch):
-        need = sum(request_pages(r, page_size) for r in mb.requests)
+    """Every micro-batch's requests must fit the device pages at once."""
+    for mb, need in _micro_batch_pages(requests, page_size, micro_batch):
         if need > device_pages:
             longest = max(request_pages(r, page_size) for r in mb.requests)
             raise ConfigError(
@@ -153,6 +148,7 @@ class StageCache:
         from ..transfer.controller import TransferController
         from ..transfer.stats import TransferStats
         from ..validation.checks import validate_stage
+        from .agreement import Agreement
         from .host_tier_live import StageHostTier
 
         self.cfg = cfg
@@ -189,7 +185,13 @@ class StageCache:
                                  stats=self.stats, insight=SERVE_INSIGHT, storage=self.l3.open(),
                                  mirror=mirror_bytes(cfg.plan), backup_pools=backup_pools)
             self.writer = KvWriter(self.pools)
-        self._agreement_setup()
+        # stage agreement (``agreement.py``) and the ``radix-skew`` fault that tests it
+        self.agreement = Agreement(self.stage, cfg.opts.pp_size, self._on_verdict,
+                                   describe=lambda req: f"{req.session}/{req.turn}")
+        self._misses: dict[int, list[Any]] = {}  # micro-batch -> deferred miss records
+        self.skew = "radix-skew" in faults
+        self.skewed_pages = 0
+        self._finished = 0
         self.compute = LayerCompute([e.global_id for e in self.stage_map.layers], cfg.opts.hidden_size,
                                     self.device)
         self.verified_pages = 0
@@ -199,17 +201,6 @@ class StageCache:
     def load_trace(self) -> list[Any]:
         return build_trace(self.cfg.opts.trace, self.cfg.opts.requests, self.cfg.opts.seed,
                            self.cfg.opts.trace_format)
-
-    def _agreement_setup(self) -> None:
-        """Stage agreement (``agreement.py``) and the ``radix-skew`` fault that tests it."""
-        from .agreement import Agreement
-
-        self.agreement = Agreement(self.stage, self.cfg.opts.pp_size, self._on_verdict,
-                                   describe=lambda req: f"{req.session}/{req.turn}")
-        self._misses: dict[int, list[Any]] = {}  # micro-batch -> deferred miss records
-        self.skew = "radix-skew" in self.cfg.opts.plan.stage_faults(self.stage)
-        self.skewed_pages = 0
-        self._finished = 0
 
     def _on_verdict(self, index: int, agreed: list[int]) -> None:
         """The stages' verdict on a micro-batch: book its deferred miss reasons."""

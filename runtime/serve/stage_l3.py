@@ -19,13 +19,14 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from ..cache.insight import SampledHistogram
 from ..cache.storage_tier import BANDWIDTH_BUCKETS_GBPS, StorageTier
 from ..storage.base import StoreUnavailable
 from ..storage.startup import check_manifest, check_probe, write_probe
 
 if TYPE_CHECKING:
     from ..cache.storage_tier import BandwidthHistogram
-    from ..live.numbers import L3Live, SampledHistogram
+    from ..live.numbers import L3Live
     from ..memory.host_pools import HostPools
     from .options import StageConfig
 
@@ -99,8 +100,6 @@ class StageL3:
 
 
 def _histogram(h: BandwidthHistogram) -> SampledHistogram:
-    from ..live.numbers import SampledHistogram
-
     return SampledHistogram(le=list(BANDWIDTH_BUCKETS_GBPS), counts=h.cumulative(), sum=h.sum)
 
 

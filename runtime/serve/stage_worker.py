@@ -1,22 +1,13 @@
 """One PP stage as one OS process: dist init, own pools + host stack, startup gather, request loop.
 
-``serve`` starts ``stage_main(config)`` once per stage (forked from a forkserver).  A stage
-builds *only its own* pools, from its own ``StagePlan`` -- nothing global is allocated
-anywhere, which is the point of stage-local pools -- and sends the ``StageRecord`` of those
-real tensors to rank 0 (sealed JSON, ``exchange``).  Rank 0 turns the records into the
-``StartupReport`` (``validation.deployment``: per-stage validation plus the cross-stage
-checks, as ``check`` does), writes it to the run directory, and broadcasts the verdict:
-every stage then either serves the trace or stops before touching a request.
+A stage builds *only its own* pools, from its own ``StagePlan`` (nothing global is allocated
+anywhere: the point of stage-local pools), and sends the ``StageRecord`` of those real tensors to
+rank 0 (sealed JSON, ``exchange``), which turns the records into the ``StartupReport`` (the checks
+``check`` runs) and broadcasts the verdict: every stage then serves the trace or stops before
+touching a request.  Live numbers go to ``stage-<k>.json`` in the run directory (``run_dir``).
 
-While serving, each stage runs its own prefix cache over its own pools on the
-same request stream (so every stage takes the same hit/miss decisions, which
-the pipeline header checks), and the activation of every micro-batch travels
-stage to stage with ``torch.distributed`` send/recv (``pipeline.StagePipe``).
-Live numbers go to ``stage-<k>.json`` in the run directory (``run_dir``).
-
-Exit codes: 0 done (or startup refused, see ``startup.json``), 1 this stage
-failed, 4 a peer went away (connection closed / timed out) -- so the parent can
-name the stage that really died rather than the neighbours that noticed.
+Exit codes: 0 done (or startup refused, see ``startup.json``), 1 this stage failed, 4 a peer went
+away -- so the parent can name the stage that really died rather than the neighbours that noticed.
 """
 
 from __future__ import annotations
@@ -43,6 +34,9 @@ EXIT_FAILED = 1
 EXIT_PEER_LOST = 4
 
 PUBLISH_INTERVAL_S = 0.25
+#: ``PipelineClock`` totals a ``StageLive`` holds under the same names.
+CLOCK_FIELDS = ("stage_seconds", "bubble_seconds", "idle_seconds", "activation_bytes_sent",
+                "activation_bytes_received")
 
 
 class PeerLost(RuntimeError):
@@ -367,15 +361,11 @@ class StageWorker:
         fields: dict[str, Any] = self.cache.live_fields() if self.cache is not None else {}
         if self.pipe is not None:
             clock = self.pipe.clock
-            fields.update(stage_seconds=clock.stage_seconds, bubble_seconds=clock.bubble_seconds,
-                          idle_seconds=clock.idle_seconds,
-                          activation_bytes_sent=clock.activation_bytes_sent,
-                          activation_bytes_received=clock.activation_bytes_received,
-                          timeline=clock.timeline())
+            fields.update({f: getattr(clock, f) for f in CLOCK_FIELDS}, timeline=clock.timeline())
         return StageLive(
-            stage=self.rank, model_name=self.cfg.opts.plan.spec.name, time=time.time(), pid=self.pid, phase=self.phase, error=self.error,
-            started_at=self.t_start, start_layer=self.stage_map.start, end_layer=self.stage_map.end,
-            local_layers=self.stage_map.local_layers, steps=self.steps_done,
+            stage=self.rank, model_name=self.cfg.opts.plan.spec.name, time=time.time(), pid=self.pid,
+            phase=self.phase, error=self.error, started_at=self.t_start, start_layer=self.stage_map.start,
+            end_layer=self.stage_map.end, local_layers=self.stage_map.local_layers, steps=self.steps_done,
             requests=self.requests_done, total_steps=self.total_micro_batches,
             total_requests=self.total_requests, **fields,
         )

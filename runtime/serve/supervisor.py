@@ -224,8 +224,7 @@ class Supervisor:
         now = time.monotonic()
         for k, code in sorted(self.remote_exit_codes.items()):  # a stage of another node
             if code is not None and code != EXIT_OK and code != EXIT_PEER_LOST:
-                how = f" (was killed by {signal.Signals(-code).name})" if code < 0 else ""
-                return f"stage {k} (pid {self.remote_pids.get(k)}, another node) exited with code {code}{how}", k
+                return f"stage {k} (pid {self.remote_pids.get(k)}, another node) {_exited(code)}", k
         failed = []
         for p in self.procs:
             code = p.exitcode
@@ -254,14 +253,9 @@ class Supervisor:
         return self.failure_message(first), first.rank
 
     def failure_message(self, p: StageProc) -> str:
-        code = p.exitcode
-        how = f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 else ""
-        msg = f"stage {p.rank} (pid {p.pid}) exited with code {code}" + (f" ({how})" if how else "")
+        msg = f"stage {p.rank} (pid {p.pid}) {_exited(p.exitcode)}"
         last = self.source.stages().get(p.rank)
-        own = last.error if last is not None else None
-        if own:
-            msg += f": {own}"
-        return msg
+        return msg + f": {last.error}" if last is not None and last.error else msg
 
     def _watch_heartbeats(self, stages: dict[int, StageLive]) -> None:
         """Say when a live stage stops beating (SIGSTOP, wedged) and when it beats again.
@@ -351,6 +345,11 @@ class Supervisor:
         return self.phase
 
 
+def _exited(code: int | None) -> str:
+    how = f" (was killed by {signal.Signals(-code).name})" if code is not None and code < 0 else ""
+    return f"exited with code {code}{how}"
+
+
 def summarize(opts: ServeOptions, sup: Supervisor, wall: float) -> dict[str, Any]:
     """The final summary: per-stage numbers plus pipeline figures (the ``--json`` document)."""
     from .pipeline import ideal_bubble_fraction
@@ -371,7 +370,7 @@ def summarize(opts: ServeOptions, sup: Supervisor, wall: float) -> dict[str, Any
     return {
         "ok": sup.phase == Phase.DONE,
         "phase": sup.phase.value,
-        "exit_code": exit_code_for(sup.phase, opts),
+        "exit_code": 0 if sup.phase == Phase.DONE else 1,
         "failure": sup.failure,
         "model": opts.plan.spec.name,
         "pp_size": opts.pp_size,
@@ -401,6 +400,3 @@ SUMMARY_FIELDS = {
     "kv_verified_pages", "error", "l3", "transfer_check",
 }
 
-
-def exit_code_for(phase: Phase, opts: ServeOptions) -> int:
-    return 0 if phase == Phase.DONE else 1

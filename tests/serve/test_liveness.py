@@ -87,13 +87,13 @@ def test_without_a_serving_parent_the_report_time_counts_as_a_beat():
 def test_heartbeat_thread_beats_while_the_main_thread_waits(tmp_path):
     sf = StageFile(rd.stage_file(tmp_path, 0))
     sf.publish(StageLive(stage=0, steps=3))
-    first = rd.read_stage_files(tmp_path)[0].heartbeat_at
+    first = rd.RunDirSource(tmp_path).stages()[0].heartbeat_at
     hb = Heartbeat(sf, interval=0.05).start()
     try:
         threading.Event().wait(0.4)  # the main thread blocks, like a stage in recv
     finally:
         hb.stop()
-    later = rd.read_stage_files(tmp_path)[0]
+    later = rd.RunDirSource(tmp_path).stages()[0]
     assert later.heartbeat_at > first + 0.2
     assert later.steps == 3  # the beat re-stamps the last numbers, never older ones
 
