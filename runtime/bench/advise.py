@@ -1,24 +1,10 @@
 """``stagecache bench advise``: one pass for every size against one replay per size, same run.
 
-Without ``advise`` an operator learns what a size buys by replaying the trace at
-that size (``bench hicache --metadata-only``), once per size.  This benchmark
-times both on the same trace in the same process, pinned to one CPU core:
-
-* **curve**: read the trace file, build the page keys, compute both tiers'
-  curves at every capacity (``sizing/curves.py``); wall and CPU seconds, and the
-  process's peak RSS before and right after it (no replay has run yet);
-* **replays**: the metadata-only HiCache replay (``HiCache.metadata_only``, LRU,
-  write-through, no insight, one request in flight) at ``sizes`` host sizes
-  spread geometrically up to the size that hits the ceiling, each with half as
-  many device pages (sglang's default ``--hicache-ratio 2``); the trace is
-  parsed once for all of them, so the baseline is the cheapest replay there is.
-
-Every replay's device and device + host hit rates are compared with the curves'
-values at its sizes (``max_abs_diff_pp``: 0 when the curve is exact), and
-``ratio_replays_vs_curve`` is the replays' wall time over the curve's.  Without
-``--trace`` the trace is generated (``traces/block_workload.py``, sized like the
-public Mooncake conversation trace) and written to a private temporary file, so
-the curve's time includes parsing it as a user's run would.
+Without ``advise`` an operator learns what a size buys by replaying the trace at that size
+(``bench hicache --metadata-only``), once per size.  This benchmark times both on the same trace
+in the same process, pinned to one CPU core: the one pass (read, page keys, both curves) against
+the cheapest replay there is at ``sizes`` host sizes, each replay checked against the curves at
+its sizes.  docs/advise.md ("Speed") describes the figures.
 """
 
 from __future__ import annotations
@@ -78,13 +64,12 @@ def timed_curve(path: str, fmt: str, page_size: int | None, block_tokens: int) -
             "pass_seconds": t2 - t1, "rss_before_mib": rss0, "peak_rss_mib": _rss_mib()}
 
 
-def replay_sizes(longest: int, full_pages: int, sizes: int) -> list[tuple[int, int]]:
-    """``sizes`` (device pages, host pages): host pages geometric from twice the longest request
-    to where the curve reaches the ceiling, device pages half of them (at least the longest)."""
+def geometric_sizes(longest: int, full_pages: int, sizes: int) -> list[int]:
+    """``sizes`` page counts, geometric from twice the longest request to where the curve reaches
+    the ceiling (fewer where they round to the same count)."""
     low = 2 * longest
     high = max(full_pages, low + sizes)
-    hosts = np.unique(np.rint(np.geomspace(low, high, sizes)).astype(np.int64)).tolist()
-    return [(max(longest, h // 2), h) for h in hosts]
+    return [int(x) for x in np.unique(np.rint(np.geomspace(low, high, sizes)).astype(np.int64))]
 
 
 def replay_at(views: Sequence[Any], page_size: int, device_pages: int, host_pages: int
@@ -149,7 +134,8 @@ def _measure(args: Any, core: int | None) -> dict[str, Any]:
         curve = timed_curve(path, args.trace_format, args.page_size, args.block_tokens)
     views, curves = curve.pop("views"), curve.pop("curves")
     longest = max(v.pages for v in views)
-    sizes = replay_sizes(longest, curves.total.full_pages, args.sizes)
+    # host pages at each size, device pages half of them (at least the longest request)
+    sizes = [(max(longest, h // 2), h) for h in geometric_sizes(longest, curves.total.full_pages, args.sizes)]
     rows = []
     t0 = time.perf_counter()
     for i, (dev, host) in enumerate(sizes):

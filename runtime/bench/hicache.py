@@ -1,27 +1,15 @@
 """``stagecache bench hicache``: replay a trace through each stage's HiCache, with its bounds.
 
-One run, same trace, same page size, same device pages per stage:
+One run, same trace, same page size, same device pages per stage: ``hicache`` (device + host
+tier, the configuration under test), ``device_only`` (no host tier: what HiCache adds is the
+difference), ``ceiling`` (an infinite cache) and ``belady`` (the offline bound at the host tier's
+capacity, ``sizing/bounds.py``).  docs/hicache.md describes the modes and flags.
 
-* ``hicache``     -- device tier + host tier (the configuration under test);
-* ``device_only`` -- the same device pages, no host tier (what HiCache adds is the difference);
-* ``ceiling``     -- an infinite cache: every page ever kept stays reusable;
-* ``belady``      -- the offline bound: one tier of the host tier's capacity that
-  evicts the page used farthest in the future (``sizing/bounds.py``).
-
-Traces: stagecache's token JSONL or Mooncake's block-hash JSONL (detected, or
-``--trace-format``), or a generated chat trace.  In Mooncake format a block is a
-page, so the page size is ``--block-tokens``.
-
-``--l3 file|mooncake``: the ``hicache`` mode gets an L3 tier behind the host tier (payload mode
-only: L3 holds real bytes); every stage keeps its own key space in one store, which starts empty.
-
-``--metadata-only``: no tensors.  Every stage sees the same requests and has the
-same page-id space, so its decisions are the same; the cache is replayed once
-and each stage's bytes are its pages moved times its bytes per page (memory
-layer).  The transfer time a run implies uses a bandwidth measured in the same
-run by real copies through the transfer controller.  Without it (payload mode),
-each stage replays on its real pools, and ``--verify`` compares every reused
-page with the bytes written for it (``kv_writer``); a mismatch exits 1.
+``--metadata-only`` replays the cache once with no tensors: every stage sees the same requests
+and has the same page-id space, so its decisions are the same, and each stage's bytes are its
+pages moved times its bytes per page; the transfer time they imply uses a bandwidth measured in
+the same run by real copies.  Payload mode replays each stage on its real pools (``--verify``:
+every reused page checked against the bytes written for it; a mismatch exits 1).
 """
 
 from __future__ import annotations
@@ -67,17 +55,13 @@ class ReplayResult:
     pages_verified: int = 0
     bytes_verified: int = 0
     bytes_written: int = 0
-    mismatch_count: int = 0
     stalls: int = 0  # begins that had to wait for a running request to finish (pages)
+    mismatch_count: int = 0
     mismatches: list[Any] = field(default_factory=list)  # the first few, as Mismatch
 
     def to_dict(self) -> dict[str, Any]:
-        return {"requests": self.requests, "seconds": round(self.seconds, 3),
-                "cpu_seconds": round(self.cpu_seconds, 6),
-                "pages_verified": self.pages_verified, "bytes_verified": self.bytes_verified,
-                "bytes_written": self.bytes_written, "stalls": self.stalls,
-                "mismatch_count": self.mismatch_count,
-                "mismatches": [str(m) for m in self.mismatches]}
+        return {**dataclasses.asdict(self), "seconds": round(self.seconds, 3),
+                "cpu_seconds": round(self.cpu_seconds, 6), "mismatches": [str(m) for m in self.mismatches]}
 
 
 def replay(requests: Sequence[Any], cache: Any, writer: Any | None = None, verify: bool = False,
@@ -366,12 +350,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    try:
-        dev = torch.device(args.device)
-    except RuntimeError as exc:
-        raise ConfigError(f"--device {args.device!r}: {exc}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"--device {args.device}: CUDA is not available on this machine")
+    dev = torch.device(args.device)  # a device this machine has: the command checked it
     t0 = time.perf_counter()
     reqs, trace_info = _load_requests(args)
     plan = resolve_plan(args.model, args.pp_size, args.tp_size, args.pp_partition,

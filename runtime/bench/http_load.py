@@ -1,22 +1,13 @@
 """``stagecache bench http``: the dashboard server's latency and throughput, measured from outside.
 
-The server under test is a real ``stagecache serve`` (a subprocess: stages,
-run directory, dashboard thread), loaded over real TCP connections on
-127.0.0.1 the way a Prometheus scraper, a browser and a probe would:
-
-* ``/healthz`` one request at a time on an idle server, over one keep-alive
-  connection and over a fresh connection per request;
-* N concurrent clients, each on its own keep-alive connection, sending a fixed
-  total of requests round-robin over ``/metrics``, ``/api/*`` and ``/healthz``;
-* how long the server keeps an idle keep-alive connection open.
-
-The baseline, measured in the same run over the same run directory, is the
-same app on a listening socket made the way it used to be (protocol 0, so
-asyncio never sets ``TCP_NODELAY``): its keep-alive ``/healthz`` shows what
-Nagle's algorithm against delayed ACKs costs.  The client is ``http.client``
-in threads (lighter than an async client, so the client's own CPU use, on a
-machine it shares with the server, distorts the figures less); its latencies
-are therefore an upper bound of the server's.
+The server under test is a real ``stagecache serve`` (a subprocess), loaded over real TCP on
+127.0.0.1 the way a Prometheus scraper, a browser and a probe would: ``/healthz`` one request at
+a time (keep-alive and a fresh connection each), N concurrent keep-alive clients over
+``/metrics``, ``/api/*`` and ``/healthz``, and how long an idle keep-alive connection stays open.
+The same-run baseline is the same app on a protocol-0 socket (asyncio sets no ``TCP_NODELAY``).
+The client is ``http.client`` in threads (lighter than an async client on a machine it shares
+with the server), so its latencies are an upper bound of the server's.  docs/serve.md ("HTTP
+performance") describes the figures.
 """
 
 from __future__ import annotations
@@ -34,6 +25,7 @@ import tempfile
 import threading
 import time
 import urllib.parse
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -156,9 +148,7 @@ def load(url: str, paths: list[str], clients: int, total: int) -> dict[str, Any]
         t.join()
     wall = time.perf_counter() - t0
     flat = [r for rs in results for r in rs]
-    statuses: dict[str, int] = {}
-    for _k, _ms, st in flat:
-        statuses[str(st)] = statuses.get(str(st), 0) + 1
+    statuses = dict(Counter(str(st) for _, _, st in flat))
     per_path = {p: {"requests": sum(1 for k, _, _ in flat if k == i),
                     **percentiles([ms for k, ms, st in flat if k == i and st > 0])}
                 for i, p in enumerate(paths)}

@@ -1,30 +1,14 @@
 """What the cache insight (miss reasons, sampled lifetimes) costs a HiCache replay.
 
-Two measurements, both in every ``stagecache bench hicache`` run:
+Two measurements, both in every ``stagecache bench hicache`` run (docs/hicache.md describes them
+and their fields):
 
-**Its own calls, in the reported replay.**  The reported runs keep a
-``TimedInsight``: the insight, timing each of its calls (lookup, verdict, births,
-deaths, backups) on ``perf_counter``.  Timing a call costs about twice what a
-lookup does, so the timer's own share is measured in the same run (a timed no-op,
-``timer_floor``) and taken off each call.  The sum against the replay they ran in
-is the overhead the bench reports: a few milliseconds against seconds, so load on
-the machine moves it by a small fraction of itself.
-
-**The whole cost, paired.**  The insight touches metadata only: page keys, tree nodes, stamps and the key
-table's tombstones, never a tensor.  A metadata-only replay of the same trace
-makes the same cache calls (the same decisions; the payload run adds the KV
-writes and copies), so the difference of its CPU time with and without the
-insight is what the insight costs, measured without the tensor work's noise.
-
-``measure`` replays the metadata-only cache ``repeats`` times with the insight and
-as many times without, in pairs whose order alternates (so load on the machine,
-and whatever the first replay of a pair leaves behind, falls on both alike), on the calling thread's CPU clock (time taken by other processes is
-not counted).  The insight's seconds are the median of the paired differences;
-the overhead divides them by the reported run's own replay time without them.
-This includes what the calls leave out (tombstones in the key table instead of
-removed keys, the lookup's extra arguments), but one pair on a shared machine
-can be off by tens of milliseconds: the median of many pairs keeps the figure to
-a few tenths of a percent, a cross-check of the first.
+* **its own calls, in the reported replay**: a ``TimedInsight`` times each of its calls on
+  ``perf_counter``; timing a call costs about twice what a lookup does, so the timer's own share
+  (a timed no-op, ``timer_floor``) is taken off each call;
+* **the whole cost, paired** (``measure``): the insight touches metadata only, so metadata-only
+  replays of the same trace with and without it, in pairs of alternating order on the thread's
+  CPU clock, differ by what it costs -- a cross-check, noisier on a shared machine.
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """``stagecache bench l3``: each L3 backend against the plain I/O beneath it, same run, same bytes.
 
-* **file**: the store's ``batch_set_from`` / ``batch_get_into`` of ``pages`` objects of
-  ``page_mib`` MiB (a record each: head, CRC-32C, appended to a segment file) against one plain
-  sequential ``write`` / ``readinto`` of the same bytes into one file in the same directory
-  (same disk).  Writes go to the page cache in both (nothing is fsynced); *cold* reads come from
-  the disk in both (every file is fsynced and dropped from the page cache with
-  ``posix_fadvise(DONTNEED)`` first, untimed); *warm* reads (page cache) are reported too.
-* **mooncake**: the store's calls against direct ``batch_put_from`` / ``batch_get_into`` calls of
-  the same client on the same registered buffers and object sizes (a real ``mooncake_master``
-  on 127.0.0.1, started and stopped here).
+* **file**: the store's batch calls against one plain sequential ``write`` / ``readinto`` of the
+  same bytes into one file on the same disk; cold reads come from the disk in both (fsynced and
+  dropped from the page cache first, untimed), warm reads from the page cache;
+* **mooncake**: the store's calls against direct calls of the same client on the same registered
+  buffers (a real ``mooncake_master`` on 127.0.0.1, started and stopped here).
 
-Each technique runs ``rounds`` times, interleaved (which goes first alternates), with fresh keys
-and files per round; the median round counts, and every round's figures are printed too (on a
-shared machine they vary by several times: ``round_ratio_median`` is the median of the rounds'
-own ratios, each technique against the baseline timed beside it).  Every read is checked byte for byte against what was written.
+The techniques run interleaved, ``rounds`` times with fresh keys and files, the median round
+counting; every read is checked byte for byte.  docs/l3.md ("Speed") describes the figures.
 """
 
 from __future__ import annotations
@@ -151,12 +145,10 @@ def _mooncake_rounds(store: Any, src: torch.Tensor, dst: torch.Tensor, rounds: i
         sk = [f"sc1.0123456789abcdef.t0.p0.L0-1.swa.{r:08x}{i:08x}" for i in range(len(src))]
         times["direct_write"].append(_timed(lambda dk=dk: client.batch_put_from(dk, ptrs, sizes)))
         times["store_write"].append(_timed(lambda sk=sk: store.batch_set_from(sk, [[p] for p in src])))
-        for kind, keys in (("direct_read", dk), ("store_read", sk)):
+        for kind, read in (("direct_read", lambda dk=dk: client.batch_get_into(dk, dptrs, sizes)),
+                           ("store_read", lambda sk=sk: store.batch_get_into(sk, [[p] for p in dst]))):
             dst.zero_()
-            if kind == "direct_read":
-                times[kind].append(_timed(lambda keys=keys: client.batch_get_into(keys, dptrs, sizes)))
-            else:
-                times[kind].append(_timed(lambda keys=keys: store.batch_get_into(keys, [[p] for p in dst])))
+            times[kind].append(_timed(read))
             if not torch.equal(dst, src):
                 raise RuntimeError(f"bench l3: mooncake {kind} read back other bytes than were written")
         client.remove_by_regex(rf"^(direct\.{r}\.|sc1\.)", True)
@@ -185,11 +177,7 @@ def bench_mooncake(pages: int, page_bytes: int, rounds: int) -> dict[str, Any]:
 def run_bench(backends: list[str], pages: int, page_mib: float, rounds: int,
               directory: str | None) -> dict[str, Any]:
     page_bytes = int(page_mib * (1 << 20))
-    out: dict[str, Any] = {"page_bytes": page_bytes, "pages": pages, "results": []}
-    for b in backends:
-        if b == "file":
-            out["results"].append(bench_file(pages, page_bytes, rounds, directory))
-        else:
-            out["results"].append(bench_mooncake(pages, page_bytes, rounds))
-    out["meets_targets"] = all(r["meets_target"] for r in out["results"])
-    return out
+    results = [bench_file(pages, page_bytes, rounds, directory) if b == "file"
+               else bench_mooncake(pages, page_bytes, rounds) for b in backends]
+    return {"page_bytes": page_bytes, "pages": pages, "results": results,
+            "meets_targets": all(r["meets_target"] for r in results)}

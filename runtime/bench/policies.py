@@ -19,21 +19,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
-from .advise import _rss_mib, _trace_file, one_core
+from .advise import _rss_mib, _trace_file, geometric_sizes, one_core
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SIZES = 8
-
-
-def sizes_for(longest: int, full_pages: int, sizes: int) -> list[int]:
-    """``sizes`` device sizes, geometric from twice the longest request to the ceiling's."""
-    low = 2 * longest
-    high = max(full_pages, low + sizes)
-    out = np.unique(np.rint(np.geomspace(low, high, sizes)).astype(np.int64)).tolist()
-    return [int(x) for x in out]
 
 
 def run_bench(args: Any, factory: Callable[[Any], Any], source: str) -> dict[str, Any]:
@@ -58,7 +48,7 @@ def _measure(args: Any, core: int | None, factory: Callable[[Any], Any], source:
         read_s = time.perf_counter() - t0
     curves = trace_curves(views)
     longest = max(v.pages for v in views)
-    sizes = sizes_for(longest, curves.device.full_pages, args.sizes)
+    sizes = geometric_sizes(longest, curves.device.full_pages, args.sizes)
     rates: dict[str, list[float]] = {}
     lru_hits: list[int] = []
     for spec in specs:

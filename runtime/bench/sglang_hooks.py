@@ -1,31 +1,12 @@
 """``stagecache bench sglang-hooks``: what the deployment's hooks cost sglang's own cache work.
 
-One run builds one PP stage of a family's model with sglang 0.5.23's own objects on CPU
-(``integrations.sglang.cpu_stage``: the pools, the HiCache host pools of the assembler's strategy
-for the family and the real ``HybridCacheController``) -- DeepSeek-V4-Flash, and one model of
-every other family live on sglang (``cpu_stage.FAMILY_MODELS``: a Mamba hybrid, a DSA model, an
-SWA hybrid) -- and replays a multi-turn trace through two arms, alternated round by round on
-fresh radix caches with the same requests:
-
-* plain: per request, sglang's ``UnifiedRadixCache.match_prefix`` + ``insert``, a backup of the
-  request's new page (the full KV and the pools that move with it: DeepSeek V4's C4, indexer and
-  C128 pools, DSA's indexer; a Mamba hybrid's attention KV and the request's Mamba state slot)
-  (``write`` / ``start_writing``), its load
-  back (``load`` / ``start_loading``) and one scheduler step's event check, sglang's own
-  ``check_hicache_events`` (``cpu_stage.StepLedger``: its ``_sync_hicache_ready_counts`` and ack
-  consumption by ``writing_check`` / ``loading_check``);
-* hooked: the same, with ``match_prefix``, the controller's ``start_writing`` / ``start_loading``
-  and the step's ``check_hicache_events`` / ``writing_check`` / ``loading_check`` wrapped by
-  sglang's ``HookRegistry`` wrapper (``_wrap_fn``: AFTER around ``Deployment.after_match_prefix``,
-  AROUND around ``around_start_writing`` / ``around_start_loading`` -- which check each ack against
-  the stage's transfer plan -- and the agreement hooks of ``integrations/sglang/agreement.py``,
-  which record the per-request match and per-step ack counts every rank pushes to rank 0): what a
-  served rank runs.
-
-Each arm runs twice: with the page copies (torch row copies standing in for ``sgl_kernel``'s
-``transfer_kv_direct``) and without them.  On a GPU host the copies run on the copy engine while
-the scheduler thread goes on, so the copy-free arm is the scheduler-thread work the hooks add to;
-the target is judged there.  Needs sglang (``.venv-sglang``).
+One PP stage of a family's model, built with sglang's own objects on CPU (``cpu_stage``), replays
+a multi-turn trace through two arms alternated round by round on fresh radix caches: plain
+(sglang's match, insert, a page's backup and load, one ``check_hicache_events`` step) and hooked
+(the same, wrapped by sglang's ``HookRegistry`` wrapper as a served rank runs it).  Each arm runs
+with and without the page copies: on a GPU host the copies run on the copy engine beside the
+scheduler thread, so the target is judged on the copy-free arm.  docs/sglang.md ("What the hooks
+cost") describes the figures.  Needs sglang (``.venv-sglang``).
 """
 
 from __future__ import annotations
@@ -215,38 +196,37 @@ class _AckOnlyController:
         return 0
 
 
-def _hook_steps(ledger: Any, dep: Any) -> None:
-    """``ledger``'s step and ack checks wrapped as ``HookRegistry`` wraps sglang's
-    ``check_hicache_events`` / ``writing_check`` / ``loading_check`` in a served rank (on the
-    instance: the plain arm's ledger keeps the bare ones)."""
-    import types
-
-    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
-    from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
-
-    a = dep.agreement
-    for name, hook in (("writing_check", a.around_writing_check), ("loading_check", a.around_loading_check)):
-        setattr(ledger, name, types.MethodType(_wrap_fn(getattr(UnifiedRadixCache, name), hook, HookType.AROUND),
-                                               ledger))
-    check = _wrap_fn(UnifiedRadixCache.check_hicache_events, a.around_check_hicache_events, HookType.AROUND)
-    ledger.step = lambda: check(ledger)
-
-
 @contextlib.contextmanager
-def _hooked_controller(ctl: Any, dep: Any) -> Iterator[None]:
-    """``ctl``'s submissions wrapped as sglang's ``HookRegistry`` wraps them in a served rank (on
-    the class there; on this instance here, so the plain arm keeps the bare methods)."""
+def _hooked(obj: Any, cls: type, hooks: dict[str, tuple[str, Callable[..., Any]]]) -> Iterator[None]:
+    """``obj``'s methods wrapped as sglang's ``HookRegistry`` wraps ``cls``'s in a served rank
+    (AROUND; on the class there, on this instance for the block here, so the plain arm keeps the
+    bare ones).  ``hooks``: attribute -> (the function of ``cls`` it runs, the hook)."""
     import types
 
     from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
 
-    for name, hook in (("start_writing", dep.around_start_writing), ("start_loading", dep.around_start_loading)):
-        setattr(ctl, name, types.MethodType(_wrap_fn(getattr(type(ctl), name), hook, HookType.AROUND), ctl))
+    for attr, (name, hook) in hooks.items():
+        setattr(obj, attr, types.MethodType(_wrap_fn(getattr(cls, name), hook, HookType.AROUND), obj))
     try:
         yield
     finally:
-        for name in ("start_writing", "start_loading"):
-            ctl.__dict__.pop(name, None)
+        for attr in hooks:
+            obj.__dict__.pop(attr, None)
+
+
+def _step_hooks(dep: Any) -> dict[str, tuple[str, Callable[..., Any]]]:
+    """The agreement's hooks on a ``StepLedger``: its step (sglang's ``check_hicache_events``) and
+    ack checks."""
+    a = dep.agreement
+    return {"step": ("check_hicache_events", a.around_check_hicache_events),
+            "writing_check": ("writing_check", a.around_writing_check),
+            "loading_check": ("loading_check", a.around_loading_check)}
+
+
+def _submit_hooks(dep: Any) -> dict[str, tuple[str, Callable[..., Any]]]:
+    """The deployment's hooks on a controller's backup and load submissions."""
+    return {"start_writing": ("start_writing", dep.around_start_writing),
+            "start_loading": ("start_loading", dep.around_start_loading)}
 
 
 def _hooks_alone(trace: list[tuple[str, array]], dep: Any, stage: _Stage) -> float:
@@ -257,6 +237,7 @@ def _hooks_alone(trace: list[tuple[str, array]], dep: Any, stage: _Stage) -> flo
     transfers)."""
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
     from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
     from ..integrations.sglang.cpu_stage import StepLedger
 
@@ -281,20 +262,20 @@ def _hooks_alone(trace: list[tuple[str, array]], dep: Any, stage: _Stage) -> flo
         return time.perf_counter() - t
 
     bare = min(acks() for _ in range(3))
-    with _hooked_controller(ctl, dep):
+    with _hooked(ctl, type(ctl), _submit_hooks(dep)):
         wrapped = min(acks() for _ in range(3))
-    plain_ledger, hooked_ledger = StepLedger(stage.ctl), StepLedger(stage.ctl)
-    _hook_steps(hooked_ledger, dep)
+    ledger = StepLedger(stage.ctl)
 
-    def steps(ledger: Any) -> float:
+    def steps() -> float:
         dep.agreement.drain()  # what the rank's push takes every second
         t = time.perf_counter()
         for _ in trace:
             ledger.step()
         return time.perf_counter() - t
 
-    bare_steps = min(steps(plain_ledger) for _ in range(3))
-    wrapped_steps = min(steps(hooked_ledger) for _ in range(3))
+    bare_steps = min(steps() for _ in range(3))
+    with _hooked(ledger, UnifiedRadixCache, _step_hooks(dep)):
+        wrapped_steps = min(steps() for _ in range(3))
     return match_s + max(0.0, wrapped - bare) + max(0.0, wrapped_steps - bare_steps)
 
 
@@ -307,18 +288,11 @@ def _arms(trace: list[tuple[str, array]], stage: _Stage, dep: Any, rounds: int) 
     hooked_match = _wrap_fn(plain_match, dep.after_match_prefix, HookType.AFTER)
 
     def hooked_round() -> float:
-        from ..integrations.sglang.cpu_stage import StepLedger
-
         dep.forget_requests()  # every round's requests are new to the hook
         dep.agreement.drain()
-        plain_ledger = stage.ledger
-        stage.ledger = StepLedger(stage.ctl)
-        _hook_steps(stage.ledger, dep)
-        try:
-            with _hooked_controller(stage.ctl, dep):
-                return _round(trace, hooked_match, stage)
-        finally:
-            stage.ledger = plain_ledger
+        with _hooked(stage.ledger, UnifiedRadixCache, _step_hooks(dep)), \
+                _hooked(stage.ctl, type(stage.ctl), _submit_hooks(dep)):
+            return _round(trace, hooked_match, stage)
 
     _round(trace, plain_match, stage)  # warm-up, both arms
     hooked_round()

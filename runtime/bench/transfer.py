@@ -78,10 +78,6 @@ class Case:
     kinds: tuple[str, ...] | None  # None = every pool kind of the stage
     pages: int
 
-    @property
-    def spec(self) -> ModelSpec:
-        return self.plan.spec
-
     def stage_plan(self, pages: int, host_pages: int | None = None) -> StagePlan:
         """The case's stage sized to ``pages`` device pages (and as many host pages, or ``host_pages``)."""
         sized = self.plan.resized(Sizing.runtime(pages, host_pages=host_pages or pages)).stage(self.stage)
@@ -112,26 +108,15 @@ def launch_shape(chunk_bytes: int | None, programs_per_sm: int | None, num_warps
     return LaunchShape(**{k: v for k, v in given.items() if v is not None})
 
 
-_log = logging.getLogger(__name__)
+#: Progress of the bench, on stderr (the CLI shows the bench's INFO lines).
+log = logging.getLogger(__name__)
 
 
-def log(msg: str) -> None:
-    """Progress of the bench, on stderr (the CLI shows the bench's INFO lines)."""
-    _log.info("[bench transfer] %s", msg)
-
-
-# -- the clock: The clock of ``bench transfer``: wall time from a call until the device is idle again, the
-#
-# same for every technique, sampled in interleaved rounds.
-#
-# Why interleaved: a GPU host is shared (other GPUs' copies, other processes' memory traffic),
-# and its PCIe and memory rates drift by a few percent over seconds.  Timed one technique after
-# the other, a slow spell falls on whichever technique was being timed, and at 256 MiB the
-# techniques differ by less than that.  In rounds (every technique once per round) a slow spell
-# falls on all of them alike.  The order within a round is shuffled (seeded): a fixed or rotated
-# cycle keeps who-follows-whom fixed, and on a CPU the technique that runs right after another one
-# moving the same pages finds them in cache (a rotated 3-cycle timed the per-page loop right after
-# stagecache two rounds in three).
+# -- the clock: wall time from a call until the device is idle again, sampled in interleaved rounds.
+# A shared host's PCIe and memory rates drift by a few percent over seconds, more than the techniques
+# differ at 256 MiB: in rounds (every technique once per round) a slow spell falls on all alike.  The
+# order within a round is shuffled (seeded): in a fixed cycle, on a CPU, the technique that follows
+# another one moving the same pages finds them in cache.
 
 @dataclass(frozen=True)
 class Sampling:
@@ -215,11 +200,7 @@ def case_slack(pages: int) -> int:
     return max(8, pages // 4)
 
 
-def _page_bytes(case: Any, page_size: int) -> int:
-    return case.stage_plan(1).token_page_bytes
-
-
-def check_cases_ram(cases: Sequence[Any], page_size: int, device_in_ram: bool) -> None:
+def check_cases_ram(cases: Sequence[Case], device_in_ram: bool) -> None:
     """ConfigError (one line, a flag and a value that fits) when a case cannot fit in RAM."""
     mem = read_meminfo()
     if mem is None or not cases:
@@ -227,8 +208,8 @@ def check_cases_ram(cases: Sequence[Any], page_size: int, device_in_ram: bool) -
     budget = ram_budget(mem)
     copies = 2 if device_in_ram else 1  # the host side, and the device side when it is in RAM
 
-    def need(case: Any, pages: int) -> int:  # pools of pages + slack, ceiling buffers of pages
-        return (2 * pages + case_slack(pages)) * _page_bytes(case, page_size) * copies
+    def need(case: Case, pages: int) -> int:  # pools of pages + slack, ceiling buffers of pages
+        return (2 * pages + case_slack(pages)) * case.stage_plan(1).token_page_bytes * copies
 
     for case in sorted(cases, key=lambda c: -c.pages):
         n = need(case, case.pages)
@@ -238,8 +219,7 @@ def check_cases_ram(cases: Sequence[Any], page_size: int, device_in_ram: bool) -
         if case.kinds is None:
             hint = f"lower --mix-pages to {fit}" if fit else "no page count fits"
         else:
-            per_page = _page_bytes(case, page_size)
-            mib = (fit or 0) * per_page / MIB
+            mib = (fit or 0) * case.stage_plan(1).token_page_bytes / MIB
             hint = f"lower --kind-mib to {mib:.1f}" if fit else "no size fits"
         raise ConfigError(f"bench transfer case {case.name}: {case.pages} pages need {fmt_bytes(n)} of "
                           f"RAM, only {fmt_bytes(budget)} available ({fmt_bytes(mem.available)} less "
@@ -458,19 +438,20 @@ def run_bench(cases: list[Case], s: Settings, model: str) -> dict[str, Any]:
     """Every case, with progress on stderr; the report (JSON-ready)."""
     import torch
 
-    check_cases_ram(cases, s.page_size, not s.device.startswith("cuda"))
+    check_cases_ram(cases, not s.device.startswith("cuda"))
     report = environment(s.device) | {"bench": "transfer", "model": model, "page_size": s.page_size,
                                       "layout": s.layout, "engine": s.shape.__dict__,
                                       "native": native.module() is not None, "rows": []}
     t0 = time.perf_counter()
     for i, case in enumerate(cases, 1):
-        log(f"{i}/{len(cases)} {case.name} ({case.pages} pages) ... [{time.perf_counter() - t0:.0f} s]")
+        log.info("[bench transfer] %d/%d %s (%d pages) ... [%.0f s]", i, len(cases), case.name, case.pages,
+                 time.perf_counter() - t0)
         rows, notes = run_case(case, s)
         report["rows"] += rows
         report["techniques"] = report.get("techniques", {}) | notes
         for r in rows:
-            log(f"  {r['direction']} ms " + " ".join(f"{k}={v}" for k, v in r["ms"].items())
-                + f"  vs best peer {r['stagecache_vs_best_peer']}  issue {r['issue_us']} us")
+            log.info("[bench transfer]   %s ms %s  vs best peer %s  issue %s us", r["direction"],
+                     " ".join(f"{k}={v}" for k, v in r["ms"].items()), r["stagecache_vs_best_peer"], r["issue_us"])
         if s.device.startswith("cuda"):
             torch.cuda.empty_cache()
             torch._C._host_emptyCache()

@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ..memory.host_pools import HostPools
 from ..memory.pools import StagePools
 from ..model.spec import ModelSpec
@@ -54,16 +56,11 @@ def _pools(spec: ModelSpec, s: SplitSettings) -> tuple[StagePools, HostPools]:
     return dp, hp
 
 
-def _sync(cuda: bool) -> None:
-    if cuda:
-        import torch
-
-        torch.cuda.synchronize()
-
-
-def _us(r: TransferResult) -> dict[str, float]:
-    assert r.seconds is not None
-    return {"queue_us": round(r.queue_seconds * 1e6, 2), "dma_us": round(r.seconds * 1e6, 2)}
+def _us(results: list[TransferResult]) -> dict[str, float]:
+    """Median queue wait and DMA time of ``results``, µs."""
+    assert all(r.seconds is not None for r in results)
+    return {"queue_us": statistics.median(round(r.queue_seconds * 1e6, 2) for r in results),
+            "dma_us": statistics.median(round(r.seconds * 1e6, 2) for r in results)}
 
 
 def _behind(c: TransferController, cuda: bool, big: list[int], small: list[int]) -> tuple[Any, Any]:
@@ -109,16 +106,10 @@ def split(spec: ModelSpec, s: SplitSettings) -> dict[str, Any]:
     live = stats.live()
     split = live.transfer_split
     kinds_sum = {d: sum(k.bytes for k in getattr(split, d).values()) for d in DIRECTIONS}
-    med = statistics.median
     return {
         "path": c.path, "pool_kinds": [k for k, _ in c.selection().kinds],
         "small_bytes": c.selection().nbytes(1), "big_bytes": c.selection().nbytes(s.big_pages),
-        "alone": {"queue_us": med(_us(r)["queue_us"] for r in alone),
-                  "dma_us": med(_us(r)["dma_us"] for r in alone)},
-        "long_backup": {"queue_us": med(_us(a)["queue_us"] for a, _ in pairs),
-                        "dma_us": med(_us(a)["dma_us"] for a, _ in pairs)},
-        "behind": {"queue_us": med(_us(b)["queue_us"] for _, b in pairs),
-                   "dma_us": med(_us(b)["dma_us"] for _, b in pairs)},
+        "alone": _us(alone), "long_backup": _us([a for a, _ in pairs]), "behind": _us([b for _, b in pairs]),
         "bytes": live.transfer_bytes.model_dump(),
         "kind_bytes_sum": kinds_sum,
         "kinds": {d: {k: {f: round(getattr(v, f), 6) for f in ("bytes", "moves", "queue_seconds", "dma_seconds")}
@@ -163,8 +154,6 @@ def _record_cost(kinds: tuple[tuple[str, int], ...], calls: int) -> dict[str, fl
 
 def _clock_cost(dp: StagePools, calls: int) -> float:
     """µs of one ``host_time`` conversion of a finished start event (the CUDA-only addition)."""
-    import torch
-
     from ..transfer.clock import EventClock, host_time
 
     clock = EventClock(dp.device)
@@ -202,7 +191,8 @@ def accounting(spec: ModelSpec, s: SplitSettings) -> dict[str, Any]:
     a, b = _alternate(block(with_stats), block(bare), s.calls)
     with_stats.synchronize()
     bare.synchronize()
-    _sync(cuda)
+    if cuda:
+        torch.cuda.synchronize()
     out["call_with_stats_us"] = round(a / 2, 2)
     out["call_without_stats_us"] = round(b / 2, 2)
     out["stats_ratio"] = round(a / b, 4) if b else None
@@ -210,8 +200,6 @@ def accounting(spec: ModelSpec, s: SplitSettings) -> dict[str, Any]:
 
 
 def run_bench(spec: ModelSpec, s: SplitSettings) -> dict[str, Any]:
-    import torch
-
     return {
         "bench": "transfer-split", "model": spec.name, "device": s.device,
         "gpu": torch.cuda.get_device_name() if s.device.startswith("cuda") else None,

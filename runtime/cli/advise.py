@@ -307,7 +307,7 @@ def print_policies(console: Any, pol: dict[str, Any]) -> None:
         for row in tier["sizes"]:
             b = row["belady_hit_rate"]
             table.add_row(row["mark"], f"{row['pages']:,}", _pct(b) if b is not None else "-",
-                          *(_pct(row["hit_rate"][p["label"]]) for p in _labelled(pol)),
+                          *(_pct(row["hit_rate"][p["label"]]) for p in pol["policies"]),
                           row["best"].split(" ")[0])
         console.print(table)
         table = Table(title=f"eviction policies, {what}: pages each needs for a share of the ceiling")
@@ -316,7 +316,7 @@ def print_policies(console: Any, pol: dict[str, Any]) -> None:
         for row in tier["targets"]:
             table.add_row(f"{100 * row['share']:g}%",
                           *(f"{row['pages'][p['label']]:,}" if row["pages"][p["label"]] is not None
-                            else "beyond" for p in _labelled(pol)),
+                            else "beyond" for p in pol["policies"]),
                           (row["best"] or "-").split(" ")[0],
                           f"{row['pages_saved_vs_lru']:,}" if row["pages_saved_vs_lru"] is not None else "-",
                           row["flags"] or "-")
@@ -341,7 +341,3 @@ def print_policies(console: Any, pol: dict[str, Any]) -> None:
     for note in pol["notes"]:
         console.print(f"note: {note}")
 
-
-def _labelled(pol: dict[str, Any]) -> list[dict[str, Any]]:
-    """The policies, each with ``label`` (what its rates are keyed by)."""
-    return list(pol["policies"])

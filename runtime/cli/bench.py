@@ -15,6 +15,7 @@ from .. import defaults
 from ..bench import check as bench_check
 from ..bench import hicache as bench_hicache
 from ..bench import insight_overhead
+from ..errors import ConfigError
 from ..model.families.deepseek_v4 import HOST_CACHED
 from . import bench_http, bench_sglang, bench_trace
 from .common import (
@@ -124,7 +125,6 @@ def _run_transfer(args: argparse.Namespace) -> int:
     import torch  # here, not at import: every command's --help and flag errors stay torch-free
 
     from ..bench import transfer as bench_transfer
-    from ..errors import ConfigError
     from ..model.families import load_spec
 
     device = bench_device(args.device)
@@ -160,7 +160,6 @@ def _run_transfer(args: argparse.Namespace) -> int:
 def _render_transfer(args: argparse.Namespace) -> int:
     from ..bench import transfer_report
     from ..bounded_io import read_bounded_text
-    from ..errors import ConfigError
 
     text = read_bounded_text(args.render, 16 << 20, f"--render {args.render}", "a bench transfer report")
     try:
@@ -202,7 +201,6 @@ def _register_transfer_split(sub: argparse._SubParsersAction) -> None:
 def _run_transfer_split(args: argparse.Namespace) -> int:
 
     from ..bench import transfer_split
-    from ..errors import ConfigError
     from ..model.families import load_spec
 
     device = bench_device(args.device)
@@ -282,7 +280,6 @@ def _register_l3(sub: argparse._SubParsersAction) -> None:
 
 def _run_l3(args: argparse.Namespace) -> int:
     from ..bench import l3 as bench_l3
-    from ..errors import ConfigError
     from ..storage.base import StoreUnavailable
     from ..storage.mooncake import MOONCAKE_EXTRA, _import_store
 
@@ -309,8 +306,8 @@ def _run_l3(args: argparse.Namespace) -> int:
 
 def _run_hicache(args: argparse.Namespace) -> int:
     from ..bench import hicache_report
-    from ..errors import ConfigError
 
+    bench_device(args.device)
     if args.verify and args.metadata_only:
         raise ConfigError("--verify checks page bytes; --metadata-only has none: use one of them")
     args.l3_options = l3_options(args)

@@ -5,12 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..bench.sglang_hooks import FAMILIES  # sglang itself loads only when the bench runs
 from ..errors import ConfigError
 from .common import int_range
-
-#: The families ``--family`` takes (runtime/bench/sglang_hooks.py's ``FAMILIES``; listed here so
-#: the parser does not import sglang).
-FAMILIES = ("deepseek_v4", "linear_hybrid", "dsa", "swa_hybrid")
 
 
 def register(sub: argparse._SubParsersAction) -> None:

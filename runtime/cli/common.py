@@ -266,10 +266,3 @@ def plan_from_args(args: argparse.Namespace, sizing: Sizing | None = None,
                         args.page_size if page_size is None else page_size, args.fault, sizing,
                         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
 
-
-__all__ = [
-    "ConfigError", "add_layout_args", "add_layout_command", "add_trace_args", "bench_device", "device_name", "fault_spec",
-    "float_range", "int_range", "output_file", "shown",
-    "nonneg_float", "nonneg_int", "nonneg_seconds", "output_console", "plan_from_args", "port_number",
-    "positive_float", "positive_int", "seconds",
-]

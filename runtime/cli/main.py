@@ -19,9 +19,9 @@ import logging
 import os
 import sys
 
+from .. import __version__
 from ..errors import ConfigError, StageMappingInvalid
 
-EXIT_OK = 0
 EXIT_MAPPING = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERNAL = 3
@@ -60,17 +60,11 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="stagecache", description=DESCRIPTION, epilog=EPILOG)
-    parser.add_argument("--version", action="version", version=_version())
+    parser.add_argument("--version", action="version", version=f"stagecache {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
     return parser
-
-
-def _version() -> str:
-    from .. import __version__
-
-    return f"stagecache {__version__}"
 
 
 def _quiet_stdout() -> None:

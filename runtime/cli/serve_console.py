@@ -21,7 +21,6 @@ class Console:
     def __init__(self, json_mode: bool):
         from .common import output_console
 
-        self.json_mode = json_mode
         self.rich = output_console(file=sys.stderr if json_mode else sys.stdout, highlight=False)
 
     def print(self, *args: Any, **kw: Any) -> None:
@@ -68,9 +67,8 @@ class Progress:
         hit = (tok.device + tok.host + tok.storage) / tok.looked_up if tok.looked_up else 0.0
         info = f"hit {hit:.0%}  host-hit {last.host_hit_ratio:.0%}"
         self.bar.update(self.task, total=total, completed=last.requests, info=info)
-        if not self.console.rich.is_terminal:
-            return
-        self.bar.refresh()
+        if self.console.rich.is_terminal:
+            self.bar.refresh()
 
 
 def print_startup(console: Console, report: StartupReport) -> None:

@@ -1,21 +1,11 @@
 """stagecache for a live sglang pool of any family it models: inspect, validate, export.
 
-sglang builds one KV pool per PP rank (``DeepSeekV4TokenToKVPool``, ``HybridLinearKVPool`` with a
-Mamba state pool, ``DSATokenToKVPool``, ``SWAKVPool``, an MLA / MHA pool) and hands it to the
-HiCache assembler (``build_deepseek_v4_hicache_stack``, or the strategy ``build`` of the other
-families).  The PP + HiCache bug stagecache exists for lived exactly between those two: the
-pool and the host stack disagreed about how many layers a stage owns.
-
-* ``reader`` reads a real pool into stagecache's ``StageLayerMap`` +
-  ``PoolInventory`` and validates it like ``stagecache check``
-  (``inspect_pool``/``inspect_pools``, ``read_pool``, ``partition_findings``; any other family's
-  pool: ``read_family_pool``, the same record);
-* ``deployment`` makes a served PP deployment one instrument: the ``sglang_plugin``
-  entry point registers hooks with sglang's ``HookRegistry`` (the one way stagecache hooks
-  sglang); the ranks exchange their stage records (``record_exchange``) and validate the
-  whole deployment, rank 0 serves the one endpoint the others push to (``push``), and
-  sglang's own prefix matches and transfer acks give the per-stage numbers
-  (``rank_source.SglangSource``).
+sglang builds one KV pool per PP rank and hands it to the HiCache assembler; the PP + HiCache bug
+stagecache exists for lived exactly between those two: the pool and the host stack disagreed
+about how many layers a stage owns.  ``reader`` reads a real pool into stagecache's types and
+validates it like ``stagecache check``; ``deployment`` makes a served PP deployment one
+instrument (the ``sglang_plugin`` entry point: hooks, record exchange, one endpoint, sglang's
+own numbers).
 
 Tested against sglang 0.5.22 and 0.5.23 (``SGLANG_TESTED_VERSIONS``; ``pip install '.[sglang]'``
 in a checkout); see docs/sglang.md.

@@ -3,25 +3,13 @@
 The hooks (registered with sglang's ``HookRegistry`` by ``deployment.Deployment``) run on sglang's
 scheduler thread, so each one appends a few integers to a bounded list under a lock and returns;
 the records leave with the rank's next push (``Pusher``'s ``extra``) -- rank 0 takes its own
-directly -- and rank 0 compares them (``live.divergence``).  What is recorded, and where sglang
-0.5.23 keeps it:
+directly -- and rank 0 compares them (``live.divergence``).  docs/sglang.md ("PP agreement, live")
+lists what is recorded and where sglang keeps it.  A step is recorded even when sglang raises in
+it (a rank told to consume an ack it never queued), and then pushed at once, before the process goes.
 
-* ``UnifiedRadixCache.match_prefix`` (the deployment's AFTER hook calls ``request``): a request's
-  first match, ``MatchResult.device_prefix_len`` and ``.host_hit_length``;
-* ``UnifiedRadixCache.check_hicache_events`` (AROUND): one scheduler step.  At its start the acks
-  queued and not yet consumed (``cache_controller.ack_write_queue`` / ``ack_load_queue``: what the
-  rank's own decisions submitted); inside it ``writing_check`` / ``loading_check`` (AROUND) pop the
-  count ``_sync_hicache_ready_counts`` agreed (PP rank 0's, handed down by ``_pp_sync``, #27285):
-  the acks the step consumed.  The step is recorded even when sglang raises in it (a rank told to
-  consume an ack it never queued), and then pushed at once, before the process goes;
-* ``HiCacheController._sync_prefetch_hit_query`` (AROUND, on sglang's prefetch thread): the L3 hit
-  length this rank's own store has for the request -- the argument of sglang's MIN all-reduce
-  (#27010), which otherwise hides a rank whose L3 holds less.
-
-Complete transfers (sglang #38031): ``check_ack`` compares each backup / load ack the deployment's
-``start_writing`` / ``start_loading`` hooks see with the stage's ``TransferPlan``: every pool kind
-that moves with a full-KV page on this stage must be in the ack, and its bytes must be the tokens
-moved times each kind's bytes per token.
+Complete transfers (sglang #38031): ``check_ack`` compares each backup / load ack with the stage's
+``TransferPlan``: every pool kind that moves with a full-KV page on this stage must be in the ack,
+with the tokens moved times its bytes per token.
 """
 
 from __future__ import annotations
@@ -183,13 +171,13 @@ class RankAgreement:
                 op.pool_transfers = [t for t in transfers if getattr(t.name, "value", t.name) not in skip] or None
 
     # -- recording (scheduler thread, prefetch thread) ----------------------------------------
-    def _put(self, kind: str, row: Any) -> None:
-        """Append ``row`` to the list of ``kind``, looked up under the lock: ``drain`` swaps the
-        lists, and a row appended to the list it just handed out would be lost (a request's or a
-        step's record missing on rank 0: 999 of 1,000 compared)."""
+    def _put(self, kind: str, row: Any, limit: int = MAX_BATCH) -> None:
+        """Append ``row`` to the list of ``kind`` (at most ``limit`` rows), looked up under the lock:
+        ``drain`` swaps the lists, and a row appended to the list it just handed out would be lost
+        (a request's or a step's record missing on rank 0: 999 of 1,000 compared)."""
         with self._lock:
             rows = self.__dict__[kind]
-            if len(rows) < MAX_BATCH:
+            if len(rows) < limit:
                 rows.append(row)
             else:
                 self._dropped += 1
@@ -260,11 +248,7 @@ class RankAgreement:
                                    page=_first_page(first_op, plan.page_size),
                                    pages=-(-tokens // max(1, plan.page_size)), missing=missing,
                                    expected_bytes=expected, got_bytes=int(ack.num_bytes))
-        with self._lock:
-            if len(self._backups) < RECENT:
-                self._backups.append(finding)
-            else:
-                self._dropped += 1
+        self._put("_backups", finding, RECENT)
 
     # -- leaving the rank ---------------------------------------------------------------------
     def drain(self) -> RankBatch:

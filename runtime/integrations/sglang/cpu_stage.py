@@ -1,22 +1,13 @@
-"""One PP rank of sglang 0.5.23's own DeepSeek-V4 KV cache on a CPU machine.
+"""One PP rank of sglang 0.5.23's own KV cache (DeepSeek V4, or any other family) on a CPU machine.
 
 sglang sizes and builds a rank's pools in ``ModelRunner`` and its HiCache stack in
-``Scheduler.__init__``.  This module runs those same steps on CPU, with sglang's own
-objects, so the benchmark (``bench sglang-hooks``) and the tests can drive sglang's real
-match / insert / backup / load paths without a GPU:
-
-* ``published`` resolves and publishes a ``ServerArgs`` for a folder holding a real
-  ``config.json`` (sglang reads it through its ``RuntimeContext``);
-* ``build_stage`` sizes one rank with ``KVCacheConfigurator`` / ``DSV4PoolConfigurator``
-  and builds its pools with ``_init_pools``;
-* ``on_cpu`` swaps in CPU versions of the CUDA-only pieces HiCache calls: pinning host
-  pages (``cudaHostRegister``) and ``sgl_kernel``'s direct copy ops (``transfer_kv_direct``, and
-  the page-first ones a Mamba hybrid's host pools use), in every host pool module.  With
-  ``hicache_io_backend="direct"`` sglang's ``HybridCacheController``, host pools and
-  ``L2TransferEngine`` then move real bytes between real tensors;
-* ``AckLedger`` consumes the controller's acks with sglang's own
-  ``UnifiedRadixCache.writing_check`` / ``loading_check``, which feed sglang's
-  ``hicache_backup_bytes_total`` / ``load_back_bytes_total`` counters.
+``Scheduler.__init__``.  This module runs those same steps on CPU, with sglang's own objects
+(``published``, ``build_stage``, ``build_family_pools``), so the benchmark (``bench sglang-hooks``)
+and the tests can drive sglang's real match / insert / backup / load paths without a GPU:
+``on_cpu`` swaps in CPU versions of the CUDA-only pieces HiCache calls (pinning host pages,
+``sgl_kernel``'s direct copy ops), so that with ``hicache_io_backend="direct"`` sglang's controller
+and host pools move real bytes between real tensors, and ``AckLedger`` consumes the acks with
+sglang's own ``writing_check`` / ``loading_check`` (which feed sglang's counters).
 
 ``device="meta"`` gives real shapes and ``nbytes`` without allocating (full-size pools in
 milliseconds); ``device="cpu"`` allocates, for transfers.
@@ -29,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -175,22 +167,16 @@ def transfer_kv_per_layer_direct_pf_lf(src_ptrs: list[torch.Tensor], dst_ptrs: l
         dst.index_copy_(0, dst_indices.to(dst.device), src[pages, layer_id, offsets].to(dst.device))
 
 
+_DIRECT = {"transfer_kv_direct": transfer_kv_direct}
+#: the ops of host pools that also copy page-first (MHA and Mamba: a Mamba hybrid's layout)
+_PAGE_FIRST = {**_DIRECT, "transfer_kv_all_layer_direct_lf_pf": transfer_kv_all_layer_direct_lf_pf,
+               "transfer_kv_per_layer_direct_pf_lf": transfer_kv_per_layer_direct_pf_lf}
 #: The host pool modules that bind sglang's copy ops at import (CUDA builds only), and the
 #: CPU stand-ins ``on_cpu`` gives each: DeepSeek V4's pools, MHA / MLA pools and DSA's indexer (SWA hybrids, DSA,
 #: dense models, a Mamba hybrid's attention) and the Mamba state pool.
-COPY_OPS = {
-    "sglang.srt.mem_cache.memory_pool_host": {"transfer_kv_direct": transfer_kv_direct},
-    "sglang.srt.mem_cache.pool_host.mha": {
-        "transfer_kv_direct": transfer_kv_direct,
-        "transfer_kv_all_layer_direct_lf_pf": transfer_kv_all_layer_direct_lf_pf,
-        "transfer_kv_per_layer_direct_pf_lf": transfer_kv_per_layer_direct_pf_lf},
-    "sglang.srt.mem_cache.pool_host.mla": {"transfer_kv_direct": transfer_kv_direct},
-    "sglang.srt.mem_cache.pool_host.dsa": {"transfer_kv_direct": transfer_kv_direct},
-    "sglang.srt.mem_cache.pool_host.mamba": {
-        "transfer_kv_direct": transfer_kv_direct,
-        "transfer_kv_all_layer_direct_lf_pf": transfer_kv_all_layer_direct_lf_pf,
-        "transfer_kv_per_layer_direct_pf_lf": transfer_kv_per_layer_direct_pf_lf},
-}
+COPY_OPS = {f"sglang.srt.mem_cache.{module}": ops for module, ops in (
+    ("memory_pool_host", _DIRECT), ("pool_host.mha", _PAGE_FIRST), ("pool_host.mla", _DIRECT),
+    ("pool_host.dsa", _DIRECT), ("pool_host.mamba", _PAGE_FIRST))}
 
 
 @contextlib.contextmanager
@@ -243,16 +229,9 @@ class AckLedger:
         self.ongoing_load_back: dict[int, tuple[None, None, None]] = {}
         self.tree_core = self
 
-    def _finish_write_through_ack(self, ack_id: int) -> None:
-        return None
-
-    def finish_load_back(self, node: Any) -> None:
-        return None
-
-    def dec_lock_ref(self, node: Any, params: Any = None) -> None:
-        return None
-
-    dec_host_lock_ref = dec_lock_ref
+    # the tree's lock bookkeeping sglang calls per ack: no tree node owns these transfers
+    _finish_write_through_ack = finish_load_back = dec_lock_ref = dec_host_lock_ref = staticmethod(
+        lambda *a, **k: None)
 
     def drain(self) -> None:
         """Every queued ack through sglang's own completion checks (counters included)."""
@@ -390,18 +369,12 @@ def sliding_window(mc: ModelConfig) -> int | None:
         resolve_sliding_window_size,
     )
 
-    class _Model:
-        def __init__(self, window: int | None):
-            self.window = window
-
-        def get_attention_sliding_window_size(self) -> int | None:
-            return self.window
-
     arch = mc.hf_config.architectures[0]
     if arch.startswith(("GptOss", "Gemma4")):
         from sglang.srt.models.gpt_oss import get_attention_sliding_window_size
 
-        return resolve_sliding_window_size(_Model(get_attention_sliding_window_size(mc.hf_text_config)), mc)
+        window = get_attention_sliding_window_size(mc.hf_text_config)
+        return resolve_sliding_window_size(SimpleNamespace(get_attention_sliding_window_size=lambda: window), mc)
     return resolve_sliding_window_size(object(), mc)
 
 

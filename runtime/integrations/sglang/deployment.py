@@ -2,44 +2,28 @@
 
 sglang loads plugins first thing in each scheduler process, before its distributed state
 exists, so nothing can be exchanged then.  ``Deployment.register()`` instead registers hooks
-with sglang's ``HookRegistry`` (applied by ``load_plugins`` right after) -- the one way
-stagecache hooks sglang -- on calls every PP rank reaches in ``Scheduler.__init__`` in the
-same order:
-
-* ``KVCacheConfigurator._apply_token_constraints`` (AROUND): its argument is the token
-  capacity this stage's budget fits alone, its result the deployment's (sglang's MIN over
-  the ranks) -- the capacity ledger;
-* ``build_deepseek_v4_hicache_stack`` (AROUND) for DeepSeek V4, the HiCache assembler's strategy
-  ``build`` (AROUND: ``_MambaStrategy``, ``_SwaStrategy``, ``_DsaStrategy``, ``_PlainKvStrategy``)
-  for every other family, or ``KVCacheConfigurator._init_pools`` when HiCache is off: the rank
-  reads its live pool once into a ``StageRecord`` (``reader``), the
-  ranks exchange records over ``get_pp_group().cpu_group`` (``record_exchange.py``), and every
-  rank validates the whole deployment (``validation.deployment``).  Strict: every rank raises
-  the same ``StageMappingInvalid``; otherwise the errors are published and sglang goes on.
-  Then rank 0 serves the one dashboard (every stage, ``/readyz``, ``/metrics`` with
-  ``pp_rank``) and the other ranks push their numbers to it (``push.py``).  With
-  ``STAGECACHE_SGLANG_PER_RANK=1`` each rank is a deployment of size 1: it validates its own
-  stage, exchanges nothing and serves its own endpoint on ``PORT + pp_rank``;
-* ``UnifiedRadixCache.match_prefix`` (AFTER): device-hit, host-hit and miss tokens of each
-  request's first match; ``HiCacheController.start_writing``/``start_loading`` (AROUND; sglang's
-  ``HybridCacheController`` inherits them): backup and load bytes and seconds from their acks,
-  each ack checked against the stage's transfer plan (``agreement.TransferPlan``);
-* ``UnifiedRadixCache.check_hicache_events`` / ``writing_check`` / ``loading_check`` and
-  ``HiCacheController._sync_prefetch_hit_query`` (AROUND): the per-step ack counts and the L3
-  lengths every rank reports for rank 0 to compare (``agreement.py``, ``live.divergence``).
+(``HOOKS``) with sglang's ``HookRegistry`` -- the one way stagecache hooks sglang -- on calls
+every PP rank reaches in ``Scheduler.__init__`` in the same order: the token capacity (the
+capacity ledger), then the stack build (or the pool build without HiCache), where each rank reads
+its live pool into a ``StageRecord`` (``reader``), the ranks exchange records
+(``record_exchange``) and every rank validates the whole deployment; rank 0 then serves the one
+endpoint the others push to (``push``).  At run time the prefix match, the transfer submissions
+and the per-step ack checks feed the stage's numbers (``rank_source``) and the records rank 0
+compares (``agreement``, ``live.divergence``).  docs/sglang.md describes each hook.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import os
 import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ...defaults import (
     HOST,
@@ -70,36 +54,46 @@ from .record_exchange import exchange_records
 
 log = logging.getLogger(__name__)
 
-#: sglang functions the deployment hooks (``HookRegistry`` targets).
-TARGETS = {
-    "capacity": "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._apply_token_constraints",
-    "pools": "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._init_pools",
-    "stack": "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler.build_deepseek_v4_hicache_stack",
+_KVC = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator."
+_HPA = "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler."
+_URC = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache."
+_HCC = "sglang.srt.managers.cache_controller.HiCacheController."
+_STRATEGY = ("self", "cache", "kvcache", "params")
+_PREFETCH = ("self", "operation", "storage_hit_count")
+
+
+class Hook(NamedTuple):
+    """One sglang function the deployment hooks (a ``HookRegistry`` target)."""
+
+    target: str
+    method: str  # the deployment's hook for it, a dotted attribute path
+    params: tuple[str, ...] = ("self",)  # the leading parameters it relies on (tested releases)
+    after: bool = False  # HookType.AFTER, else AROUND
+
+
+#: sglang functions the deployment hooks, by name.
+HOOKS = {
+    "capacity": Hook(_KVC + "_apply_token_constraints", "around_token_constraints", ("self", "token_capacity")),
+    "pools": Hook(_KVC + "_init_pools", "around_init_pools"),
+    "stack": Hook(_HPA + "build_deepseek_v4_hicache_stack", "around_stack_build", ("params", "kvcache")),
     # every other family's HiCache stack: its assembler strategy's build (kvcache=, params=)
-    "stack_mamba": "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler._MambaStrategy.build",
-    "stack_swa": "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler._SwaStrategy.build",
-    "stack_dsa": "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler._DsaStrategy.build",
-    "stack_kv": "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler._PlainKvStrategy.build",
-    "match": "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.match_prefix",
-    "write": "sglang.srt.managers.cache_controller.HiCacheController.start_writing",
-    "load": "sglang.srt.managers.cache_controller.HiCacheController.start_loading",
-    "step": "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.check_hicache_events",
-    "write_check": "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.writing_check",
-    "load_check": "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.loading_check",
-    "prefetch": "sglang.srt.managers.cache_controller.HiCacheController._sync_prefetch_hit_query",
+    "stack_mamba": Hook(_HPA + "_MambaStrategy.build", "around_strategy_build", _STRATEGY),
+    "stack_swa": Hook(_HPA + "_SwaStrategy.build", "around_strategy_build", _STRATEGY),
+    "stack_dsa": Hook(_HPA + "_DsaStrategy.build", "around_strategy_build", _STRATEGY),
+    "stack_kv": Hook(_HPA + "_PlainKvStrategy.build", "around_strategy_build", _STRATEGY),
+    "match": Hook(_URC + "match_prefix", "after_match_prefix", ("self", "params"), after=True),
+    "write": Hook(_HCC + "start_writing", "around_start_writing"),
+    "load": Hook(_HCC + "start_loading", "around_start_loading"),
+    "step": Hook(_URC + "check_hicache_events", "agreement.around_check_hicache_events"),
+    "write_check": Hook(_URC + "writing_check", "agreement.around_writing_check"),
+    "load_check": Hook(_URC + "loading_check", "agreement.around_loading_check"),
+    "prefetch": Hook(_HCC + "_sync_prefetch_hit_query", "agreement.around_prefetch_hit_query", _PREFETCH),
     # the hybrid controller (DeepSeek V4's) overrides it without calling the base: hooked too
-    "prefetch_hybrid": "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller.HybridCacheController."
-                       "_sync_prefetch_hit_query",
+    "prefetch_hybrid": Hook("sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller.HybridCacheController."
+                            "_sync_prefetch_hit_query", "agreement.around_prefetch_hit_query", _PREFETCH),
 }
-#: The leading parameters each hook relies on, as the tested releases have them.
-TARGET_PARAMS = {
-    "capacity": ("self", "token_capacity"), "pools": ("self",), "stack": ("params", "kvcache"),
-    **dict.fromkeys(("stack_mamba", "stack_swa", "stack_dsa", "stack_kv"), ("self", "cache", "kvcache", "params")),
-    "match": ("self", "params"), "write": ("self",), "load": ("self",),
-    "step": ("self",), "write_check": ("self",), "load_check": ("self",),
-    "prefetch": ("self", "operation", "storage_hit_count"),
-    "prefetch_hybrid": ("self", "operation", "storage_hit_count"),
-}
+#: Each hook's sglang target, by name.
+TARGETS = {name: hook.target for name, hook in HOOKS.items()}
 
 
 def changed_targets() -> list[str]:
@@ -109,7 +103,8 @@ def changed_targets() -> list[str]:
     import pkgutil
 
     changed = []
-    for name, target in TARGETS.items():
+    for hook in HOOKS.values():
+        target = hook.target
         path, attr = target.rsplit(".", 1)
         try:
             fn = getattr(pkgutil.resolve_name(path), attr)
@@ -117,7 +112,7 @@ def changed_targets() -> list[str]:
         except Exception as exc:  # noqa: BLE001 - gone, renamed, not introspectable: all "changed"
             changed.append(f"{target} is missing ({type(exc).__name__})")
             continue
-        want = TARGET_PARAMS[name]
+        want = hook.params
         if params[:len(want)] != want:
             changed.append(f"{target} takes ({', '.join(params)}), expected ({', '.join(want)}, ...)")
     return changed
@@ -202,12 +197,6 @@ def _pp_cpu_group() -> Any:
     from sglang.srt.distributed.parallel_state import get_pp_group
 
     return get_pp_group().cpu_group
-
-
-def _is_dsv4_pool(pool: Any) -> bool:
-    from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
-
-    return isinstance(pool, DeepSeekV4TokenToKVPool)
 
 
 def _host_pages(params: Any, kvcache: Any) -> dict[str, int]:
@@ -330,22 +319,9 @@ class Deployment:
         """Register the hooks with sglang's ``HookRegistry`` (``load_plugins`` applies them)."""
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-        for name, hook, kind in (("capacity", self.around_token_constraints, HookType.AROUND),
-                                 ("pools", self.around_init_pools, HookType.AROUND),
-                                 ("stack", self.around_stack_build, HookType.AROUND),
-                                 ("stack_mamba", self.around_strategy_build, HookType.AROUND),
-                                 ("stack_swa", self.around_strategy_build, HookType.AROUND),
-                                 ("stack_dsa", self.around_strategy_build, HookType.AROUND),
-                                 ("stack_kv", self.around_strategy_build, HookType.AROUND),
-                                 ("match", self.after_match_prefix, HookType.AFTER),
-                                 ("write", self.around_start_writing, HookType.AROUND),
-                                 ("load", self.around_start_loading, HookType.AROUND),
-                                 ("step", self.agreement.around_check_hicache_events, HookType.AROUND),
-                                 ("write_check", self.agreement.around_writing_check, HookType.AROUND),
-                                 ("load_check", self.agreement.around_loading_check, HookType.AROUND),
-                                 ("prefetch", self.agreement.around_prefetch_hit_query, HookType.AROUND),
-                                 ("prefetch_hybrid", self.agreement.around_prefetch_hit_query, HookType.AROUND)):
-            HookRegistry.register(TARGETS[name], hook, kind)
+        for hook in HOOKS.values():
+            HookRegistry.register(hook.target, operator.attrgetter(hook.method)(self),
+                                  HookType.AFTER if hook.after else HookType.AROUND)
         return self
 
     # -- hooks (HookRegistry signatures) -----------------------------------------------------
@@ -512,7 +488,7 @@ class Deployment:
     def _read(self, kvcache: Any, rank: Rank, page_size: int, req_pool: Any, spec: ModelSpec | None) -> PoolView:
         """The rank's live pool, read once: DeepSeek V4's by ``read_pool``, any other family's by
         ``read_family_pool`` (its kinds and ids named by the family module)."""
-        if _is_dsv4_pool(kvcache):
+        if pool_family(kvcache) == "deepseek_v4":
             n = model_num_layers([kvcache], rank.pp_size)
             return read_pool(kvcache, rank.pp_rank, n, self.options.model_name, page_size)
         return read_family_pool(kvcache, rank.pp_rank, rank.pp_size, req_pool=req_pool, spec=spec,

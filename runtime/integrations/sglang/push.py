@@ -5,14 +5,10 @@ Why a push and not a collective: after start-up sglang's event loop owns the PP 
 push needs no group, crosses hosts like any HTTP call, and a rank that stops pushing is
 exactly the signal ``/readyz`` needs.
 
-Every push is ``serve.exchange.seal`` -- JSON with an HMAC-SHA256 under the deployment's
-push secret (32 random bytes rank 0 made and sent in its plan record) -- of
-``{"stage", "seq", "live"}``.  Rank 0 refuses, unread, a body over ``MAX_PUSH_BYTES`` or
-one whose MAC does not verify (403), and a sequence number not above the stage's last
-(409: a replayed push cannot bring a dead rank back).  The push time rank 0 records is
-its own clock, so clock skew between hosts cannot make a silent rank look alive: every time
-the push carries is moved onto rank 0's wall clock by the offset measured at receipt
-(``live.remote.on_receiver_clock``), and silence is measured on rank 0's monotonic clock.
+Every push is ``serve.exchange.seal`` of ``{"stage", "seq", "live"}`` under the deployment's push
+secret; docs/sglang.md lists what rank 0 refuses.  Push times are moved onto rank 0's clock at
+receipt (``live.remote.on_receiver_clock``), so clock skew between hosts cannot make a silent
+rank look alive.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ class SglangSource:
 
     def __init__(self, model_name: str = "sglang", push_timeout_s: float | None = None):
         self.model_name = model_name
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()  # the hooks bump ``counters`` under it
         self._report: StartupReport | None = None
         self._live: dict[int, StageLive] = {}
         self._counters: dict[int, StageCounters] = {}
@@ -139,18 +139,14 @@ class SglangSource:
     # -- feeding ---------------------------------------------------------------------------
     def counters(self, stage: int) -> StageCounters:
         """The stage's counters (created on first use), for a hook to bump under ``lock``."""
-        with self._lock:
+        with self.lock:
             return self._counters.setdefault(stage, StageCounters())
-
-    @property
-    def lock(self) -> threading.Lock:
-        return self._lock
 
     def publish(self, report: StartupReport, lives: dict[int, StageLive], own: int) -> None:
         """The deployment's report (every stage, or this rank's alone) and the stages' start-up
         numbers (layers, pool bytes, capacity, host pages)."""
         phase = Phase.SERVING if report.ok else Phase.REFUSED
-        with self._lock:
+        with self.lock:
             self._report, self._own = report, own
             for stage, live in lives.items():
                 self._live[stage] = live.model_copy(update={"phase": phase})
@@ -158,26 +154,26 @@ class SglangSource:
     def put_remote(self, stage: int, live: StageLive) -> None:
         """Another rank's numbers, pushed to this (rank 0's) endpoint (already on this
         process's clock: ``remote.on_receiver_clock``)."""
-        with self._lock:
+        with self.lock:
             live.model_name = live.model_name or self.model_name
             self._live[stage] = live
         self.arrivals.arrived(stage)
 
     def watch_peers(self, peers: dict[int, tuple[int, int | None]]) -> None:
         """The ranks on this host (stage -> pid, start ticks) whose processes this rank watches."""
-        with self._lock:
+        with self.lock:
             self._peers = dict(peers)
 
     def gone_peers(self) -> dict[int, str]:
         """The watched ranks whose process is gone, and how (reported with this rank's numbers)."""
-        with self._lock:
+        with self.lock:
             peers = dict(self._peers)
         return {k: why for k, (pid, ticks) in peers.items() if (why := gone(pid, ticks)) is not None}
 
     def set_host_used(self, stage: int, used: int, total: int) -> None:
         """Host tokens in use of the full-KV host pool (sglang's ``logical_size - available_size()``;
         ``page_spaces["host"]`` counts tokens here, as sglang's ``hicache_host_used_tokens``)."""
-        with self._lock:
+        with self.lock:
             spaces = self._stage(stage).page_spaces
             if "host" not in spaces:
                 spaces["host"] = PageSpace(tier="host", pools=["full"])
@@ -185,7 +181,7 @@ class SglangSource:
 
     def snapshot(self, stage: int) -> StageLive:
         """A copy of one stage's numbers, stamped now (what a rank pushes)."""
-        with self._lock:
+        with self.lock:
             live = self._folded(stage)
         live.time = live.heartbeat_at = time.time()
         live.pid = os.getpid()
@@ -206,7 +202,7 @@ class SglangSource:
 
     # -- SnapshotSource --------------------------------------------------------------------
     def startup(self) -> StartupReport | None:
-        with self._lock:
+        with self.lock:
             return self._report
 
     def stages(self) -> dict[int, StageLive]:
@@ -214,7 +210,7 @@ class SglangSource:
             self.on_read()
         now = time.time()
         agreement = self.divergence()
-        with self._lock:
+        with self.lock:
             out = {k: self._folded(k) for k in sorted(set(self._live) | set(self._counters))}
         if agreement is not None:
             for k, live in out.items():
@@ -229,7 +225,7 @@ class SglangSource:
 
     def run(self) -> RunInfo | None:
         """The deployment as ``liveness.assess`` reads it: every stage must report (rank 0 only)."""
-        with self._lock:
+        with self.lock:
             report = self._report
             if self._push_timeout_s is None or self._own is None or report is None:
                 return None

@@ -5,16 +5,9 @@ It runs once, at the stack build in ``Scheduler.__init__``, over sglang's own PP
 in the same place and sglang itself does collectives.  Nothing here runs later or from
 another thread: sglang's event loop exchanges objects point to point on that group.
 
-Two steps:
-
-1. ``torch.distributed.monitored_barrier(wait_all_ranks=True)`` with our own timeout
-   (sglang's gloo default is 120 minutes): a rank that never arrives -- crashed, another
-   config that took another path, a stale launch -- is named within seconds instead of the
-   deployment hanging.
-2. ``serve.exchange.all_gather_json``: the records as JSON in uint8 tensors, never
-   pickle, each prefixed with an HMAC under ``RECORD_KEY``.  The key is no secret (the records
-   are integrity-checked JSON of the deployment's own layout, and no code runs from them); the
-   push secret rank 0 sends in its message is used only over the ranks' own PP group.
+A ``monitored_barrier`` with our own timeout first (sglang's gloo default is 120 minutes), so a
+rank that never arrives is named within seconds instead of the deployment hanging; then the
+records as HMAC-prefixed JSON, never pickle (``serve.exchange.all_gather_json``).
 """
 
 from __future__ import annotations
