@@ -133,8 +133,8 @@ def _record_cost(kinds: tuple[tuple[str, int], ...], calls: int) -> dict[str, fl
     """The stats call with the split against without it, and the call-time stamp plus copy lock."""
     stats = TransferStats()
     nb = sum(b for _, b in kinds)
-    new, old = _alternate(lambda: stats.record("h2d", nb, 1e-4, 1, 4, "x", 2e-5, kinds),
-                          lambda: stats.record("h2d", nb, 1e-4, 1, 4, "x"), calls)
+    new, old = _alternate(lambda: stats.record("h2d", nb, 1e-4, 1, 2e-5, kinds),
+                          lambda: stats.record("h2d", nb, 1e-4, 1), calls)
     lock, clock = threading.Lock(), time.perf_counter
 
     def stamped() -> None:

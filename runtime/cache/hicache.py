@@ -1,40 +1,14 @@
 """One stage's hierarchical prefix cache: a device tier, an optional host tier, one radix tree.
 
-Pages are keyed by 64-bit chained page keys (``pages.py``), so the same cache
-replays token traces and Mooncake block traces.  Two ways to hold the tiers:
-
-* **payload** (``HiCache(pools, host_pools, controller)``): the stage's real
-  pools; device<->host copies go through the transfer controller and every
-  reused page can be verified byte for byte (``kv_writer``);
-* **metadata only** (``HiCache.metadata_only(...)``): page-id allocators and the
-  tree, no tensors; every copy is *counted* (``CacheStats.backup_pages`` /
-  ``load_pages``) but not made, so a replay is limited by metadata, not by
-  payload memory.  Both modes run the very same code below, so they make the
-  same decisions (a test replays one trace both ways).
-
-Tier rules (sglang's HiCache): a lookup loads its host run into fresh device
-pages; device eviction takes the policy's lowest device leaf and, without a
-host copy, backs it up first (``write_back``), or drops it when the host
-cannot make room (every host page locked, or no host tier); ``write_through`` copies every
-inserted page at ``finish``; ``write_through_selective`` copies a page once
-``selective_threshold`` lookups used it.  Copies of one call are batched into
-one controller transfer.
-
-With an L3 tier (``storage_tier.StorageTier``): a lookup whose device + host match stops short
-asks L3 for the following pages, reads the leading run it holds into fresh host pages (whole
-pages only: every pool kind's object, checked) and adds them to the tree as host-only nodes, so
-the one load of the host run brings them to the device.  L3 gets a copy of every page the host
-tier gets one of, when it gets it: so writes to L3 follow the host tier's write policy.  A
-stage that must take the same pages as its pipeline's head stage (``begin(..., follow=)``) and
-cannot read some of them has them rewritten by ``refill`` (what a recompute would produce),
-counted as ``fallback_pages``: the stages' decisions never depend on one stage's L3.
-
-Complete transfers (payload mode, given the stage's ``mirror``: ``plan.mirror.mirror_bytes``):
-every backup and load is held against the plan as it is made -- it must move every pool kind the
-stage mirrors, in the plan's bytes per page (``plan.mirror.transfer_gap``).  One that does not is
-kept in ``incomplete`` (the first host page, the kinds it lacked, the bytes) for the stage's live
-numbers; the cache goes on (what the pages then hold is the KV check's to find).  ``backup_pools``
-narrows what backups move: ``--fault backup-without-indexer`` leaves the indexer out that way.
+Pages are keyed by 64-bit chained page keys (``pages.py``), so the same cache replays token
+traces and Mooncake block traces.  The tiers hold real pools (payload: copies go through the
+transfer controller and reused pages can be verified, ``kv_writer``) or only page ids
+(``HiCache.metadata_only``: copies are counted, not made); both modes run the very same code, so
+they make the same decisions.  Tier rules, write policies and the L3 tier follow sglang's
+HiCache (docs/hicache.md).  A follower stage that cannot read some L3 pages the head stage took
+rewrites them (``refill``), so the stages' decisions never depend on one stage's L3.  Given the
+stage's ``mirror``, every backup and load is held against the plan (``plan.mirror``); one that
+misses a kind is kept in ``incomplete`` for the live numbers and the cache goes on.
 """
 
 from __future__ import annotations

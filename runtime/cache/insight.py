@@ -1,47 +1,13 @@
 """Why a lookup missed, and how long cache entries live: one stage's cache insight.
 
-Outcome counters (device hit / host hit / miss) say *what* happened; this says
-*why*, per tier, and how long entries live there.
-
-**Miss reasons.**  Every prompt token a lookup does not find in a tier gets
-exactly one reason, so per tier the reasons sum to that tier's misses:
-
-* device tier -- tokens not found on the device (host and L3 hits + misses);
-* host tier -- tokens found nowhere, L3 included (what the forward pass computes).
-
-Reasons (``MISS_REASONS``):
-
-* ``never_seen`` -- the page was not cached before (within what ``SeenKeys`` remembers);
-* ``evicted_from_device`` -- device tier only: the page left the device and was
-  found on host (these are exactly the host hits);
-* ``evicted_from_host`` -- the page was cached, and its host copy was evicted;
-* ``dropped`` -- the page left the device with no host copy (no host tier, or no
-  host page could be freed);
-* ``writeback_pending`` -- the page left the device and its write-back to host
-  was still pending when the host tier evicted the copy it was going to;
-* ``partial_page_tail`` -- prompt tokens past the last page a lookup may match:
-  the part of the prompt that does not fill a page (and, for token requests,
-  the last prompt token, which is always computed): never cacheable;
-* ``stage_disagreement`` -- under ``serve``: the pages between what this stage
-  matched and the longer prefix the stages agreed on (``serve/agreement.py``).
-
-A missed page is classified by its chained key: keys are prefix-closed (a key
-can only have been cached if its prefix was), so the missed pages of a lookup
-are a run of evicted pages followed by never-seen ones.  The tree's key table
-remembers evicted keys: a removed key leaves a tombstone holding how it left
-(``keytable.py``; the newest ``InsightConfig.seen_keys`` survive), so the
-lookup's own failed probe already names the reason of its first missed page.
-
-**Lifetimes.**  Per tier, three sampled histograms: an entry's lifetime
-(insert to eviction), its idle time before eviction (last use to eviction),
-and the reuse gap (time since the page's previous use -- its previous hit or
-its insertion -- when a lookup hits it).  Births are sampled (every
-``sample_every``-th request or transfer call watches the entries it creates, by
-tree node); the deaths of watched entries are caught exactly where an entry
-leaves a tier (``HiCache`` tests the node against the tier's watch).  Reuse gaps are taken on
-every ``sample_every``-th lookup.  The clock is ``seconds`` (``time.monotonic``, ``serve``) or
-``requests`` (lookups begun: a replay's trace time).  Observations are logged on the hot path
-and folded into the histograms with numpy (``lifetimes.py``)."""
+Outcome counters say *what* happened; this says *why*, per tier: every token a tier misses gets
+exactly one reason (``MISS_REASONS``, tabled in docs/hicache.md), so per tier the reasons sum to
+that tier's misses.  Keys are prefix-closed, so a lookup's missed pages are a run of evicted
+pages followed by never-seen ones, and the key table's tombstones (``keytable.py``) name the
+first one's reason from the lookup's own failed probe.  Lifetimes, idle times and reuse gaps
+are sampled (every ``sample_every``-th request, by tree node), logged on the hot path and folded
+into histograms with numpy (``lifetimes.py``).
+"""
 
 from __future__ import annotations
 

@@ -112,7 +112,7 @@ class KeyTable:
         missed evicted pages walks them all (the cache insight's miss reasons)."""
         tk, tv, mask, shift = self._keys, self._vals, self._mask, self._shift
         runs: list[tuple[int, int]] = []
-        code = (GHOST - first) & 7
+        code = ghost_reason(first)
         j = start + 1
         while j < limit:
             key = keys[j]

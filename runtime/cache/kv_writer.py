@@ -1,21 +1,12 @@
 """Deterministic KV bytes for a simulated forward pass, and the check that reads them back.
 
-A cache bug (a page freed while still in the tree, a host page reloaded into
-the wrong node, a pool indexed by the wrong layer) shows up as *wrong bytes*
-long before it shows up as a crash.  So every byte the simulated forward pass
-writes is a function of what it belongs to:
-
-    seed(page, layer, pool) = mix(prefix_hash(page), global_layer_id, pool)
-    word[w]                  = base[pool][w] XOR seed                        (int64 words)
-
-``prefix_hash(page)`` chains over every token up to the end of that page, so
-two requests sharing a prefix produce identical pages (that is what makes a
-cache hit *correct*), and any difference in prefix, page, layer or pool changes
-every word of the page (two seeds differ by a non-zero XOR mask, so *every*
-word of a page written for the wrong seed is wrong; ``base`` is random per
-pool, so a page shifted by a word or read from another pool kind is wrong too).
-Generation is one XOR over the pages per pool kind, checking one XOR and one
-compare, cheap enough to run on every request of a 10k-request replay.
+A cache bug (a page freed while still in the tree, a host page reloaded into the wrong node, a
+pool indexed by the wrong layer) shows up as *wrong bytes* long before it shows up as a crash.
+So every int64 word the simulated forward pass writes is ``base[pool] XOR seed(page key, global
+layer, pool)``: two requests sharing a prefix produce identical pages (what makes a hit
+*correct*), and any other prefix, page, layer or pool makes every word differ
+(docs/hicache.md, "KV writer").  One XOR to write and one XOR and compare to check: cheap
+enough for every request of a 10k-request replay.
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """Any request as the cache sees it: one 64-bit key per page, and which pages may hit or be kept.
 
-The cache core never looks at token ids.  It keys a page by a *chained* page
-hash -- a value that names the page together with its whole prefix -- so equal
-keys mean equal prefixes and the radix tree, both tiers, eviction and the
-offline bounds all work on integers.  The two trace formats only differ in
-where the keys come from and in two rules:
-
-* token requests (``Request``): keys are ``kv_writer.page_hashes`` of prompt +
-  answer (the partial last page included, it needs a page while running);
-  at most ``(input_len - 1) // page_size`` pages may hit (the last prompt token
-  is always computed, as in sglang) and only whole pages are kept at the end.
-* block requests (``BlockRequest``, Mooncake) at ``page_size == block_tokens``:
-  the keys are the hash ids themselves, one block = one page; every block may
-  hit and every block is kept, and a hit of ``k`` blocks is
-  ``min(k * block_tokens, input_len)`` tokens (the last block may be partial).
-  At another page size a block request is replayed through its token view.
+The cache core never looks at token ids: a *chained* page key names a page together with its
+whole prefix, so equal keys mean equal prefixes and the radix tree, both tiers, eviction and the
+offline bounds all work on integers.  Token and Mooncake block requests differ only in where the
+keys come from and in the hit and keep rules (docs/hicache.md, "Page keys", tables them).
 """
 
 from __future__ import annotations
@@ -30,7 +19,7 @@ from .kv_writer import page_hashes
 
 @dataclass(frozen=True, eq=False)
 class PageView:
-    """The page keys of one request and its hit/keep rules (see module docstring)."""
+    """The page keys of one request and its hit/keep rules (docs/hicache.md, "Page keys")."""
 
     keys: np.ndarray  # uint64, one per page the request occupies while it runs
     input_len: int  # prompt tokens: what a lookup is accounted against

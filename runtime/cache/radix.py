@@ -1,32 +1,24 @@
 """A page-granular radix tree over 64-bit page keys, stored as parallel arrays.
 
-A page key names a page *and its whole prefix* (``pages.py``), so the tree
-needs no per-node child maps: one key table (``keytable.py``, two typed arrays)
-maps a key to its node, and every per-node field is one entry of a typed
-``array`` indexed by that node (parent node, device page, host page, lock count,
-last use, hit count, and the children counts the eviction rules need).  That is
-48 bytes of arrays plus 17-34 bytes of key table per cached page, no Python
-object per node (one would cost several hundred bytes), which is what lets a
-replay hold hundreds of thousands of pages (``docs/hicache.md`` has the
-measured figure).
+A page key names a page *and its whole prefix* (``pages.py``), so the tree needs no per-node
+child maps: one key table (``keytable.py``) maps a key to its node, and every per-node field is
+one entry of a typed ``array`` indexed by that node -- no Python object per node, which is what
+lets a replay hold hundreds of thousands of pages (docs/hicache.md, "Tree storage and its cost").
 
-Invariants (``check()`` asserts all of them; the hypothesis tests run it after
-every step):
+Invariants (``check()`` asserts all of them; the hypothesis tests run it after every step):
 
 * every node is resident somewhere: on device (``dev >= 0``), host, or both;
-* device residency is *prefix-closed*: a node on device has its parent on
-  device, so a matched prefix is one device run followed by one host run and
-  device eviction only takes device *leaves* (no child on device);
-* a host copy may go when nothing below it has one and the node stays on
-  device or has no children at all (so no node is left resident nowhere);
-* ``lock`` counts running requests on a node and its ancestors: a locked
-  node is never an eviction candidate.
+* device residency is *prefix-closed*: a node on device has its parent on device, so a matched
+  prefix is one device run followed by one host run and device eviction only takes device
+  *leaves* (no child on device);
+* a host copy may go when nothing below it has one and the node stays on device or has no
+  children at all (so no node is left resident nowhere);
+* ``lock`` counts running requests on a node and its ancestors: a locked node is never an
+  eviction candidate.
 
-Eviction candidates sit in one lazy heap per tier, ordered by the policy's
-priority (``eviction.py``); an entry is one int ``priority << 32 | node``,
-checked when popped (stale entries are dropped, and an empty heap is rebuilt
-from the arrays once, so staleness can cost time but never a false "nothing
-evictable").
+Eviction candidates sit in one lazy heap per tier (``eviction.py``), an entry being one int
+``priority << 32 | node`` checked when popped; an empty heap is rebuilt from the arrays once, so
+staleness can cost time but never a false "nothing evictable".
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
-"""Per-stage prefix-cache counters: hits by tier, misses, evictions, and the transfer totals.
+"""Per-stage prefix-cache counters: hits by tier, misses, evictions, and pages moved.
 
-Every prompt token a request looks up lands in exactly one bucket -- device
-hit, host hit, storage (L3) hit or miss -- so ``device + host + storage + miss == looked-up
-tokens`` always
-holds and the host hit rate is ``host / looked-up`` (the figure the dashboard
-and the Prometheus exporter show as ``host_hit_ratio``).  Evictions are counted
-in *pages* (the unit that moves): ``device`` = pages that left the device tier
-(backed up to host or dropped), ``host`` = pages that left the host tier.
-Transfer bytes and seconds are not duplicated here: they are the controller's
-``TransferStats``.  ``live()`` gives the counters as the typed part of a stage's
-``StageLive`` (``CacheLive``).  Pages moved per
-direction (``backup_pages`` d2h, ``load_pages`` h2d) are counted here in both
-modes, so a metadata-only replay prices them with the memory layer's bytes per page.
+Every looked-up prompt token lands in exactly one bucket (device, host or storage hit, or miss),
+so the buckets always sum to the looked-up tokens; evictions and moves count *pages* (the unit
+that moves), in both modes, so a metadata-only replay prices them with the memory layer's bytes
+per page.  Transfer bytes and seconds are the controller's ``TransferStats``, not repeated here
+(docs/hicache.md, "Accounting").
 """
 
 from __future__ import annotations

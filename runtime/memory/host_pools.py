@@ -1,35 +1,12 @@
 """Host (HiCache) mirror of a stage's device pools: the host-cached kinds, same buffer counts, own pages.
 
-The host mirror is built *from* the device ``StagePools`` -- the same stage plan, the
-same buffer lists -- so it can never be sized by a different layer count than the
-device side: the PP+HiCache bug was exactly a host stack that disagreed with the
-device pools.
-
-Only the kinds the pool-kind table marks host-cached are mirrored: the
-per-request C128 compress state stays on the device, as in sglang's HiCache.
-Host pages per kind are the plan's (``int(device pages x --hicache-ratio)`` of each
-kind's budget, or a page count a benchmark asked for).
-
-Two layouts, as in sglang's HiCache:
-
-* ``layer_first`` -- one ``(num_pages, page_bytes)`` tensor per buffer, like the
-  device side; a layer's pages are contiguous (good for layer-by-layer loads).
-* ``page_first``  -- one ``(num_pages, buffers, page_bytes)`` tensor per pool
-  kind; a token page of every layer is one contiguous block (good for storage
-  back-ends and large DMAs).  ``buffers[pool][i]`` is then a strided view.
-
-Host pages are pinned (page-locked) when CUDA is present, so DMA and the
-zero-copy kernels can reach them.  Pinning can be refused (``cudaHostAlloc``
-fails: a locked-memory limit, a host short of RAM).  The rule: when pinning is
-only the default (``pin_memory=None``) the tier falls back to pageable memory
-and records why (``pin_error``; the transfer controller then takes its torch
-path, and the stage's host-tier status says ``pin_refused``); when pinning was
-asked for (``pin_memory=True``, e.g. a benchmark of pinned copies) it refuses
-with a one-line error.  ``pin_fallback`` overrides the rule either way.
-
-Before any tensor is allocated the tier is checked against the host's RAM
-(``host_tier``: ``MemAvailable`` less a reserve), with a value of
-``--hicache-ratio`` that fits in the error.
+Built *from* the device ``StagePools`` (the same stage plan and buffer lists), so it can never
+be sized by a different layer count than the device side: the PP+HiCache bug was exactly a host
+stack that disagreed with the device pools.  Only the kinds the pool-kind table marks
+host-cached are mirrored (the C128 compress state stays on the device, as in sglang).  Layouts
+(``layer_first``, ``page_first``) are sglang's; pages are pinned where CUDA is present, with the
+fallback rule of docs/pools.md when pinning is refused, and checked against the host's RAM
+(``host_tier``) before any tensor is allocated.
 """
 
 from __future__ import annotations

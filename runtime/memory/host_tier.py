@@ -1,25 +1,10 @@
 """Host-tier sanity: is a stage's host (HiCache) tier sized sanely for its device tier and this host?
 
-Three things go wrong with host tiers in practice, and each is a status here:
-
-* ``smaller_than_device`` -- fewer host pages than device pages (``--hicache-ratio`` < 1).
-  Under ``write_through`` every device page is mirrored on the host, so some cannot be;
-  under the other policies the host tier adds less than the device tier already holds.
-  A warning: the run is still ready.
-* ``exceeds_ram`` -- the host tiers of every stage on this host (and the device pools too
-  when they live in RAM) do not fit the RAM the kernel reports available (``MemAvailable``)
-  with a reserve kept free (``RAM_RESERVE_FRACTION`` of ``MemTotal``).  One rule, before
-  and after allocation: ``MemAvailable - bytes not yet allocated >= reserve``.  Before
-  allocation it refuses the configuration (exit 2, naming flags and values that fit); once
-  the tiers are resident the bytes still to allocate are 0, so a host that runs short
-  during the run (``MemAvailable`` under the reserve: the OOM killer is next, and the host
-  tier is the largest resident block) turns the status.  Not ready.
-* ``pin_refused`` -- pinned (page-locked) host memory was refused (``cudaHostAlloc`` /
-  ``pin_memory`` failed).  When pinning was only the default, the tier falls back to pageable
-  memory and says so (transfers then take the synchronous torch path); when it was asked
-  for explicitly, the pools refuse with a one-line error.  A warning: the run is still ready.
-
-Everything here is pure (numbers in, a verdict out) except reading ``/proc/meminfo``.
+Three statuses (``smaller_than_device``, ``pin_refused``: warnings; ``exceeds_ram``: not ready)
+and one RAM rule before and after allocation, ``MemAvailable - bytes not yet allocated >=
+reserve``: before allocation it refuses the configuration naming values that fit, once the tiers
+are resident it catches a host running short (the OOM killer is next).  docs/pools.md,
+"Host-tier sanity", has the table.  Everything here is pure except reading ``/proc/meminfo``.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """How full each pool kind of a stage is, on the device and in the host tier: read from the allocators.
 
-A stage's paged kinds share one page-id space per tier (``pools.py``), so a page
-count belongs to the space; but each kind has its *own* page space inside it --
-an SWA-budget kind can hold fewer pages than a full-budget one -- and the
-per-request kind (``c128_state``) counts request slots, not pages.  So per pool
-kind and tier this reports:
-
-* ``used`` / ``capacity`` / ``peak``: units of the kind's own space (pages, or request
-  slots), read from the allocator that hands them out.  Kinds of one space show the
-  same used count: these are *not* to be summed across pools (sum the page spaces);
-* ``used_bytes`` / ``capacity_bytes``: the kind's own bytes (units x page bytes x its
-  buffers).  Distinct memory per kind, so these *do* sum to the stage's bytes.
+Each kind has its *own* space inside its tier's page-id space (an SWA-budget kind can hold fewer
+pages than a full-budget one; a per-request kind counts request slots), so per kind and tier
+this reports ``used`` / ``capacity`` / ``peak`` units of that space -- views, never to be summed
+across kinds -- and the kind's own bytes, which do sum to the stage's (docs/pools.md,
+"Occupancy of every pool kind").
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ from .fingerprint import Fingerprint, config_hash
 from .inventory import PoolInventory
 from .sizing import (
     TokenBudget,
+    check_positive,
     host_pages_for,
     runtime_budget,
     sglang_budget,
@@ -82,9 +83,8 @@ class Sizing:
                 swa_ratio: float = 1.0) -> Sizing:
         """stagecache's own pools; ``swa_ratio`` below 1 gives the SWA-budget kinds fewer pages of
         the one page-id space (the runtime keeps 1.0: a token page of every kind moves together)."""
-        if host_pages is not None and (isinstance(host_pages, bool) or not isinstance(host_pages, int)
-                                       or host_pages <= 0):
-            raise ConfigError(f"number of host pages must be a positive integer, got {host_pages!r}")
+        if host_pages is not None:
+            check_positive(host_pages, "number of host pages")
         return cls("runtime", defaults.HICACHE_RATIO if hicache_ratio is None else hicache_ratio,
                    device_pages=device_pages, request_slots=request_slots, host_pages=host_pages,
                    swa_ratio=swa_ratio)
@@ -98,9 +98,8 @@ class Sizing:
                mamba_full_memory_ratio: float | None = None) -> Sizing:
         """sglang's flags (a family whose sglang refuses a host size in bytes refuses it at
         ``build_plan``)."""
-        if max_mamba_cache_size is not None and (isinstance(max_mamba_cache_size, bool) or not isinstance(
-                max_mamba_cache_size, int) or max_mamba_cache_size <= 0):
-            raise ConfigError(f"--max-mamba-cache-size must be a positive integer, got {max_mamba_cache_size!r}")
+        if max_mamba_cache_size is not None:
+            check_positive(max_mamba_cache_size, "--max-mamba-cache-size")
         if mamba_full_memory_ratio is not None and (isinstance(mamba_full_memory_ratio, bool) or not isinstance(
                 mamba_full_memory_ratio, int | float) or not mamba_full_memory_ratio > 0):
             raise ConfigError(f"--mamba-full-memory-ratio must be > 0, got {mamba_full_memory_ratio!r}")
@@ -269,9 +268,6 @@ class StagePlan:
     @property
     def buffers(self) -> dict[str, tuple[bool, ...]]:
         return {p.pool: p.buffers for p in self.pools}
-
-    def buffer_counts(self) -> dict[str, int]:
-        return {p.pool: len(p.buffers) for p in self.pools}
 
     def expected_buffers(self) -> dict[str, int]:
         """What the layer map says each pool must hold (validation compares the two)."""

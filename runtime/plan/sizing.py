@@ -1,19 +1,11 @@
 """Pure sizing of a stage's pools: how many pages (or request slots) each pool kind gets.
 
-Bytes per page come from the model's pool-kind table (its family's ``kind_table``); this
-module only decides *how many* pages each kind gets, following sglang 0.5.23's pool
-configurators (DeepSeek V4's ``DSV4PoolConfigurator`` first):
-
-* full-budget kinds (``c4``, ``c128``, ``indexer``) get ``full_tokens / page_size`` pages;
-* SWA-budget kinds (``swa``, ``c4_state``, ``c4_indexer_state``) get
-  ``int(full_tokens x swa_full_tokens_ratio)`` tokens' worth (0.1 for DeepSeek-V4 by default);
-* per-request kinds (``c128_state``) get ``max_running_requests + 1`` request slots;
-* host (HiCache) pages are ``int(device pages x --hicache-ratio)`` of each kind's budget
-  (a family whose sglang refuses a host size in bytes says so: ``Family.host_size_refusal``).
-
-stagecache's own runtime (``StagePools``) allocates the budget pages only, with one page-id
-space (SWA pages == full pages: ``runtime_budget``).  The plan (``plan.py``) is the only
-caller that turns these budgets into bytes.
+Bytes per page come from the model's pool-kind table (its family's ``kind_table``); this module
+only decides *how many* pages each budget gets, following sglang 0.5.23's pool configurators
+(DeepSeek V4's ``DSV4PoolConfigurator`` first: docs/pools.md, "How sglang sizes a stage").
+stagecache's own runtime allocates the budget pages only, with one page-id space (SWA pages ==
+full pages: ``runtime_budget``).  The plan (``plan.py``) is the only caller that turns these
+budgets into bytes.
 """
 
 from __future__ import annotations
@@ -59,7 +51,8 @@ class TokenBudget:
         return out
 
 
-def _positive(value: object, flag: str) -> None:
+def check_positive(value: object, flag: str) -> None:
+    """``flag`` must be a positive integer (a ConfigError naming it otherwise)."""
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"{flag} must be a positive integer, got {value!r}")
 
@@ -73,8 +66,8 @@ def _check_ratio(ratio: float, flag: str) -> float:
 def runtime_budget(page_size: int, device_pages: int, swa_ratio: float = 1.0,
                    request_slots: int = 4) -> TokenBudget:
     """stagecache's runtime pools: ``device_pages`` full pages, SWA pages by ``swa_ratio``."""
-    _positive(device_pages, "number of device pages")
-    _positive(request_slots, "number of request slots")
+    check_positive(device_pages, "number of device pages")
+    check_positive(request_slots, "number of request slots")
     swa_pages = int(device_pages * _check_ratio(swa_ratio, "swa ratio"))
     if swa_pages < 1:
         raise ConfigError(f"swa ratio {swa_ratio} x {device_pages} device pages gives no SWA page")
@@ -91,8 +84,8 @@ def sglang_budget(page_size: int, full_tokens: int, sliding_window: int,
     ``validate_swa_pool_size``), and the request slots are ``min(max_running_requests,
     full // 2) + 1`` (``resolve_max_num_reqs`` and ``ReqToTokenPool``'s extra row).
     """
-    _positive(full_tokens, "--max-total-tokens")
-    _positive(max_running_requests, "--max-running-requests")
+    check_positive(full_tokens, "--max-total-tokens")
+    check_positive(max_running_requests, "--max-running-requests")
     ratio = _check_ratio(defaults.SWA_FULL_TOKENS_RATIO if swa_ratio is None else swa_ratio,
                          "--swa-full-tokens-ratio")
     full = full_tokens // page_size * page_size
@@ -115,7 +108,7 @@ def host_pages_for(device_pages: int, hicache_ratio: float | None = None) -> int
 
 def pages_for_tokens(max_total_tokens: int, page_size: int) -> int:
     """``--max-total-tokens`` -> pages (rounded up, so every token fits)."""
-    _positive(max_total_tokens, "--max-total-tokens")
+    check_positive(max_total_tokens, "--max-total-tokens")
     return -(-max_total_tokens // page_size)
 
 

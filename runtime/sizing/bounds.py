@@ -1,17 +1,9 @@
 """What any cache could reach on a trace: the infinite-cache ceiling and the offline Belady bound.
 
-Both work on ``PageView`` s (``pages.py``), so they use exactly the cache's hit
-and keep rules and its page keys, whichever format the trace came in.
-
-* ``CeilingTracker`` -- every page ever kept stays reusable.  Incremental
-  (``observe`` one request at a time), so whoever drives a cache -- the bench,
-  ``serve``, a dashboard -- can show the hit rate so far next to the ceiling so far.
-* ``belady_hit_tokens`` -- one tier of ``capacity`` pages that, when full, evicts
-  the page whose next use is farthest in the future (Belady's MIN, with the
-  trace known in advance; ties: the deeper page first, so a prefix outlives its
-  extensions).  "Use" is a lookup that may match the page.  A block's next use
-  is never later than its extension's (equal key => equal prefix), so MIN keeps
-  prefixes whole.
+Both work on ``PageView`` s (``pages.py``), so they use exactly the cache's hit and keep rules
+and page keys, whichever format the trace came in.  ``CeilingTracker`` is incremental, so
+whoever drives a cache can show the ceiling so far next to the hit rate; Belady's MIN breaks
+ties deeper page first, so it keeps prefixes whole (docs/hicache.md, "Bounds").
 """
 
 from __future__ import annotations

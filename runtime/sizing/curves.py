@@ -1,33 +1,12 @@
 """Hit tokens at every cache capacity from one pass over a trace: LRU stack distances.
 
-Why: the replay (``bench hicache``) answers "what does *this* size hit?"; sizing
-a deployment asks the question for every size.  LRU has the inclusion property
-(Mattson et al., 1970): at any moment a cache of ``C`` pages holds the ``C``
-most recently used pages, so one pass that finds, for every page a lookup
-asks for, its *stack distance* -- how many distinct pages were used since it
-was last used -- gives the hits of every capacity at once: a page hits at
-``C`` pages exactly when its distance is below ``C``.
-
-The pass works on the cache's own ``PageView`` s (``pages.py``): its chained
-page keys, ``max_hit`` pages a lookup may match and ``cacheable`` pages a
-request keeps, and ``hit_tokens`` per matched page.  A request *uses* every
-page it keeps, in the order the replay's LRU ranks them: its whole chain is
-stamped by one insert, and among equal stamps the tree evicts the deepest page
-first (only leaves are candidates), so the chain's first page is the most
-recent.  A key's ancestors are therefore always more recent than the key, the
-pages a capacity holds are prefix-closed, and "the leading run of cached pages"
-is simply "the pages whose distance is below ``C``".
-
-Counting: with every use numbered in that order, the distance of a lookup in
-the request whose uses start at ``T``, of a page last used at ``p``, is the
-number of uses ``e`` in ``(p, T)`` that are the first use of their key there:
-``#{e < T : prev(e) <= p} - (p + 1)``, where ``prev(e)`` is the previous use
-of ``e``'s key.  All lookups are counted at once over a merge-sort tree of
-``prev`` (one sorted array per power-of-two block size, one binary search per
-level and lookup, numpy throughout): O(N log^2 N) comparisons in O(log N)
-vectorised steps, N = pages used.  How the curve relates to the two-tier replay
-(which replay it equals exactly, and by how much a token trace's partial pages
-can shift the device tier) is in ``docs/advise.md``.
+Why: the replay (``bench hicache``) answers "what does *this* size hit?"; sizing a deployment
+asks it for every size.  LRU has the inclusion property, so a page a lookup asks for hits at
+``C`` pages exactly when its *stack distance* is below ``C``: one pass gives every capacity.
+The pass works on the cache's own ``PageView`` s and orders a request's uses as the replay
+ranks them, so the pages any capacity holds are prefix-closed; all distances are counted at once
+over a merge-sort tree (O(N log^2 N) comparisons in O(log N) numpy steps).  docs/advise.md,
+"Method", derives it and says which replay the curve equals exactly.
 """
 
 from __future__ import annotations
@@ -215,7 +194,7 @@ class Distances:
 
 def stack_distances(views: Sequence[PageView], progress: Progress | None = None,
                     name: Callable[[int], str] | None = None) -> Distances:
-    """The stack distance of every page a lookup may match (module docstring), in one pass.
+    """The stack distance of every page a lookup may match (docs/advise.md, "Method"), in one pass.
 
     ``name(i)``: how a message names request ``i`` (default ``request i``).
     """

@@ -1,36 +1,12 @@
 """What each of sglang's radix eviction policies hits on a trace, at a given cache size.
 
-Why a replay and not a curve: LRU has the inclusion property, so one pass gives
-every size (``curves.py``); LFU, SLRU, priority and T-LRU do not, so each
-(policy, size) is one run of the trace through a model of sglang 0.5.23's radix
-tree.  The model is the full-KV part of sglang's ``UnifiedTreeCore``
-(``mem_cache/unified_cache/unified_tree_core.py``), one request at a time:
-
-* nodes are multi-page segments, as sglang builds them: a new leaf holds every
-  page an insert adds past the cached prefix; a lookup or insert that stops
-  inside a segment splits it (the prefix becomes a new node that inherits the
-  segment's ``hit_count``, ``creation_time`` and priority);
-* sglang's access clock is reproduced step by step (``get_and_increase_time_counter``:
-  a new node takes two ticks, an insert touches the root and every node it walks,
-  a split re-stamps the suffix, a lookup stamps its deepest node and its
-  ancestors ``1e-5`` apart), so priorities tie exactly where sglang's tie;
-* ``hit_count`` rises once per insert on every node the insert walks and on its
-  new leaf; a finished request whose kept pages pass its prompt's pages re-inserts
-  its prompt at priority + 1 (sglang's prompt-boundary split, full-KV-only trees);
-* eviction pops whole unlocked leaves in the strategy's order until the shortfall
-  is covered (it may free more than needed, as sglang does); a leaf's parent
-  that becomes a leaf joins the candidates.
-
-The order comes from a strategy object with sglang's ``get_priority(node)``:
-sglang's own classes where sglang is installed (``integrations/sglang_eviction.py``),
-else stagecache's versions below.  A test drives sglang's real tree with the same
-trace and compares every eviction call.
-
-Tiers: the *device* tier holds the running request's new pages while it runs
-(an allocation evicts the shortfall before the insert); the *host* tier (device +
-host, write-through) is modelled as one tier that adds a request's pages when it
-finishes, the same tree at the host's size: exact for LRU's page set only (two
-tiers with their own leaves are not one tree in general; stated in the advice).
+Why a replay and not a curve: only LRU has the inclusion property (``curves.py``), so each
+(policy, size) is one run of the trace through a model of sglang 0.5.23's radix tree, the
+full-KV part of ``UnifiedTreeCore``, reproduced down to its access clock so that priorities tie
+exactly where sglang's tie (docs/advise.md, "Eviction policies", lists the rules).  The order
+comes from sglang's own strategy objects where sglang is installed, else the versions below; a
+test drives sglang's real tree with the same trace and compares every eviction call.  The host
+tier is the same tree at the host's size: exact for LRU's page set only (stated in the advice).
 """
 
 from __future__ import annotations

@@ -1,28 +1,9 @@
 """The embedded L3 backend: one private directory per deployment, pages in a log of segments.
 
-* **Private**: the directory is created 0700; an existing one must be a real directory (not a
-  symlink), owned by this user and closed to group and others, else it is refused with one line.
-  Files are opened ``O_NOFOLLOW``; new ones are created ``O_CREAT | O_EXCL`` (0600).
-* **Pages in a log** (``segments.py``): each store appends its page objects as records to its own
-  segment files (``<owner>.s<seq>-<rand>.l3seg``, about ``SEGMENT_BYTES`` each), one ``pwritev``
-  per record, and keeps the index key -> (segment, offset) in memory; opening a directory
-  rebuilds it by scanning the records' heads.  A batch is read in file order with one
-  ``preadv`` per record straight into the host-pool segments, so a batch written together
-  streams back like one sequential file.  Checksums run on a thread beside the I/O.
-* **Crash-safe**: records are only ever appended; the index learns of a record once its
-  ``pwritev`` returned.  Nothing is fsynced: a crash can lose recent objects, and a torn record
-  fails its head or payload CRC -- never data.
-* **Checked**: every byte of a record is checked when read (``segments.py``); an object that
-  fails is a miss, a counted ``corrupt`` error, and is dropped (a tombstone record makes the
-  drop outlive a restart); the next backup writes it anew.
-* **Bounded**: the store's segments hold at most ``capacity_bytes`` (0: no bound).  To make room
-  it empties its oldest segment: an object read or re-offered since it was written is appended
-  anew (second chance, as CLOCK does), the others are evicted, and the file is deleted; so
-  what is used stays and what is not goes, oldest first.  While a segment is emptied the bound
-  can be passed by what it re-appends (at most one segment, ``capacity_bytes / 16``).
-* **Small objects** (``get``/``set``: manifests, probes) are files of their own
-  (``<key>.obj``), written to a temporary file and renamed over their name (other stages and
-  processes read them), with a trailer: magic, length, CRC-32C, a reserved word.
+Private (0700, owner-checked, ``O_NOFOLLOW``, ``O_EXCL``), append-only (a crash loses recent
+objects, never returns a torn one: every byte is checked when read), bounded by emptying the
+oldest segment with a second chance for what was used.  Small objects (manifests, probes) are
+files of their own, renamed into place.  docs/l3.md describes the layout.
 """
 
 from __future__ import annotations

@@ -1,24 +1,20 @@
 """The one L3 key scheme: deployment, TP rank, stage, pool kind, page.
 
 sglang 0.5.23 keys an L3 page by a chained hash of its token ids, which names neither the model
-nor the stage; some of its backends add the PP rank, none but one adds the dtype or the layout
-(docs/l3.md has the table).  Each PP stage stores *different layers* under the same token
-prefix, so a key without the stage lets one stage read another's bytes, and a key without the
-layout lets a cache written under one partition be read back under another.  Here a key is::
+nor the stage; but each PP stage stores *different layers* under the same token prefix, so a key
+without the stage lets one stage read another's bytes, and one without the layout lets a cache
+written under one partition be read back under another.  Here a key is::
 
     sc1.<fingerprint digest>.t<tp rank>.p<pp rank>.L<start>-<end>.<pool kind>.<page key, 16 hex>
 
-The digest (``plan/fingerprint.py``) covers the config hash, KV dtype, page size, partition,
-PP and TP size; the stage part repeats the PP rank and its global layer range, so two key
-spaces are equal exactly when their deployment, TP rank and stage are.  Every field is made of
-``[A-Za-z0-9_-]`` and fields are split by dots, so a key parses back unambiguously and is a
-safe file name.
+made of ``[A-Za-z0-9_-]`` fields split by dots, so it parses back unambiguously and is a safe
+file name (docs/l3.md, "Keys").
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..plan.plan import RunPlan
@@ -71,11 +67,6 @@ class KeySpace:
     def owns(self, key: str) -> bool:
         return key.startswith(self.prefix + ".")
 
-    def overlaps(self, other: KeySpace) -> bool:
-        """Could one key belong to both?  Same deployment and TP rank, intersecting layers."""
-        return (self.digest == other.digest and self.tp_rank == other.tp_rank
-                and self.start < other.end and other.start < self.end) or self.prefix == other.prefix
-
     def describe(self) -> str:
         return (f"stage {self.pp_rank} (layers [{self.start}, {self.end}), tp rank {self.tp_rank}, "
                 f"deployment {self.digest})")
@@ -85,11 +76,6 @@ def key_space(plan: RunPlan, stage: int, tp_rank: int = 0) -> KeySpace:
     """Stage ``stage``'s key space in ``plan``: the deployment's digest and the stage's layers."""
     m = plan.stage(stage).layer_map
     return KeySpace(plan.fingerprint.digest, tp_rank, stage, m.start, m.end)
-
-
-def overlapping(spaces: Sequence[KeySpace]) -> list[tuple[KeySpace, KeySpace]]:
-    """Every pair of key spaces that could share a key (a run's stages must have none)."""
-    return [(a, b) for i, a in enumerate(spaces) for b in spaces[i + 1:] if a.overlaps(b)]
 
 
 def check_key(key: str) -> str:

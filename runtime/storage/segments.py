@@ -2,25 +2,16 @@
 
 Why a log: one file per 4 MiB object costs a create, a rename and a fresh read-ahead window per
 object, and on a virtual disk that alone held plain per-file reads to half of one sequential
-file.  A *segment* is one file that records are appended to, one after another, and never
-rewritten in place; a batch of objects is a run of adjacent records, written and read back as
-one sequential stream.
-
-A record at offset ``E`` of its segment::
+file.  A *segment* is one file that records are appended to and never rewritten in place, so a
+batch of objects is one sequential stream.  A record at offset ``E`` of its segment::
 
     RECORD struct | key | zero padding | payload
 
-The struct holds a magic, ``head`` (bytes from ``E`` to the payload), the key's length, the
-payload's length and CRC-32C, flags (``REMOVED``: a tombstone, no payload) and the CRC-32C of
-the struct and key.  Every byte of a record is checked when it is read: the struct and key by
-their CRC and by value (magic, the key and lengths the index expects), the padding by being
-zero, the payload by its CRC.  A payload of at least ``ALIGN_FROM`` bytes starts on a 4 KiB
-boundary of the file (a misaligned copy out of the page cache costs about twice as much); a
-smaller one follows its key, 8-byte aligned, so small records stay small.
-
-A writer that dies mid-record leaves a torn tail: its struct fails its CRC, or the record runs
-past the end of the file, and ``scan`` stops there; a record whose payload was torn but whose
-struct survived fails its payload CRC when read -- a miss and an error, never data.
+Every byte of a record is checked when read (struct and key by CRC and by value, padding for
+zeros, payload by CRC); a payload of at least ``ALIGN_FROM`` bytes starts on a 4 KiB boundary (a
+misaligned copy out of the page cache costs about twice as much).  A writer that dies mid-record
+leaves a torn tail that ``scan`` stops at, or a payload that fails its CRC: a miss and an error,
+never data (docs/l3.md).
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """Mooncake's block-hash trace format: one request per line, its prompt named by block ids.
 
-The public FAST'25 traces (kvcache-ai/Mooncake, ``FAST25-release/traces``) are
-JSONL lines like::
-
-    {"timestamp": 3052, "input_length": 7234, "output_length": 794, "hash_ids": [0, 28, 29]}
-
-``hash_ids[i]`` names the ``i``-th block of ``block_tokens`` (512) prompt tokens
-*after its whole prefix*: two requests that share an id share every block up
-to it.  So an id is already what the cache keys a page by (a chained page
-hash), and a replay needs no token ids at all: in this format one block is
-one cache page.  The last id covers the partial last block, so a request has
-exactly ``ceil(input_length / block_tokens)`` ids.
-
-Prefix-awareness is checked while reading (``PrefixCheck``): an id that
-follows a different id than it did on an earlier line is an error, because
-the cache would otherwise attach one block to two different prefixes.
+``hash_ids[i]`` names the ``i``-th block of ``block_tokens`` prompt tokens *after its whole
+prefix*, so an id is already what the cache keys a page by and a replay needs no token ids: one
+block is one cache page (docs/hicache.md, "Mooncake format").  Prefix-awareness is checked while
+reading (``PrefixCheck``): an id that follows a different id than it did on an earlier line
+would attach one block to two prefixes, so it is an error.
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """Request traces: two JSONL formats, detected from the first line, read as a stream.
 
-* ``tokens`` -- stagecache's own format, one chat turn per line (token ids or lengths)::
-
-      {"session": "s1", "turn": 0, "input_ids": [1, 2, 3], "output_len": 16}
-      {"session": "s1", "turn": 1, "input_len": 900, "output_len": 64}
-
-  ``session`` (string or integer), ``turn`` (integer >= 0), ``output_len`` (>= 0);
-  exactly one of ``input_ids`` (non-empty token ids in ``[0, 2**31)``) or
-  ``input_len`` (> 0: ids synthesised from the session name, one stream per
-  session, so turn ``t+1`` shares turn ``t``'s prompt *and* answer as a prefix);
-  optional ``output_ids`` (``output_len`` ids) and ``arrival`` (seconds).
-* ``mooncake`` -- Mooncake's block-hash format (``mooncake.py``).
-
-The boundary is strict, because a trace is user input: every line is checked
-against size limits *before* anything is sized by it (a line of at most
-``MAX_LINE_BYTES``, lengths of at most ``MAX_REQUEST_TOKENS``), any unknown key
-is an error, and a bad line is reported as ``FILE:LINE: field = value: accepted:
-...``.  By default the run fails before replay, listing the bad lines; with
-``skip_bad`` they are left out and reported.  Lines are streamed, and reading
-stops after ``limit`` good requests.  Token ids are checked as one numpy array,
-not one Python comparison per token.
+``tokens`` (stagecache's own, one chat turn per line) and ``mooncake`` (``mooncake_trace.py``);
+docs/hicache.md, "Traces", lists their fields.  The boundary is strict, because a trace is user
+input: every line is checked against size limits *before* anything is sized by it, any unknown
+key is an error, and a bad line is reported as ``FILE:LINE: field = value: accepted: ...``
+(by default the run fails before replay; ``skip_bad`` leaves them out).  Token ids are checked
+as one numpy array, not one Python comparison per token.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Host time of a CUDA event, without a host sync: what a transfer's queue wait is measured on.
 
-A transfer's queue wait runs from the call (host clock, ``time.perf_counter``) to
-the moment its copy starts on the stream (the ``start`` timing event, GPU clock).
-The two clocks meet through a *reference*: a timing event recorded on a stream
-of its own that nothing else ever uses, so the GPU stamps it as soon as it is
-submitted, and the host time read right after the record.  Then
-
-    host time of event E  =  reference host time + elapsed(reference, E)
-
-Nothing waits: the elapsed time is read when the transfer is known finished
-(its ``end`` event done), when the reference, recorded earlier on an idle
-stream, is done too.  A new reference is taken at most every ``PERIOD_S``
-seconds (one event record; creating an event costs ~10 us, paid once per
-period, not per call), so drift between the two clocks stays within what they
-drift apart in that period.  Accuracy: the reference's own submission latency,
-a few microseconds; a wait that short reads as about zero (and never below 0).
+The host clock (the call) and the GPU clock (the copy's ``start`` event) meet through a
+*reference*: an event recorded on a stream nothing else uses (so the GPU stamps it when it is
+submitted), paired with the host time of its record; then ``host time(E) = reference host time
++ elapsed(reference, E)``, read once the transfer is known finished, so nothing waits.  A new
+reference every ``PERIOD_S`` bounds the drift; accuracy is the reference's own submission
+latency, a few microseconds (docs/metrics.md, "Transfers: queue wait vs DMA time").
 """
 
 from __future__ import annotations

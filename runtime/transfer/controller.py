@@ -1,28 +1,13 @@
 """Device <-> host page transfers for one stage: backup (d2h), load (h2d), layer by layer.
 
-One controller per stage, over that stage's ``StagePools`` and ``HostPools``.
-Page ids are checked at the boundary (integers, same count, in range, allocated
-in the pools' allocators, no duplicate destination: ``pages.PageChecker``), then
-the same pages of every selected buffer move together, through the stage's one
-``PageMover`` (``mover.py``): the device mover on CUDA (path ``triton``: one
-graph-replayed kernel launch on the caller's stream, the common move checked and
-queued by one call into C; ``torch`` where the host tier is pageable), the CPU
-mover otherwise (path ``cpu``).  With ``use_triton=True`` and ``TRITON_INTERPRET=1``
-CPU pools run the device mover's kernel, so tests cover it without a GPU.
-
-On CUDA a transfer is asynchronous: queued on the caller's current stream (so
-the KV the model just wrote is what gets copied), and the result carries events: ``wait(layer)`` makes the *current* stream wait for one
-layer (layer-by-layer loads overlap compute), ``synchronize()`` blocks the host.
-Stats are recorded once per transfer when it is known finished (``synchronize``,
-``poll``, or a later transfer noticing), with GPU-measured seconds.
-
-Queue wait vs DMA time (``TransferResult.queue_seconds`` / ``seconds``): the call's
-host time is taken first thing.  On CUDA the copy's ``start`` event is put on the
-host clock through ``clock.EventClock`` (no sync), so the wait covers the
-controller's checks, the submission and everything queued ahead on the stream;
-DMA time is ``start`` to ``end``.  The synchronous engines copy one transfer at
-a time under a lock: a call made while another thread's copy runs waits there,
-and the wait ends when its own copy starts (host clock around the copy).
+One controller per stage, over that stage's ``StagePools`` and ``HostPools``: page ids are
+checked once at the boundary (``pages.PageChecker``), then the same pages of every selected
+buffer move together through the stage's one ``PageMover`` (docs/transfer.md lists the movers;
+with ``use_triton=True`` and ``TRITON_INTERPRET=1`` CPU pools run the device kernel, so tests
+cover it without a GPU).  On CUDA a transfer is asynchronous, queued on the caller's current
+stream (so the KV the model just wrote is what gets copied); ``wait(layer)`` lets layer-by-layer
+loads overlap compute.  Stats are recorded once per transfer, when it is known finished, with
+GPU-measured seconds and the queue wait before the copy started (docs/metrics.md).
 """
 
 from __future__ import annotations
@@ -124,8 +109,8 @@ class TransferResult:
             self._mover.recycle(self._start, self._end)  # type: ignore[union-attr]
         stats, self._stats = self._stats, None
         if stats is not None:
-            stats.record(self.direction, self.nbytes, self.seconds or 0.0, self.pages, len(self.layers), self.path,
-                         self.queue_seconds, self._kinds)
+            stats.record(self.direction, self.nbytes, self.seconds or 0.0, self.pages, self.queue_seconds,
+                         self._kinds)
 
     def __repr__(self) -> str:
         state = f"{self.seconds * 1e3:.3f} ms" if self.seconds is not None else "in flight"

@@ -1,42 +1,16 @@
 """The device mover: a stage move = its ids into a ring entry + one CUDA graph launch, in one call into C.
 
-What a call costs on the host is what HiCache pays on every prefix hit and
-eviction, and on the H200 host it decided small moves: so everything that does
-not depend on the call's page ids is done once and kept, and the rest is one
-call into the compiled fast path (``native.py``):
-
-* per buffer selection (``Selection``) and direction: two chunk tables on the device,
-  a coarse one (``chunk_bytes`` per work item) and a fine one (``fine_chunk_bytes``)
-  for moves with fewer coarse items than the grid has warps, so a one-page move
-  still spreads over every SM instead of leaving most of them idle;
-* per (sel, direction, ring entry, size bucket): a CUDA graph that records the
-  entry's start event, copies the entry's ids to the device (a bucket's worth: a
-  few hundred bytes for a small move), launches the kernel and records the entry's
-  end event -- so queuing a move is one ``cudaGraphLaunch``; the kernel reads the
-  page count and the ids from the device, so no work item waits on a PCIe round
-  trip for its addresses;
-* per controller: a ring of ring entries (``ring.py``: pinned host rows + device
-  twins), taken in turn; a entry is written again once its last reader ran and
-  the transfer its events time was finished (the host only waits when more
-  transfers are queued than the ring has entries).
-
-A one-launch move (``check_and_move``) is then: the ids checked while they are
-written into the next entry's pinned row, and the entry's graph launched -- one C
-call from Python (on the H200 host 7-34 us from the call to the copy queued,
-against 18-62 us for the same work as numpy checks and three runtime calls
-through ctypes).  Moves larger than a entry, layer-by-layer loads, and hosts
-without the compiled module go through ``submit``: entry-sized pieces between
-pooled timing events, each piece guarding its entry (``move``).
-
-A host tier that fell back to pageable memory (pinning refused) cannot be reached by the kernel:
-those moves are torch index copies, synchronous (path ``torch``).
-
-``backup``/``load`` queue on the caller's current stream: ordered after the KV
-the caller just wrote and before whatever it queues next, with no cross-stream
-events and no stream switch.  A layer-by-layer load runs on the engine's own
-stream, after an event on the caller's, so later layers overlap the caller's
-compute (``TransferResult.wait``).  Under ``TRITON_INTERPRET=1`` on CPU pools
-the same kernel runs synchronously.
+What a call costs on the host is what HiCache pays on every prefix hit and eviction, and on the
+H200 host it decided small moves: so everything that does not depend on the call's page ids
+(chunk tables per selection, a CUDA graph per selection, direction, ring entry and size bucket,
+the id ring of ``ring.py``) is built once, and the common move (``check_and_move``) is one call
+into ``native.py`` (7-34 us from the call to the copy queued, against 18-62 us for numpy checks
+and three runtime calls through ctypes).  Larger moves, layer-by-layer loads and hosts without
+the compiled module go through ``submit`` in entry-sized pieces; a pageable host tier (pinning
+refused) takes synchronous torch index copies (path ``torch``).  ``backup``/``load`` queue on
+the caller's current stream, ordered after the KV it just wrote; a layer-by-layer load runs on
+the engine's own stream so later layers overlap the caller's compute.  docs/bench-transfer.md
+describes the graphs and the ring.
 """
 
 from __future__ import annotations

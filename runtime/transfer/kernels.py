@@ -1,37 +1,14 @@
 """One Triton kernel that moves n token pages of every selected buffer of a stage in one launch.
 
-A HiCache move is "the same n page ids in every buffer of every pool kind" (SWA,
-C4, C128, states, indexer: 39 buffers on a flash pp4 stage).  Launching a copy
-per buffer or per page pays a fixed host cost per launch; the transfers HiCache
-really does are small (a few token pages), so that fixed cost dominated.  Here a
-whole stage move is one launch:
-
-* a token page of the selection is cut into ``C`` chunks of at most
-  ``CHUNK_BYTES`` (a *chunk table*, built once per buffer selection: word offsets
-  of the buffer bases, page strides and chunk lengths), so a 512 KiB state page
-  is spread over many warps while a 1 KiB C128 page is one item;
-* work item ``i`` of ``n * C`` copies chunk ``i // n`` of the move's page ``i % n``
-  (chunk-major: a program striding through the items by the grid size meets
-  every chunk column; page-major order gave a program the same chunk of every
-  page whenever the grid size was a multiple of ``C``, so the programs holding
-  a page's short tail chunk idled while the others moved the long ones);
-  one program per item (``NUM_WARPS`` warps) walks it in steps of 32 consecutive
-  words per warp that start on a 128-byte line of the host side, so every load
-  and store instruction covers one contiguous span of whole lines but at the
-  chunk's two ends (what PCIe requests to pinned host memory need: partial-sector
-  writes ran at a tenth of the link speed on the H200);
-* a persistent grid (a fixed number of programs per SM) walks the items,
-  each program loading its next item's addresses while it copies the current
-  one, and the page count ``n`` and the ids are read from an entry of the id ring, not
-  passed as arguments, so a launch for a given entry is identical for every call and is
-  captured once in a CUDA graph.
-
-A ring entry holds ``[n, device ids..., host ids...]`` (on the device: the engine
-copies it there inside the same graph); host pages are pinned and read/written
-in place through unified addressing (zero-copy), so there is no staging buffer
-and no second copy.  Addresses are word offsets from one anchor tensor.  Bytes
-are moved as integer words, so copies are bit-exact whatever the bytes encode.
-Runs on CPU tensors under ``TRITON_INTERPRET=1`` (tests).
+A HiCache move is "the same n page ids in every buffer of every pool kind" (39 buffers on a
+flash pp4 stage) and is usually a few pages, so a launch per buffer or per page was dominated by
+its fixed host cost.  Here a move is one launch over a chunk table (built once per selection),
+items walked chunk-major by a persistent grid, each warp's words starting on a 128-byte line of
+the host side (partial-sector writes to pinned memory ran at a tenth of the link speed on the
+H200); the page count and ids come from a ring entry, so a launch is identical per entry and is
+captured once in a CUDA graph.  docs/bench-transfer.md, "How stagecache moves pages", gives the
+layout.  Bytes move as integer words, so copies are bit-exact; runs on CPU tensors under
+``TRITON_INTERPRET=1`` (tests).
 """
 
 from __future__ import annotations

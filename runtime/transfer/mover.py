@@ -1,15 +1,9 @@
 """The one interface of a page mover: what the transfer controller asks of the CPU and device copies.
 
 A mover copies the same token pages of every buffer of a selection between a stage's device
-pools and their host mirror.  Two implementations (the controller picks one, ``controller.make_mover``):
-
-* ``CpuMover`` (``cpu.py``, path ``cpu``) -- CPU pools: the checked reference, synchronous;
-* ``DeviceMover`` (``device.py``, path ``triton``) -- CUDA pools: one graph-replayed kernel launch
-  per move, asynchronous on the caller's stream (path ``torch`` where the host tier is pageable
-  and the kernel cannot reach it; the same kernel, synchronously, on CPU tensors under
-  ``TRITON_INTERPRET=1`` for tests).
-
-Every move of a device mover is tested byte for byte against the reference.
+pools and their host mirror: ``CpuMover`` (``cpu.py``), the checked reference, or
+``DeviceMover`` (``device.py``), tested byte for byte against it; the controller picks one
+(``controller.make_mover``; docs/transfer.md tables the paths).
 """
 
 from __future__ import annotations

@@ -116,6 +116,10 @@ static int check_ids(int64_t *ctx, const int64_t *dev, const int64_t *host, int6
     return 1;
 }
 
+/* move(ctx, dev, host, dest_is_device, execs, stream): the ring's next entry (its last reader
+   done: one event query), the ids checked into its pinned row, its bucket's graph launched (the
+   graph records the entry's events).  The entry, or a code: what the engine must do first, or
+   that the general path (which names any bad id) takes the move. */
 static long take_entry_and_launch(int64_t *ctx, const int64_t *dev, const int64_t *host, int64_t n,
                                  int dest_is_device, const int64_t *execs, void *stream)
 {
@@ -162,6 +166,8 @@ static long take_entry_and_launch(int64_t *ctx, const int64_t *dev, const int64_
     return (long)k;
 }
 
+/* ids_ok(ctx, dev, host, dest_is_device): check_ids on the caller's ids, read in place; None when
+   they are not 1-D int64 vectors (the caller converts them and asks again) */
 static PyObject *py_ids_ok(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 4) {

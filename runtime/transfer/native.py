@@ -1,55 +1,14 @@
-"""A transfer's host fast path in C, compiled on first use: the page-id check, and the whole move.
+"""A transfer's host fast path in C (``native.c``, built at install): the page-id check, and the whole move.
 
-Why C: a small move's copy takes 50-100 us on the link, and on the H200 host
-the Python around it (five numpy passes over the ids, the ring entry fill, three
-runtime calls through ctypes, their argument conversions) took 20-60 us before
-the copy was queued -- several times that right after a large copy, when the
-interpreter and the driver have been pushed out of the CPU caches.  What touches
-less memory and runs fewer instructions suffers less from that, so the common
-move is one call into this module:
-
-* ``ids_ok(ctx, dev, host, dest_is_device)``: every boundary check in one pass
-  over the caller's int64 arrays (read in place through the buffer protocol): in
-  range, allocated, no destination listed twice (a generation counter instead of
-  clearing a mark array: a page whose mark equals this call's generation was
-  listed before in this call).  ``None`` when an argument is not a 1-D int64
-  vector (the caller converts it and asks again);
-* ``move(ctx, dev, host, dest_is_device, execs, stream)``: takes the next ring entry
-  of the engine's ring (the entry's last reader must be done: one event query,
-  only when that reader was not yet seen finished), checks the ids while writing
-  them into the entry's pinned row, picks the graph of the entry and size bucket,
-  and queues it with one ``cudaGraphLaunch`` -- the graph records the entry's own
-  start and end events, so there is no other runtime call.  It returns the entry,
-  or a negative code saying what the engine must do first (capture a graph, wait
-  for a entry, finish the transfer that owns the entry's events) or that the move
-  is not one for this path (then the general path runs and names any bad id);
-* ``copy_pages(table, dev, host, d2h, threads)``: CPU pools -- one ``memcpy`` per
-  page per buffer of a plan, without the GIL, split by bytes over ``threads``
-  threads: torch's own OpenMP threads where the compiler has OpenMP, else a
-  thread per part (``fallback.py``);
-* ``copy_checked(ctx, table, dev, host, d2h, threads, threads_from_pages)``: CPU
-  pools, the common move -- ``ids_ok``'s checks on the caller's ids, then, only
-  when every one passes, ``copy_pages``' copy: one call where the check, the id
-  conversion and the copy were three (on CPU a one-page move is a few us of
-  copying, so the calls around it were most of its cost).  False: an id failed
-  and nothing moved; None: not 1-D int64 vectors (the general path takes both).
-
-The ids may be numpy arrays or torch tensors (``configure`` names the tensor
-type): a 1-D contiguous int64 CPU one is read in place, any other is left to the
-caller (never a CUDA tensor's device pointer read from the host).
-
-Everything that does not change between calls sits in one int64 context array
-(``context``): addresses of the allocators' "in use" maps and of the mark arrays,
-page counts, the generation, and the ring (next entry, per entry: the event to
-wait for, whether its events time an unfinished transfer, its end event).  The
-calls run with the GIL held, so a check and a entry take are atomic for Python
-threads.
-
-The module is a CPython extension built by the build backend when the package is installed
-(``setup.py``: ``pip install .`` or ``-e .``); nothing is compiled at run time.  Where it was not
-built (no C compiler or Python headers at install) or ``STAGECACHE_NATIVE=0``, ``module()`` is
-None, one log line says so, ``pages.py`` runs its numpy check (the same answers: tested against
-each other), the device mover queues moves from Python, and CPU moves go through numpy.
+Why C: a small move's copy takes 50-100 us on the link, and on the H200 host the Python around
+it (numpy passes over the ids, the ring entry fill, runtime calls through ctypes) took 20-60 us
+before the copy was queued -- several times that once a large copy had pushed the interpreter
+and the driver out of the CPU caches.  So the common move is one call (``native.c`` documents
+each: ``ids_ok``, ``move``, ``copy_pages``, ``copy_checked``); everything that does not change
+between calls sits in one int64 ``context`` array.  The calls run with the GIL held, so a check
+and an entry take are atomic for Python threads.  Where the module was not built or
+``STAGECACHE_NATIVE=0``, ``module()`` is None and every move takes the Python path
+(docs/transfer.md).
 """
 
 from __future__ import annotations

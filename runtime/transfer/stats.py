@@ -1,35 +1,18 @@
 """Thread-safe counters of device<->host page transfers, read by the exporters; the one GB/s function.
 
-The controller records one ``TransferRecord`` per finished transfer; a stage's live numbers
-take ``live()`` -- the typed ``TransferLive`` every reader (the exporter, the dashboard, the JSON
-files) gets as it is -- and never touch the lock themselves.  Durations go into fixed buckets (cumulative, Prometheus-style) so a
-histogram can be exported without keeping every sample.  Recording is a lock, a
-few adds and a bisect, cheap next to any transfer.
-
-``gbps`` is the only place bytes and seconds become a bandwidth: the controller,
-the benchmarks and the exporters all import it, so every figure means the same.
-
-Queue wait and DMA time per pool kind (the split): each transfer also reports
-its queue wait (from the call until the copy starts) and the pool kinds it moved
-with their bytes per page.  Per (direction, kind) the stats keep bytes, moves
-(transfers that carried the kind) and two histograms on ``SPLIT_BUCKETS``:
-
-* queue wait -- every kind a transfer moved observes the transfer's whole wait
-  (the kinds wait together, so that *is* each kind's wait);
-* DMA time -- the transfer's measured copy time split over its kinds in
-  proportion to their bytes.  One launch moves every kind of a stage move, so a
-  kind's own share cannot be timed apart; split by bytes, the shares sum to the
-  measured time exactly and ``bytes / dma seconds`` is the launch's bandwidth
-  for every kind and every sum of kinds.  A transfer that moves one kind
-  (``pools=[kind]``) gives that kind its own measured time.
+A stage's live numbers take ``live()`` (the typed ``TransferLive`` every reader gets as it is)
+and never touch the lock.  Durations go into fixed cumulative buckets, so a histogram is
+exported without keeping every sample.  ``gbps`` is the only place bytes and seconds become a
+bandwidth, so every figure means the same.  The per-kind queue/DMA split (docs/metrics.md,
+"Transfers: queue wait vs DMA time") splits each transfer's DMA time over its kinds by bytes:
+one launch moves every kind, so a kind's own share cannot be timed apart; split by bytes, the
+shares sum to the measured time and ``bytes / dma seconds`` is the launch's bandwidth.
 """
 
 from __future__ import annotations
 
 import bisect
 import threading
-import time
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -122,29 +105,6 @@ def gbps(nbytes: float, seconds: float | None) -> float:
     return nbytes / seconds / 1e9 if seconds else 0.0
 
 
-@dataclass(frozen=True)
-class TransferRecord:
-    """One finished transfer."""
-
-    direction: str
-    nbytes: int
-    seconds: float
-    pages: int
-    layers: int
-    path: str  # "cpu", "triton", "torch" (see controller)
-    ended_at: float  # time.time() when recorded
-    queue_seconds: float = 0.0  # from the call until the copy started
-
-    @property
-    def gbps(self) -> float:
-        return gbps(self.nbytes, self.seconds)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["gbps"] = round(self.gbps, 3)
-        return d
-
-
 class _Kind:
     """One (direction, pool kind) of the queue/DMA split."""
 
@@ -221,40 +181,36 @@ class TransferStats:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._dirs = {d: _Direction() for d in DIRECTIONS}
-        self.started_at = time.time()
 
-    def record(self, direction: str, nbytes: int, seconds: float, pages: int,
-               layers: int = 0, path: str = "", queue_seconds: float = 0.0,
-               kinds: tuple[tuple[str, int], ...] = ()) -> TransferRecord:
+    def record(self, direction: str, nbytes: int, seconds: float, pages: int, queue_seconds: float = 0.0,
+               kinds: tuple[tuple[str, int], ...] = ()) -> None:
         """One finished transfer; ``kinds`` = ``(pool kind, bytes per page)`` it moved (the split).
 
         Without ``kinds`` only the direction totals move (callers that know no kinds).
         """
         if direction not in self._dirs:
             raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
-        rec = TransferRecord(direction, int(nbytes), float(seconds), int(pages), int(layers), path,
-                             time.time(), float(queue_seconds))
-        bucket = bisect.bisect_left(DURATION_BUCKETS, rec.seconds)
+        seconds, queue_seconds = float(seconds), float(queue_seconds)
+        bucket = bisect.bisect_left(DURATION_BUCKETS, seconds)
         with self._lock:
             d = self._dirs[direction]
-            d.bytes += rec.nbytes
-            d.seconds += rec.seconds
+            d.bytes += int(nbytes)
+            d.seconds += seconds
             d.count += 1
-            d.pages += rec.pages
+            d.pages += int(pages)
             d.buckets[bucket] += 1
-            d.queue_seconds += rec.queue_seconds
+            d.queue_seconds += queue_seconds
             if kinds:
                 kid = id(kinds)  # held in kind_sets until folded, so no other tuple can take the id
                 if kid not in d.kind_sets:
                     d.kind_sets[kid] = kinds
-                q, sec, pages, ids = d.pending
-                q.append(rec.queue_seconds)
-                sec.append(rec.seconds)
-                pages.append(rec.pages)
+                q, sec, moved, ids = d.pending
+                q.append(queue_seconds)
+                sec.append(seconds)
+                moved.append(int(pages))
                 ids.append(kid)
                 if len(ids) >= FOLD_EVERY:
                     _fold(d)
-        return rec
 
     def live(self) -> TransferLive:
         """The totals, mean bandwidth, duration histogram and queue/DMA split, as typed numbers."""

@@ -1,27 +1,12 @@
 """DeepSeek V4: sliding-window KV on every layer, compressed KV, states and an indexer on C4/C128.
 
 Layer kinds come from ``compress_ratios`` (one per layer, plus one placeholder per MTP layer,
-dropped): ratio 0 layers keep SWA KV only; ratio 4 (C4) layers also keep compressed KV, a
-compress state, an indexer cache and an indexer compress state; ratio 128 (C128) layers keep a
-heavily compressed KV and a per-request compress state.  The bytes follow what sglang 0.5.23
-really allocates for a DeepSeek-V4 stage on CUDA (``DeepSeekV4TokenToKVPool`` with the V4 FP8
-KV layout, FP8 indexer, no speculative decoding), measured on its objects by
-tests/integrations/test_sglang_live.py:
-
-* ``swa``, ``c4``, ``c128`` -- KV rows of 448 FP8 nope + 64 BF16 rope + one UE8M0 scale per 64
-  nope values + 1 pad byte (584 B for flash); a page of them is padded to a multiple of the
-  576-byte data row (sglang's ``KVLayout.V4`` page alignment), so a 256-token SWA page is
-  149,760 B, not 256 x 584.
-* ``indexer`` -- the C4 indexer key: FP8 dims + one FP32 scale per 128 (132 B).
-* ``c4_state`` / ``c4_indexer_state`` -- the C4 compressors' running state: a ring of 8 FP32
-  (kv, score) rows with overlap, addressed per *SWA page*, so these are sized by the SWA token
-  budget and host-cached with the SWA pages.
-* ``c128_state`` -- the C128 compressor's ring of 128 raw rows, one per *request slot*:
-  per-request, never host-cached (sglang's HiCache assembler does not register it).
-
-Ids: C4 and C128 layers are numbered each among the stage's layers of their ratio
-(``compress_layer_id``, sglang's ``_init_compressed_layer_mapping``); the C4 states by the
-position among the stage's C4 layers (``c4_state_id``, the assembler's ``c4_state``).
+dropped).  The bytes follow what sglang 0.5.23 really allocates for a DeepSeek-V4 stage on CUDA
+(``DeepSeekV4TokenToKVPool`` with the V4 FP8 KV layout, FP8 indexer, no speculative decoding),
+measured on its objects by tests/integrations/test_sglang_live.py; docs/pools.md, "The pool
+kinds", tables every kind (the SWA-page-addressed C4 states, the per-request C128 state that
+HiCache never mirrors).  Ids: C4 and C128 layers are numbered each among the stage's layers of
+their ratio (``compress_layer_id``), the C4 states among its C4 layers (``c4_state_id``).
 """
 
 from __future__ import annotations

@@ -1,32 +1,12 @@
 """DeepSeek sparse attention (DSA): DeepSeek-V3.2, GLM-5.x -- MLA KV plus an indexer cache.
 
-sglang 0.5.23 serves these with ``DSATokenToKVPool``: the MLA latent KV on every layer, and a
-top-k indexer key cache on the layers that compute their own top-k.  A layer that *shares* the
-previous layer's top-k (GLM-5's IndexShare) writes no index keys, so sglang gives it a 0-row
-placeholder tensor (``IndexKeyCache``) and no host buffer (``make_dsa_indexer_pool_decl``'s
-owned layers).  Which layers share follows ``dsa_layer_skips_topk``, first rule present wins:
-
-1. ``indexer_types[i] == "shared"``;
-2. ``cli_factor`` f > 1: layer i shares unless ``i % f == 0`` (LongCat's rule);
-3. ``index_topk_pattern[i] == "S"``;
-4. ``index_topk_freq`` f with ``index_skip_topk_offset`` o > 0: shares iff ``max(i - o + 1, 0) % f``;
-   without an offset: shares iff ``max(i - 1, 0) % f`` (f defaults to 1: every layer computes).
-
-Pool kinds:
-
-* ``kv`` -- one latent row per token on every layer, local ids (``layer_id - start_layer``):
-  ``kv_lora_rank + qk_rope_head_dim`` BF16 values (1,152 B), or the scaled FP8 layout
-  ``kv_lora_rank x (1 + 4/128) + 2 x qk_rope_head_dim`` bytes (656 B, ``--kv-cache-dtype
-  fp8_e4m3``); tensor ``(size + page, 1, dim)``.
-* ``indexer`` -- the FP8 index key plus one FP32 scale per 128 values (132 B per token), stored
-  as pages of ``page_size`` tokens: ``(size + page + 1) // page`` pages per computing layer.
-  Numbered among the stage's computing layers (``indexer_id``), as sglang's host indexer pool
-  numbers its compact layers; on device sglang keeps the placeholders, at the local id.
-
-sglang forces 64-token pages for DSA (``DSATokenToKVPool`` asserts ``page_size / index_kpool
-== 64`` on CUDA); ``Family.sglang_page_size`` says so.  Under PP a stage that starts on a
-shared layer takes the previous stage's top-k through the PP proxy (sglang #28532, in 0.5.23):
-``topk_from`` names the layer whose top-k each layer uses.
+sglang 0.5.23's ``DSATokenToKVPool``: the MLA latent KV (``kv``) on every layer, by local id, and
+a top-k indexer key cache (``indexer``) on the layers that compute their own top-k, numbered
+among them.  A layer that *shares* the previous layer's top-k (``dsa_layer_skips_topk``'s rules,
+read here the same way) writes no index keys: sglang gives it a 0-row device placeholder and no
+host buffer.  sglang forces 64-token pages (``Family.sglang_page_size``); under PP a stage that
+starts on a shared layer takes the previous stage's top-k (``topk_from``).  docs/families.md
+lists the rules, bytes and ids.
 """
 
 from __future__ import annotations

@@ -1,41 +1,18 @@
 """Linear-attention / Mamba hybrids: a per-token attention KV cache on some layers, a per-request
 recurrent state (conv + SSM) on the others.
 
-sglang 0.5.23 gives these models two pools per PP stage: ``HybridLinearKVPool`` wraps a plain
-KV pool over the stage's full-attention layers (per token, ``(size + page_size, heads, dim)``
-tensors; MLA rows for Kimi-Linear), and ``HybridReqToTokenPool`` owns a ``MambaPool`` over the
-stage's linear layers: per request *slot*, not per token, ``(layers, slots + 1, ...)`` conv and
-SSM tensors (the ``+ 1`` is sglang's padding slot).  stagecache names them ``attention`` and
-``mamba``; each buffer is one layer's K and V (or conv + SSM state).
-
-Which layer is which comes from each architecture's own config class in sglang, read the same
-way here:
-
-* Qwen3.5/3.6 and Qwen3-Next (GatedDeltaNet): full attention iff ``(i + 1) %
-  full_attention_interval == 0``; ``layer_types`` is never read.  Qwen3.5/3.6 nest the fields in
-  ``text_config``.
-* Nemotron-H: ``hybrid_override_pattern`` (``M`` Mamba, ``*`` attention, ``-`` MLP and ``E`` MoE,
-  which keep no cache); its layer count is the pattern's length; the state reads ``n_groups``.
-* Kimi-Linear: ``linear_attn_config.kda_layers`` lists 1-based KDA layers; the rest are MLA.
-* GraniteMoeHybrid: ``layer_types`` (``mamba``/``attention``, or ``linear_attention``/
-  ``full_attention``), by default attention on every 6th layer.
-* Falcon-H1: every layer has both (kind ``hybrid``).  LFM2: ``full_attention`` vs ``conv`` /
-  ``short_conv`` layers, whose state is the conv window only.
-
-Qwen3-Next, Falcon-H1 and LFM2 build every layer on one rank: sglang does not split them over
-PP (``Family.refuses_pp``).
+sglang 0.5.23 gives these models two pools per PP stage, named ``attention`` (the plain or MLA
+KV of ``HybridLinearKVPool`` over the stage's full-attention layers) and ``mamba`` (the
+``MambaPool`` of ``HybridReqToTokenPool`` over its linear layers: per request *slot*, not per
+token, plus sglang's padding slot).  Which layer is which comes from each architecture's own
+config class, read the same way here (docs/families.md has the table); Qwen3-Next, Falcon-H1
+and LFM2 are not split over PP (``Family.refuses_pp``).
 
 Mamba budget (``stage_budget``): sglang charges every stage the state of the stage with the
-*most* Mamba layers (``_handle_max_mamba_cache`` scales the whole model's per-request state by
-that share), so a stage with fewer Mamba layers strands the difference.  The state slots come
-from ``mamba_full_memory_ratio`` of the budget (or ``--max-mamba-cache-size``); the rest buys
-attention tokens, and PP takes the MIN over stages.  A stage without an attention layer sizes
-its (empty) attention pool without a bound (``int64`` max): only the MIN gives it one.
-
-Ids: sglang indexes the attention pool by the layer's position among the stage's full layers
-(``full_attention_layer_id_mapping``) and the Mamba pool by its position among the stage's
-linear layers (``mamba_map``); HiCache signals a layer's completion by its stage-local id
-(with holes), and readers wait on ``layer_id - start_layer``: ``transfer_ids``.
+*most* Mamba layers, so a stage with fewer strands the difference; the rest of the budget buys
+attention tokens, and PP takes the MIN over stages (a stage without an attention layer would
+otherwise size its empty pool without a bound).  Ids: each pool by the layer's position among
+the stage's layers of its kind; HiCache signals by stage-local id (``transfer_ids``).
 """
 
 from __future__ import annotations

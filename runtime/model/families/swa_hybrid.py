@@ -1,31 +1,12 @@
 """SWA hybrids: sliding-window and full-attention layers in two sub-pools (sglang's ``SWAKVPool``).
 
-gpt-oss, Gemma 4, MiMo-V2 and Step-3.5 mix sliding-window (SWA) layers with full-attention
-layers.  sglang 0.5.23 gives such a stage one ``SWAKVPool`` of two MHA sub-pools: a full one sized
-by the full-token budget and an SWA one sized by ``--swa-full-tokens-ratio`` (0.8 by default) of
-it, each with one buffer per layer *of its kind in the stage* (a buffer = one layer's K and V,
-as HiCache mirrors them together).  Which layer is which is sglang's ``get_hybrid_layer_ids``:
-
-* gpt-oss (and Gemma 4): ``layer_types`` ``sliding_attention`` / ``full_attention``; Gemma 4's
-  default is every 6th layer full, and its last layer is always full (transformers' rule);
-* MiMo-V2: ``hybrid_layer_pattern``, 1 = SWA, 0 = full;
-* Step-3.5: ``layer_types`` cut to ``num_hidden_layers`` -- but with HiCache on sglang turns its
-  hybrid memory off (ratio 1.0, one plain MHA pool of every layer), which stagecache models.
-
-Gemma 2/3 get one plain MHA pool too (sglang disables their hybrid memory); they and Llama-4
-(``models/llama4.py`` builds every layer on every rank) are not split under PP.
-
-Ids (``check --json``): ``sub_pool_id`` indexes the layer's sub-pool (its position among the
-stage's layers of its kind: ``layers_mapping``); ``transfer_id`` is the id HiCache signals the
-layer's transfer with and ``wait_id`` the one the pool waits on.  ``SWAKVPool`` has
-``start_layer = 0``, so both are *global* ids for a hybrid stage (stage ``[12, 24)`` loops transfer
-ids 0..23, 0..11 being holes); a plain MHA pool uses local ids.
-
-Sizes (``HybridSWAPoolConfigurator``, ``MHATokenToKVPool``): one token of one layer is
-``kv_heads x (head_dim + v_head_dim) x 2`` bytes (bf16); MiMo-V2 and Gemma 4 give the SWA
-sub-pool its own shape (``swa_num_key_value_heads``, ``swa_head_dim``, ``swa_v_head_dim``; Gemma 4
-states the sliding shape as its base and the full one as ``global_head_dim`` /
-``num_global_key_value_heads``).  Tensors hold ``size + page_size`` token rows.
+gpt-oss, Gemma 4, MiMo-V2 and Step-3.5 mix sliding-window and full-attention layers; sglang
+0.5.23 gives such a stage one ``SWAKVPool`` of two MHA sub-pools (``full`` by the full-token
+budget, ``swa`` by ``--swa-full-tokens-ratio`` of it), one buffer (K and V) per layer of its
+kind, which layer is which following ``get_hybrid_layer_ids``.  Where sglang turns hybrid memory
+off (Step-3.5 under HiCache, Gemma 2/3) it is one plain MHA pool (``kv``).  ``SWAKVPool`` has
+``start_layer = 0``, so a hybrid stage's transfer and wait ids are *global* (holes below the
+stage).  docs/families.md lists the architectures, shapes and ids.
 """
 
 from __future__ import annotations
