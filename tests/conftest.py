@@ -144,8 +144,10 @@ ALONE_FILE_ENV = "STAGECACHE_TEST_ALONE_FILE"
 
 def _set_aside_alone(config, items: list) -> None:
     """Deselect the ``alone`` tests and write their node ids (one a line) to $ALONE_FILE_ENV.
-    Every xdist worker collects the same items and writes the same file (atomically)."""
-    path = os.environ.get(ALONE_FILE_ENV)
+    Every xdist worker collects the same items and writes the same file (atomically).  The
+    variable is taken out of the environment: a pytest that a test starts (the sglang suites in
+    their venv) would otherwise overwrite the list with its own, empty one."""
+    path = os.environ.pop(ALONE_FILE_ENV, None)
     if not path:
         return
     alone = [item for item in items if "alone" in item.keywords]

@@ -116,7 +116,8 @@ def _checkout(tmp_path: Path, steps: dict[str, str]) -> tuple[Path, dict[str, st
     fake.write_text(f'#!/usr/bin/env bash\n[ "$1 $2" = "-m pytest" ] && exec {sys.executable} {tmp_path}/pytest.py "${{@:3}}"\n'
                     "exit 0\n")
     fake.chmod(0o755)
-    return co, {**os.environ, "PYTHON": str(fake), "MARKS": str(marks), "PROGRESS_EVERY": "60"}
+    env = {k: v for k, v in os.environ.items() if k != "STAGECACHE_TEST_WORKERS"}  # run.sh's default
+    return co, {**env, "PYTHON": str(fake), "MARKS": str(marks), "PROGRESS_EVERY": "60"}
 
 
 def _alive(pid: int) -> bool:
@@ -236,7 +237,7 @@ def test_the_alone_tests_run_after_the_parallel_run_in_a_pytest_of_their_own(tmp
     proc, runs = _phases(tmp_path, ids)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert len(runs) == 2, runs
-    assert runs[0]["listed_to"] and runs[0]["argv"][:4] == ["-q", "-n", "2", "--dist"], runs[0]
+    assert runs[0]["listed_to"] and runs[0]["argv"][:4] == ["-q", "-n", "3", "--dist"], runs[0]
     # the second run: those tests alone, in one process (no -n), not told to set any aside
     assert runs[1] == {"argv": ["-q", "suite/a.py::test_fast", "suite/b.py::test_flood[2000]"],
                        "listed_to": False}, runs[1]
@@ -263,6 +264,29 @@ def test_the_parallel_run_sets_the_alone_tests_aside_and_lists_them(tmp_path):
     assert "(1 deselected)" in proc.stdout
     collected = [line for line in proc.stdout.splitlines() if line.startswith("tests/")]
     assert flood not in collected and len(collected) >= 5, collected
+
+
+def test_the_list_file_is_not_passed_on_to_what_a_test_starts():
+    """Run with $STAGECACHE_TEST_ALONE_FILE set (the next test does): the collection took it out
+    of the environment, so a pytest this process starts cannot overwrite the list."""
+    assert "STAGECACHE_TEST_ALONE_FILE" not in os.environ
+
+
+def test_a_pytest_started_by_a_test_leaves_the_list_alone(tmp_path):
+    """The sglang suites run as a pytest inside a test of the parallel run; the list that run
+    wrote must survive them, or the flood test runs nowhere."""
+    listed = tmp_path / "alone.txt"
+    me = "tests/harness/test_setup_steps.py::test_the_list_file_is_not_passed_on_to_what_a_test_starts"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+                           "tests/dashboard/test_guard.py::test_the_socket_budget_follows_the_fd_limit", me,
+                           "tests/dashboard/test_guard.py::"
+                           "test_under_ulimit_1024_a_flood_of_2000_idle_sockets_leaves_healthz_fast"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "STAGECACHE_TEST_ALONE_FILE": str(listed)})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "2 passed, 1 deselected" in proc.stdout, proc.stdout[-2000:]
+    assert listed.read_text().splitlines() == [
+        "tests/dashboard/test_guard.py::test_under_ulimit_1024_a_flood_of_2000_idle_sockets_leaves_healthz_fast"]
 
 
 def test_a_selection_of_alone_tests_only_runs_them_alone_and_a_failed_parallel_run_fails(tmp_path):
