@@ -278,7 +278,7 @@ def test_a_pytest_started_by_a_test_leaves_the_list_alone(tmp_path):
     listed = tmp_path / "alone.txt"
     me = "tests/harness/test_setup_steps.py::test_the_list_file_is_not_passed_on_to_what_a_test_starts"
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
-                           "tests/dashboard/test_guard.py::test_the_socket_budget_follows_the_fd_limit", me,
+                           "tests/dashboard/test_guard.py::test_the_socket_budget_follows_the_descriptor_limit", me,
                            "tests/dashboard/test_guard.py::"
                            "test_under_ulimit_1024_a_flood_of_2000_idle_sockets_leaves_healthz_fast"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120,
