@@ -114,11 +114,30 @@ pip_install() {
     $PY -m pip install -q --disable-pip-version-check "$@" 2>&1 \
         | { grep -v -e 'WARNING: Location' || true; }
 }
+# The CPU build of torch lies on local disk (pip's find-links); a plain `torch` would pull a
+# multi-GB CUDA build.  One resolve: torch, stagecache with its test tools and the Mooncake wheel
+# (l3; tests/setup.d/60-mooncake.sh then finds it importable once its Debian library is there).
+# Where that wheel is found, uv installs the lot without a cache (about 10 s against pip's 50:
+# parallel downloads and unpacking), pinned to the wheel's own `+cpu` version so that it can
+# never take the CUDA build; otherwise, or if uv fails, pip does.
+torch_wheel_dir() {
+    local dir
+    for dir in ${PIP_FIND_LINKS:-} /opt/wheels; do
+        compgen -G "$dir/torch-2.13.0+cpu-*.whl" >/dev/null && { echo "$dir"; return 0; }
+    done
+    return 1
+}
+install_test_env() {
+    local wheels
+    if wheels=$(torch_wheel_dir) && pip_install uv \
+        && $PY -m uv pip install -q --no-cache --python "$(command -v "$PY")" --find-links "$wheels" \
+            "torch==2.13.0+cpu" -e ".[test,l3]"; then
+        return 0
+    fi
+    pip_install "torch==2.13.0" -e ".[test,l3]"
+}
 echo "== set-up: the test environment"
-# The CPU build of torch lies on local disk; a plain `torch` would pull a multi-GB CUDA build.
-# One pip run (one resolve): torch, stagecache with its test tools and the Mooncake wheel (l3;
-# tests/setup.d/60-mooncake.sh then finds it importable once its Debian library is there).
-foreground "torch 2.13.0 (CPU), stagecache and its test tools" pip_install "torch==2.13.0" -e ".[test,l3]"
+foreground "torch 2.13.0 (CPU), stagecache and its test tools" install_test_env
 # The checkout's modules byte-compiled once: where PYTHONDONTWRITEBYTECODE is set, each of the
 # suite's hundreds of Python processes would otherwise compile them again.
 foreground "byte-compile the checkout" $PY -m compileall -q -j 0 runtime exporters dashboard entry tests
