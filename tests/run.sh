@@ -117,9 +117,11 @@ pip_install() {
 # The CPU build of torch lies on local disk (pip's find-links); a plain `torch` would pull a
 # multi-GB CUDA build.  One resolve: torch, stagecache with its test tools and the Mooncake wheel
 # (l3; tests/setup.d/60-mooncake.sh then finds it importable once its Debian library is there).
-# Where that wheel is found, uv installs the lot without a cache (about 10 s against pip's 50:
+# Where that wheel is found, uv installs the lot without a cache (about 24 s against pip's 50:
 # parallel downloads and unpacking), pinned to the wheel's own `+cpu` version so that it can
-# never take the CUDA build; otherwise, or if uv fails, pip does.
+# never take the CUDA build, and byte-compiled as pip does (where PYTHONDONTWRITEBYTECODE is set,
+# a venv without .pyc files costs every test process its imports' compilation: 40% more time);
+# otherwise, or if uv fails, pip does.
 torch_wheel_dir() {
     local dir
     for dir in ${PIP_FIND_LINKS:-} /opt/wheels; do
@@ -130,7 +132,7 @@ torch_wheel_dir() {
 install_test_env() {
     local wheels
     if wheels=$(torch_wheel_dir) && pip_install uv \
-        && $PY -m uv pip install -q --no-cache --python "$(command -v "$PY")" --find-links "$wheels" \
+        && $PY -m uv pip install -q --no-cache --compile-bytecode --python "$(command -v "$PY")" --find-links "$wheels" \
             "torch==2.13.0+cpu" -e ".[test,l3]"; then
         return 0
     fi

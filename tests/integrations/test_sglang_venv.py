@@ -81,12 +81,13 @@ AGREEMENT_SUITE = "tests/integrations/test_sglang_live_agreement.py"
 #: Every other family live (a Mamba hybrid, DSA, an SWA hybrid at pp 2 and 4, a dense model; its own process too):
 #: their pools are modelled on the pinned release, so it runs there.
 FAMILIES_SUITE = "tests/integrations/test_sglang_live_families.py"
-#: Comparisons with the pinned release's own objects (model families' pools, the eviction order):
+#: Comparisons with the pinned release's own objects (model families' pools, the eviction order, L3 keys):
 #: stagecache claims them for that release, so they run on it alone, beside the live suites.
 PINNED_SUITES = ("tests/integrations/test_sglang_policies.py",
                  "tests/integrations/test_sglang_dsa.py", "tests/integrations/test_sglang_dense.py",
                  "tests/integrations/test_sglang_swa_hybrid.py",
-                 "tests/integrations/test_sglang_linear_hybrid.py")
+                 "tests/integrations/test_sglang_linear_hybrid.py",
+                 "tests/integrations/test_sglang_storage_keys.py")
 #: One pytest run per suite set: (suites, the fewest tests that must pass).
 #: The agreement suite (about a minute) runs on the pinned release, beside the comparisons.
 RUNS = {"live": ((LIVE_SUITES, 50), ((DEPLOYMENT_SUITE,), 8)),
