@@ -17,9 +17,9 @@ from stagecache.runtime.integrations.storage_keys import TABLE, facts, verdict
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _check(*args: str, python: str = sys.executable, env: dict | None = None):
-    return subprocess.run([python, "-W", "ignore", "-m", "stagecache.runtime.cli.main", "check", *args],
-                          capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
+def _check(*args: str):
+    return subprocess.run([sys.executable, "-W", "ignore", "-m", "stagecache.runtime.cli.main", "check", *args],
+                          capture_output=True, text=True, timeout=240, cwd=ROOT)
 
 
 def test_backends_without_the_pp_rank_are_an_error_under_pp_in_strict_mode():
