@@ -66,7 +66,7 @@ EXPECTED_S = {
     **{f"tests/integrations/test_sglang_venv.py::test_real_sglang_suite_in_its_venv[{case}]": s
        for case, s in (("pinned-families-1", 45), ("pinned-families-2", 125), ("pinned-families-0", 70), ("pinned-live-0", 45),
                        ("0.5.22-live-0", 45), ("pinned-live-1", 30), ("0.5.22-live-1", 30))},
-    "tests/integrations/test_sglang_two_hosts.py": 110,
+    "tests/integrations/test_sglang_two_hosts.py": 65,
     "tests/serve/test_serve_two_hosts.py": 80,
     "tests/cli/test_family_commands.py": 55,
     "tests/plan/test_dsa_faults.py": 45,

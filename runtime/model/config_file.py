@@ -63,10 +63,14 @@ def read_config_text(path: Path) -> str:
                              "a Hugging Face config.json (a few KB of JSON)")
 
 
+def preset_text(name: str) -> str:
+    """The ``config.json`` text of preset ``name`` (a file of this package: trusted), as published."""
+    return resources.files("stagecache.runtime.model").joinpath("presets", PRESETS[name]).read_text()
+
+
 def preset_config(name: str) -> dict[str, Any]:
-    """The parsed config of preset ``name`` (a file of this package: trusted)."""
-    text = resources.files("stagecache.runtime.model").joinpath("presets", PRESETS[name]).read_text()
-    return json.loads(text)
+    """The parsed config of preset ``name``."""
+    return json.loads(preset_text(name))
 
 
 def load_config(model: str) -> tuple[dict[str, Any], str]:

@@ -6,8 +6,9 @@ own (tests/support/sglang_rank_proc.py: sglang's distributed state over gloo, it
 ``load_plugins()``, the real flash pool and the real ``build_deepseek_v4_hicache_stack``), ranks
 0-1 on host A and 2-3 on host B, gloo over the veth link.  Rank 0 serves the deployment's one
 endpoint on A; ranks 2-3 push to it by the advertised name ``stagecache-host-a``; Debian's
-Prometheus runs on A and scrapes it by that name.  Host B's processes run under libfaketime with
-the wall clock 30 s ahead, or behind (the monotonic clock untouched): no verdict may change.
+Prometheus runs on A and scrapes it by that name.  Host B's ranks run under libfaketime, rank 2's
+wall clock 30 s ahead and rank 3's 30 s behind (the monotonic clock untouched), so one launch sees
+both skews: no verdict may change.
 
 Runs in the main environment as root (network namespaces); the ranks run in .venv-sglang.
 """
@@ -24,30 +25,32 @@ from pathlib import Path
 import pytest
 from netns import NAMES, Prometheus, Watch, stage_states, three_hosts, two_host_marks, wait
 from sglang_env import checkout_on_path, sglang_python
+from stagecache.runtime.model.config_file import preset_text
 
 ROOT = Path(__file__).resolve().parents[2]
 SUPPORT = ROOT / "tests" / "support"
 PORT, PROM_PORT, MASTER_PORT = 18000, 19090, 29500
+FLASH = "deepseek-v4-flash"
 
-pytestmark = [pytest.mark.sglang_venv, *two_host_marks(420)]
+pytestmark = [pytest.mark.sglang_venv, *two_host_marks(420, skews=False)]
+#: Each of host B's ranks with its wall clock moved (libfaketime): one ahead, one behind.
+SKEW = {2: "+30s", 3: "-30s"}
 
 
 @pytest.fixture(scope="module")
 def sglang_model(tmp_path_factory) -> tuple[Path, str, str]:
     """.venv-sglang's python, the PYTHONPATH of its processes (this checkout first) and the model
-    folder (sglang's own ``model_dir``): made once, in a process that imports sglang (about 10 CPU
-    seconds), for both skews."""
+    folder sglang resolves offline (the flash preset's real ``config.json`` alone, as
+    ``cpu_stage.model_dir`` makes it)."""
     python = sglang_python()
     tmp = tmp_path_factory.mktemp("sglang-model")
-    path = f"{checkout_on_path(tmp)}:{SUPPORT}"
-    made = subprocess.run([str(python), "-c", "import sys, pathlib; from stagecache.runtime.integrations.sglang."
-                           "cpu_stage import model_dir; print(model_dir(pathlib.Path(sys.argv[1])))", str(tmp)],
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": path})
-    assert made.returncode == 0, made.stderr[-2000:]
-    return python, path, made.stdout.strip().splitlines()[-1]
+    folder = tmp / FLASH
+    folder.mkdir()
+    (folder / "config.json").write_text(preset_text(FLASH))
+    return python, f"{checkout_on_path(tmp)}:{SUPPORT}", str(folder)
 
 
-def test_sglang_pp4_over_two_hosts(tmp_path, skew, sglang_model):
+def test_sglang_pp4_over_two_hosts(tmp_path, sglang_model):
     python, path, folder = sglang_model
     with three_hosts() as hosts:
         ab, ba = hosts.link
@@ -68,7 +71,7 @@ def test_sglang_pp4_over_two_hosts(tmp_path, skew, sglang_model):
                     argv.append("--traffic")
                 logs[rank] = tmp_path / f"rank{rank}.log"
                 with logs[rank].open("w") as out:
-                    procs[rank] = subprocess.Popen(hosts.argv(host, argv, faketime=skew if host == "b" else None),
+                    procs[rank] = subprocess.Popen(hosts.argv(host, argv, faketime=SKEW.get(rank)),
                                                    stdout=out, stderr=subprocess.STDOUT, env=env,
                                                    start_new_session=True)
 
@@ -103,8 +106,8 @@ def test_sglang_pp4_over_two_hosts(tmp_path, skew, sglang_model):
                 if s["remote"]:
                     assert abs(s["time"] - time.time()) < 5, (s["stage"], s["time"], time.time())
             offsets = {s["stage"]: s["clock_offset_s"] for s in summary["stages"]}
-            expect = -30.0 if skew.startswith("+") else 30.0
-            assert abs(offsets[2] - expect) < 3 and abs(offsets[3] - expect) < 3, offsets
+            expect = {rank: -30.0 if s.startswith("+") else 30.0 for rank, s in SKEW.items()}
+            assert abs(offsets[2] - expect[2]) < 3 and abs(offsets[3] - expect[3]) < 3, offsets
             assert abs(offsets[1]) < 3, offsets
 
             # Prometheus on host A scrapes the endpoint by its advertised name
@@ -165,7 +168,7 @@ def test_sglang_pp4_over_two_hosts(tmp_path, skew, sglang_model):
             assert status == 503 and stage_states(body)[3] == "up", body
             reason = next(r for r in body["reasons"] if r.startswith("stage 2"))
             assert f"pid {pids[2]} is gone" in reason and "stage 3 on the same host" in reason, reason
-            print(f"\nsglang two hosts, B {skew}: unreachable after {unreachable_after:.1f} s, "
+            print(f"\nsglang two hosts, B's ranks {SKEW}: unreachable after {unreachable_after:.1f} s, "
                   f"ready after restore {ready_after:.1f} s, kill named after {crashed_after:.1f} s")
         finally:
             for p in [*procs.values(), prom]:

@@ -45,12 +45,15 @@ PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 CUT_S = 20.0
 
 
-def two_host_marks(timeout: int) -> list:
+def two_host_marks(timeout: int, *, skews: bool = True) -> list:
     """A two-host test module's ``pytestmark``: its time limit, a skip without libfaketime, and
-    host B's clock skews (one run each)."""
-    return [pytest.mark.timeout(timeout), pytest.mark.skipif(
-        not os.path.exists(FAKETIME_LIB), reason=f"no {FAKETIME_LIB} (Debian package libfaketime)"),
-        pytest.mark.parametrize("skew", ["+30s", "-30s"], ids=["B-ahead-30s", "B-behind-30s"])]
+    (``skews``) host B's clock skews as a parameter ``skew``, one run each; a test that skews its
+    processes one by one sets ``skews=False``."""
+    marks = [pytest.mark.timeout(timeout), pytest.mark.skipif(
+        not os.path.exists(FAKETIME_LIB), reason=f"no {FAKETIME_LIB} (Debian package libfaketime)")]
+    if skews:
+        marks.append(pytest.mark.parametrize("skew", ["+30s", "-30s"], ids=["B-ahead-30s", "B-behind-30s"]))
+    return marks
 
 
 class Prometheus:
@@ -242,8 +245,11 @@ class Watch:
         self.backwards: list[str] = []
         self.last_ready: tuple = (0, {})
 
-    def get(self, path: str, **kw):
-        return self.hosts.http("a", self.base + path, headers={"Host": f"{NAMES['a']}:{self.port}"}, **kw)
+    def get(self, path: str, timeout: float = 10.0):
+        """(status, body) of ``path`` from host A; a read may wait 10 s: the suite's other workers
+        share the machine's cores with the deployment's processes."""
+        return self.hosts.http("a", self.base + path, headers={"Host": f"{NAMES['a']}:{self.port}"},
+                               timeout=timeout)
 
     def ready(self) -> tuple[int, dict]:
         status, body = self.get("/readyz")

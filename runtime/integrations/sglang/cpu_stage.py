@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -38,6 +37,7 @@ from sglang.srt.server_args import ServerArgs
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
 from ...errors import ConfigError
+from ...model.config_file import preset_text
 
 FLASH = "deepseek-v4-flash"
 #: The compressed pools a page backup moves by the full-KV token indices (SWA and the state pools
@@ -49,8 +49,7 @@ def model_dir(parent: Path, preset: str = FLASH) -> Path:
     """A model folder sglang resolves offline: the preset's real ``config.json`` alone."""
     folder = parent / preset
     folder.mkdir(parents=True, exist_ok=True)
-    text = resources.files("stagecache.runtime.model").joinpath("presets", f"{preset}.json").read_text()
-    (folder / "config.json").write_text(text)
+    (folder / "config.json").write_text(preset_text(preset))
     return folder
 
 
