@@ -73,13 +73,16 @@ BACKENDS = tuple(TABLE)
 
 
 # -- computed by calling sglang ------------------------------------------------------------------
+#: The storage config every variation starts from (a DeepSeek-V4 MLA stage of pp 2).
+BASE_CONFIG: dict[str, Any] = dict(
+    tp_rank=0, tp_size=1, pp_rank=0, pp_size=2, attn_cp_rank=0, attn_cp_size=1, is_mla_model=True,
+    enable_storage_metrics=False, is_page_first_layout=False, model_name="deepseek-ai/DeepSeek-V4-Flash")
+
+
 def _config(**over: Any) -> Any:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
-    base = dict(tp_rank=0, tp_size=1, pp_rank=0, pp_size=2, attn_cp_rank=0, attn_cp_size=1,
-                is_mla_model=True, enable_storage_metrics=False, is_page_first_layout=False,
-                model_name="deepseek-ai/DeepSeek-V4-Flash")
-    return HiCacheStorageConfig(**{**base, **over})
+    return HiCacheStorageConfig(**{**BASE_CONFIG, **over})
 
 
 #: One-property variations: (property, config A overrides, config B overrides).
@@ -114,8 +117,17 @@ def _mooncake_key(cfg_over: dict[str, Any], master: str) -> str:
 
 
 def _computed(backend: str, key_of: Any) -> KeyFacts:
-    row = TABLE[backend]
-    found = {prop: key_of(a) != key_of(b) for prop, a, b in VARIATIONS}
+    """The row with each property found by building two keys that differ only in it.  A config is
+    built once however many variations name it (a Mooncake store takes about 2 s to close)."""
+    row, keys = TABLE[backend], {}
+
+    def key(over: dict[str, Any]) -> str:
+        config = tuple(sorted((k, v) for k, v in over.items() if BASE_CONFIG.get(k) != v))
+        if config not in keys:
+            keys[config] = key_of(dict(config))
+        return keys[config]
+
+    found = {prop: key(a) != key(b) for prop, a, b in VARIATIONS}
     return dataclasses.replace(row, how="sglang", dtype=False, note=(
         f"{row.note}; computed with sglang's own key builder (HiCacheStorageConfig has no dtype "
         "field: no key it builds can carry the dtype)"), **found)

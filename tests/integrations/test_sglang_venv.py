@@ -70,49 +70,43 @@ def test_integration_without_sglang_says_how_to_install():
            "pip install '.[sglang]' in a stagecache checkout" in proc.stdout
 
 
-#: The plugin's live suites: run on every release the plugin says it was tested with.
+#: The plugin's live suites, in-process (they publish sglang's server args in the pytest process).
 LIVE_SUITES = ("tests/integrations/test_sglang_live.py", "tests/integrations/test_sglang_live_server.py",
                "tests/integrations/test_sglang_live_pools.py")
-#: Its ranks are forked from the pytest process, so it runs in a pytest process of its own: sglang
-#: state the other suites publish in-process must not leak into the ranks.
+#: Suites whose ranks are forked from the pytest process: a deployment of the plugin, ranks that
+#: stop agreeing, and every other family live (a Mamba hybrid, DSA, an SWA hybrid at pp 2 and 4, a
+#: dense model).  They run first in their pytest process, before an in-process suite has published
+#: any sglang state that the forks would inherit.
 DEPLOYMENT_SUITE = "tests/integrations/test_sglang_live_deployment.py"
-#: The ranks that stop agreeing (its own process too, for the same reason).
 AGREEMENT_SUITE = "tests/integrations/test_sglang_live_agreement.py"
-#: Every other family live (a Mamba hybrid, DSA, an SWA hybrid at pp 2 and 4, a dense model; its own process too):
-#: their pools are modelled on the pinned release, so it runs there.
 FAMILIES_SUITE = "tests/integrations/test_sglang_live_families.py"
 #: Comparisons with the pinned release's own objects (model families' pools, the eviction order, L3 keys):
-#: stagecache claims them for that release, so they run on it alone, beside the live suites.
+#: stagecache claims them for that release, so they run on it alone.
 PINNED_SUITES = ("tests/integrations/test_sglang_policies.py",
                  "tests/integrations/test_sglang_dsa.py", "tests/integrations/test_sglang_dense.py",
                  "tests/integrations/test_sglang_swa_hybrid.py",
                  "tests/integrations/test_sglang_linear_hybrid.py",
                  "tests/integrations/test_sglang_storage_keys.py")
-#: One pytest run per suite set: (suites, the fewest tests that must pass).
-#: The agreement suite (about a minute) runs on the pinned release, beside the comparisons.
-RUNS = {"live": ((LIVE_SUITES, 50), ((DEPLOYMENT_SUITE,), 8)),
-        "pinned": ((PINNED_SUITES, 150), ((AGREEMENT_SUITE,), 6), ((FAMILIES_SUITE,), 26))}
-#: One pytest run of a suite set (the families' suites take about 2.5 minutes on a loaded 2-core machine).
+#: One pytest run each (a test of its own, so the runs spread over the xdist workers; each imports
+#: sglang once, about 12 CPU seconds): (id, release (None: the pinned one), suites in the order they
+#: run, the fewest tests that must pass).  The plugin's suites run on every release it says it was
+#: tested with (``SGLANG_TESTED_VERSIONS``); the families and comparisons on the pinned release.
+RUNS = [("pinned-live", None, (DEPLOYMENT_SUITE, AGREEMENT_SUITE, *LIVE_SUITES), 8 + 6 + 50),
+        ("pinned-families", None, (FAMILIES_SUITE, *PINNED_SUITES), 26 + 150),
+        (f"{PREVIOUS_VERSION}-live", PREVIOUS_VERSION, (DEPLOYMENT_SUITE, *LIVE_SUITES), 8 + 50)]
+#: One pytest run (the largest takes about 2.5 minutes on a loaded 2-core machine).
 SUITE_TIMEOUT_S = 900
-#: (release, suite set, which run of it): each pytest run is a test of its own, so the runs (one
-#: to a few minutes each) spread over the xdist workers (tests/conftest.py schedules them one by one).
-CASES = [(release, runs, i) for release, runs in ((None, "live"), (None, "pinned"), (PREVIOUS_VERSION, "live"))
-         for i in range(len(RUNS[runs]))]
-#: "pinned-live-0" (the live suites on the pinned release), "pinned-families-1" (the agreement suite), ...
-CASE_IDS = [f"{release or 'pinned'}-{'families' if runs == 'pinned' else runs}-{i}" for release, runs, i in CASES]
 
 
 @pytest.mark.sglang_venv
 @pytest.mark.timeout(TIMEOUT_S)
-@pytest.mark.parametrize(("release", "runs", "index"), CASES, ids=CASE_IDS)
-def test_real_sglang_suite_in_its_venv(tmp_path, release, runs, index):
-    """Run the real-sglang suites in .venv-sglang: the live suites on the pinned release and again on
-    the release before (``SGLANG_TESTED_VERSIONS``: every release the plugin says it was tested
-    with), the comparisons with sglang's own objects on the pinned release; one pytest run (of
-    RUNS) per test."""
+@pytest.mark.parametrize(("release", "suites", "least"), [r[1:] for r in RUNS], ids=[r[0] for r in RUNS])
+def test_real_sglang_suite_in_its_venv(tmp_path, release, suites, least):
+    """Run the real-sglang suites in .venv-sglang (one pytest run of RUNS per test): the plugin's
+    suites on the pinned release and again on the release before, the families live and the
+    comparisons with sglang's own objects on the pinned release."""
     venv_py = sglang_python(release)
     env = {**os.environ, "PYTHONPATH": str(checkout_on_path(tmp_path))}
-    suites, least = RUNS[runs][index]
     proc = subprocess.run(
         [str(venv_py), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore", *suites],
         capture_output=True, text=True, timeout=SUITE_TIMEOUT_S, cwd=ROOT, env=env,
