@@ -160,10 +160,10 @@ def _set_aside_alone(config, items: list) -> None:
 
 def pytest_collection_modifyitems(config, items):
     _set_aside_alone(config, items)
-    # The queue's order is for tests/run.sh's parallel run; elsewhere (a plain pytest, the
-    # real-sglang suites in their venv: tests/integrations/test_sglang_venv.py) files run in the
-    # command line's order.
-    if getattr(config.option, "dist", None) == "loadfile":
+    # The queue's order is for a parallel run's workers (xdist gives each a ``workerinput``; it
+    # sets their ``dist`` option to "no"); elsewhere (a plain pytest, the real-sglang suites in
+    # their venv: tests/integrations/test_sglang_venv.py) files run in the command line's order.
+    if hasattr(config, "workerinput"):
         _queue_order(items)
     if _cuda_available():
         return
