@@ -81,7 +81,7 @@ EXPECTED_S = {
     "tests/serve/test_rendezvous.py": 25,
 }
 EACH_S = 0.5
-#: Seconds of other work (EXPECTED_S, both workers together) queued before the units that need
+#: Seconds of other work (EXPECTED_S, all workers together) queued before the units that need
 #: .venv-sglang: tests/run.sh builds it in the background meanwhile (seconds when its cache is
 #: there, a few minutes when not).
 SGLANG_VENV_HEAD_START_S = 240
@@ -95,10 +95,26 @@ def work_unit(nodeid: str) -> str:
     return nodeid if path in PER_TEST_FILES else path
 
 
+#: A unit of at least this many seconds (EXPECTED_S) is heavy: no second heavy unit is queued
+#: behind it on the same worker.
+HEAVY_S = 60
+
+
+def unit_cost(unit: str, tests: int) -> float:
+    """Expected seconds of a unit of ``tests`` tests."""
+    return EXPECTED_S.get(unit, EACH_S * tests)
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadfile`` (tests/run.sh) with work_unit's units, taken in collection order (which
-    pytest_collection_modifyitems makes longest first) rather than xdist's most-tests-first."""
+    pytest_collection_modifyitems makes longest first) rather than xdist's most-tests-first.
+
+    xdist hands a worker its next unit while the current one still runs (a worker needs to know
+    its next test before it runs the last one it holds).  Behind a heavy unit of one test (an
+    sglang suite run) that next unit would be the queue's head, often another heavy one, which
+    then waits minutes while other workers run out of work: a worker that holds a heavy unit gets
+    the first light unit in the queue instead."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -106,6 +122,16 @@ def pytest_xdist_make_scheduler(config, log):
     class Units(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return work_unit(nodeid)
+
+        def _assign_work_unit(self, node) -> None:
+            held = self.assigned_work.get(node, {})
+            if any(unit_cost(unit, len(tests)) >= HEAVY_S for unit, tests in held.items()
+                   if not all(tests.values())):
+                light = next((unit for unit, tests in self.workqueue.items()
+                              if unit_cost(unit, len(tests)) < HEAVY_S), None)
+                if light is not None:
+                    self.workqueue.move_to_end(light, last=False)
+            super()._assign_work_unit(node)
 
     config.option.loadscopereorder = False
     return Units(config, log)
@@ -121,7 +147,7 @@ def _queue_order(items: list) -> None:
         units.setdefault(work_unit(item.nodeid), []).append(item)
 
     def cost(unit: str) -> float:
-        return EXPECTED_S.get(unit, EACH_S * len(units[unit]))
+        return unit_cost(unit, len(units[unit]))
 
     venv = {u for u, its in units.items() if any("sglang_venv" in it.keywords for it in its)}
     rest = sorted((u for u in units if u not in venv), key=cost, reverse=True)
