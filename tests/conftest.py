@@ -61,7 +61,8 @@ def pytest_unconfigure(config):
 PER_TEST_FILES = ("tests/integrations/test_sglang_venv.py",)
 #: Seconds a unit of work (a file, or a test of PER_TEST_FILES) takes on an idle 2-core machine,
 #: for the units far above the rest; any other unit counts its tests (EACH_S apiece).  Only the
-#: order of the queue depends on these figures: longest first, so both workers end together.
+#: queue depends on these figures: its order (longest first, so the workers end together) and
+#: which units are heavy (HEAVY_S).
 EXPECTED_S = {
     **{f"tests/integrations/test_sglang_venv.py::test_real_sglang_suite_in_its_venv[{case}]": s
        for case, s in (("pinned-families", 170), ("pinned-live", 140), ("0.5.22-live", 90))},
