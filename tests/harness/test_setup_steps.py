@@ -311,3 +311,29 @@ def test_a_list_file_named_by_the_caller_is_neither_used_nor_written(tmp_path):
     proc, _ = _run(co, {**env, "ALONE_IDS": "suite/a.py::test_fast\n", "STAGECACHE_TEST_ALONE_FILE": str(outer)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert outer.read_text() == "the outer list\n"
+
+
+# -- the progress line of a set-up step ----------------------------------------------------------
+PROGRESS_RACE = """
+. "$1"
+trap 'echo "a TERM trap of the caller ran" >&2' TERM  # as tests/run.sh sets one
+export PROGRESS_EVERY=3
+for i in $(seq 1 "$2"); do
+    with_progress step true >/dev/null
+done
+echo "$2 steps done"
+"""
+
+
+def test_the_progress_ticker_stops_when_a_step_ends_at_once():
+    """A step that ends at once kills its ticker a moment after forking it, while the ticker may
+    still hold the caller's TERM trap: a SIGTERM then was lost, and the run hung (seen once in a
+    fake checkout on a loaded machine; here within a few hundred steps)."""
+    steps = 3000
+    try:
+        proc = subprocess.run(["bash", "-c", PROGRESS_RACE, "race", str(ROOT / "tests" / "setup.d" / "progress.bash"),
+                               str(steps)], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"with_progress hung: {exc.stderr!r}")
+    assert proc.returncode == 0 and proc.stdout.strip() == f"{steps} steps done", proc.stdout + proc.stderr
+    assert "TERM trap of the caller ran" not in proc.stderr, proc.stderr

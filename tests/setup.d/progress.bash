@@ -18,7 +18,10 @@ with_progress() {
     ticker=$!
     rc=0
     wait "$pid" || rc=$?
-    kill "$ticker" 2>/dev/null || true
+    # SIGKILL, not SIGTERM: a subshell forked a moment ago still has its parent's TERM trap
+    # (run.sh's) until it resets it, and a SIGTERM that lands then is lost: the ticker would go on
+    # and the wait below never return (seen when CMD ends at once on a loaded machine)
+    kill -KILL "$ticker" 2>/dev/null || true
     wait "$ticker" 2>/dev/null || true
     return "$rc"
 }
