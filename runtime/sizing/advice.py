@@ -17,7 +17,6 @@ allocates for the suggested flags is ``stagecache pools``'s answer.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -34,10 +33,10 @@ def hicache_ratio_for(host_pages: int, device_pages: int) -> float:
     """The smallest ``--hicache-ratio`` (two decimals) whose host pages, as sglang floors
     ``device_pages x ratio``, hold ``host_pages`` and at least the device's pages."""
     want = max(host_pages, device_pages)
-    ratio = math.ceil(want / device_pages * 100) / 100
-    while int(device_pages * ratio) < want:  # float rounding: one more hundredth
-        ratio = round(ratio + 0.01, 2)
-    return ratio
+    hundredths = -(-want * 100 // device_pages)  # exact: a float quotient can land above an integer
+    while int(device_pages * (hundredths / 100)) < want:  # sglang's float floor: one more hundredth
+        hundredths += 1
+    return hundredths / 100
 
 
 def _point(curve: HitCurve, pages: int) -> dict[str, Any]:
