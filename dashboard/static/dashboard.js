@@ -11,7 +11,9 @@
   var MAX_POINTS = 600; // 10 min of history at 1 s
   var RATE_CHARTS = ["chart-hit-rate", "chart-transfer", "chart-bubble", "chart-miss-reasons"];
   var plotConfig = { displaylogo: false, displayModeBar: false, responsive: true };
-  var state = { polls: 0, failures: 0, phase: body.dataset.phase, lastSummary: null, cleared: false };
+  var POLL_TIMEOUT_MS = 10000; // a request lost on the way is given up and polling goes on
+  var state = { polls: 0, failures: 0, phase: body.dataset.phase, lastSummary: null, cleared: false,
+                pollMs: pollMs };
   window.stagecacheDashboard = state; // read by the browser test and handy in devtools
 
   function readJson(id) {
@@ -199,7 +201,9 @@
 
   function poll() {
     var started = Date.now(); // the next poll starts pollMs after this one started, not after it ended
-    fetch("api/metrics/summary?window=" + windowS, { cache: "no-store" })
+    var abort = new AbortController();
+    var timer = window.setTimeout(function () { abort.abort(); }, POLL_TIMEOUT_MS);
+    fetch("api/metrics/summary?window=" + windowS, { cache: "no-store", signal: abort.signal })
       .then(function (r) {
         if (!r.ok) return r.json().then(function (b) { throw new Error(r.status + ": " + b.detail); });
         return r.json();
@@ -212,9 +216,11 @@
       })
       .catch(function (err) {
         state.failures += 1;
-        setPollState("live numbers unavailable: " + err.message, true);
+        var why = err.name === "AbortError" ? "no answer within " + POLL_TIMEOUT_MS / 1000 + " s" : err.message;
+        setPollState("live numbers unavailable: " + why, true);
       })
       .finally(function () {
+        window.clearTimeout(timer);
         window.setTimeout(poll, Math.max(0, pollMs - (Date.now() - started)));
       });
   }

@@ -13,6 +13,8 @@ to docs/img/ for docs/dashboard.md.  Skipped only when Chromium itself is absent
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 
 import httpx
@@ -103,8 +105,9 @@ def test_a_run_goes_live_shows_rates_per_stage_and_timeline_then_done(driver, fr
         go_running(driver, source, url + "/?window=3", points=3)
         hit = "document.getElementById('chart-hit-rate').data"
         polls = js(driver, "window.stagecacheDashboard.polls")
-        time.sleep(3.2)
-        assert js(driver, "window.stagecacheDashboard.polls") - polls >= 3  # updates at <= 1 s
+        assert js(driver, "window.stagecacheDashboard.pollMs") <= 1000  # updates at <= 1 s ...
+        _wait(lambda: js(driver, "window.stagecacheDashboard.polls") - polls >= 3,  # ... and goes on
+              timeout=15, what="three more polls")
         # every stage has its own line: its own data, colour, marker and dash
         traces = js(driver, f"{hit}.map(t => [t.meta.stage, t.y[t.y.length - 1], t.line.color,"
                              " t.marker.symbol, t.line.dash])")
@@ -151,6 +154,48 @@ def test_a_failed_run_says_so_and_is_not_live(driver, free_port, tmp_path):
         assert detail.text == "stage 2 (pid 4242) exited with code 1: boom"
         assert "error-text" in detail.get_attribute("class")
         screenshot(driver, "dashboard-failed.png", tmp_path)
+
+
+def _in_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+class StallingRun(ScriptedRun):
+    """A run whose next answer to a request takes ``stall_s`` once ``stall`` is set: a request
+    lost on the way, as the page sees it (the reader's own sampling thread is not held)."""
+
+    stall_s = 13.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stall = threading.Event()
+
+    def startup(self):
+        if self.stall.is_set() and _in_event_loop():
+            self.stall.clear()
+            time.sleep(self.stall_s)
+        return super().startup()
+
+
+def test_a_poll_without_an_answer_is_given_up_and_polling_goes_on(driver, free_port):
+    from stagecache.dashboard.server import dashboard_in_thread
+
+    source = StallingRun()
+    with dashboard_in_thread(source, port=free_port) as url:
+        go_running(driver, source, url + "/")
+        source.stall.set()
+        _wait(lambda: "no answer within 10 s" in js(driver, "document.getElementById('poll-state').textContent"),
+              timeout=source.stall_s, what="the page to give the unanswered poll up")
+        assert "badge failed" in js(driver, "document.getElementById('poll-state').className")
+        failures, polls = js(driver, "window.stagecacheDashboard.failures"), js(driver, "window.stagecacheDashboard.polls")
+        _wait(lambda: js(driver, "window.stagecacheDashboard.polls") > polls, timeout=15,
+              what="polling to go on once the server answers again")
+        assert js(driver, "window.stagecacheDashboard.failures") == failures
+        assert js(driver, "document.getElementById('poll-state').textContent").startswith("updated ")
 
 
 def test_api_docs_work_offline_from_the_apps_own_assets(driver, free_port):

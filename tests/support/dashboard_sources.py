@@ -18,7 +18,7 @@ def expected_report(faults: list[str]) -> StartupReport:
 
 
 RATIO = (0.2, 0.35, 0.5, 0.65)  # each stage's own host-hit share (stages that truly differ)
-TOTAL = 64
+TOTAL = 2400  # requests in the run: 4 a second, so it is still going 10 minutes in (a loaded machine)
 
 
 class ScriptedRun:
