@@ -72,7 +72,8 @@ def test_master_killed_then_restarted_marks_the_store_down_then_up():
             again.start()
             try:
                 deadline = time.monotonic() + 20
-                while not store.health()[0] and time.monotonic() < deadline:
+                # the probe thread marks the store up, then calls on_up: wait for both
+                while not (store.health()[0] and came_back) and time.monotonic() < deadline:
                     time.sleep(0.1)
                 assert store.health() == (True, None) and came_back == [True]
                 # a restarted master holds no keys; writes work again
