@@ -109,15 +109,14 @@ def test_a_run_goes_live_shows_rates_per_stage_and_timeline_then_done(driver, fr
         _wait(lambda: js(driver, "window.stagecacheDashboard.polls") - polls >= 3,  # ... and goes on
               timeout=15, what="three more polls")
         # every stage has its own line: its own data, colour, marker and dash
-        traces = js(driver, f"{hit}.map(t => [t.meta.stage, t.y[t.y.length - 1], t.line.color,"
-                             " t.marker.symbol, t.line.dash])")
+        traces = js(driver, f"{hit}.map(t => [t.meta.stage, t.line.color, t.marker.symbol, t.line.dash])")
         assert [t[0] for t in traces] == list(range(PP))
         # each line's newest point is its stage's own share (a point whose window held no sample,
         # on a loaded machine, is a gap: the next poll's point is read)
         _wait(lambda: all(last is not None and abs(last - RATIO[stage]) <= 0.01 for stage, last in
                           js(driver, f"{hit}.map(t => [t.meta.stage, t.y[t.y.length - 1]])")),
               timeout=15, what="each stage's newest hit-rate point to be its own share")
-        assert len({t[2] for t in traces}) == PP and len({t[3] for t in traces}) == PP
+        assert len({t[1] for t in traces}) == PP and len({t[2] for t in traces}) == PP
         # progress bar and the timeline's bubbles: downstream stages wait, stage 0 never does
         value = js(driver, "document.getElementById('run-progress').value")
         assert 0 < value < 1 and js(driver, "document.getElementById('run-progress-box').hidden") is False
