@@ -18,6 +18,12 @@ cd "$(dirname "$0")/.."
 . tests/setup.d/progress.bash
 started=$SECONDS
 PY=${PYTHON:-python3}
+# The suite starts hundreds of Python processes.  With PYTHONDONTWRITEBYTECODE set (some images set
+# it) each one compiles every module it imports and rewrites every test module's asserts again
+# (pytest keeps a rewritten module only where bytecode may be written): a collection of the suite
+# took 12.9 CPU-seconds so, 7.0 with the compiled modules kept.  Here the first process to import
+# a module keeps its bytecode for the others (the venv's and the checkout's __pycache__).
+unset PYTHONDONTWRITEBYTECODE
 
 STAGECACHE_TEST_SETUP_DIR=$(mktemp -d -t stagecache-setup-XXXXXX)  # 0700
 export STAGECACHE_TEST_SETUP_DIR
@@ -120,9 +126,9 @@ pip_install() {
 # (l3; tests/setup.d/60-mooncake.sh then finds it importable once its Debian library is there).
 # Where that wheel is found, uv installs the lot without a cache (about 24 s against pip's 50:
 # parallel downloads and unpacking), pinned to the wheel's own `+cpu` version so that it can
-# never take the CUDA build, and byte-compiled as pip does (where PYTHONDONTWRITEBYTECODE is set,
-# a venv without .pyc files costs every test process its imports' compilation: 40% more time);
-# otherwise, or if uv fails, pip does.
+# never take the CUDA build; not byte-compiled whole (20 s against 8 for a venv of 10,000
+# modules, of which the suite imports about a third: each is compiled once, where first
+# imported); otherwise, or if uv fails, pip does.
 torch_wheel_dir() {
     local dir
     for dir in ${PIP_FIND_LINKS:-} /opt/wheels; do
@@ -133,7 +139,7 @@ torch_wheel_dir() {
 install_test_env() {
     local wheels
     if wheels=$(torch_wheel_dir) && pip_install uv \
-        && $PY -m uv pip install -q --no-cache --compile-bytecode --python "$(command -v "$PY")" --find-links "$wheels" \
+        && $PY -m uv pip install -q --no-cache --python "$(command -v "$PY")" --find-links "$wheels" \
             "torch==2.13.0+cpu" -e ".[test,l3]"; then
         return 0
     fi
@@ -141,9 +147,13 @@ install_test_env() {
 }
 echo "== set-up: the test environment"
 foreground "torch 2.13.0 (CPU), stagecache and its test tools" install_test_env
-# The checkout's modules byte-compiled once: where PYTHONDONTWRITEBYTECODE is set, each of the
-# suite's hundreds of Python processes would otherwise compile them again.
-foreground "byte-compile the checkout" $PY -m compileall -q -j 0 runtime exporters dashboard entry tests
+# One collection of the suite before the parallel run: it compiles what the tests import and keeps
+# every test module's rewritten asserts, so that the pytest processes (each collects the whole
+# suite) start from bytecode.  A collection error shows in the run itself.
+warm_collect() {
+    $PY -m pytest --collect-only -q -p no:cacheprovider >/dev/null 2>&1 || true
+}
+foreground "compile the suite's modules" warm_collect
 
 for step in tests/setup.d/*.sh; do
     [ -e "$step" ] || continue
