@@ -202,12 +202,30 @@ def test_a_healthy_pp4_is_one_endpoint_with_every_stage_and_the_capacity_ledger(
         assert f'data-stage="{k}"' in page
 
 
-def test_e_explicit_partition_11_11_11_10_is_valid_everywhere(tmp_path):
+def test_e_explicit_partition_11_11_11_10_and_a_rank_asking_another_page_size_are_valid_everywhere(tmp_path):
+    """An explicit ``SGLANG_PP_LAYER_PARTITION`` on every rank is one healthy deployment, strict
+    included.  And sglang 0.5.23 pins DeepSeek-V4's scheduler page to 256 tokens whatever
+    ``--page-size`` says, so rank 3 started with ``--page-size 512`` builds the same pool: no
+    false alarm.  (A record that does carry another page size is named: test_sglang_live_server.py.)"""
     port = free_port()
-    run = launch(tmp_path, 4, common_env={"STAGECACHE_SGLANG_DASHBOARD_PORT": str(port),
-                                          "SGLANG_PP_LAYER_PARTITION": "11,11,11,10"},
-                 after=_look(port, 4))
+    look = _look(port, 4)
+
+    def after(rank: int, ctx: dict[str, Any]) -> dict[str, Any]:
+        from sglang.srt.runtime_context import get_schedule, get_server_args
+
+        report = ctx["deployment"].report
+        pages = {"asked": get_server_args().page_size, "scheduled": get_schedule().page_size,
+                 "ok": report.ok, "page_size": report.page_size}
+        return {**(look(rank, ctx) or {}), "pages": pages}
+
+    run = launch(tmp_path, 4, env={3: {"STAGECACHE_TEST_PAGE_SIZE": "512"}},
+                 common_env={"STAGECACHE_SGLANG_DASHBOARD_PORT": str(port), "STAGECACHE_SGLANG_STRICT": "1",
+                             "SGLANG_PP_LAYER_PARTITION": "11,11,11,10"}, after=after)
     _assert_healthy(run, [(0, 11), (11, 22), (22, 33), (33, 43)])
+    assert run.results[3]["pages"]["asked"] == 512 and run.results[0]["pages"]["asked"] is None
+    for rank, res in run.results.items():
+        pages = res["pages"]
+        assert (pages["scheduled"], pages["ok"], pages["page_size"]) == (256, True, 256), (rank, res)
 
 
 def _break_c4_state_on_rank_2() -> dict[int, dict[str, str]]:
@@ -233,26 +251,6 @@ def test_c_a_rank_with_another_partition_is_a_fingerprint_and_tiling_error(tmp_p
     assert "[stage 1] fingerprint: stage 1 runs another deployment than the other stages" in text, text
     assert "partition: (11, 11, 11, 10) != (10, 11, 11, 11)" in text
     assert "gap: layers [10, 11) belong to no stage" in text and "overlap: layers [21, 22)" in text
-
-
-def test_c_a_rank_started_with_another_page_size_still_pages_by_256(tmp_path):
-    """sglang 0.5.23 pins DeepSeek-V4's scheduler page to 256 tokens whatever ``--page-size`` says,
-    so a rank started with ``--page-size 512`` builds the same pool: no false alarm.  (A record that
-    does carry another page size is named: test_sglang_live_server.py.)"""
-    def after(rank: int, ctx: dict[str, Any]) -> dict[str, Any]:
-        from sglang.srt.runtime_context import get_schedule, get_server_args
-
-        report = ctx["deployment"].report
-        return {"asked": get_server_args().page_size, "scheduled": get_schedule().page_size,
-                "ok": report.ok, "page_size": report.page_size}
-
-    run = launch(tmp_path, 4, env={3: {"STAGECACHE_TEST_PAGE_SIZE": "512"}},
-                 common_env={"STAGECACHE_SGLANG_STRICT": "1"}, after=after)
-    assert sorted(run.results) == [0, 1, 2, 3]
-    assert run.results[3]["asked"] == 512 and run.results[0]["asked"] is None
-    for rank, res in run.results.items():
-        assert "error" not in res and "crash" not in res, (rank, res)
-        assert (res["scheduled"], res["ok"], res["page_size"]) == (256, True, 256), (rank, res)
 
 
 def _kill_rank_2(port: int) -> Any:
