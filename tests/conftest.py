@@ -67,7 +67,7 @@ EXPECTED_S = {
     **{f"tests/integrations/test_sglang_venv.py::test_real_sglang_suite_in_its_venv[{case}]": s
        for case, s in (("pinned-families", 170), ("pinned-live", 140), ("0.5.22-live", 90))},
     "tests/integrations/test_sglang_two_hosts.py": 65,
-    "tests/serve/test_serve_two_hosts.py": 80,
+    "tests/serve/test_serve_two_hosts.py": 45,
     "tests/cli/test_family_commands.py": 55,
     "tests/plan/test_dsa_faults.py": 45,
     "tests/dashboard/test_browser.py": 45,

@@ -32,7 +32,7 @@ SUPPORT = ROOT / "tests" / "support"
 PORT, PROM_PORT, MASTER_PORT = 18000, 19090, 29500
 FLASH = "deepseek-v4-flash"
 
-pytestmark = [pytest.mark.sglang_venv, *two_host_marks(420, skews=False)]
+pytestmark = [pytest.mark.sglang_venv, *two_host_marks(420)]
 #: Each of host B's ranks with its wall clock moved (libfaketime): one ahead, one behind.
 SKEW = {2: "+30s", 3: "-30s"}
 

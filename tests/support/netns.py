@@ -45,15 +45,11 @@ PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 CUT_S = 20.0
 
 
-def two_host_marks(timeout: int, *, skews: bool = True) -> list:
-    """A two-host test module's ``pytestmark``: its time limit, a skip without libfaketime, and
-    (``skews``) host B's clock skews as a parameter ``skew``, one run each; a test that skews its
-    processes one by one sets ``skews=False``."""
-    marks = [pytest.mark.timeout(timeout), pytest.mark.skipif(
+def two_host_marks(timeout: int) -> list:
+    """A two-host test module's ``pytestmark``: its time limit and a skip without libfaketime (the
+    tests move host B's wall clocks, process by process)."""
+    return [pytest.mark.timeout(timeout), pytest.mark.skipif(
         not os.path.exists(FAKETIME_LIB), reason=f"no {FAKETIME_LIB} (Debian package libfaketime)")]
-    if skews:
-        marks.append(pytest.mark.parametrize("skew", ["+30s", "-30s"], ids=["B-ahead-30s", "B-behind-30s"]))
-    return marks
 
 
 class Prometheus:
