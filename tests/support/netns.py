@@ -169,8 +169,10 @@ class Hosts:
         return self._pools[host]
 
     def http(self, host: str, url: str, *, data: bytes | None = None, headers: dict[str, str] | None = None,
-             timeout: float = 5.0) -> tuple[int, bytes]:
-        """(status, body) of one request sent from ``host``; (0, error) when nothing answered."""
+             timeout: float = 15.0) -> tuple[int, bytes]:
+        """(status, body) of one request sent from ``host``; (0, error) when nothing answered within
+        ``timeout`` (15 s: the suite's other workers share the cores with the ranks that answer;
+        a refusal once took over 5 s to come under four workers on 2 cores)."""
         def go() -> tuple[int, bytes]:
             req = urllib.request.Request(url, data=data, headers=headers or {},
                                          method="POST" if data is not None else "GET")
