@@ -8,7 +8,11 @@ owner is gone" -- no pid that could have been reused, no timestamp guess.
 Temporary run directories are made under one known parent per user
 (``$XDG_RUNTIME_DIR/stagecache-serve``, else ``$TMPDIR/stagecache-serve-<uid>``);
 every ``serve`` start first removes the ones whose owner is gone, so a run
-killed with SIGKILL leaves nothing behind past the next start.  A ``--run-dir``
+killed with SIGKILL leaves nothing behind past the next start.  A new one is
+made and locked under a staging name that sweeps leave to its age, and takes
+its ``run-`` name only once locked: a ``serve`` starting beside it can never
+take its lock first (between the lock file's creation and its ``flock``) and
+remove it.  A ``--run-dir``
 of the user's is never removed, only locked (two runs cannot share one) and
 emptied of the previous run's files.
 
@@ -40,6 +44,8 @@ LOCK_FILE = ".lock"
 RUN_FILES = (STARTUP_FILE, RUN_FILE, SNAPSHOT_FILE, RENDEZVOUS_FILE)
 #: A directory without a lock file is young only while its creator is about to lock it.
 UNLOCKED_GRACE_S = 60.0
+#: The name of a temporary run directory until its creator holds its lock (then ``run-...``).
+STAGING_PREFIX = ".new-"
 
 
 def run_root() -> Path:
@@ -111,7 +117,7 @@ def sweep_stale(root: Path) -> list[Path]:
         if not entry.is_dir() or entry.is_symlink():
             continue
         lock_path = entry / LOCK_FILE
-        if not lock_path.exists():
+        if entry.name.startswith(STAGING_PREFIX) or not lock_path.exists():  # being claimed
             with contextlib.suppress(OSError):
                 if time.time() - entry.stat().st_mtime > UNLOCKED_GRACE_S:
                     shutil.rmtree(entry, ignore_errors=True)
@@ -135,8 +141,11 @@ def new_temp_run_dir() -> tuple[Path, RunDirLock, list[Path]]:
     """Sweep stale directories, then make and lock a fresh one: (dir, lock, removed)."""
     root = run_root()
     removed = sweep_stale(root)
-    path = Path(tempfile.mkdtemp(prefix="run-", dir=root))
-    return path, claim(path, flag="run dir"), removed
+    staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=root))
+    lock = claim(staging, flag="run dir")
+    lock.path = root / ("run-" + staging.name.removeprefix(STAGING_PREFIX))
+    staging.rename(lock.path)  # the same directory (inode), locked, under its own name
+    return lock.path, lock, removed
 
 
 def prepare_user_run_dir(run_dir: Path) -> RunDirLock:

@@ -59,6 +59,48 @@ def test_a_fresh_unlocked_dir_is_left_alone_for_its_creator(tmp_path):
     assert sweep_stale(tmp_path) == [young]
 
 
+def test_a_dir_being_claimed_is_left_to_its_age_even_with_its_lock_file_made(tmp_path):
+    """Between the lock file's creation and its ``flock`` a sweep could take the lock and remove
+    the directory; a new one keeps its staging name until locked, and a sweep leaves those to age."""
+    from stagecache.runtime.serve.run_root import LOCK_FILE, STAGING_PREFIX
+
+    claiming = tmp_path / f"{STAGING_PREFIX}abc"
+    claiming.mkdir()
+    (claiming / LOCK_FILE).write_text("")  # created, not locked yet
+    assert sweep_stale(tmp_path) == []
+    old = time.time() - 3600
+    os.utime(claiming, (old, old))
+    assert sweep_stale(tmp_path) == [claiming]  # its creator died before locking it
+
+
+RACER = """
+import sys
+from stagecache.runtime.serve.run_root import new_temp_run_dir
+lost = []
+for _ in range(int(sys.argv[1])):
+    try:
+        path, lock, _ = new_temp_run_dir()
+        (path / "probe").write_text("x")
+        if lock.replaced():
+            lost.append(lock.replaced())
+        lock.release()
+    except OSError as exc:
+        lost.append(repr(exc))
+print(len(lost), lost[:2])
+"""
+
+
+def test_serve_starts_at_the_same_moment_never_remove_each_others_run_dir(tmp_path):
+    """Six processes making and sweeping run dirs in one root as fast as they can (each start
+    sweeps the others' released ones): none loses the directory it just made.  Before the
+    staging name, about one start in 400 found its directory gone."""
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", RACER, "200"], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(6)]
+    outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs) and all(out.startswith("0 ") for out in outs), outs
+
+
 def test_claiming_twice_in_one_process_is_refused_too(tmp_path):
     lock = claim(tmp_path)
     try:
