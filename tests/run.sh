@@ -6,7 +6,7 @@
 # "# set-up: background" (the sglang environment, minutes on a fresh machine) runs alongside
 # the rest and the suite; the tests that need it run last and wait for it (bounded), reading
 # its exit status from $STAGECACHE_TEST_SETUP_DIR.  pytest runs on $STAGECACHE_TEST_WORKERS
-# processes (default 4, also on 2 cores: much of a test's time is spent waiting on the servers,
+# processes (default 3, also on 2 cores: much of a test's time is spent waiting on the servers,
 # ranks and link cuts it starts; 1 runs it in one process).  A step that fails stops the run at once with
 # the end of its log and its exit code: a foreground one when it returns, a background one when
 # it is seen (after each set-up step, then every second while pytest runs: pytest is stopped).
@@ -169,7 +169,7 @@ echo "== lint-imports (layers point one way, no cycles)"
 $PY -c "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"
 check_background
 echo "== pytest"
-workers=${STAGECACHE_TEST_WORKERS:-4}
+workers=${STAGECACHE_TEST_WORKERS:-3}
 parallel=()
 [ "$workers" -gt 1 ] && parallel=(-n "$workers" --dist loadfile)
 wait_gone() { while kill -0 "$1" 2>/dev/null; do sleep 1; done; }

@@ -240,7 +240,7 @@ def test_the_alone_tests_run_after_the_parallel_run_in_a_pytest_of_their_own(tmp
     proc, runs = _phases(tmp_path, ids)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert len(runs) == 2, runs
-    assert runs[0]["listed_to"] and runs[0]["argv"][:4] == ["-q", "-n", "4", "--dist"], runs[0]
+    assert runs[0]["listed_to"] and runs[0]["argv"][:4] == ["-q", "-n", "3", "--dist"], runs[0]
     # the second run: those tests alone, in one process (no -n), not told to set any aside
     assert runs[1] == {"argv": ["-q", "suite/a.py::test_fast", "suite/b.py::test_flood[2000]"],
                        "listed_to": False}, runs[1]
