@@ -127,7 +127,7 @@ pip_install() {
 # Where that wheel is found, uv installs the lot without a cache (about 24 s against pip's 50:
 # parallel downloads and unpacking), pinned to the wheel's own `+cpu` version so that it can
 # never take the CUDA build; not byte-compiled whole (20 s against 8 for a venv of 10,000
-# modules, of which the suite imports about a third: each is compiled once, where first
+# modules, of which the suite's collection imports about a quarter: each is compiled once, where first
 # imported); otherwise, or if uv fails, pip does.
 torch_wheel_dir() {
     local dir
