@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import html
 import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -260,12 +262,27 @@ def add_docs_pages(app: FastAPI) -> None:
         return response
 
 
+def _watching(reader: Reader) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """The app's lifespan: the reader judges the stages while the server runs, and stops with it
+    (a stopped dashboard leaves no thread reading its source)."""
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        reader.watch()
+        try:
+            yield
+        finally:
+            reader.stop_watching()
+
+    return lifespan
+
+
 def create_app(source: SnapshotSource, *, title: str = "stagecache",
                advise: AdviseReport | None = None) -> FastAPI:
     """The dashboard over ``source`` (and a saved advise report: ``/advise``); mount it or run it
     with ``serve_dashboard``."""
     from stagecache import runtime
 
+    reader = Reader(source)
     app: FastAPI = FastAPIOffline(
         title=title,
         version=getattr(runtime, "__version__", "0"),
@@ -273,12 +290,11 @@ def create_app(source: SnapshotSource, *, title: str = "stagecache",
         "live cache numbers. Data comes from one SnapshotSource.",
         docs_url=None, redoc_url=None, static_url=DOCS_ASSETS,  # the pages: add_docs_pages
         swagger_ui_parameters={"validatorUrl": None},  # never call the online spec validator
+        lifespan=_watching(reader),
     )
     app.add_middleware(GZipMiddleware, minimum_size=2048)  # plotly.min.js is ~4.8 MB raw
     add_docs_pages(app)
     app.mount("/static", StaticFiles(directory=str(HERE / "static")), name="static")
-    reader = Reader(source)
-    reader.watch()
     app.state.source = source
     app.state.reader = reader
     @app.exception_handler(NotReady)

@@ -8,7 +8,10 @@ adds a sample.  The source hands out the runtime's own typed models
 
 from __future__ import annotations
 
+import atexit
+import threading
 import time
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,6 +32,16 @@ class NotReady(Exception):
 
 
 STARTING_DETAIL = "stages are still starting: no startup report yet"
+#: Seconds to wait for a watch thread's last reading when it is stopped.
+WATCH_JOIN_S = 5.0
+#: The readers whose watch thread runs, stopped at interpreter exit (``Reader.watch``).
+_WATCHING: weakref.WeakSet[Reader] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all_watching() -> None:
+    for reader in list(_WATCHING):
+        reader.stop_watching()
 
 
 def status_of(rep: StartupReport | None) -> str:
@@ -48,18 +61,24 @@ class Reader:
         self.derived = PerReport()
         #: the stages' gaps (unreachable, stale, crashed) seen by this dashboard's verdicts
         self.outages = Outages()
+        self._watching: tuple[threading.Event, threading.Thread] | None = None
 
     def watch(self, interval_s: float = 0.5) -> None:
-        """Judge the stages every ``interval_s`` in a daemon thread, so a gap is recorded (start
-        and end) even while nobody has the page open; ends when the reader is dropped."""
-        import threading
-        import weakref
+        """Judge the stages every ``interval_s`` in a thread of its own, so a gap is recorded (start
+        and end) even while nobody has the page open; until :meth:`stop_watching`, the reader is
+        dropped, or the interpreter exits.
 
+        The thread is stopped and joined before the interpreter finalizes: a daemon thread still
+        reading a source there (sglang's pools are torch objects, whose calls release the GIL) is
+        killed in C++ code on its way back and aborts the whole process ("terminate called without
+        an active exception")."""
+        if self._watching is not None:
+            return
         ref = weakref.ref(self)
+        stop = threading.Event()
 
         def loop() -> None:
-            while True:
-                time.sleep(interval_s)
+            while not stop.wait(interval_s):
                 reader = ref()
                 if reader is None:
                     return
@@ -69,7 +88,20 @@ class Reader:
                     pass
                 del reader
 
-        threading.Thread(target=loop, name="stagecache-outages", daemon=True).start()
+        thread = threading.Thread(target=loop, name="stagecache-outages", daemon=True)
+        self._watching = (stop, thread)
+        _WATCHING.add(self)
+        thread.start()
+
+    def stop_watching(self) -> None:
+        """Stop the thread :meth:`watch` started and wait for its last reading to end."""
+        watching, self._watching = self._watching, None
+        _WATCHING.discard(self)
+        if watching is not None:
+            stop, thread = watching
+            stop.set()
+            if thread is not threading.current_thread():
+                thread.join(timeout=WATCH_JOIN_S)
 
     def report(self) -> StartupReport:
         rep = self.source.startup()

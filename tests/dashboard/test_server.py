@@ -100,3 +100,60 @@ def _own_address() -> str | None:
     except OSError:
         return None
     return None if is_loopback(addr) else addr
+
+
+def _watch_threads(dash: DashboardThread) -> list:
+    """The threads judging ``dash``'s source (``Reader.watch``)."""
+    import threading
+
+    reader = dash.server.config.app.app.state.reader
+    watching = reader._watching
+    return [t for t in threading.enumerate() if watching is not None and t is watching[1]]
+
+
+def test_a_stopped_dashboard_leaves_no_thread_reading_its_source():
+    dash = _serving()
+    reader = dash.server.config.app.app.state.reader
+    try:
+        assert len(_watch_threads(dash)) == 1 and _watch_threads(dash)[0].is_alive()
+        thread = reader._watching[1]
+    finally:
+        dash.stop()
+    assert reader._watching is None and not thread.is_alive()
+
+
+#: A process whose dashboard reader is mid-reading when the interpreter exits.
+_EXIT_MID_READING = """
+import sys, time
+from stagecache.dashboard.reader import Reader
+from stagecache.runtime.live.source import StaticSource
+
+log = open(sys.argv[1], "a", buffering=1)
+
+class SlowSource(StaticSource):
+    def stages(self):
+        log.write("start\\n")
+        time.sleep(0.5)  # a reading in progress (sglang's pools: torch calls)
+        log.write("end\\n")
+        return {}
+
+reader = Reader(SlowSource(None))
+reader.watch(interval_s=0.01)
+while "start" not in open(sys.argv[1]).read():
+    time.sleep(0.01)
+"""
+
+
+def test_the_interpreter_waits_for_a_reading_in_progress_before_it_exits(tmp_path):
+    """A daemon thread still reading at interpreter exit is killed where it stands (in torch's C++
+    code for sglang's pools, which aborts the process): the reader stops and joins it first."""
+    import subprocess
+    import sys
+
+    log = tmp_path / "log"
+    log.write_text("")
+    proc = subprocess.run([sys.executable, "-c", _EXIT_MID_READING, str(log)], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = log.read_text().split()
+    assert lines and lines[0] == "start" and lines.count("start") == lines.count("end"), lines

@@ -14,6 +14,7 @@ compares (``agreement``, ``live.divergence``).  docs/sglang.md describes each ho
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import operator
@@ -541,6 +542,9 @@ class Deployment:
         from stagecache.dashboard.server import dashboard_in_thread  # heavy: only when serving
 
         title = f"stagecache: {opts.model_name} (pp {rank.pp_size})"
+        # the endpoint's and the pusher's threads read sglang's pools (torch calls): stopped before
+        # the interpreter finalizes, which would kill them mid-call and abort the process
+        atexit.register(self.close)
         if opts.per_rank or rank.pp_rank == 0:  # the ranks this endpoint compares: itself, or all
             self.source.enable_agreement(1 if opts.per_rank else rank.pp_size, self.agreement.drain,
                                          strict=opts.strict_agreement)
@@ -576,7 +580,8 @@ class Deployment:
                         self.rank.pp_rank if self.rank else -1, exc)
 
     def close(self) -> None:
-        """Stop the endpoint or the pusher (tests; sglang never calls it)."""
+        """Stop the endpoint or the pusher (at interpreter exit; sglang never calls it)."""
+        atexit.unregister(self.close)
         self._stack.close()
 
 
