@@ -279,7 +279,8 @@ def _watching(reader: Reader) -> Callable[[FastAPI], AbstractAsyncContextManager
 def create_app(source: SnapshotSource, *, title: str = "stagecache",
                advise: AdviseReport | None = None) -> FastAPI:
     """The dashboard over ``source`` (and a saved advise report: ``/advise``); mount it or run it
-    with ``serve_dashboard``."""
+    with ``serve_dashboard``.  Its lifespan runs the reader's watch (gaps recorded while nobody
+    polls); a host app that mounts it enters ``app.router.lifespan_context`` for that."""
     from stagecache import runtime
 
     reader = Reader(source)
