@@ -65,7 +65,7 @@ PER_TEST_FILES = ("tests/integrations/test_sglang_venv.py",)
 #: which units are heavy (HEAVY_S).
 EXPECTED_S = {
     **{f"tests/integrations/test_sglang_venv.py::test_real_sglang_suite_in_its_venv[{case}]": s
-       for case, s in (("pinned-families", 170), ("pinned-live", 140), ("0.5.22-live", 90))},
+       for case, s in (("pinned", 300), ("0.5.22-live", 90))},
     "tests/integrations/test_sglang_two_hosts.py": 65,
     "tests/serve/test_serve_two_hosts.py": 45,
     "tests/cli/test_family_commands.py": 55,

@@ -41,6 +41,7 @@ stop_background() {  # on any exit: a background step still running is stopped, 
         # its group; or, not yet in a group of its own (setsid not run yet), the process alone
         kill -- "-${entry##*:}" 2>/dev/null || kill "${entry##*:}" 2>/dev/null || true
     done
+    [ -z "${warm_pid:-}" ] || kill_tree "$warm_pid"
     rm -rf "$STAGECACHE_TEST_SETUP_DIR"
 }
 trap stop_background EXIT
@@ -149,11 +150,13 @@ echo "== set-up: the test environment"
 foreground "torch 2.13.0 (CPU), stagecache and its test tools" install_test_env
 # One collection of the suite before the parallel run: it compiles what the tests import and keeps
 # every test module's rewritten asserts, so that the pytest processes (each collects the whole
-# suite) start from bytecode.  A collection error shows in the run itself.
+# suite) start from bytecode.  It runs beside the steps below, ruff and the import contracts, and
+# is waited for before pytest.  A collection error shows in the run itself.
 warm_collect() {
     $PY -m pytest --collect-only -q -p no:cacheprovider >/dev/null 2>&1 || true
 }
-foreground "compile the suite's modules" warm_collect
+warm_collect &
+warm_pid=$!
 
 for step in tests/setup.d/*.sh; do
     [ -e "$step" ] || continue
@@ -168,6 +171,10 @@ $PY -m ruff check runtime exporters dashboard tests
 echo "== lint-imports (layers point one way, no cycles)"
 $PY -c "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"
 check_background
+settled() { while kill -0 "$1" 2>/dev/null; do sleep 0.2; done; }
+with_progress "compile the suite's modules" settled "$warm_pid"
+wait "$warm_pid" || true
+warm_pid=
 echo "== pytest"
 workers=${STAGECACHE_TEST_WORKERS:-3}
 parallel=()

@@ -23,8 +23,9 @@ import time
 from pathlib import Path
 
 import pytest
-from netns import NAMES, Prometheus, Watch, stage_states, three_hosts, two_host_marks, wait
+from netns import CUT_S, NAMES, Prometheus, Watch, stage_states, three_hosts, two_host_marks, wait
 from sglang_env import checkout_on_path, sglang_python
+from stagecache.runtime.defaults import SGLANG_PUSH_TIMEOUT_S
 from stagecache.runtime.model.config_file import preset_text
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -154,7 +155,10 @@ def test_sglang_pp4_over_two_hosts(tmp_path, sglang_model):
             gaps = {o["stage"]: o for o in summary.get("outages", [])}
             assert {2, 3} <= set(gaps), summary.get("outages")
             assert gaps[2]["state"] == "unreachable" and gaps[2]["end"] is not None
-            assert 15 < gaps[2]["end"] - gaps[2]["start"] < 30, gaps[2]
+            # the cut less the silence that makes a stage unreachable, less the verdicts' lag on a
+            # loaded machine (the gap opens at a verdict, every 0.5 s at best, and closes at a push)
+            silent_s = SGLANG_PUSH_TIMEOUT_S
+            assert CUT_S - silent_s - 3 < gaps[2]["end"] - gaps[2]["start"] < CUT_S + 10, gaps[2]
             # Prometheus saw the gap (stage_up 0) and no counter reset
             assert query("min_over_time(stagecache_stage_up{pp_rank=\"2\"}[2m]) == 0")
             assert not query("resets(stagecache_prefix_lookup_tokens_total[5m]) > 0")
