@@ -220,8 +220,10 @@ def one_torch_thread():
     torch.set_num_threads(old)
 
 
-@pytest.fixture(scope="module")
-def driver() -> Iterator[object]:
+@pytest.fixture(scope="session")
+def _chromium() -> Iterator[object]:
+    """One headless Chromium per pytest process (about 3 CPU-seconds to start), shared by the
+    browser test modules it runs; each module gets it back as ``driver`` on a blank page."""
     from browser_support import (  # selenium and the dashboard: browser tests only
         CHROME_FLAGS,
         CHROMIUM,
@@ -245,3 +247,16 @@ def driver() -> Iterator[object]:
     finally:
         drv.quit()
         shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def driver(_chromium) -> Iterator[object]:
+    """The process's Chromium for one test module, left as a fresh one starts: a blank page (no
+    page of the module polls on), the default window size, no console or network lines."""
+    from browser_support import WINDOW
+
+    yield _chromium
+    _chromium.get("about:blank")
+    _chromium.set_window_size(*WINDOW)
+    _chromium.get_log("browser")
+    _chromium.get_log("performance")

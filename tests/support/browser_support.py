@@ -27,9 +27,11 @@ from dashboard_sources import (
 
 CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if os.path.exists("/usr/bin/chromium") else None)
 DOCS_IMG = Path(__file__).resolve().parents[2] / "docs" / "img"
+#: The window every test starts from (width, height).
+WINDOW = (1400, 1000)
 CHROME_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                "--window-size=1400,1000",
+                f"--window-size={WINDOW[0]},{WINDOW[1]}",
                 # offline: every name but the loopback fails to resolve, so a CDN can never load
                 "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1")
 N_LIVE_CHARTS = 7  # hit rate, tokens, transfer, bubble, transfer split, timeline, miss reasons
@@ -93,7 +95,7 @@ def load(driver, url: str) -> None:
     driver.get("about:blank")  # stop the previous page's polling, then drop its console lines
     driver.get_log("browser")
     driver.get_log("performance")
-    driver.set_window_size(1400, 1000)
+    driver.set_window_size(*WINDOW)
     driver.get(url)
     _wait(lambda: len(driver.find_elements(By.CSS_SELECTOR, ".live-chart.js-plotly-plot")) == N_LIVE_CHARTS,
           what="the live charts to render")
