@@ -53,6 +53,8 @@ STAGE_PRELOAD = (
     "stagecache.runtime.memory.host_pools", "stagecache.runtime.memory.pools",
     "stagecache.runtime.cache.kv_writer", "stagecache.runtime.traces.readers",
 )
+#: Also imported there when the stages run on CUDA: the Triton kernel (a CPU run never launches it).
+CUDA_PRELOAD = ("stagecache.runtime.transfer.triton_copy",)
 
 
 class Observer(Protocol):
@@ -176,7 +178,8 @@ class Supervisor:
             raise ConfigError(f"STAGECACHE_START_METHOD={method!r}: use forkserver (default) or spawn")
         ctx = mp.get_context(method)
         if method == "forkserver":
-            ctx.set_forkserver_preload(list(STAGE_PRELOAD))
+            cuda = CUDA_PRELOAD if self.opts.device == "cuda" else ()
+            ctx.set_forkserver_preload([*STAGE_PRELOAD, *cuda])
         secret = secrets.token_bytes(32)  # seals the startup exchange (exchange.py)
         if self.opts.nnodes > 1:  # every node's stages share it: derived from --secret-file
             from .nodes import derive

@@ -1,4 +1,5 @@
-"""One Triton kernel that moves n token pages of every selected buffer of a stage in one launch.
+"""The geometry and the launch of the one Triton kernel that moves n token pages of every
+selected buffer of a stage in one launch (the kernel itself: ``triton_copy``).
 
 A HiCache move is "the same n page ids in every buffer of every pool kind" (39 buffers on a
 flash pp4 stage) and is usually a few pages, so a launch per buffer or per page was dominated by
@@ -13,18 +14,15 @@ layout.  Bytes move as integer words, so copies are bit-exact; runs on CPU tenso
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-try:
-    import triton
-    import triton.language as tl
-
-    HAVE_TRITON = True
-except ImportError:  # pragma: no cover - triton is a test/gpu dependency
-    triton = None
-    tl = None
-    HAVE_TRITON = False
+#: Whether the Triton engine can run here; its kernel module is imported on the first launch
+#: (``stage_copy_kernel``), not with this one: triton's import is about 0.7 CPU-seconds that a CPU
+#: run, which never launches it, should not pay in every process that imports the transfer layer.
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 #: Bytes per work item (one chunk of one page of one buffer).
 CHUNK_BYTES = 8192
@@ -42,70 +40,6 @@ PROGRAMS_PER_SM = 16
 #: Columns of the chunk table: device word offset, host word offset, device page stride
 #: (words), host page stride (words), words in the chunk.
 TABLE_COLUMNS = 5
-
-if HAVE_TRITON:
-
-    @triton.jit
-    def _item_addresses(item, total, chunks, per, table, ids, n):
-        """Device offset, host offset and words of work item ``item`` (zeros past ``total``)."""
-        live = item < total
-        chunk = item // per
-        page = item - chunk * per
-        row = table + chunk * 5
-        dev = tl.load(row, mask=live, other=0) + tl.load(ids + 1 + page, mask=live, other=0) * tl.load(
-            row + 2, mask=live, other=0)
-        host = tl.load(row + 1, mask=live, other=0) + tl.load(ids + 1 + n + page, mask=live, other=0) * tl.load(
-            row + 3, mask=live, other=0)
-        size = tl.load(row + 4, mask=live, other=0)
-        return dev, host, size
-
-    @triton.jit(do_not_specialize=["ids_off"])  # a one-off ring entry's offset must not recompile
-    def _stage_copy_kernel(
-        anchor,  # pointer every address is a word offset from (int8/16/32/64 by the word size)
-        anchor64,  # the same address as an int64 pointer (page ids)
-        table,  # int64[C, 5]: the chunk table
-        ids_off,  # int64 offset from anchor64 of the ring entry [n, device ids, host ids]
-        chunks,  # C
-        STEP: tl.constexpr,  # words per program-step: 32 lanes x warps x words per lane
-        D2H: tl.constexpr,
-        LINE: tl.constexpr,  # words per 128-byte line of host memory (1: no alignment)
-    ):
-        ids = anchor64 + ids_off
-        n = tl.load(ids)
-        total = n * chunks
-        per = tl.maximum(n, 1)  # the chunk-major divisor (n = 0: nothing is live)
-        lanes = tl.arange(0, STEP)
-        step = tl.num_programs(0)
-        item = tl.program_id(0).to(tl.int64)
-        # the addresses of a program's next item are loaded while it copies the current one, so
-        # the latency of the table and id loads is paid once per program, not once per item
-        dev, host, size = _item_addresses(item, total, chunks, per, table, ids, n)
-        # while loops, not range(): loop bounds loaded from memory are 1-element arrays in
-        # some Triton interpreters, which range() refuses
-        while item < total:
-            nxt = item + step
-            ndev, nhost, nsize = _item_addresses(nxt, total, chunks, per, table, ids, n)
-            if D2H:
-                src = dev
-                dst = host
-            else:
-                src = host
-                dst = dev
-            # steps start on a 128-byte line of the host side, so every PCIe request of a step
-            # covers whole lines but at the chunk's two ends (the anchor is line-aligned)
-            shift = host % LINE  # host offsets may be negative (host memory below the anchor)
-            w = -tl.where(shift < 0, shift + LINE, shift)
-            while w < size:
-                pos = w + lanes
-                mask = (pos >= 0) & (pos < size)
-                vals = tl.load(anchor + src + pos, mask=mask, cache_modifier=".cg")
-                tl.store(anchor + dst + pos, vals, mask=mask, cache_modifier=".cs")
-                w += STEP
-            item = nxt
-            dev = ndev
-            host = nhost
-            size = nsize
-
 
 @dataclass(frozen=True)
 class BufferSpan:
@@ -170,6 +104,16 @@ def chunk_sizes(page_bytes: int, chunk_bytes: int) -> list[int]:
     return sizes
 
 
+@functools.cache
+def stage_copy_kernel():
+    """The jitted kernel (runtime/transfer/triton_copy.py), imported once, on first use."""
+    if not HAVE_TRITON:
+        raise RuntimeError("triton is not installed; the Triton transfer engine is unavailable")
+    from .triton_copy import stage_copy_kernel as kernel
+
+    return kernel
+
+
 def launch_stage_copy(anchor, anchor64, table, ids_off: int, geometry: ChunkTable, d2h: bool, programs: int,
                       num_warps: int = NUM_WARPS, lane_words: int = LANE_WORDS) -> None:
     """Queue the one launch of a stage move on the current stream (no host sync, no allocation).
@@ -179,9 +123,7 @@ def launch_stage_copy(anchor, anchor64, table, ids_off: int, geometry: ChunkTabl
     ``ids_off`` int64 words from it (pinned host memory on CUDA).  With n = 0 in the entry
     the programs exit at once (used to compile before graph capture).
     """
-    if not HAVE_TRITON:
-        raise RuntimeError("triton is not installed; the Triton transfer engine is unavailable")
-    _stage_copy_kernel[(max(1, programs),)](
+    stage_copy_kernel()[(max(1, programs),)](
         anchor, anchor64, table, ids_off, geometry.chunks, STEP=32 * num_warps * lane_words, D2H=d2h,
         LINE=128 // geometry.word, num_warps=num_warps,
     )
