@@ -272,8 +272,9 @@ class StageLive(CacheLive, TransferLive):
     remote: bool = Field(False, description="the numbers came over the network from another host: "
                          "silence means unreachable, not stopped")
     host: str | None = Field(None, description="the host the stage runs on (several hosts)")
-    clock_offset_s: float = Field(0.0, description="receiver's wall clock minus the sender's at the "
-                                  "last receipt (its times are shown moved onto the receiver's clock)")
+    clock_offset_s: float = Field(0.0, description="receiver's wall clock minus the sender's: the least "
+                                  "of its recent receipts' (a delivery delay only adds to one); its "
+                                  "times are shown moved onto the receiver's clock")
     gone: dict[int, str] = Field(default_factory=dict, description="stages on this stage's host "
                                  "whose process it saw gone (pid no longer alive), and how")
 

@@ -436,9 +436,11 @@ def attach(sup: Any, opts: Any, run_dir: str) -> Callable[[], None]:
     the function that stops it."""
     from ..live import run_dir as rd
     from ..live.numbers import StageLive
-    from ..live.remote import on_receiver_clock
+    from ..live.remote import ClockOffsets, on_receiver_clock
 
     if opts.node_rank == 0:
+        offsets = ClockOffsets()
+
         def on_report(msg: dict[str, Any]) -> dict[str, Any]:
             now = time.time()
             sent_at = float(msg.get("sent_at") or now)
@@ -449,7 +451,8 @@ def attach(sup: Any, opts: Any, run_dir: str) -> Callable[[], None]:
                     continue
                 live = StageLive.model_validate(raw)
                 beat = live.heartbeat_at
-                live = on_receiver_clock(live, sent_at, now, host=f"node {node}")
+                live = on_receiver_clock(live, sent_at, now, host=f"node {node}",
+                                         offset=offsets.offset(str(node), sent_at, now))
                 if beat:  # the stage's own heartbeat, on this clock: a stopped stage still ages
                     live.heartbeat_at = min(now, beat + live.clock_offset_s)
                 rd.write_json_atomic(rd.stage_file(run_dir, k), live.model_dump(mode="json"))

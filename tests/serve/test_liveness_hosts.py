@@ -7,9 +7,17 @@ import os
 import subprocess
 import sys
 
+import pytest
 from stagecache.runtime.live.liveness import assess
 from stagecache.runtime.live.numbers import Phase, StageLive, TimelineEvent
-from stagecache.runtime.live.remote import Arrivals, gone, on_receiver_clock, start_ticks
+from stagecache.runtime.live.remote import (
+    OFFSET_WINDOW_S,
+    Arrivals,
+    ClockOffsets,
+    gone,
+    on_receiver_clock,
+    start_ticks,
+)
 
 NOW = 1_800_000_000.0
 
@@ -27,6 +35,41 @@ def test_a_sender_30_s_ahead_or_behind_is_shown_on_the_receivers_clock():
         assert live.clock_offset_s == -skew
         assert live.time == live.heartbeat_at == NOW
         assert live.started_at == NOW - 100 and live.timeline[0].start == NOW - 1
+
+
+def test_a_push_delayed_seconds_by_a_loaded_host_does_not_move_the_senders_offset():
+    """Seen in the two-host run: one receipt 3.7 s late put a 30 s skew at 26.3 s.  The offset is
+    the least of the recent receipts', so a late one changes nothing once a prompt one came."""
+    offsets = ClockOffsets()
+    skew = -30.0  # the sender's clock is 30 s ahead: receiver minus sender is -30
+    got = [offsets.offset(2, NOW + 30 + k, NOW + k + delay, mono=100.0 + k)
+           for k, delay in enumerate((0.02, 3.7, 0.5, 0.01, 2.0))]
+    assert got == pytest.approx([skew + 0.02, skew + 0.02, skew + 0.02, skew + 0.01, skew + 0.01], abs=1e-6)
+    # each sender has its own
+    assert offsets.offset(3, NOW, NOW + 0.3, mono=105.0) == pytest.approx(0.3, abs=1e-6)
+    live = on_receiver_clock(_sent(NOW + 40), NOW + 40, NOW + 10 + 4.0, offset=got[-1])
+    assert live.clock_offset_s == got[-1] and live.started_at == pytest.approx(NOW - 60 + got[-1], abs=1e-6)
+
+
+def test_a_stepped_clock_is_followed_forward_at_once_and_back_within_the_window():
+    offsets = ClockOffsets()
+    assert offsets.offset("b", NOW, NOW + 0.1, mono=0.0) == pytest.approx(0.1, abs=1e-6)
+    # the sender's clock steps 20 s ahead: a lower offset, taken at once
+    assert offsets.offset("b", NOW + 21, NOW + 1.1, mono=1.0) == pytest.approx(-19.9, abs=1e-6)
+    # it steps back again: the old least holds for the window, then the new one is the offset
+    assert offsets.offset("b", NOW + 2, NOW + 2.1, mono=2.0) == pytest.approx(-19.9, abs=1e-6)
+    assert offsets.offset("b", NOW + 3 + OFFSET_WINDOW_S, NOW + 3.1 + OFFSET_WINDOW_S,
+                          mono=3.0 + OFFSET_WINDOW_S) == pytest.approx(0.1, abs=1e-6)
+
+
+def test_a_sender_holds_only_the_receipts_that_can_still_be_the_least():
+    offsets = ClockOffsets()
+    for k in range(10_000):  # every receipt later than the one before: each makes the last obsolete
+        offsets.offset(1, NOW, NOW - k * 1e-3, mono=float(k) * 1e-3)
+    assert len(offsets._seen[1]) == 1
+    for k in range(10_000):  # ever-rising offsets: each is kept only for the window
+        offsets.offset(2, NOW, NOW + k, mono=float(k))
+    assert len(offsets._seen[2]) <= OFFSET_WINDOW_S + 1
 
 
 def test_silence_is_measured_on_the_receivers_monotonic_clock_whatever_the_wall_clocks_say():

@@ -7,8 +7,8 @@ exactly the signal ``/readyz`` needs.
 
 Every push is ``serve.exchange.seal`` of ``{"stage", "seq", "live"}`` under the deployment's push
 secret; docs/sglang.md lists what rank 0 refuses.  Push times are moved onto rank 0's clock at
-receipt (``live.remote.on_receiver_clock``), so clock skew between hosts cannot make a silent
-rank look alive.
+receipt (``live.remote.on_receiver_clock``, by the least offset of the rank's recent pushes), so
+clock skew between hosts cannot make a silent rank look alive.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from fastapi import Request, Response
 
 from ...errors import StageCacheError
 from ...live.numbers import StageLive
-from ...live.remote import on_receiver_clock
+from ...live.remote import ClockOffsets, on_receiver_clock
 from ...serve.exchange import seal, unseal
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,7 @@ class PushReceiver:
         self._pp_size = pp_size
         self._store = store
         self._seq: dict[int, int] = {}
+        self._offsets = ClockOffsets()
         self._lock = threading.Lock()
 
     def take(self, body: bytes, now: float, host: str | None = None) -> int:
@@ -83,7 +84,9 @@ class PushReceiver:
                 raise PushRefused(409, f"stage {stage}: push {seq} is not newer than {self._seq[stage]}")
             self._seq[stage] = seq
         live.stage = stage
-        self._store(stage, on_receiver_clock(live, live.time or now, now, host))
+        sent_at = live.time or now
+        offset = self._offsets.offset(stage, sent_at, now)
+        self._store(stage, on_receiver_clock(live, sent_at, now, host, offset))
         if self._on_agreement is not None and msg.get("agreement") is not None:
             try:
                 self._on_agreement(stage, msg["agreement"])
