@@ -35,7 +35,15 @@ _WORD_DTYPES = {8: "int64", 4: "int32", 2: "int16", 1: "int8"}
 
 
 def have_triton() -> bool:
-    return kernels.HAVE_TRITON
+    """Whether the Triton kernel loads here (installed and importable); asked only on CUDA, so a
+    CPU run never imports triton.  Where it does not load, the moves take the torch path."""
+    if not kernels.HAVE_TRITON:
+        return False
+    try:
+        kernels.stage_copy_kernel()
+    except ImportError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)

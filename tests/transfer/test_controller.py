@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 from unittest import mock
 
 import pytest
@@ -226,3 +227,28 @@ def test_a_cpu_move_is_checked_and_copied_in_one_call(ids):
     with pytest.raises(TransferError, match=r"destination host page\(s\) \[11\] appear more than once"):
         c.backup(as_given([0, 1, 2]), as_given([11, 12, 11]))
     assert all(torch.equal(a, b) for a, b in zip(before, _host_bytes(hp), strict=True))
+
+
+def test_the_transfer_layer_imports_without_triton_and_loads_it_only_when_asked():
+    """A CPU run never launches the Triton kernel, so importing the transfer layer (every stage
+    process, every CLI command that moves pages) must not pay for importing triton."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import stagecache.runtime.transfer.controller; "
+            "from stagecache.runtime.serve import stage_worker; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'triton'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_a_triton_that_does_not_import_leaves_the_torch_path(monkeypatch):
+    from stagecache.runtime.transfer import device, kernels
+
+    kernels.stage_copy_kernel.cache_clear()
+    monkeypatch.setitem(sys.modules, "stagecache.runtime.transfer.triton_copy", None)  # import fails
+    monkeypatch.setattr(kernels, "HAVE_TRITON", True)
+    try:
+        assert device.have_triton() is False
+    finally:
+        kernels.stage_copy_kernel.cache_clear()
