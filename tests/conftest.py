@@ -253,10 +253,7 @@ def _chromium() -> Iterator[object]:
 def driver(_chromium) -> Iterator[object]:
     """The process's Chromium for one test module, left as a fresh one starts: a blank page (no
     page of the module polls on), the default window size, no console or network lines."""
-    from browser_support import WINDOW
+    from browser_support import blank
 
     yield _chromium
-    _chromium.get("about:blank")
-    _chromium.set_window_size(*WINDOW)
-    _chromium.get_log("browser")
-    _chromium.get_log("performance")
+    blank(_chromium)

@@ -89,13 +89,19 @@ def start_cli_dashboard(port: int, *extra: str) -> subprocess.Popen:
     return proc
 
 
-def load(driver, url: str) -> None:
-    from selenium.webdriver.common.by import By
-
-    driver.get("about:blank")  # stop the previous page's polling, then drop its console lines
+def blank(driver) -> None:
+    """The browser as a fresh one starts: a blank page (the previous page's polling stopped), no
+    console or network lines left from it, the default window size."""
+    driver.get("about:blank")
     driver.get_log("browser")
     driver.get_log("performance")
     driver.set_window_size(*WINDOW)
+
+
+def load(driver, url: str) -> None:
+    from selenium.webdriver.common.by import By
+
+    blank(driver)
     driver.get(url)
     _wait(lambda: len(driver.find_elements(By.CSS_SELECTOR, ".live-chart.js-plotly-plot")) == N_LIVE_CHARTS,
           what="the live charts to render")
