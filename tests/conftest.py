@@ -59,27 +59,53 @@ def pytest_unconfigure(config):
 #: either xdist worker) rather than whole: each test is minutes of its own and shares no module
 #: fixture with the others.
 PER_TEST_FILES = ("tests/integrations/test_sglang_venv.py",)
-#: Seconds a unit of work (a file, or a test of PER_TEST_FILES) takes on an idle 2-core machine,
-#: for the units far above the rest; any other unit counts its tests (EACH_S apiece).  Only the
-#: queue depends on these figures: its order (longest first, so the workers end together) and
-#: which units are heavy (HEAVY_S).
+#: Seconds a unit of work (a file, or a test of PER_TEST_FILES) takes in tests/run.sh's parallel
+#: run (3 workers on an idle 2-core machine; each test's start and end, summed per unit), for the
+#: units of 8 s and more; any other unit counts its tests (EACH_S apiece).  Only the queue depends
+#: on these figures: its order (longest first, so the workers end together; a unit left out runs
+#: last) and which units are heavy (HEAVY_S).
 EXPECTED_S = {
     **{f"tests/integrations/test_sglang_venv.py::test_real_sglang_suite_in_its_venv[{case}]": s
-       for case, s in (("pinned", 300), ("0.5.22-live", 90))},
-    "tests/integrations/test_sglang_two_hosts.py": 65,
-    "tests/serve/test_serve_two_hosts.py": 45,
-    "tests/cli/test_family_commands.py": 55,
-    "tests/plan/test_dsa_faults.py": 45,
-    "tests/dashboard/test_browser.py": 45,
-    "tests/cli/test_doc_examples.py": 45,
-    "tests/cli/test_bad_input.py": 40,
-    "tests/dashboard/test_guard.py": 25,
-    "tests/sizing/test_curves.py": 35,
+       for case, s in (("pinned", 260), ("0.5.22-live", 95))},
+    "tests/dashboard/test_browser.py": 89,
+    "tests/integrations/test_sglang_two_hosts.py": 80,
+    "tests/cli/test_doc_examples.py": 54,
+    "tests/serve/test_serve_faults.py": 46,
+    "tests/harness/test_setup_steps.py": 46,
+    "tests/serve/test_serve_two_hosts.py": 42,
+    "tests/cli/test_family_commands.py": 41,
+    "tests/serve/test_serve_run.py": 38,
+    "tests/serve/test_serve_l3.py": 35,
+    "tests/dashboard/test_browser_layout.py": 32,
     "tests/cli/test_advise.py": 30,
-    "tests/serve/test_serve_faults.py": 30,
-    "tests/serve/test_serve_run.py": 30,
-    "tests/cache/test_hicache_l3.py": 25,
-    "tests/serve/test_rendezvous.py": 25,
+    "tests/validation/test_report_golden.py": 28,
+    "tests/serve/test_serve_transfer_check.py": 27,
+    "tests/storage/test_mooncake.py": 27,
+    "tests/serve/test_rendezvous.py": 24,
+    "tests/dashboard/test_guard.py": 23,
+    "tests/cli/test_bad_input.py": 23,
+    "tests/sizing/test_curves.py": 23,
+    "tests/cli/test_interrupt.py": 22,
+    "tests/dashboard/test_browser_outages.py": 21,
+    "tests/dashboard/test_browser_panels.py": 20,
+    "tests/dashboard/test_schemathesis.py": 19,
+    "tests/cli/test_fuzz.py": 19,
+    "tests/cache/test_hicache_integrity.py": 18,
+    "tests/serve/test_agreement.py": 18,
+    "tests/exporters/test_prometheus_scrape.py": 18,
+    "tests/bench/test_policies_bench.py": 17,
+    "tests/dashboard/test_family_legends.py": 15,
+    "tests/plan/test_dsa_faults.py": 15,
+    "tests/cli/test_commands.py": 14,
+    "tests/model/test_linear_hybrid.py": 14,
+    "tests/dashboard/test_browser_escaping.py": 14,
+    "tests/cli/test_swa_hybrid_commands.py": 13,
+    "tests/transfer/test_kernels_interpret.py": 13,
+    "tests/cache/test_hicache_l3.py": 11,
+    "tests/cache/test_hicache_metadata.py": 10,
+    "tests/plan/test_faults_everywhere.py": 9,
+    "tests/dashboard/test_swa_hybrid_layer_map.py": 9,
+    "tests/dashboard/test_dashboard_linear_hybrid.py": 8,
 }
 EACH_S = 0.5
 #: Seconds of other work (EXPECTED_S, all workers together) queued before the units that need

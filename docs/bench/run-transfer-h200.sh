@@ -6,7 +6,8 @@
 # the dashboard, whose packages may be missing).
 # Usage: bash docs/bench/run-transfer-h200.sh [tests] [sweep] [bench] [split]   (results under $OUT;
 # `sweep` times launch shapes on a few cases and `bench` then runs the full grid with the best one,
-# with the link probes)
+# with the link probes).  The GPU machine also needs the package's pure-Python requirements a bare
+# torch image lacks (pydantic, crc32c): `pip download` their wheels here and install them there.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

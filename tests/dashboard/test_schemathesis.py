@@ -4,8 +4,8 @@ Three sources: a valid run (no 5xx at all, but /readyz: a static view has no
 stage process alive, so it is documented 503 there), a failed validation and a run
 still starting (503 is the documented answer of /startupz and the report
 endpoints there, so those two only forbid 500s).  Every response must match
-its documented status code, content type and schema.  Bounded: at most 50
-examples per endpoint.
+its documented status code, content type and schema.  Bounded: at most 20
+examples per endpoint and source.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ ok_schema = schemathesis.openapi.from_asgi("/openapi.json", create_app(StaticSou
 fault_schema = schemathesis.openapi.from_asgi("/openapi.json", create_app(StaticSource(_report(["global-swa"]))))
 starting_schema = schemathesis.openapi.from_asgi("/openapi.json", create_app(StaticSource(None)))
 
-BOUNDED = settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck))
+BOUNDED = settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
 
 
 def _no_500(response) -> None:

@@ -87,6 +87,9 @@ PINNED_SUITES = ("tests/integrations/test_sglang_policies.py",
                  "tests/integrations/test_sglang_swa_hybrid.py",
                  "tests/integrations/test_sglang_linear_hybrid.py",
                  "tests/integrations/test_sglang_storage_keys.py")
+#: Left out of the run on the release before: the pp 8 deployment reaches the hooks the pp 4 one
+#: does, with twice the ranks (the pinned release runs it).
+PREVIOUS_LEFT_OUT = ("--deselect", f"{DEPLOYMENT_SUITE}::test_pp8")
 #: One pytest run each (a test of its own, so the runs spread over the xdist workers; each imports
 #: sglang once, about 12 CPU seconds): (id, release (None: the pinned one), suites in the order they
 #: run, the fewest tests that must pass).  The plugin's suites run on every release it says it was
@@ -94,7 +97,7 @@ PINNED_SUITES = ("tests/integrations/test_sglang_policies.py",
 #: the same run as its plugin suites (every suite that forks ranks first, then the in-process ones).
 RUNS = [("pinned", None, (DEPLOYMENT_SUITE, AGREEMENT_SUITE, FAMILIES_SUITE, *LIVE_SUITES, *PINNED_SUITES),
          8 + 6 + 26 + 50 + 150),
-        (f"{PREVIOUS_VERSION}-live", PREVIOUS_VERSION, (DEPLOYMENT_SUITE, *LIVE_SUITES), 8 + 50)]
+        (f"{PREVIOUS_VERSION}-live", PREVIOUS_VERSION, (DEPLOYMENT_SUITE, *LIVE_SUITES, *PREVIOUS_LEFT_OUT), 7 + 50)]
 #: One pytest run (the largest takes about 5 minutes on a loaded 2-core machine).
 SUITE_TIMEOUT_S = 900
 
