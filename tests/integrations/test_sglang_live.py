@@ -371,9 +371,26 @@ def test_a_rank_alone_serves_its_stage_on_port_plus_rank(free_port):
         httpx.get(f"http://127.0.0.1:{free_port}/healthz", timeout=2)
 
 
+def test_a_rank_arms_the_hooks_its_server_and_pool_reach():
+    """Beyond the load-time hooks: the prefix match always; with HiCache the stack build of the
+    pool's family, the transfers, the per-step checks and the L3 prefetch query."""
+    armed = integ.deployment.armed_hooks
+    assert armed("deepseek_v4", hicache=False) == ("match",)
+    steps = ("write", "load", "step", "write_check", "load_check", "prefetch", "prefetch_hybrid")
+    assert armed("deepseek_v4", hicache=True) == ("match", "stack", *steps)
+    assert armed("linear_hybrid", hicache=True) == ("match", "stack_mamba", *steps)
+    assert [armed(f, True)[1] for f in ("swa_hybrid", "dsa", "mla", "mha")] == [
+        "stack_swa", "stack_dsa", "stack_kv", "stack_kv"]
+    assert armed(None, hicache=True) == ("match", *steps)  # a pool stagecache does not read
+    assert set(integ.deployment.STACK_HOOK) == {f for _, _, f in integ.reader.POOL_FAMILIES}
+    assert set(integ.deployment.HOOKS) == {*integ.deployment.AT_LOAD, "match", *steps,
+                                           *integ.deployment.STACK_HOOK.values()}
+
+
 def test_sglang_plugin_entry_point(monkeypatch):
     """sglang's own plugin loader finds the entry point; it is off unless STAGECACHE_SGLANG=1, and
-    on it registers its hooks with sglang's HookRegistry (which load_plugins then applies)."""
+    on it registers the load-time hooks with sglang's HookRegistry (which load_plugins then
+    applies); each other hook registers with the kind it is, once armed."""
     from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins_by_group
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -388,8 +405,10 @@ def test_sglang_plugin_entry_point(monkeypatch):
     try:
         dep = plugin()
         assert plugin() is dep and dep.options.port == 9300 and dep.options.strict  # once per process
-        kinds = {t: [h[0] for h in HookRegistry._hooks[t]] for t in integ.deployment.TARGETS.values()}
         targets = integ.deployment.TARGETS
+        assert sorted(HookRegistry._hooks) == sorted(targets[n] for n in ("capacity", "pools"))
+        dep.register(tuple(n for n in targets if n not in ("capacity", "pools")))  # every other
+        kinds = {t: [h[0] for h in HookRegistry._hooks[t]] for t in targets.values()}
         for name in ("stack", "capacity", "pools", "write", "load", "step", "write_check", "load_check",
                      "prefetch", "prefetch_hybrid", "stack_mamba", "stack_swa", "stack_dsa", "stack_kv"):
             assert kinds[targets[name]] == [HookType.AROUND], name

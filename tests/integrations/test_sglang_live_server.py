@@ -67,8 +67,9 @@ def test_strict_hooks_accept_a_healthy_server_with_an_explicit_partition(flash_d
             on_cpu():
         for rank in range(4):  # one scheduler process each: one deployment each
             with hooks_applied(integ.Deployment(integ.DeploymentOptions(per_rank=True, port=None))) as dep:
-                assert hpa.build_deepseek_v4_hicache_stack is not original
+                assert hpa.build_deepseek_v4_hicache_stack is original  # armed with the pools
                 stage = build_stage(sa, mc, rank, 4, device="cpu")
+                assert hpa.build_deepseek_v4_hicache_stack is not original
                 with get_parallel().override(pp_rank=rank):
                     group, controller = hpa.build_deepseek_v4_hicache_stack(
                         params=cache_params(stage), kvcache=stage.kvcache, load_cache_event=None,

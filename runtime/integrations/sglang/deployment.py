@@ -3,7 +3,8 @@
 sglang loads plugins first thing in each scheduler process, before its distributed state
 exists, so nothing can be exchanged then.  ``Deployment.register()`` instead registers hooks
 (``HOOKS``) with sglang's ``HookRegistry`` -- the one way stagecache hooks sglang -- on calls
-every PP rank reaches in ``Scheduler.__init__`` in the same order: the token capacity (the
+every PP rank reaches in ``Scheduler.__init__`` in the same order (the first two at load, the
+rest once the pools exist and only where the server reaches them: ``armed_hooks``): the token capacity (the
 capacity ledger), then the stack build (or the pool build without HiCache), where each rank reads
 its live pool into a ``StageRecord`` (``reader``), the ranks exchange records
 (``record_exchange``) and every rank validates the whole deployment; rank 0 then serves the one
@@ -95,6 +96,28 @@ HOOKS = {
 }
 #: Each hook's sglang target, by name.
 TARGETS = {name: hook.target for name, hook in HOOKS.items()}
+#: The hooks registered when sglang loads the plugin: the first calls of every rank's start-up,
+#: before any pool exists.  The others are registered once the stage's pools are built
+#: (``armed_hooks``): sglang's ``HookRegistry`` walks every loaded module for each target it
+#: applies (about 30 ms a target in a scheduler process), so a rank patches only what its flags
+#: and its pool reach -- one stack build of five: 11 targets for a HiCache rank, not all 15.
+AT_LOAD = ("capacity", "pools")
+#: The HiCache stack build of each pool family (stagecache's name: ``reader.pool_family``): the
+#: assembler strategy sglang selects for that pool.
+STACK_HOOK = {"deepseek_v4": "stack", "linear_hybrid": "stack_mamba", "swa_hybrid": "stack_swa",
+              "dsa": "stack_dsa", "mla": "stack_kv", "mha": "stack_kv"}
+
+
+def armed_hooks(family: str | None, hicache: bool) -> tuple[str, ...]:
+    """The hooks a stage needs beyond ``AT_LOAD``, by what its server runs: the prefix match
+    always; with HiCache its family's stack build (a pool stagecache does not read: none), the
+    transfer submissions, the per-step ack checks and the L3 prefetch hit query (both
+    controllers': the hybrid one overrides it; an L3 store can also be attached while serving)."""
+    names = ["match"]
+    if hicache:
+        names += [STACK_HOOK[family]] if family in STACK_HOOK else []
+        names += ["write", "load", "step", "write_check", "load_check", "prefetch", "prefetch_hybrid"]
+    return tuple(names)
 
 
 def changed_targets() -> list[str]:
@@ -314,16 +337,30 @@ class Deployment:
         self.agreement = RankAgreement()
         self.agreement.fault = self.options.fault
         self.record: StageRecord | None = None
+        self._armed = False  # the hooks beyond AT_LOAD registered and applied (``_arm``)
 
     # -- registration ---------------------------------------------------------------------
-    def register(self) -> Deployment:
-        """Register the hooks with sglang's ``HookRegistry`` (``load_plugins`` applies them)."""
+    def register(self, names: tuple[str, ...] = AT_LOAD) -> Deployment:
+        """Register hooks with sglang's ``HookRegistry`` (``load_plugins`` applies those of
+        ``AT_LOAD``; ``_arm`` applies the rest)."""
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-        for hook in HOOKS.values():
+        for name in names:
+            hook = HOOKS[name]
             HookRegistry.register(hook.target, operator.attrgetter(hook.method)(self),
                                   HookType.AFTER if hook.after else HookType.AROUND)
         return self
+
+    def _arm(self, pool: Any, server_args: Any) -> None:
+        """Once per process, when the stage's pools exist (before the stack build and the first
+        request): register and apply the hooks this stage reaches (``armed_hooks``)."""
+        if self._armed:
+            return
+        self._armed = True
+        from sglang.srt.plugins.hook_registry import HookRegistry
+
+        self.register(armed_hooks(pool_family(pool), bool(server_args.enable_hierarchical_cache)))
+        HookRegistry.apply_hooks()
 
     # -- hooks (HookRegistry signatures) -----------------------------------------------------
     def around_token_constraints(self, original: Callable[..., int], configurator: Any,
@@ -340,6 +377,7 @@ class Deployment:
         from sglang.srt.runtime_context import get_server_args
 
         pool = getattr(pools, "token_to_kv_pool", None)
+        self._arm(pool, get_server_args())
         if not get_server_args().enable_hierarchical_cache:
             family = pool_family(pool)
             if family == "deepseek_v4":
