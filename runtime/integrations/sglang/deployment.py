@@ -4,8 +4,8 @@ sglang loads plugins first thing in each scheduler process, before its distribut
 exists, so nothing can be exchanged then.  ``Deployment.register()`` instead registers hooks
 (``HOOKS``) with sglang's ``HookRegistry`` -- the one way stagecache hooks sglang -- on calls
 every PP rank reaches in ``Scheduler.__init__`` in the same order (the first two at load, the
-rest once the pools exist and only where the server reaches them: ``armed_hooks``): the token capacity (the
-capacity ledger), then the stack build (or the pool build without HiCache), where each rank reads
+rest once the pools exist, only those the server reaches: ``armed_hooks``): the token capacity
+(the capacity ledger), then the stack build (or the pool build without HiCache), where each rank reads
 its live pool into a ``StageRecord`` (``reader``), the ranks exchange records
 (``record_exchange``) and every rank validates the whole deployment; rank 0 then serves the one
 endpoint the others push to (``push``).  At run time the prefix match, the transfer submissions
@@ -376,9 +376,9 @@ class Deployment:
         pools = original(configurator, *args, **kwargs)
         from sglang.srt.runtime_context import get_server_args
 
-        pool = getattr(pools, "token_to_kv_pool", None)
-        self._arm(pool, get_server_args())
-        if not get_server_args().enable_hierarchical_cache:
+        pool, server_args = getattr(pools, "token_to_kv_pool", None), get_server_args()
+        self._arm(pool, server_args)
+        if not server_args.enable_hierarchical_cache:
             family = pool_family(pool)
             if family == "deepseek_v4":
                 self.join(pool, page_size=int(configurator.page_size), host_pages={})
