@@ -351,7 +351,7 @@ class Deployment:
                                   HookType.AFTER if hook.after else HookType.AROUND)
         return self
 
-    def _arm(self, pool: Any, server_args: Any) -> None:
+    def _arm(self, family: str | None, hicache: bool) -> None:
         """Once per process, when the stage's pools exist (before the stack build and the first
         request): register and apply the hooks this stage reaches (``armed_hooks``)."""
         if self._armed:
@@ -359,7 +359,7 @@ class Deployment:
         self._armed = True
         from sglang.srt.plugins.hook_registry import HookRegistry
 
-        self.register(armed_hooks(pool_family(pool), bool(server_args.enable_hierarchical_cache)))
+        self.register(armed_hooks(family, hicache))
         HookRegistry.apply_hooks()
 
     # -- hooks (HookRegistry signatures) -----------------------------------------------------
@@ -376,10 +376,10 @@ class Deployment:
         pools = original(configurator, *args, **kwargs)
         from sglang.srt.runtime_context import get_server_args
 
-        pool, server_args = getattr(pools, "token_to_kv_pool", None), get_server_args()
-        self._arm(pool, server_args)
-        if not server_args.enable_hierarchical_cache:
-            family = pool_family(pool)
+        pool = getattr(pools, "token_to_kv_pool", None)
+        family, hicache = pool_family(pool), bool(get_server_args().enable_hierarchical_cache)
+        self._arm(family, hicache)
+        if not hicache:
             if family == "deepseek_v4":
                 self.join(pool, page_size=int(configurator.page_size), host_pages={})
             elif family is not None:
